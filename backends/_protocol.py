@@ -1,0 +1,112 @@
+"""The backend protocol: what ntkcore needs from an array library beyond the array API standard.
+
+The array API standard has matrix products, ``cholesky`` and ``eigh``, but no triangular
+solve, no random numbers and no facts about device memory.  A backend supplies exactly these,
+for one array namespace.  ``ntkcore/`` talks to backends only through this protocol; it never
+imports a framework itself.
+
+Every backend subclasses :class:`Backend` (the generic implementation lives in
+``backends/generic.py`` and is what an unknown namespace gets) and overrides the methods for
+which its framework has a faster or more exact primitive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+Array = Any
+Namespace = Any
+Device = Any
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A seeded random generator that creates arrays on one device of one namespace.
+
+    All methods return arrays of the backend's namespace on the generator's device.
+    """
+
+    def integers(self, low: int, high: int, shape: tuple[int, ...]) -> Array:
+        """Uniform integers in ``[low, high)`` of the default integer dtype (int64)."""
+        ...
+
+    def choice(
+        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
+    ) -> Array:
+        """``size`` indices from ``range(n)``, with probabilities ``p`` of shape (n,).
+
+        Without replacement and with ``p`` this is successive sampling (draw one index with
+        probability proportional to ``p`` among those not drawn yet), as numpy,
+        torch.multinomial and jax.random.choice all implement it.
+        """
+        ...
+
+    def normal(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        """Standard normal samples of a real floating ``dtype``."""
+        ...
+
+    def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        """Uniform samples on ``[0, 1)`` of a real floating ``dtype``."""
+        ...
+
+
+class Backend:
+    """Primitives one array namespace offers beyond the array API standard.
+
+    Attributes
+    ----------
+    name : str
+        Short name (``"numpy"``, ``"torch"``, ``"cupy"``, ``"jax"``, ``"generic"``).
+    xp : namespace
+        The (array-api-compat wrapped, where needed) namespace the backend serves.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, xp: Namespace) -> None:
+        self.xp = xp
+
+    # -- linear algebra -------------------------------------------------------------------
+    def cholesky(self, a: Array) -> Array | None:
+        """Lower Cholesky factor ``L`` of the symmetric matrix ``a`` (..., n, n), or ``None``.
+
+        ``None`` means the factorisation failed (``a`` not numerically positive definite).
+        The factor must stay differentiable under the framework's autograd.
+        """
+        raise NotImplementedError
+
+    def solve_triangular(
+        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
+    ) -> Array:
+        """Solve ``op(a) x = b`` for triangular ``a`` (n, n) and ``b`` (n,) or (n, k).
+
+        ``op(a) = a.T`` when ``transpose`` else ``a``; ``lower`` states which triangle of ``a``
+        holds the matrix.
+        """
+        raise NotImplementedError
+
+    def cho_solve(self, l: Array, b: Array) -> Array:
+        """Solve ``(l l^T) x = b`` given the lower Cholesky factor ``l`` (n, n); b (n,) or (n, k)."""
+        y = self.solve_triangular(l, b, lower=True, transpose=False)
+        return self.solve_triangular(l, y, lower=True, transpose=True)
+
+    # -- random numbers -------------------------------------------------------------------
+    def generator(self, seed: int | None, device: Device) -> Generator:
+        """A :class:`Generator` seeded with ``seed`` (``None``: fresh entropy) on ``device``."""
+        raise NotImplementedError
+
+    # -- device facts -----------------------------------------------------------------------
+    def free_memory(self, device: Device) -> int | None:
+        """Bytes that can still be allocated on ``device``; ``None`` when unknown."""
+        return None
+
+    def synchronize(self, device: Device) -> None:
+        """Wait until all work queued on ``device`` has finished (for honest timings)."""
+        return None
+
+    def is_gpu(self, device: Device) -> bool:
+        """Whether ``device`` is an accelerator."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<ntkcore backend {self.name!r}>"

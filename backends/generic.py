@@ -1,0 +1,95 @@
+"""Fallback backend for any array-API namespace (e.g. ``array_api_strict``).
+
+Only the standard is used for linear algebra: a triangular solve becomes ``xp.linalg.solve``
+(an LU solve: correct, if slower than a true triangular solve), and a failed Cholesky is
+recognised by an exception or by non-finite entries.  Random numbers are drawn on the host
+with NumPy and handed to the namespace with ``xp.asarray``; this is acceptable because every
+namespace without a backend of its own that we know of lives in host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._host import host_free_memory
+from ._protocol import Array, Backend, Device
+
+
+def _is_linalg_error(exc: Exception) -> bool:
+    return "LinAlgError" in type(exc).__name__ or "positive" in str(exc).lower()
+
+
+class GenericBackend(Backend):
+    """Backend built from the array API standard alone (plus host RNG)."""
+
+    name = "generic"
+
+    def cholesky(self, a: Array) -> Array | None:
+        xp = self.xp
+        try:
+            l = xp.linalg.cholesky(a)
+        except Exception as exc:  # each library raises its own LinAlgError
+            if _is_linalg_error(exc):
+                return None
+            raise
+        if not bool(xp.all(xp.isfinite(l))):
+            return None
+        return l
+
+    def solve_triangular(
+        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
+    ) -> Array:
+        xp = self.xp
+        a = xp.tril(a) if lower else xp.triu(a)
+        if transpose:
+            a = a.T
+        if b.ndim == 1:
+            return xp.linalg.solve(a, b[:, None])[:, 0]
+        return xp.linalg.solve(a, b)
+
+    def generator(self, seed: int | None, device: Device) -> _HostGenerator:
+        return _HostGenerator(self.xp, np.random.default_rng(seed), device)
+
+    def free_memory(self, device: Device) -> int | None:
+        return host_free_memory()
+
+
+class _HostGenerator:
+    """NumPy's PCG64 on the host, results converted with ``xp.asarray``."""
+
+    def __init__(self, xp: Any, rng: np.random.Generator, device: Device) -> None:
+        self.xp = xp
+        self.rng = rng
+        self.device = device
+
+    def _wrap(self, arr: np.ndarray, dtype: Any = None) -> Array:
+        kwargs = {} if self.device is None else {"device": self.device}
+        return self.xp.asarray(arr, dtype=dtype, **kwargs)
+
+    def integers(self, low: int, high: int, shape: tuple[int, ...]) -> Array:
+        return self._wrap(self.rng.integers(low, high, size=shape, dtype=np.int64), self.xp.int64)
+
+    def choice(
+        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
+    ) -> Array:
+        p_host = None if p is None else _probabilities_to_host(p)
+        idx = self.rng.choice(n, size=size, replace=replace, p=p_host)
+        return self._wrap(np.asarray(idx, dtype=np.int64), self.xp.int64)
+
+    def normal(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return self._wrap(self.rng.standard_normal(size=shape), dtype)
+
+    def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return self._wrap(self.rng.random(size=shape), dtype)
+
+
+def _probabilities_to_host(p: Array) -> np.ndarray:
+    """Probabilities as a float64 host vector summing to one (required by numpy's choice)."""
+    try:
+        host = np.asarray(p, dtype=np.float64)
+    except Exception:  # namespaces that refuse __array__ still speak DLPack
+        host = np.from_dlpack(p).astype(np.float64)
+    host = np.clip(host, 0.0, None)
+    return host / host.sum()

@@ -1,0 +1,94 @@
+"""JAX backend: ``jax.scipy.linalg`` and a stateful wrapper around ``jax.random`` keys.
+
+JAX arrays are immutable and ``jnp.linalg.cholesky`` signals failure with NaNs rather than
+an exception; both are handled here.  The JAX Jacobian provider, when present, lives in
+``ntkcore.backends.jax_provider`` and is re-exported as ``ntkcore.backends.jax.jacobian``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg
+
+from ._host import host_free_memory
+from ._protocol import Array, Backend, Device
+
+
+class JaxBackend(Backend):
+    """Backend for ``jax.Array``."""
+
+    name = "jax"
+
+    def cholesky(self, a: Array) -> Array | None:
+        l = jnp.linalg.cholesky(a)
+        if isinstance(l, jax.core.Tracer):  # under jit/grad tracing we cannot inspect values
+            return l
+        if not bool(jnp.all(jnp.isfinite(l))):
+            return None
+        return l
+
+    def solve_triangular(
+        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
+    ) -> Array:
+        return jax.scipy.linalg.solve_triangular(a, b, lower=lower, trans=1 if transpose else 0)
+
+    def cho_solve(self, l: Array, b: Array) -> Array:
+        return jax.scipy.linalg.cho_solve((l, True), b)
+
+    def generator(self, seed: int | None, device: Device) -> JaxGenerator:
+        return JaxGenerator(seed, device)
+
+    def free_memory(self, device: Device) -> int | None:
+        if device is not None and getattr(device, "platform", "cpu") != "cpu":
+            stats = device.memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if limit is not None:
+                return int(limit - stats.get("bytes_in_use", 0))
+            return None
+        return host_free_memory()
+
+    def synchronize(self, device: Device) -> None:
+        (jax.device_put(0.0, device) + 0).block_until_ready()
+
+    def is_gpu(self, device: Device) -> bool:
+        return device is not None and getattr(device, "platform", "cpu") in ("gpu", "cuda", "rocm")
+
+
+class JaxGenerator:
+    """Splits a ``jax.random`` key on every draw, so successive draws differ."""
+
+    def __init__(self, seed: int | None, device: Device) -> None:
+        if seed is None:
+            import secrets
+
+            seed = secrets.randbits(63)
+        self.key = jax.random.key(int(seed))
+        self.device = device
+
+    def _next(self) -> Any:
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+    def _put(self, x: Array) -> Array:
+        return x if self.device is None else jax.device_put(x, self.device)
+
+    def integers(self, low: int, high: int, shape: tuple[int, ...]) -> Array:
+        dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+        return self._put(jax.random.randint(self._next(), shape, low, high, dtype=dtype))
+
+    def choice(
+        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
+    ) -> Array:
+        if p is not None:
+            p = jnp.clip(p, 0, None)
+            p = p / jnp.sum(p)
+        return self._put(jax.random.choice(self._next(), n, (size,), replace=replace, p=p))
+
+    def normal(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return self._put(jax.random.normal(self._next(), shape, dtype=dtype))
+
+    def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return self._put(jax.random.uniform(self._next(), shape, dtype=dtype))

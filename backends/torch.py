@@ -1,0 +1,112 @@
+"""PyTorch backend: torch.linalg primitives and ``torch.Generator`` on the tensor's device.
+
+Everything here keeps autograd intact: ``cholesky_ex`` and ``solve_triangular`` are
+differentiable, so kernel regression built on them can be back-propagated into its inputs.
+
+The PyTorch Jacobian provider and the SENG optimizer live beside this module
+(``ntkcore.backends.torch_provider`` / ``ntkcore.backends.torch_seng``) and are re-exported
+here as ``ntkcore.backends.torch.jacobian`` and ``ntkcore.backends.torch.SENG`` once defined.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._host import host_free_memory
+from ._protocol import Array, Backend, Device
+
+
+class TorchBackend(Backend):
+    """Backend for ``torch.Tensor`` on CPU or CUDA."""
+
+    name = "torch"
+
+    def cholesky(self, a: Array) -> Array | None:
+        l, info = torch.linalg.cholesky_ex(a)
+        if bool(torch.any(info != 0)):
+            return None
+        return l
+
+    def solve_triangular(
+        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
+    ) -> Array:
+        vector = b.ndim == 1
+        if vector:
+            b = b[:, None]
+        if transpose:
+            x = torch.linalg.solve_triangular(a.mT, b, upper=lower)
+        else:
+            x = torch.linalg.solve_triangular(a, b, upper=not lower)
+        return x[:, 0] if vector else x
+
+    def cho_solve(self, l: Array, b: Array) -> Array:
+        vector = b.ndim == 1
+        x = torch.cholesky_solve(b[:, None] if vector else b, l, upper=False)
+        return x[:, 0] if vector else x
+
+    def generator(self, seed: int | None, device: Device) -> TorchGenerator:
+        return TorchGenerator(seed, torch.device(device) if device is not None else None)
+
+    def free_memory(self, device: Device) -> int | None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(dev)
+            return int(free)
+        return host_free_memory()
+
+    def synchronize(self, device: Device) -> None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def is_gpu(self, device: Device) -> bool:
+        return device is not None and torch.device(device).type == "cuda"
+
+
+_MULTINOMIAL_MAX = 2**24
+
+
+class TorchGenerator:
+    """``torch.Generator`` on the target device; draws never leave that device."""
+
+    def __init__(self, seed: int | None, device: torch.device | None) -> None:
+        self.device = device or torch.device("cpu")
+        self.gen = torch.Generator(device=self.device)
+        if seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(int(seed))
+
+    def integers(self, low: int, high: int, shape: tuple[int, ...]) -> Array:
+        return torch.randint(
+            low, high, shape, generator=self.gen, device=self.device, dtype=torch.int64
+        )
+
+    def choice(
+        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
+    ) -> Array:
+        if p is None:
+            if replace:
+                return self.integers(0, n, (size,))
+            return torch.randperm(n, generator=self.gen, device=self.device)[:size]
+        weights = torch.clamp(p.detach().to(device=self.device, dtype=torch.float64), min=0)
+        if n <= _MULTINOMIAL_MAX:
+            return torch.multinomial(weights, size, replacement=replace, generator=self.gen)
+        # torch.multinomial refuses more than 2**24 categories.
+        u = torch.rand(size if replace else n, generator=self.gen, device=self.device,
+                       dtype=torch.float64)
+        if replace:  # inverse CDF
+            cdf = torch.cumsum(weights, 0)
+            idx = torch.searchsorted(cdf, u * cdf[-1], right=True)
+            return torch.clamp(idx, max=n - 1)
+        # Efraimidis-Spirakis keys log(u)/p: the top `size` keys are a successive sample.
+        keys = torch.log(u) / weights
+        return torch.topk(keys, size).indices
+
+    def normal(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return torch.randn(shape, generator=self.gen, device=self.device, dtype=dtype)
+
+    def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        return torch.rand(shape, generator=self.gen, device=self.device, dtype=dtype)

@@ -1,0 +1,1 @@
+"""ntkcore benchmark suites; run with ``python -m benchmarks --help``."""

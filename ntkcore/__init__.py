@@ -1,0 +1,31 @@
+"""ntkcore: framework-agnostic linear algebra for empirical neural tangent kernels.
+
+Arrays of NumPy, PyTorch, CuPy, JAX or any array-API library go in; results come back in the
+same namespace, on the same device, in the same dtype.  See ``docs/`` for the math and the
+architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the frameworks).
+"""
+
+from ._version import __version__
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .errors import JitterWarning, NotPositiveDefiniteError
+from .regression import (
+    GPPosterior,
+    KernelRidge,
+    gd_mse_predict,
+    gp_inference,
+    kernel_regression,
+)
+
+__all__ = [
+    "DenseBlock",
+    "Jacobian",
+    "KroneckerBlock",
+    "GPPosterior",
+    "JitterWarning",
+    "KernelRidge",
+    "NotPositiveDefiniteError",
+    "__version__",
+    "gd_mse_predict",
+    "gp_inference",
+    "kernel_regression",
+]

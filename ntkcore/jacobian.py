@@ -1,0 +1,380 @@
+r"""Structured per-sample Jacobians.
+
+A model :math:`f(\theta, x) \in \mathbb{R}^O` evaluated on :math:`N` inputs has the Jacobian
+:math:`J \in \mathbb{R}^{N \times O \times P}`.  Parameters are split into blocks (one per layer
+or tensor), and a :class:`Jacobian` is a list of blocks in parameter order:
+
+* :class:`DenseBlock` stores its slice :math:`J_b \in \mathbb{R}^{N\times O\times P_b}` as is.
+* :class:`KroneckerBlock` stores a linear map :math:`y_s = W a_s` (weight
+  :math:`W \in \mathbb{R}^{d_{out}\times d_{in}}`) applied at :math:`S` weight-sharing positions
+  through its factors: the layer inputs ``a`` (N, S, d_in) and the output gradients
+  ``g`` (N, S, O, d_out), :math:`g[n,s,o] = \partial f_o(x_n) / \partial y_s`.  The per-sample
+  Jacobian with respect to :math:`W` is
+
+  .. math:: \frac{\partial f_o(x_n)}{\partial W} = \sum_s g[n,s,o]\, a[n,s]^\top ,
+
+  flattened row-major, i.e. parameter index ``i_out * d_in + i_in``.  A bias is a column of
+  ones appended to ``a`` by the provider (then ``W`` holds the bias as its last column).
+
+Everything here is pure array API: the blocks hold arrays of one namespace and device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat
+
+Array = Any
+
+__all__ = ["DenseBlock", "Jacobian", "KroneckerBlock"]
+
+
+def _check_block_array(x: Array, what: str, ndim: int, shape: str) -> Any:
+    try:
+        xp = array_api_compat.array_namespace(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an array; got {type(x).__name__}") from None
+    if x.ndim != ndim:
+        raise ValueError(f"{what} must have shape {shape}; got shape {tuple(x.shape)}")
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"{what} must have a real floating dtype; got {x.dtype}")
+    return xp
+
+
+@dataclass(frozen=True, eq=False)
+class DenseBlock:
+    """A parameter block whose per-sample Jacobian is stored explicitly.
+
+    Parameters
+    ----------
+    jac : array, shape (N, O, P_b)
+        :math:`\\partial f_o(x_n) / \\partial \\theta_b`.
+    name : str, optional
+        Label for layerwise reports (e.g. a module path).
+    """
+
+    jac: Array
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        label = f"DenseBlock {self.name}" if self.name else "DenseBlock"
+        _check_block_array(self.jac, f"{label} jac", 3, "(N, O, P_b)")
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.jac.shape[0])
+
+    @property
+    def num_outputs(self) -> int:
+        return int(self.jac.shape[1])
+
+    @property
+    def num_params(self) -> int:
+        return int(self.jac.shape[2])
+
+    @property
+    def dtype(self) -> Any:
+        return self.jac.dtype
+
+    def arrays(self) -> tuple[Array, ...]:
+        return (self.jac,)
+
+    def to_dense(self) -> Array:
+        """The block's Jacobian, shape (N, O, P_b)."""
+        return self.jac
+
+    def jvp(self, v: Array) -> Array:
+        """:math:`J_b v` for ``v`` (P_b,) -> (N, O)."""
+        return self.jac @ v
+
+    def vjp(self, c: Array) -> Array:
+        """:math:`J_b^\\top c` for ``c`` (N, O) -> (P_b,)."""
+        xp = array_api_compat.array_namespace(self.jac, c)
+        n, o, p = self.jac.shape
+        return xp.reshape(c, (n * o,)) @ xp.reshape(self.jac, (n * o, p))
+
+    def select(self, idx: Any) -> DenseBlock:
+        return DenseBlock(_take_samples(self.jac, idx), self.name)
+
+
+@dataclass(frozen=True, eq=False)
+class KroneckerBlock:
+    """A weight matrix used at S positions, stored as Kronecker factors.
+
+    Parameters
+    ----------
+    a : array, shape (N, S, d_in)
+        Layer inputs at each position (with a trailing ones column for a bias).
+    g : array, shape (N, S, O, d_out)
+        Gradients of each output with respect to the layer output at each position.
+    name : str, optional
+        Label for layerwise reports.
+
+    Notes
+    -----
+    The block has ``d_out * d_in`` parameters, the row-major flattening of the (d_out, d_in)
+    weight.  ``S = 1`` for a dense layer on a vector, ``S = H'W'`` for a 2-D convolution after
+    unfolding patches, ``S = T`` for a linear layer on a sequence of T tokens.
+    """
+
+    a: Array
+    g: Array
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        label = f"KroneckerBlock {self.name}" if self.name else "KroneckerBlock"
+        xa = _check_block_array(self.a, f"{label} factor a", 3, "(N, S, d_in)")
+        xg = _check_block_array(self.g, f"{label} factor g", 4, "(N, S, O, d_out)")
+        if xa is not xg:
+            raise ValueError(f"{label}: factors a and g come from different array libraries")
+        if array_api_compat.device(self.a) != array_api_compat.device(self.g):
+            raise ValueError(f"{label}: factors a and g are on different devices")
+        if self.a.shape[0] != self.g.shape[0]:
+            raise ValueError(
+                f"{label}: a has N={self.a.shape[0]} samples but g has N={self.g.shape[0]}"
+            )
+        if self.a.shape[1] != self.g.shape[1]:
+            raise ValueError(
+                f"{label}: a has S={self.a.shape[1]} positions but g has S={self.g.shape[1]}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.a.shape[0])
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.a.shape[1])
+
+    @property
+    def num_outputs(self) -> int:
+        return int(self.g.shape[2])
+
+    @property
+    def d_in(self) -> int:
+        return int(self.a.shape[2])
+
+    @property
+    def d_out(self) -> int:
+        return int(self.g.shape[3])
+
+    @property
+    def num_params(self) -> int:
+        return self.d_in * self.d_out
+
+    @property
+    def dtype(self) -> Any:
+        return array_api_compat.array_namespace(self.a).result_type(self.a.dtype, self.g.dtype)
+
+    def arrays(self) -> tuple[Array, ...]:
+        return (self.a, self.g)
+
+    def per_sample_weights(self) -> Array:
+        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in)."""
+        xp = array_api_compat.array_namespace(self.a, self.g)
+        gt = xp.permute_dims(self.g, (0, 2, 3, 1))  # (N, O, d_out, S)
+        return gt @ self.a[:, None, :, :]
+
+    def to_dense(self) -> Array:
+        """The block's Jacobian, shape (N, O, d_out * d_in)."""
+        xp = array_api_compat.array_namespace(self.a, self.g)
+        n, o = self.num_samples, self.num_outputs
+        return xp.reshape(self.per_sample_weights(), (n, o, self.num_params))
+
+    def jvp(self, v: Array) -> Array:
+        """:math:`J_b v` for ``v`` (d_out * d_in,) -> (N, O), never forming :math:`J_b`.
+
+        :math:`(J_b v)[n, o] = \\sum_s g[n,s,o]^\\top V a[n,s]` with ``V = v.reshape(d_out, d_in)``.
+        """
+        xp = array_api_compat.array_namespace(self.a, self.g, v)
+        vmat = xp.reshape(v, (self.d_out, self.d_in))
+        av = self.a @ vmat.T  # (N, S, d_out)
+        return xp.sum(self.g * av[:, :, None, :], axis=(1, 3))
+
+    def vjp(self, c: Array) -> Array:
+        """:math:`J_b^\\top c` for ``c`` (N, O) -> (d_out * d_in,), never forming :math:`J_b`.
+
+        :math:`\\sum_{n,s} (\\sum_o c[n,o] g[n,s,o]) a[n,s]^\\top`.
+        """
+        xp = array_api_compat.array_namespace(self.a, self.g, c)
+        n, s = self.num_samples, self.num_positions
+        gc = xp.sum(self.g * c[:, None, :, None], axis=2)  # (N, S, d_out)
+        w = xp.reshape(gc, (n * s, self.d_out)).T @ xp.reshape(self.a, (n * s, self.d_in))
+        return xp.reshape(w, (self.num_params,))
+
+    def select(self, idx: Any) -> KroneckerBlock:
+        return KroneckerBlock(_take_samples(self.a, idx), _take_samples(self.g, idx), self.name)
+
+
+Block = DenseBlock | KroneckerBlock
+
+
+def _take_samples(x: Array, idx: Any) -> Array:
+    if isinstance(idx, slice):
+        return x[idx, ...]
+    xp = array_api_compat.array_namespace(x)
+    if isinstance(idx, int):
+        idx = [idx]
+    if not hasattr(idx, "dtype"):
+        idx = xp.asarray(idx, dtype=xp.int64, device=array_api_compat.device(x))
+    return xp.take(x, idx, axis=0)
+
+
+@dataclass(frozen=True, eq=False)
+class Jacobian:
+    """A per-sample Jacobian as a sequence of blocks in parameter order.
+
+    Parameters
+    ----------
+    blocks : sequence of DenseBlock or KroneckerBlock
+        All with the same number of samples N and outputs O, arrays of one namespace and
+        device.  Unnamed blocks are named ``"block{i}"``.
+
+    Attributes
+    ----------
+    num_samples, num_outputs, num_params : int
+        N, O and P (the sum of the blocks' sizes).
+    names : tuple of str
+        One label per block (for layerwise reports).
+    """
+
+    blocks: tuple[Block, ...]
+    _xp: Any = field(init=False, repr=False, compare=False)
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        blocks = tuple(blocks)
+        if not blocks:
+            raise ValueError("Jacobian needs at least one block")
+        named = []
+        for i, b in enumerate(blocks):
+            if not isinstance(b, DenseBlock | KroneckerBlock):
+                raise TypeError(f"block {i} must be a DenseBlock or KroneckerBlock; got "
+                                f"{type(b).__name__}")
+            if b.name is None:
+                b = type(b)(*b.arrays(), name=f"block{i}")  # type: ignore[arg-type]
+            named.append(b)
+        first = named[0]
+        xp = array_api_compat.array_namespace(*first.arrays())
+        dev = array_api_compat.device(first.arrays()[0])
+        for b in named[1:]:
+            try:
+                bxp = array_api_compat.array_namespace(*b.arrays())
+            except TypeError:
+                bxp = None
+            if bxp is not xp:
+                raise ValueError(f"block {b.name!r} uses a different array library than "
+                                 f"block {first.name!r}")
+            if array_api_compat.device(b.arrays()[0]) != dev:
+                raise ValueError(f"block {b.name!r} is on a different device than "
+                                 f"block {first.name!r}")
+            if b.num_samples != first.num_samples:
+                raise ValueError(f"block {b.name!r} has N={b.num_samples} samples but block "
+                                 f"{first.name!r} has N={first.num_samples}")
+            if b.num_outputs != first.num_outputs:
+                raise ValueError(f"block {b.name!r} has O={b.num_outputs} outputs but block "
+                                 f"{first.name!r} has O={first.num_outputs}")
+        object.__setattr__(self, "blocks", tuple(named))
+        object.__setattr__(self, "_xp", xp)
+
+    # -- shape facts ----------------------------------------------------------------------
+    @property
+    def xp(self) -> Any:
+        """The array namespace of the blocks."""
+        return self._xp
+
+    @property
+    def device(self) -> Any:
+        return array_api_compat.device(self.blocks[0].arrays()[0])
+
+    @property
+    def dtype(self) -> Any:
+        return self._xp.result_type(*[b.dtype for b in self.blocks])
+
+    @property
+    def num_samples(self) -> int:
+        return self.blocks[0].num_samples
+
+    @property
+    def num_outputs(self) -> int:
+        return self.blocks[0].num_outputs
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(b.num_params for b in self.blocks)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(str(b.name) for b in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
+
+    # -- products -------------------------------------------------------------------------
+    def split_params(self, v: Array) -> list[Array]:
+        """Split a flat parameter vector (P,) into one piece per block."""
+        if v.ndim != 1 or v.shape[0] != self.num_params:
+            raise ValueError(f"v must have shape ({self.num_params},); got {tuple(v.shape)}")
+        out, start = [], 0
+        for size in self.block_sizes:
+            out.append(v[start:start + size])
+            start += size
+        return out
+
+    def to_dense(self) -> Array:
+        """The full Jacobian, shape (N, O, P) (materialises every block: for tests and small
+        models)."""
+        return self._xp.concat([b.to_dense() for b in self.blocks], axis=2)
+
+    def jvp(self, v: Array) -> Array:
+        """:math:`J v` for a flat parameter vector ``v`` (P,) -> (N, O)."""
+        pieces = self.split_params(v)
+        out = self.blocks[0].jvp(pieces[0])
+        for b, piece in zip(self.blocks[1:], pieces[1:], strict=True):
+            out = out + b.jvp(piece)
+        return out
+
+    def vjp(self, c: Array) -> Array:
+        """:math:`J^\\top c` for ``c`` (N, O) -> flat (P,)."""
+        n, o = self.num_samples, self.num_outputs
+        if tuple(c.shape) != (n, o):
+            raise ValueError(f"c must have shape ({n}, {o}); got {tuple(c.shape)}")
+        return self._xp.concat([b.vjp(c) for b in self.blocks], axis=0)
+
+    # -- sample selection -----------------------------------------------------------------
+    def select(self, idx: Any) -> Jacobian:
+        """The Jacobian of a subset of samples: ``idx`` is a slice or integer indices."""
+        return Jacobian([b.select(idx) for b in self.blocks])
+
+    def __getitem__(self, idx: Any) -> Jacobian:
+        return self.select(idx)
+
+    @staticmethod
+    def concatenate(jacobians: Sequence[Jacobian]) -> Jacobian:
+        """Stack Jacobians of the same model along the sample axis."""
+        jacobians = list(jacobians)
+        if not jacobians:
+            raise ValueError("concatenate needs at least one Jacobian")
+        first = jacobians[0]
+        xp = first.xp
+        for j in jacobians[1:]:
+            if j.names != first.names or [type(b) for b in j] != [type(b) for b in first]:
+                raise ValueError("Jacobians to concatenate must have the same blocks")
+        blocks: list[Block] = []
+        for i, b in enumerate(first.blocks):
+            parts = [j.blocks[i] for j in jacobians]
+            if isinstance(b, DenseBlock):
+                blocks.append(DenseBlock(xp.concat([p.jac for p in parts], axis=0), b.name))
+            else:
+                blocks.append(KroneckerBlock(xp.concat([p.a for p in parts], axis=0),
+                                             xp.concat([p.g for p in parts], axis=0), b.name))
+        return Jacobian(blocks)

@@ -1,0 +1,404 @@
+r"""Cholesky kernel regression, NTK gradient-flow predictions and GP inference.
+
+All functions work on any array-API namespace; the triangular solves come from the backend
+protocol.  No LU factorisation and no explicit inverse is ever formed, so under torch or jax
+autograd the whole computation is differentiable through ``cholesky`` and triangular solves
+(this is what a KIP-style loop back-propagates through).
+
+Math
+----
+With :math:`K \in \mathbb{R}^{N\times N}` the training kernel, :math:`\lambda` = ``reg``
+and :math:`\epsilon` the jitter actually needed:
+
+.. math::
+
+    L L^\top = K + (\lambda + \epsilon) I, \qquad
+    \alpha = L^{-\top} L^{-1} y, \qquad
+    \hat f(X_*) = K_{*} \alpha .
+
+Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing by 10x from
+``1e-10 * mean(diag K)`` to ``jitter_cap * mean(diag K)`` (``jitter_cap = 1e-2`` for
+``jitter="auto"``), warning with :class:`~ntkcore.JitterWarning`; past the cap raise
+:class:`~ntkcore.NotPositiveDefiniteError`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ._validation import check_array, check_scalar, namespace_of
+from .backends import Backend
+from .errors import JitterWarning, NotPositiveDefiniteError
+
+Array = Any
+
+__all__ = [
+    "GPPosterior",
+    "KernelRidge",
+    "cholesky_with_jitter",
+    "gd_mse_predict",
+    "gp_inference",
+    "kernel_regression",
+]
+
+_JITTER_START = 1e-10
+_JITTER_CAP = 1e-2
+
+
+def _jitter_cap(jitter: str | float | None) -> float | None:
+    """Relative jitter cap from the user's ``jitter`` argument (``None``: never add jitter)."""
+    if jitter is None or jitter is False:
+        return None
+    if isinstance(jitter, str):
+        if jitter != "auto":
+            raise ValueError(f"jitter must be 'auto', None or a positive float; got {jitter!r}")
+        return _JITTER_CAP
+    cap = check_scalar(jitter, "jitter", nonnegative=True)
+    return cap if cap > 0 else None
+
+
+def _eye(xp: Any, n: int, like: Array) -> Array:
+    from array_api_compat import device
+
+    return xp.eye(n, dtype=like.dtype, device=device(like))
+
+
+def cholesky_with_jitter(
+    xp: Any,
+    backend: Backend,
+    k: Array,
+    *,
+    reg: float = 0.0,
+    jitter: str | float | None = "auto",
+    name: str = "k_train",
+) -> tuple[Array, float]:
+    """Lower Cholesky factor of ``k + (reg + eps) I`` and the absolute jitter ``eps`` used.
+
+    Parameters
+    ----------
+    xp, backend
+        The namespace and backend of ``k`` (resolved once by the public caller).
+    k : array, shape (N, N)
+        Symmetric positive (semi-)definite matrix; only its lower triangle is read.
+    reg : float
+        Ridge added to the diagonal before factorising (not counted as jitter).
+    jitter : "auto", float or None
+        Relative jitter cap (see the module docstring); ``None`` disables retries.
+    name : str
+        Argument name used in messages.
+
+    Returns
+    -------
+    l : array, shape (N, N)
+        Lower-triangular factor in ``k``'s namespace, device and dtype.
+    eps : float
+        Absolute jitter added beyond ``reg`` (0.0 when none was needed).
+    """
+    n = k.shape[0]
+    eye = _eye(xp, n, k)
+    base = k + reg * eye if reg else k
+    l = backend.cholesky(base)
+    if l is not None:
+        return l, 0.0
+    cap = _jitter_cap(jitter)
+    scale = float(xp.mean(xp.abs(xp.linalg.diagonal(k)))) if n else 1.0
+    scale = scale if scale > 0 else 1.0
+    if cap is not None:
+        rel = _JITTER_START
+        while rel <= cap * (1 + 1e-12):
+            eps = rel * scale
+            l = backend.cholesky(base + eps * eye)
+            if l is not None:
+                warnings.warn(
+                    f"{name} was not numerically positive definite; added jitter {eps:.3g} "
+                    f"({rel:.0e} x mean(diag)) to its diagonal",
+                    JitterWarning,
+                    stacklevel=3,
+                )
+                return l, eps
+            rel *= 10.0
+    limit = "" if cap is None else f" even with jitter up to {cap:g} x mean(diag) = {cap*scale:.3g}"
+    raise NotPositiveDefiniteError(
+        f"{name} (+ reg={reg:g} I) is not positive definite{limit}; increase reg or check the "
+        "kernel"
+    )
+
+
+def _check_regression_inputs(
+    xp: Any, k_train: Array, y_train: Array | None, k_test_train: Array | None
+) -> None:
+    check_array(xp, k_train, "k_train", (2,), "(N, N)")
+    n = k_train.shape[0]
+    if k_train.shape[1] != n:
+        raise ValueError(f"k_train must be square (N, N); got shape {tuple(k_train.shape)}")
+    if y_train is not None:
+        check_array(xp, y_train, "y_train", (1, 2), "(N,) or (N, K)")
+        if y_train.shape[0] != n:
+            raise ValueError(
+                f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}"
+            )
+    if k_test_train is not None:
+        check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
+        if k_test_train.shape[1] != n:
+            raise ValueError(
+                f"k_test_train must have N={n} columns (one per training point); got shape "
+                f"{tuple(k_test_train.shape)}"
+            )
+
+
+class KernelRidge:
+    """Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
+
+    Parameters
+    ----------
+    reg : float, default 0.0
+        Ridge :math:`\\lambda \\ge 0` added to the diagonal of the training kernel.
+    jitter : "auto", float or None, default "auto"
+        Jitter policy when the factorisation fails (see :mod:`ntkcore.regression`).
+
+    Attributes
+    ----------
+    chol_ : array, shape (N, N)
+        Lower Cholesky factor of ``k_train + (reg + jitter_) I``.
+    alpha_ : array, shape (N,) or (N, K)
+        Dual coefficients :math:`(K + \\lambda I)^{-1} y`.
+    jitter_ : float
+        Absolute jitter that was needed (0.0 normally).
+
+    Examples
+    --------
+    >>> import numpy as np, ntkcore
+    >>> k = np.array([[2.0, 1.0], [1.0, 2.0]]); y = np.array([1.0, -1.0])
+    >>> ntkcore.KernelRidge(reg=0.0).fit(k, y).predict(k)
+    array([ 1., -1.])
+    """
+
+    def __init__(self, reg: float = 0.0, jitter: str | float | None = "auto") -> None:
+        self.reg = check_scalar(reg, "reg", nonnegative=True)
+        _jitter_cap(jitter)
+        self.jitter = jitter
+
+    def fit(self, k_train: Array, y_train: Array) -> KernelRidge:
+        """Factorise ``k_train`` (N, N) and solve for ``y_train`` (N,) or (N, K)."""
+        xp, backend = namespace_of(k_train=k_train, y_train=y_train)
+        _check_regression_inputs(xp, k_train, y_train, None)
+        l, eps = cholesky_with_jitter(xp, backend, k_train, reg=self.reg, jitter=self.jitter)
+        self.chol_ = l
+        self.alpha_ = backend.cho_solve(l, y_train)
+        self.jitter_ = eps
+        self._xp, self._backend = xp, backend
+        return self
+
+    def predict(self, k_test_train: Array) -> Array:
+        """Predictions ``k_test_train @ alpha_``: (M, N) -> (M,) or (M, K)."""
+        if not hasattr(self, "alpha_"):
+            raise RuntimeError("call fit(k_train, y_train) before predict")
+        xp, _ = namespace_of(k_test_train=k_test_train, alpha=self.alpha_)
+        check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
+        n = self.alpha_.shape[0]
+        if k_test_train.shape[1] != n:
+            raise ValueError(
+                f"k_test_train must have N={n} columns; got shape {tuple(k_test_train.shape)}"
+            )
+        return k_test_train @ self.alpha_
+
+
+def kernel_regression(
+    k_train: Array,
+    y_train: Array,
+    k_test_train: Array,
+    *,
+    reg: float = 0.0,
+    jitter: str | float | None = "auto",
+) -> Array:
+    r"""Kernel (ridge) regression predictions :math:`K_* (K + \lambda I)^{-1} y`.
+
+    Parameters
+    ----------
+    k_train : array, shape (N, N)
+        Kernel between training points (symmetric positive semi-definite).
+    y_train : array, shape (N,) or (N, K)
+        Training targets.
+    k_test_train : array, shape (M, N)
+        Kernel between test and training points.
+    reg : float, default 0.0
+        Ridge :math:`\lambda \ge 0`.
+    jitter : "auto", float or None
+        Jitter policy when the Cholesky factorisation fails.
+
+    Returns
+    -------
+    array, shape (M,) or (M, K)
+        Predictions in the inputs' namespace, device and dtype; differentiable with respect
+        to all three arrays under torch/jax autograd.
+    """
+    return KernelRidge(reg=reg, jitter=jitter).fit(k_train, y_train).predict(k_test_train)
+
+
+def gd_mse_predict(
+    k_train: Array,
+    y_train: Array,
+    k_test_train: Array,
+    t: float | Array,
+    *,
+    learning_rate: float = 1.0,
+    reg: float = 0.0,
+) -> Array:
+    r"""Predictions after time ``t`` of gradient flow on the MSE loss (linearised NTK dynamics).
+
+    For the loss :math:`\tfrac12 \|f - y\|^2`, zero initial outputs and kernel
+    :math:`K + \lambda I = V \operatorname{diag}(w) V^\top`,
+
+    .. math::
+
+        f_t(X_*) = K_* V \operatorname{diag}\!\Big(\frac{1 - e^{-\eta w t}}{w}\Big) V^\top y ,
+
+    which is :math:`K_* K^{-1} (I - e^{-\eta K t}) y`; the factor is evaluated with ``expm1``
+    and tends to :math:`\eta t` as :math:`w \to 0`, and to :math:`1/w` (kernel regression) as
+    :math:`t \to \infty`.
+
+    Parameters
+    ----------
+    k_train : array, shape (N, N)
+    y_train : array, shape (N,) or (N, K)
+    k_test_train : array, shape (M, N)
+    t : float or array, shape () or (T,)
+        Training time(s) ``>= 0``; ``inf`` gives the kernel-regression limit.
+    learning_rate : float, default 1.0
+        :math:`\eta > 0`.
+    reg : float, default 0.0
+        :math:`\lambda \ge 0` added to the kernel.
+
+    Returns
+    -------
+    array, shape (M,) / (M, K) for scalar ``t``, (T, M) / (T, M, K) for 1-D ``t``
+    """
+    xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
+    _check_regression_inputs(xp, k_train, y_train, k_test_train)
+    lr = check_scalar(learning_rate, "learning_rate", positive=True)
+    reg = check_scalar(reg, "reg", nonnegative=True)
+    from array_api_compat import device
+
+    dev = device(k_train)
+    t_arr = xp.asarray(t, dtype=k_train.dtype, device=dev)
+    if t_arr.ndim > 1:
+        raise ValueError(f"t must be a scalar or 1-D array of times; got shape {t_arr.shape}")
+    if bool(xp.any(xp.isnan(t_arr))) or bool(xp.any(t_arr < 0)):
+        raise ValueError("t must hold non-negative times (inf allowed)")
+    scalar_t = t_arr.ndim == 0
+    ts = xp.reshape(t_arr, (-1,))
+    n = k_train.shape[0]
+    kk = k_train + reg * _eye(xp, n, k_train) if reg else k_train
+    w, v = xp.linalg.eigh(kk)
+    w_max = float(xp.max(xp.abs(w))) if n else 1.0
+    tiny = 1e3 * float(xp.finfo(k_train.dtype).eps) * w_max
+    infinite = xp.isinf(ts)
+    if bool(xp.any(infinite)) and float(xp.min(w)) <= tiny:
+        raise NotPositiveDefiniteError(
+            "k_train (+ reg I) is singular, so t=inf (kernel regression) is undefined; use reg>0"
+        )
+    small = xp.abs(w) <= tiny
+    w_safe = xp.where(small, xp.ones_like(w), w)
+    # phi[t, i] = (1 - exp(-lr w_i t)) / w_i, with the limits w -> 0 and t -> inf.
+    ts_finite = xp.where(infinite, xp.zeros_like(ts), ts)
+    lwt = lr * w_safe[None, :] * ts_finite[:, None]
+    phi = -xp.expm1(-lwt) / w_safe[None, :]
+    phi = xp.where(small[None, :], lr * ts_finite[:, None] * xp.ones_like(w)[None, :], phi)
+    phi = xp.where(infinite[:, None], (1.0 / w_safe)[None, :] * xp.ones_like(phi), phi)
+    vty = v.T @ y_train  # (N,) or (N, K)
+    ksv = k_test_train @ v  # (M, N)
+    if y_train.ndim == 1:
+        out = (phi * vty[None, :]) @ ksv.T  # (T, M)
+    else:
+        out = xp.stack([ksv @ (phi[i, :, None] * vty) for i in range(phi.shape[0])])
+    return out[0, ...] if scalar_t else out
+
+
+@dataclass(frozen=True)
+class GPPosterior:
+    """Gaussian-process posterior with a precomputed kernel.
+
+    Attributes
+    ----------
+    mean : array, shape (M,) or (M, K)
+        Posterior mean :math:`K_* (K + \\lambda I)^{-1} y`.
+    covariance : array, shape (M, M), or None
+        :math:`K_{**} - K_* (K + \\lambda I)^{-1} K_*^\\top` (``None`` without ``k_test_test``);
+        shared by all K output columns.
+    log_marginal_likelihood : array, shape ()
+        :math:`\\log p(y)` summed over the K independent output columns.
+    jitter : float
+        Absolute jitter the factorisation needed.
+    """
+
+    mean: Array
+    covariance: Array | None
+    log_marginal_likelihood: Array
+    jitter: float
+
+
+def gp_inference(
+    k_train: Array,
+    y_train: Array,
+    k_test_train: Array,
+    k_test_test: Array | None = None,
+    *,
+    reg: float = 0.0,
+    jitter: str | float | None = "auto",
+) -> GPPosterior:
+    r"""GP posterior mean, covariance and log marginal likelihood from one Cholesky factor.
+
+    With :math:`L L^\top = K + \lambda I`, :math:`\alpha = L^{-\top}L^{-1}y` and
+    :math:`W = L^{-1} K_*^\top`:
+
+    .. math::
+
+        \mu = K_* \alpha, \quad \Sigma = K_{**} - W^\top W, \quad
+        \log p(y) = -\tfrac12 y^\top \alpha - \sum_i \log L_{ii} - \tfrac N2 \log 2\pi
+
+    (per output column; columns are independent and their log-likelihoods add).
+
+    Parameters
+    ----------
+    k_train : array, shape (N, N)
+    y_train : array, shape (N,) or (N, K)
+    k_test_train : array, shape (M, N)
+    k_test_test : array, shape (M, M), optional
+        Prior covariance of the test points; without it ``covariance`` is ``None``.
+    reg : float
+        Observation-noise variance :math:`\lambda \ge 0`.
+    jitter : "auto", float or None
+
+    Returns
+    -------
+    GPPosterior
+    """
+    xp, backend = namespace_of(
+        k_train=k_train, y_train=y_train, k_test_train=k_test_train, k_test_test=k_test_test
+    )
+    _check_regression_inputs(xp, k_train, y_train, k_test_train)
+    reg = check_scalar(reg, "reg", nonnegative=True)
+    m = k_test_train.shape[0]
+    if k_test_test is not None:
+        check_array(xp, k_test_test, "k_test_test", (2,), "(M, M)")
+        if tuple(k_test_test.shape) != (m, m):
+            raise ValueError(
+                f"k_test_test must have shape ({m}, {m}); got {tuple(k_test_test.shape)}"
+            )
+    l, eps = cholesky_with_jitter(xp, backend, k_train, reg=reg, jitter=jitter)
+    alpha = backend.cho_solve(l, y_train)
+    mean = k_test_train @ alpha
+    cov = None
+    if k_test_test is not None:
+        w = backend.solve_triangular(l, k_test_train.T, lower=True)
+        cov = k_test_test - w.T @ w
+    n = k_train.shape[0]
+    cols = 1 if y_train.ndim == 1 else y_train.shape[1]
+    logdet_half = xp.sum(xp.log(xp.linalg.diagonal(l)))
+    lml = -0.5 * xp.sum(y_train * alpha) - cols * logdet_half - 0.5 * n * cols * math.log(
+        2 * math.pi
+    )
+    return GPPosterior(mean=mean, covariance=cov, log_marginal_likelihood=lml, jitter=eps)

@@ -1,0 +1,67 @@
+"""Which public function runs on which backend: the single declaration behind docs and test skips.
+
+``SUPPORT[function][backend]`` is a :class:`Support` entry.  ``docs/backends.md`` is generated
+from this table (``python -m ntkcore support``) and the test suite skips a (function, backend)
+pair exactly when the table says it is unsupported, so the two cannot drift apart.
+
+Backends: ``numpy``, ``torch`` (CPU and CUDA), ``cupy`` (CUDA), ``jax`` (CPU and GPU) and
+``array_api_strict`` (standing in for any other array-API namespace, served by the generic
+backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("numpy", "torch", "cupy", "jax", "array_api_strict")
+
+
+@dataclass(frozen=True)
+class Support:
+    """Support of one function on one backend.
+
+    Attributes
+    ----------
+    ok : bool
+        Whether the function runs on this backend.
+    fast_path : str
+        The backend primitive used where the standard lacks one ("" for pure array API).
+    note : str
+        Anything a user should know (e.g. "differentiable").
+    """
+
+    ok: bool = True
+    fast_path: str = ""
+    note: str = ""
+
+
+def _all(fast: dict[str, str] | None = None, note: dict[str, str] | None = None,
+         missing: tuple[str, ...] = ()) -> dict[str, Support]:
+    fast = fast or {}
+    note = note or {}
+    return {
+        b: Support(ok=b not in missing, fast_path=fast.get(b, ""), note=note.get(b, ""))
+        for b in BACKENDS
+    }
+
+
+_TRIANGULAR = {
+    "numpy": "scipy.linalg.solve_triangular",
+    "torch": "torch.linalg.solve_triangular",
+    "cupy": "cupyx.scipy.linalg.solve_triangular",
+    "jax": "jax.scipy.linalg.solve_triangular",
+    "array_api_strict": "xp.linalg.solve (generic)",
+}
+_DIFF = {"torch": "differentiable (autograd)", "jax": "differentiable (jax.grad)"}
+
+SUPPORT: dict[str, dict[str, Support]] = {
+    "kernel_regression": _all(_TRIANGULAR, _DIFF),
+    "KernelRidge": _all(_TRIANGULAR, _DIFF),
+    "gd_mse_predict": _all(note=_DIFF),
+    "gp_inference": _all(_TRIANGULAR, _DIFF),
+}
+
+
+def supports(function: str, backend: str) -> bool:
+    """Whether ``function`` is declared to run on ``backend``."""
+    return SUPPORT[function][backend].ok

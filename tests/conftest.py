@@ -1,0 +1,152 @@
+"""Shared fixtures: one ``backend`` fixture parametrised over every array library we support.
+
+numpy, torch and array_api_strict always run; jax when installed; cupy and torch-cuda only
+with a CUDA GPU (skipped, never failed, without one).  Tests build inputs in float64 NumPy
+(the reference) and convert them with ``backend.asarray``; results come back to NumPy with
+``backend.to_numpy`` for comparison against the independent reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_JAX = importlib.util.find_spec("jax") is not None
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+if HAS_JAX:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+
+
+def _cuda_available() -> bool:
+    if HAS_TORCH:
+        import torch
+
+        return torch.cuda.is_available()
+    return False
+
+
+def _cupy_available() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    """How a test makes arrays of one library and reads them back."""
+
+    name: str
+    xp: Any  # the namespace a user would hold: numpy, torch, jax.numpy, array_api_strict, cupy
+    device: Any = None
+    gpu: bool = False
+
+    def asarray(self, x: Any, dtype: str = "float64") -> Any:
+        x = np.asarray(x)
+        if self.name.startswith("torch"):
+            import torch
+
+            return torch.as_tensor(x, dtype=getattr(torch, dtype), device=self.device)
+        if self.name == "array_api_strict":
+            return self.xp.asarray(x.astype(dtype))
+        if self.name == "jax":
+            return self.xp.asarray(x.astype(dtype))
+        if self.name == "cupy":
+            return self.xp.asarray(x.astype(dtype))
+        return x.astype(dtype)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if self.name.startswith("torch"):
+            return x.detach().cpu().numpy()
+        if self.name == "cupy":
+            return x.get()
+        if self.name == "array_api_strict":
+            return np.asarray(x._array)
+        return np.asarray(x)
+
+    def is_native(self, x: Any) -> bool:
+        """Whether ``x`` is an array of this library on this case's device."""
+        import array_api_compat
+
+        if self.name.startswith("torch"):
+            import torch
+
+            return isinstance(x, torch.Tensor) and x.device.type == self.device
+        if self.name == "array_api_strict":
+            return type(x).__module__.startswith("array_api_strict")
+        if self.name == "jax":
+            return array_api_compat.is_jax_array(x)
+        if self.name == "cupy":
+            return array_api_compat.is_cupy_array(x)
+        return isinstance(x, np.ndarray)
+
+
+def _cases() -> list[Any]:
+    cases = [pytest.param("numpy", id="numpy")]
+    cases.append(pytest.param("torch", id="torch", marks=pytest.mark.skipif(
+        not HAS_TORCH, reason="torch not installed")))
+    cases.append(pytest.param("array_api_strict", id="array_api_strict"))
+    cases.append(pytest.param("jax", id="jax", marks=pytest.mark.skipif(
+        not HAS_JAX, reason="jax not installed")))
+    cases.append(pytest.param("torch-cuda", id="torch-cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA GPU")]))
+    cases.append(pytest.param("cupy", id="cupy", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not _cupy_available(), reason="no CuPy GPU")]))
+    return cases
+
+
+def make_case(name: str) -> BackendCase:
+    if name == "numpy":
+        return BackendCase("numpy", np)
+    if name == "torch":
+        import torch
+
+        return BackendCase("torch", torch, device="cpu")
+    if name == "torch-cuda":
+        import torch
+
+        return BackendCase("torch-cuda", torch, device="cuda", gpu=True)
+    if name == "array_api_strict":
+        import array_api_strict
+
+        return BackendCase("array_api_strict", array_api_strict)
+    if name == "jax":
+        import jax.numpy as jnp
+
+        return BackendCase("jax", jnp)
+    if name == "cupy":
+        import cupy
+
+        return BackendCase("cupy", cupy, gpu=True)
+    raise ValueError(name)
+
+
+@pytest.fixture(params=_cases())
+def backend(request: pytest.FixtureRequest) -> BackendCase:
+    """Every array library; see the module docstring."""
+    return make_case(request.param)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(12345)
