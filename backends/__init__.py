@@ -33,7 +33,7 @@ _TABLE: tuple[tuple[str, Any, str, str], ...] = (
     ("cupy", _compat.is_cupy_namespace, "cupy", "CupyBackend"),
     ("jax", _compat.is_jax_namespace, "jax", "JaxBackend"),
 )
-BACKEND_NAMES = tuple(row[0] for row in _TABLE) + ("generic",)
+BACKEND_NAMES = (*tuple(row[0] for row in _TABLE), "generic")
 
 _cache: dict[int, Backend] = {}
 

@@ -86,7 +86,7 @@ class Backend:
         raise NotImplementedError
 
     def cho_solve(self, l: Array, b: Array) -> Array:
-        """Solve ``(l l^T) x = b`` given the lower Cholesky factor ``l`` (n, n); b (n,) or (n, k)."""
+        """Solve ``(l l^T) x = b`` for the lower Cholesky factor ``l`` (n, n); b (n,) or (n, k)."""
         y = self.solve_triangular(l, b, lower=True, transpose=False)
         return self.solve_triangular(l, y, lower=True, transpose=True)
 

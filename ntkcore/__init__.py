@@ -6,8 +6,8 @@ architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the fra
 """
 
 from ._version import __version__
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .errors import JitterWarning, NotPositiveDefiniteError
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .regression import (
     GPPosterior,
     KernelRidge,
@@ -18,11 +18,11 @@ from .regression import (
 
 __all__ = [
     "DenseBlock",
-    "Jacobian",
-    "KroneckerBlock",
     "GPPosterior",
+    "Jacobian",
     "JitterWarning",
     "KernelRidge",
+    "KroneckerBlock",
     "NotPositiveDefiniteError",
     "__version__",
     "gd_mse_predict",

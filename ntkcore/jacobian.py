@@ -350,6 +350,28 @@ class Jacobian:
             raise ValueError(f"c must have shape ({n}, {o}); got {tuple(c.shape)}")
         return self._xp.concat([b.vjp(c) for b in self.blocks], axis=0)
 
+    def contract_outputs(self, w: Array) -> Jacobian:
+        """The Jacobian of :math:`\\sum_o w_o f_o` (one output): ``w`` has shape (O,).
+
+        ``w = ones(O) / sqrt(O)`` gives the pseudo-NTK Jacobian (see :meth:`pseudo`).
+        """
+        xp = self._xp
+        blocks: list[Block] = []
+        for b in self.blocks:
+            if isinstance(b, DenseBlock):
+                blocks.append(DenseBlock(xp.matmul(xp.permute_dims(b.jac, (0, 2, 1)), w)[
+                    :, None, :], b.name))
+            else:
+                gw = xp.sum(b.g * w[:, None], axis=2)  # (N, S, d_out)
+                blocks.append(KroneckerBlock(b.a, gw[:, :, None, :], b.name))
+        return Jacobian(blocks)
+
+    def pseudo(self) -> Jacobian:
+        """The pseudo-NTK Jacobian: that of :math:`\\sum_o f_o / \\sqrt{O}` (O = 1)."""
+        o = self.num_outputs
+        w = self._xp.full((o,), 1.0 / o**0.5, dtype=self.dtype, device=self.device)
+        return self.contract_outputs(w)
+
     # -- sample selection -----------------------------------------------------------------
     def select(self, idx: Any) -> Jacobian:
         """The Jacobian of a subset of samples: ``idx`` is a slice or integer indices."""

@@ -276,7 +276,7 @@ def gd_mse_predict(
     -------
     array, shape (M,) / (M, K) for scalar ``t``, (T, M) / (T, M, K) for 1-D ``t``
     """
-    xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
+    xp, _backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
     _check_regression_inputs(xp, k_train, y_train, k_test_train)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)

@@ -1,0 +1,117 @@
+"""The Jacobian-provider registry: how ``ntk()`` turns a model into a :class:`~ntkcore.Jacobian`.
+
+A provider knows one kind of model (a ``torch.nn.Module``, a JAX ``(apply_fn, params)`` pair,
+an :class:`ntkcore.models.MLP`, ...) and returns its per-sample Jacobian with as much Kronecker
+structure as it can find.  Providers register a cheap *matcher* and a *loader*; the loader
+imports the framework-specific module only when a matching model is actually seen, so ntkcore
+itself never imports a framework.
+
+Provider call signature::
+
+    jacobian(model, x, *, params=None, pseudo=False, **options) -> Jacobian
+
+``x`` leads with the sample axis N.  ``params`` restricts the Jacobian to a subset of the
+parameters (provider-specific: names or tensors); ``pseudo=True`` asks for the Jacobian of
+:math:`\\sum_o f_o / \\sqrt{O}` (O = 1), the pseudo-NTK, which providers compute with one
+backward pass instead of O.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Provider", "find_provider", "register_provider", "registered_providers"]
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One registered provider.
+
+    Attributes
+    ----------
+    name : str
+        Short name (``"torch"``, ``"jax"``, ``"mlp"``).
+    matches : callable
+        ``matches(model) -> bool``; must not import a framework.
+    load : callable
+        ``load() -> jacobian_function`` (imports the framework module lazily).
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    load: Callable[[], Callable[..., Any]]
+
+    def jacobian(self, model: Any, x: Any, **kwargs: Any) -> Any:
+        return self.load()(model, x, **kwargs)
+
+
+_REGISTRY: list[Provider] = []
+
+
+def register_provider(
+    name: str,
+    matches: Callable[[Any], bool],
+    load: Callable[[], Callable[..., Any]],
+    *,
+    first: bool = False,
+) -> None:
+    """Register a provider (``first=True`` puts it before the existing ones)."""
+    global _REGISTRY
+    _REGISTRY = [p for p in _REGISTRY if p.name != name]
+    entry = Provider(name, matches, load)
+    if first:
+        _REGISTRY.insert(0, entry)
+    else:
+        _REGISTRY.append(entry)
+
+
+def registered_providers() -> tuple[Provider, ...]:
+    return tuple(_REGISTRY)
+
+
+def find_provider(model: Any) -> Provider:
+    """The first registered provider whose matcher accepts ``model``.
+
+    Raises
+    ------
+    TypeError
+        If no provider knows this kind of model.
+    """
+    for p in _REGISTRY:
+        if p.matches(model):
+            return p
+    names = ", ".join(p.name for p in _REGISTRY)
+    raise TypeError(
+        f"model of type {type(model).__module__}.{type(model).__qualname__} has no Jacobian "
+        f"provider (registered: {names}); pass a torch.nn.Module, an ntkcore.models.MLP, a "
+        "(apply_fn, params) pair for JAX, or register one with "
+        "ntkcore.providers.register_provider"
+    )
+
+
+def _mro_names(obj: Any) -> set[str]:
+    return {f"{c.__module__}.{c.__qualname__}" for c in type(obj).__mro__}
+
+
+def _loader(module: str, attr: str) -> Callable[[], Callable[..., Any]]:
+    return lambda: getattr(importlib.import_module(module), attr)
+
+
+def _is_torch_module(model: Any) -> bool:
+    return "torch.nn.modules.module.Module" in _mro_names(model)
+
+
+def _is_jax_pair(model: Any) -> bool:
+    return (
+        isinstance(model, tuple)
+        and len(model) == 2
+        and callable(model[0])
+        and not _is_torch_module(model[0])
+    )
+
+
+register_provider("torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"))
+register_provider("jax", _is_jax_pair, _loader("ntkcore.backends.jax_provider", "jacobian"))
