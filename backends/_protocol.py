@@ -90,6 +90,10 @@ class Backend:
         y = self.solve_triangular(l, b, lower=True, transpose=False)
         return self.solve_triangular(l, y, lower=True, transpose=True)
 
+    def scalar(self, x: Array) -> float:
+        """A 0-d array as a Python float (outside any autograd graph; syncs the device)."""
+        return float(x)
+
     # -- random numbers -------------------------------------------------------------------
     def generator(self, seed: int | None, device: Device) -> Generator:
         """A :class:`Generator` seeded with ``seed`` (``None``: fresh entropy) on ``device``."""

@@ -46,6 +46,9 @@ class TorchBackend(Backend):
         x = torch.cholesky_solve(b[:, None] if vector else b, l, upper=False)
         return x[:, 0] if vector else x
 
+    def scalar(self, x: Array) -> float:
+        return float(x.detach())
+
     def generator(self, seed: int | None, device: Device) -> TorchGenerator:
         return TorchGenerator(seed, torch.device(device) if device is not None else None)
 

@@ -48,7 +48,8 @@ def namespace_of(**arrays: Array | None) -> tuple[Any, Backend]:
     devices = {name: array_api_compat.device(arr) for name, arr in named.items()}
     first_dev = devices[first_name]
     for name, dev in devices.items():
-        if dev != first_dev:
+        # Traced arrays (jax.grad / jit) report no device; they cannot be compared.
+        if dev is not None and first_dev is not None and dev != first_dev:
             raise ValueError(
                 f"{name} is on device {dev} but {first_name} is on {first_dev}; "
                 "move them to one device"

@@ -104,7 +104,7 @@ def cholesky_with_jitter(
     if l is not None:
         return l, 0.0
     cap = _jitter_cap(jitter)
-    scale = float(xp.mean(xp.abs(xp.linalg.diagonal(k)))) if n else 1.0
+    scale = backend.scalar(xp.mean(xp.abs(xp.linalg.diagonal(k)))) if n else 1.0
     scale = scale if scale > 0 else 1.0
     if cap is not None:
         rel = _JITTER_START
@@ -276,7 +276,7 @@ def gd_mse_predict(
     -------
     array, shape (M,) / (M, K) for scalar ``t``, (T, M) / (T, M, K) for 1-D ``t``
     """
-    xp, _backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
+    xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
     _check_regression_inputs(xp, k_train, y_train, k_test_train)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
@@ -293,10 +293,10 @@ def gd_mse_predict(
     n = k_train.shape[0]
     kk = k_train + reg * _eye(xp, n, k_train) if reg else k_train
     w, v = xp.linalg.eigh(kk)
-    w_max = float(xp.max(xp.abs(w))) if n else 1.0
+    w_max = backend.scalar(xp.max(xp.abs(w))) if n else 1.0
     tiny = 1e3 * float(xp.finfo(k_train.dtype).eps) * w_max
     infinite = xp.isinf(ts)
-    if bool(xp.any(infinite)) and float(xp.min(w)) <= tiny:
+    if bool(xp.any(infinite)) and bool(xp.min(w) <= tiny):
         raise NotPositiveDefiniteError(
             "k_train (+ reg I) is singular, so t=inf (kernel regression) is undefined; use reg>0"
         )

@@ -1,0 +1,300 @@
+"""Cholesky kernel regression, gradient-flow predictions and GP inference.
+
+References: scikit-learn's KernelRidge (precomputed kernel), scipy's cho_factor/cho_solve,
+scipy.linalg.expm for the gradient-flow formula and scipy.stats for the GP likelihood, all in
+float64 NumPy, independent of ntkcore's code path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import scipy.stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.kernel_ridge import KernelRidge as SkKernelRidge
+
+import ntkcore
+from tests.strategies import cond, spd_matrices
+
+
+def _problem(rng, n=9, m=4, k=None):
+    x = rng.normal(size=(n + m, 3))
+    full = np.exp(-0.5 * ((x[:, None] - x[None]) ** 2).sum(-1)) + 0.1 * x @ x.T
+    y = rng.normal(size=(n,) if k is None else (n, k))
+    return full[:n, :n], y, full[n:, :n], full[n:, n:]
+
+
+@pytest.mark.parametrize("k", [None, 3])
+@pytest.mark.parametrize("reg", [0.0, 0.3])
+def test_kernel_regression_matches_sklearn(backend, rng, k, reg):
+    k_tr, y, k_te, _ = _problem(rng, k=k)
+    ref = SkKernelRidge(alpha=reg if reg else 1e-300, kernel="precomputed").fit(k_tr, y)
+    expected = ref.predict(k_te)
+    out = ntkcore.kernel_regression(backend.asarray(k_tr), backend.asarray(y),
+                                    backend.asarray(k_te), reg=reg)
+    assert backend.is_native(out)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(backend.to_numpy(out), expected, rtol=1e-8, atol=1e-10)
+
+
+def test_kernel_ridge_reuses_factor_for_many_predictions(backend, rng):
+    k_tr, y, k_te, _ = _problem(rng, k=2)
+    c, low = scipy.linalg.cho_factor(k_tr + 0.1 * np.eye(len(k_tr)), lower=True)
+    alpha = scipy.linalg.cho_solve((c, low), y)
+    model = ntkcore.KernelRidge(reg=0.1).fit(backend.asarray(k_tr), backend.asarray(y))
+    np.testing.assert_allclose(backend.to_numpy(model.alpha_), alpha, rtol=1e-9)
+    np.testing.assert_allclose(backend.to_numpy(model.chol_), np.tril(c), rtol=1e-12)
+    for rows in (slice(0, 2), slice(1, 4)):
+        pred = model.predict(backend.asarray(k_te[rows]))
+        np.testing.assert_allclose(backend.to_numpy(pred), k_te[rows] @ alpha, rtol=1e-9)
+
+
+def test_float32_stays_float32(backend, rng):
+    k_tr, y, k_te, _ = _problem(rng)
+    out = ntkcore.kernel_regression(backend.asarray(k_tr, "float32"),
+                                    backend.asarray(y, "float32"),
+                                    backend.asarray(k_te, "float32"), reg=0.1)
+    assert str(out.dtype).endswith("float32")
+    ref = k_te @ np.linalg.solve(k_tr + 0.1 * np.eye(len(k_tr)), y)
+    np.testing.assert_allclose(backend.to_numpy(out), ref, rtol=1e-3, atol=1e-4)
+
+
+@settings(max_examples=20)
+@given(k=spd_matrices(max_n=10, max_cond=1e6), seed=st.integers(0, 2**31))
+def test_regression_property_against_scipy(k, seed):
+    rng = np.random.default_rng(seed)
+    n = k.shape[0]
+    y = rng.normal(size=(n, 2))
+    k_te = rng.normal(size=(3, n))
+    ref = k_te @ scipy.linalg.cho_solve(scipy.linalg.cho_factor(k), y)
+    out = ntkcore.kernel_regression(k, y, k_te)
+    # forward error bound ~ cond(K) * eps, with margin
+    tol = 100 * cond(k) * np.finfo(float).eps
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_training_points_are_interpolated_without_reg(backend, rng):
+    k_tr, y, _, _ = _problem(rng)
+    out = ntkcore.kernel_regression(backend.asarray(k_tr), backend.asarray(y),
+                                    backend.asarray(k_tr))
+    np.testing.assert_allclose(backend.to_numpy(out), y, rtol=1e-7, atol=1e-8)
+
+
+# -- jitter ------------------------------------------------------------------------------
+def test_jitter_rescues_singular_kernel_and_warns(backend, rng):
+    x = rng.normal(size=(6, 2))
+    k = x @ x.T  # rank 2: singular
+    y = rng.normal(size=6)
+    with pytest.warns(ntkcore.JitterWarning, match="jitter"):
+        model = ntkcore.KernelRidge().fit(backend.asarray(k), backend.asarray(y))
+    assert model.jitter_ > 0
+    scale = np.mean(np.diag(k))
+    # jitter is one of 1e-10, 1e-9, ... times mean(diag)
+    rel = model.jitter_ / scale
+    assert np.isclose(np.log10(rel), np.round(np.log10(rel)))
+    ref = np.linalg.solve(k + model.jitter_ * np.eye(6), y)
+    np.testing.assert_allclose(backend.to_numpy(model.alpha_), ref, rtol=1e-5)
+
+
+def test_not_positive_definite_past_the_cap(backend):
+    k = np.array([[1.0, 0.0], [0.0, -1.0]])
+    y = np.ones(2)
+    with pytest.raises(ntkcore.NotPositiveDefiniteError, match="not positive definite"):
+        ntkcore.kernel_regression(backend.asarray(k), backend.asarray(y), backend.asarray(k))
+    with pytest.raises(ntkcore.NotPositiveDefiniteError):
+        ntkcore.kernel_regression(backend.asarray(k), backend.asarray(y), backend.asarray(k),
+                                  jitter=None)
+    assert issubclass(ntkcore.NotPositiveDefiniteError, ValueError)
+    assert issubclass(ntkcore.JitterWarning, RuntimeWarning)
+
+
+def test_jitter_cap_is_settable(rng):
+    x = rng.normal(size=(5, 1))
+    k = x @ x.T - 1e-4 * np.eye(5)  # needs jitter > 1e-4 * scale
+    y = np.ones(5)
+    with pytest.raises(ntkcore.NotPositiveDefiniteError):
+        ntkcore.kernel_regression(k, y, k, jitter=1e-8)
+    with pytest.warns(ntkcore.JitterWarning):
+        ntkcore.kernel_regression(k, y, k, jitter=1.0)
+
+
+# -- bad input ---------------------------------------------------------------------------
+def test_bad_input_messages(backend):
+    k = backend.asarray(np.eye(3))
+    y = backend.asarray(np.ones(3))
+    with pytest.raises(ValueError, match="k_train must be square"):
+        ntkcore.kernel_regression(backend.asarray(np.ones((3, 2))), y, k)
+    with pytest.raises(ValueError, match="y_train has 2 rows"):
+        ntkcore.kernel_regression(k, backend.asarray(np.ones(2)), k)
+    with pytest.raises(ValueError, match="k_test_train must have N=3"):
+        ntkcore.kernel_regression(k, y, backend.asarray(np.ones((2, 2))))
+    bad = np.eye(3)
+    bad[0, 1] = np.nan
+    with pytest.raises(ValueError, match="k_train contains NaN"):
+        ntkcore.kernel_regression(backend.asarray(bad), y, k)
+    with pytest.raises(ValueError, match="y_train contains NaN or Inf"):
+        ntkcore.kernel_regression(k, backend.asarray(np.array([1, np.inf, 0])), k)
+    with pytest.raises(ValueError, match="reg must be non-negative"):
+        ntkcore.kernel_regression(k, y, k, reg=-1.0)
+    with pytest.raises(TypeError, match="k_train must have a real floating dtype"):
+        ntkcore.kernel_regression(backend.asarray(np.eye(3), "int64"), y, k)
+    with pytest.raises(ValueError, match="y_train must have shape"):
+        ntkcore.kernel_regression(k, backend.asarray(np.ones((3, 1, 1))), k)
+
+
+def test_mixed_namespaces_rejected():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="y_train is a torch array but k_train is a numpy"):
+        ntkcore.kernel_regression(np.eye(2), torch.ones(2, dtype=torch.float64), np.eye(2))
+    with pytest.raises(TypeError, match="y_train must be an array"):
+        ntkcore.kernel_regression(np.eye(2), [1.0, 2.0], np.eye(2))
+
+
+def test_inputs_are_not_mutated(rng):
+    k_tr, y, k_te, k_tt = _problem(rng)
+    copies = [a.copy() for a in (k_tr, y, k_te, k_tt)]
+    ntkcore.kernel_regression(k_tr, y, k_te, reg=0.1)
+    ntkcore.gd_mse_predict(k_tr, y, k_te, [0.0, 1.0], reg=0.1)
+    ntkcore.gp_inference(k_tr, y, k_te, k_tt, reg=0.1)
+    for a, c in zip((k_tr, y, k_te, k_tt), copies, strict=True):
+        np.testing.assert_array_equal(a, c)
+
+
+# -- gradient flow -----------------------------------------------------------------------
+def _gd_reference(k, y, ks, t, lr, reg):
+    kk = k + reg * np.eye(len(k))
+    return ks @ np.linalg.solve(kk, (np.eye(len(k)) - scipy.linalg.expm(-lr * kk * t)) @ y)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_gd_mse_predict_matches_matrix_exponential(backend, rng, k):
+    k_tr, y, k_te, _ = _problem(rng, k=k)
+    ts = [0.0, 0.5, 3.0]
+    out = ntkcore.gd_mse_predict(backend.asarray(k_tr), backend.asarray(y),
+                                 backend.asarray(k_te), backend.asarray(np.array(ts)),
+                                 learning_rate=0.7, reg=0.05)
+    assert backend.is_native(out)
+    assert out.shape == (3, *(k_te.shape[:1]), *(() if k is None else (k,)))
+    for i, t in enumerate(ts):
+        np.testing.assert_allclose(backend.to_numpy(out)[i],
+                                   _gd_reference(k_tr, y, k_te, t, 0.7, 0.05),
+                                   rtol=1e-8, atol=1e-10)
+    single = ntkcore.gd_mse_predict(backend.asarray(k_tr), backend.asarray(y),
+                                    backend.asarray(k_te), 0.5, learning_rate=0.7, reg=0.05)
+    np.testing.assert_allclose(backend.to_numpy(single), backend.to_numpy(out)[1], rtol=1e-12)
+
+
+def test_gd_mse_predict_infinite_time_is_kernel_regression(backend, rng):
+    k_tr, y, k_te, _ = _problem(rng)
+    inf = ntkcore.gd_mse_predict(backend.asarray(k_tr), backend.asarray(y),
+                                 backend.asarray(k_te), float("inf"))
+    kr = ntkcore.kernel_regression(backend.asarray(k_tr), backend.asarray(y),
+                                   backend.asarray(k_te))
+    np.testing.assert_allclose(backend.to_numpy(inf), backend.to_numpy(kr), rtol=1e-7)
+
+
+def test_gd_mse_predict_singular_kernel_finite_time(rng):
+    x = rng.normal(size=(5, 2))
+    k = x @ x.T
+    y = rng.normal(size=5)
+    out = ntkcore.gd_mse_predict(k, y, k, 2.0)
+    np.testing.assert_allclose(out, _gd_reference(k, y, k, 2.0, 1.0, 0.0), atol=1e-8)
+    with pytest.raises(ntkcore.NotPositiveDefiniteError):
+        ntkcore.gd_mse_predict(k, y, k, float("inf"))
+    with pytest.raises(ValueError, match="non-negative times"):
+        ntkcore.gd_mse_predict(k, y, k, -1.0)
+    with pytest.raises(ValueError, match="learning_rate must be positive"):
+        ntkcore.gd_mse_predict(k, y, k, 1.0, learning_rate=0.0)
+
+
+# -- GP inference ------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [None, 2])
+def test_gp_inference_matches_dense_formulas(backend, rng, k):
+    k_tr, y, k_te, k_tt = _problem(rng, k=k)
+    reg = 0.2
+    kk = k_tr + reg * np.eye(len(k_tr))
+    mean = k_te @ np.linalg.solve(kk, y)
+    cov = k_tt - k_te @ np.linalg.solve(kk, k_te.T)
+    cols = y.reshape(len(y), -1).T
+    lml = sum(scipy.stats.multivariate_normal(np.zeros(len(y)), kk).logpdf(c) for c in cols)
+    post = ntkcore.gp_inference(backend.asarray(k_tr), backend.asarray(y),
+                                backend.asarray(k_te), backend.asarray(k_tt), reg=reg)
+    np.testing.assert_allclose(backend.to_numpy(post.mean), mean, rtol=1e-9)
+    np.testing.assert_allclose(backend.to_numpy(post.covariance), cov, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(float(backend.to_numpy(post.log_marginal_likelihood)), lml,
+                               rtol=1e-10)
+    assert post.jitter == 0.0
+    post2 = ntkcore.gp_inference(backend.asarray(k_tr), backend.asarray(y),
+                                 backend.asarray(k_te), reg=reg)
+    assert post2.covariance is None
+    with pytest.raises(ValueError, match="k_test_test must have shape"):
+        ntkcore.gp_inference(backend.asarray(k_tr), backend.asarray(y), backend.asarray(k_te),
+                             backend.asarray(np.eye(2)))
+
+
+# -- differentiability -------------------------------------------------------------------
+def test_gradcheck_torch():
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    xs = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+
+    def rbf(a, b):
+        return torch.exp(-0.5 * torch.cdist(a, b) ** 2)
+
+    y = torch.randn(6, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def f(x_support, y_support):
+        return ntkcore.kernel_regression(rbf(x_support, x_support), y_support,
+                                         rbf(xs, x_support), reg=1e-2)
+
+    x_req = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (x_req, y))
+
+    def g(x_support):
+        post = ntkcore.gp_inference(rbf(x_support, x_support), y.detach(), rbf(xs, x_support),
+                                    rbf(xs, xs), reg=1e-2)
+        return post.mean, post.covariance, post.log_marginal_likelihood
+
+    assert torch.autograd.gradcheck(g, (x_req,))
+
+    def h(x_support):
+        return ntkcore.gd_mse_predict(rbf(x_support, x_support), y.detach(),
+                                      rbf(xs, x_support), [0.5, 2.0], reg=1e-1)
+
+    assert torch.autograd.gradcheck(h, (x_req,))
+
+
+def test_gradient_matches_dense_solve_gradient():
+    """Gradient through Cholesky equals the gradient of the same loss through an LU solve."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    k0 = a @ a.T + 8 * torch.eye(8, dtype=torch.float64)
+    y = torch.randn(8, generator=gen, dtype=torch.float64)
+    ks = torch.randn(3, 8, generator=gen, dtype=torch.float64)
+    k1 = k0.clone().requires_grad_(True)
+    (ntkcore.kernel_regression(k1, y, ks) ** 2).sum().backward()
+    k2 = k0.clone().requires_grad_(True)
+    sym = (k2 + k2.T) / 2  # cholesky reads one triangle: compare on the symmetric part
+    (((ks @ torch.linalg.solve(sym, y)) ** 2).sum()).backward()
+    g1, g2 = k1.grad, k2.grad
+    np.testing.assert_allclose(((g1 + g1.T) / 2).numpy(), ((g2 + g2.T) / 2).numpy(), rtol=1e-8,
+                               atol=1e-10)
+
+
+def test_jax_grad():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    k_tr, y, k_te, _ = _problem(rng)
+
+    def loss(kt):
+        return jnp.sum(ntkcore.kernel_regression(jnp.asarray(k_tr), jnp.asarray(y), kt) ** 2)
+
+    g = jax.grad(loss)(jnp.asarray(k_te))
+    alpha = np.linalg.solve(k_tr, y)
+    expected = 2 * np.outer(k_te @ alpha, alpha)
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-8)
