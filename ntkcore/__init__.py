@@ -6,6 +6,13 @@ architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the fra
 """
 
 from ._version import __version__
+from .cg import (
+    CGReport,
+    ConvergenceWarning,
+    NystromPreconditioner,
+    PivotedCholeskyPreconditioner,
+    cg_solve,
+)
 from .errors import JitterWarning, NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .regression import (
@@ -17,6 +24,11 @@ from .regression import (
 )
 
 __all__ = [
+    "CGReport",
+    "ConvergenceWarning",
+    "NystromPreconditioner",
+    "PivotedCholeskyPreconditioner",
+    "cg_solve",
     "DenseBlock",
     "GPPosterior",
     "Jacobian",

@@ -1,0 +1,720 @@
+r"""Preconditioned conjugate gradients for kernel systems that are only available as products.
+
+Solves
+
+.. math:: (K + \lambda I)\, X = Y, \qquad K \in \mathbb{R}^{N\times N}\ \text{SPD},\;
+          Y \in \mathbb{R}^{N\times k},
+
+touching :math:`K` only through products :math:`K V`.  :math:`K` may be
+
+* an in-memory array of any array-API namespace (numpy, torch, jax, cupy, array_api_strict),
+* a dask array (the products are computed by Dask; see :mod:`ntkcore.distributed`),
+* any *linear operator*: an object with ``shape`` (N, N), ``dtype`` and ``matmat(V)``
+  (N, k) -> (N, k) or ``matvec(v)`` (N,) -> (N,), for example
+  :class:`ntkcore.KernelOperator`, which recomputes kernel tiles from Jacobian factors and never
+  stores the N x N kernel.  Optional methods ``diagonal()`` -> (N,) and ``columns(idx)`` ->
+  (N, len(idx)) make the pivoted-Cholesky preconditioner cheap.
+
+The iterates live in the namespace, device and dtype of ``Y``.  Each of the k columns is an
+independent CG run (own step sizes); all k share each product :math:`K P`, so k right-hand
+sides cost one ``matmat`` per iteration.
+
+Preconditioned CG (per column), with :math:`A = K + \lambda I` and :math:`M^{-1} \approx A^{-1}`:
+
+.. math::
+
+    r_0 = y - A x_0,\; z_0 = M^{-1} r_0,\; p_0 = z_0;\qquad
+    \alpha_j = \frac{r_j^\top z_j}{p_j^\top A p_j},\;
+    x_{j+1} = x_j + \alpha_j p_j,\; r_{j+1} = r_j - \alpha_j A p_j,
+
+    z_{j+1} = M^{-1} r_{j+1},\; \beta_j = \frac{r_{j+1}^\top z_{j+1}}{r_j^\top z_j},\;
+    p_{j+1} = z_{j+1} + \beta_j p_j ,
+
+stopped when :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column.
+
+Preconditioners
+---------------
+``"nystrom"`` -- randomized Nystrom approximation of rank r (Frangella, Tropp & Udell, 2023):
+with an orthonormal Gaussian test matrix :math:`\Omega` (N, r), :math:`Y = K\Omega`, a
+stabilising shift :math:`\nu`, :math:`C C^\top = \Omega^\top (Y + \nu\Omega)`,
+:math:`B = (Y + \nu\Omega) C^{-\top} = U \Sigma V^\top` and
+:math:`\hat\Lambda = \max(\Sigma^2 - \nu, 0)`, the approximation is
+:math:`K \approx U \hat\Lambda U^\top` and
+
+.. math:: M^{-1} = (\hat\lambda_r + \mu)\, U (\hat\Lambda + \mu I)^{-1} U^\top + (I - U U^\top),
+
+with :math:`\mu = \lambda` (the ridge).  Building it costs one product with r columns.
+
+``"pivoted_cholesky"`` -- greedy pivoted (partial) Cholesky :math:`K \approx L L^\top`,
+L (N, r), pivoting on the largest remaining diagonal entry; :math:`M = L L^\top + s I` with
+:math:`s = \lambda` (or the largest remaining diagonal entry when :math:`\lambda = 0`), applied
+by the Woodbury identity :math:`M^{-1} R = (R - L (sI + L^\top L)^{-1} L^\top R)/s`.  It reads
+``diagonal()`` and r single columns of K.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat
+
+from ._validation import check_array, check_scalar
+from .backends import Backend, get_backend
+
+Array = Any
+
+__all__ = [
+    "CGReport",
+    "ConvergenceWarning",
+    "LinearOperator",
+    "NystromPreconditioner",
+    "PivotedCholeskyPreconditioner",
+    "aslinearoperator",
+    "cg_kernel_regression",
+    "cg_solve",
+    "nystrom_preconditioner",
+    "pivoted_cholesky_preconditioner",
+]
+
+
+class ConvergenceWarning(RuntimeWarning):
+    """An iterative solver stopped at its iteration limit before reaching the tolerance."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear operators
+# ---------------------------------------------------------------------------------------------
+class LinearOperator:
+    """Base class (and duck-type description) of a symmetric N x N operator.
+
+    Subclasses set ``shape`` and ``dtype`` and implement :meth:`matmat` (or :meth:`matvec`).
+    :meth:`diagonal` and :meth:`columns` have generic (slow: one product per column) fallbacks.
+    """
+
+    shape: tuple[int, int]
+    dtype: Any
+
+    def matmat(self, v: Array) -> Array:
+        """:math:`K V` for ``v`` (N, k) -> (N, k)."""
+        xp = array_api_compat.array_namespace(v)
+        return xp.stack([self.matvec(v[:, j]) for j in range(v.shape[1])], axis=1)
+
+    def matvec(self, v: Array) -> Array:
+        """:math:`K v` for ``v`` (N,) -> (N,)."""
+        return self.matmat(v[:, None])[:, 0]
+
+    def __matmul__(self, v: Array) -> Array:
+        return self.matvec(v) if v.ndim == 1 else self.matmat(v)
+
+    def columns(self, idx: list[int], like: Array) -> Array:
+        """Columns ``K[:, idx]`` (N, len(idx)) in the namespace/device/dtype of ``like``."""
+        xp = array_api_compat.array_namespace(like)
+        dev = array_api_compat.device(like)
+        rows = xp.asarray(idx, dtype=xp.int64, device=dev)
+        grid = xp.arange(self.shape[0], dtype=xp.int64, device=dev)
+        # one-hot (N, len(idx)) built by comparison: no in-place writes (jax, array_api_strict)
+        e = xp.astype(grid[:, None] == rows[None, :], like.dtype)
+        return self.matmat(e)
+
+    def diagonal(self, like: Array) -> Array:
+        """The diagonal of K (N,); the generic fallback costs N products (avoid it)."""
+        xp = array_api_compat.array_namespace(like)
+        n = self.shape[0]
+        step = 256
+        parts = []
+        for start in range(0, n, step):
+            idx = list(range(start, min(n, start + step)))
+            cols = self.columns(idx, like)
+            parts.append(xp.stack([cols[i, j] for j, i in enumerate(idx)]))
+        return xp.concat(parts)
+
+
+class _DuckOperator(LinearOperator):
+    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.shape = tuple(int(s) for s in op.shape)  # type: ignore[assignment]
+        self.dtype = getattr(op, "dtype", None)
+
+    def matmat(self, v: Array) -> Array:
+        if hasattr(self.op, "matmat"):
+            return self.op.matmat(v)
+        return LinearOperator.matmat(self, v)
+
+    def matvec(self, v: Array) -> Array:
+        if hasattr(self.op, "matvec"):
+            return self.op.matvec(v)
+        return self.op.matmat(v[:, None])[:, 0]
+
+    def columns(self, idx: list[int], like: Array) -> Array:
+        if hasattr(self.op, "columns"):
+            return self.op.columns(idx, like)
+        return LinearOperator.columns(self, idx, like)
+
+    def diagonal(self, like: Array) -> Array:
+        if hasattr(self.op, "diagonal"):
+            return self.op.diagonal(like)
+        return LinearOperator.diagonal(self, like)
+
+
+class _ArrayOperator(LinearOperator):
+    """An in-memory kernel array of any array-API namespace."""
+
+    def __init__(self, k: Array) -> None:
+        self.k = k
+        self.shape = (int(k.shape[0]), int(k.shape[1]))
+        self.dtype = k.dtype
+        self.xp = array_api_compat.array_namespace(k)
+
+    def matmat(self, v: Array) -> Array:
+        return self.k @ v
+
+    def matvec(self, v: Array) -> Array:
+        return self.k @ v
+
+    def columns(self, idx: list[int], like: Array) -> Array:
+        ind = self.xp.asarray(idx, dtype=self.xp.int64, device=array_api_compat.device(self.k))
+        return self.xp.take(self.k, ind, axis=1)
+
+    def diagonal(self, like: Array) -> Array:
+        return self.xp.linalg.diagonal(self.k)
+
+
+def _dask_support() -> Any:
+    try:
+        return importlib.import_module("ntkcore.distributed")
+    except ImportError as exc:  # pragma: no cover - dask is installed in CI
+        raise ImportError(
+            "a dask array was given; install the 'dask' extra (pip install ntkcore[dask])"
+        ) from exc
+
+
+def _is_operator(k: Any) -> bool:
+    return hasattr(k, "shape") and (hasattr(k, "matmat") or hasattr(k, "matvec"))
+
+
+def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
+    """Wrap an array, a dask array or an operator-like object as a :class:`LinearOperator`.
+
+    Raises
+    ------
+    TypeError
+        If ``k`` is neither an array nor an object with ``shape`` and ``matmat``/``matvec``.
+    ValueError
+        If ``k`` is not square.
+    """
+    if isinstance(k, LinearOperator):
+        op = k
+    elif array_api_compat.is_dask_array(k):
+        op = _dask_support().DaskMatrixOperator(k)
+    elif _is_operator(k) and not _is_array(k):
+        op = _DuckOperator(k)
+    elif _is_array(k):
+        if k.ndim != 2:
+            raise ValueError(f"{name} must have shape (N, N); got shape {tuple(k.shape)}")
+        op = _ArrayOperator(k)
+    else:
+        raise TypeError(
+            f"{name} must be an array, a dask array or a linear operator with shape, dtype and "
+            f"matmat/matvec; got {type(k).__name__}"
+        )
+    if len(op.shape) != 2 or op.shape[0] != op.shape[1]:
+        raise ValueError(f"{name} must be square (N, N); got shape {tuple(op.shape)}")
+    return op
+
+
+def _is_array(x: Any) -> bool:
+    try:
+        array_api_compat.array_namespace(x)
+    except TypeError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Preconditioners
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class NystromPreconditioner:
+    r"""Randomized Nystrom preconditioner :math:`M^{-1}` for :math:`K + \mu I`.
+
+    Attributes
+    ----------
+    u : array, shape (N, r)
+        Orthonormal eigenvector estimates of K.
+    eigenvalues : array, shape (r,)
+        Eigenvalue estimates :math:`\hat\lambda_1 \ge \dots \ge \hat\lambda_r \ge 0`.
+    mu : float
+        The shift (the ridge of the system).
+    """
+
+    u: Array
+    eigenvalues: Array
+    mu: float
+    name: str = "nystrom"
+
+    @property
+    def rank(self) -> int:
+        return int(self.u.shape[1])
+
+    def apply(self, r: Array) -> Array:
+        r""":math:`M^{-1} R = R + U\,\big(\tfrac{\hat\lambda_r+\mu}{\hat\lambda+\mu} - 1\big)
+        \odot (U^\top R)` for ``r`` (N, k) -> (N, k)."""
+        lam_r = self.eigenvalues[-1]
+        scale = (lam_r + self.mu) / (self.eigenvalues + self.mu) - 1.0  # (r,)
+        return r + self.u @ (scale[:, None] * (self.u.T @ r))
+
+
+@dataclass(frozen=True, eq=False)
+class PivotedCholeskyPreconditioner:
+    r"""Pivoted-Cholesky preconditioner :math:`M = L L^\top + s I`, applied by Woodbury.
+
+    Attributes
+    ----------
+    l : array, shape (N, r)
+        Low-rank factor, :math:`K \approx L L^\top`.
+    chol : array, shape (r, r)
+        Lower Cholesky factor of :math:`s I + L^\top L`.
+    shift : float
+        :math:`s > 0`.
+    pivots : tuple of int
+        The chosen pivot indices, in order.
+    """
+
+    l: Array
+    chol: Array
+    shift: float
+    pivots: tuple[int, ...]
+    backend: Backend = field(repr=False)
+    name: str = "pivoted_cholesky"
+
+    @property
+    def rank(self) -> int:
+        return int(self.l.shape[1])
+
+    def apply(self, r: Array) -> Array:
+        r""":math:`M^{-1} R = (R - L (sI + L^\top L)^{-1} L^\top R) / s`, (N, k) -> (N, k)."""
+        if self.rank == 0:
+            return r / self.shift
+        w = self.backend.cho_solve(self.chol, self.l.T @ r)
+        return (r - self.l @ w) / self.shift
+
+
+def nystrom_preconditioner(
+    k: Any, rank: int, *, reg: float = 0.0, seed: int | None = 0, like: Array
+) -> NystromPreconditioner:
+    """Build a :class:`NystromPreconditioner` of ``rank`` for ``k + reg I``.
+
+    Parameters
+    ----------
+    k : array, dask array or linear operator, shape (N, N)
+    rank : int
+        Sketch size r (``1 <= r <= N``).
+    reg : float
+        The ridge :math:`\\mu` of the system being preconditioned.
+    seed : int or None
+        Seed of the Gaussian test matrix.
+    like : array
+        Any array of the namespace/device/dtype the preconditioner should live in (the
+        right-hand side).
+
+    Returns
+    -------
+    NystromPreconditioner
+    """
+    op = aslinearoperator(k)
+    xp = array_api_compat.array_namespace(like)
+    backend = get_backend(xp)
+    n = op.shape[0]
+    r = _check_rank(rank, n)
+    dtype = like.dtype
+    dev = array_api_compat.device(like)
+    omega = backend.generator(seed, dev).normal((n, r), dtype)
+    omega, _ = xp.linalg.qr(omega)  # orthonormal columns, (N, r)
+    y = op.matmat(omega)  # K Omega, (N, r)
+    eps = float(xp.finfo(dtype).eps)
+    nu = math.sqrt(n) * eps * float(xp.linalg.vector_norm(y))
+    nu = nu if nu > 0 else eps
+    c = None
+    while c is None:
+        y_nu = y + nu * omega
+        gram = omega.T @ y_nu
+        c = backend.cholesky(0.5 * (gram + gram.T))
+        if c is None:
+            nu *= 10.0
+    b = backend.solve_triangular(c, y_nu.T, lower=True).T  # Y_nu C^{-T}, (N, r)
+    u, s, _ = xp.linalg.svd(b, full_matrices=False)
+    lam = xp.clip(s * s - nu, min=0.0)
+    mu = float(reg)
+    if mu <= 0:
+        # no ridge: keep M^{-1} finite with a shift below every retained eigenvalue
+        lam_pos = float(lam[-1])
+        mu = lam_pos * 1e-3 if lam_pos > 0 else max(nu, eps)
+    return NystromPreconditioner(u, lam, mu)
+
+
+def pivoted_cholesky_preconditioner(
+    k: Any, rank: int, *, reg: float = 0.0, like: Array, rel_tol: float = 0.0
+) -> PivotedCholeskyPreconditioner:
+    """Build a :class:`PivotedCholeskyPreconditioner` of at most ``rank`` for ``k + reg I``.
+
+    Parameters
+    ----------
+    k : array, dask array or linear operator, shape (N, N)
+    rank : int
+        Maximum number of pivots r.
+    reg : float
+        Ridge of the system; used as the shift ``s`` when positive.
+    like : array
+        Namespace/device/dtype of the result (the right-hand side).
+    rel_tol : float
+        Stop early once the largest remaining diagonal entry is below
+        ``rel_tol * trace(K)``.
+
+    Returns
+    -------
+    PivotedCholeskyPreconditioner
+    """
+    op = aslinearoperator(k)
+    xp = array_api_compat.array_namespace(like)
+    backend = get_backend(xp)
+    n = op.shape[0]
+    r = _check_rank(rank, n)
+    d = xp.astype(op.diagonal(like), like.dtype)  # remaining diagonal of K - L L^T
+    trace = float(xp.sum(d))
+    cols: list[Array] = []
+    pivots: list[int] = []
+    for _ in range(r):
+        i = int(xp.argmax(d))
+        di = float(d[i])
+        if di <= max(rel_tol * trace, 0.0) or di <= 0:
+            break
+        col = xp.astype(op.columns([i], like)[:, 0], like.dtype)  # K[:, i]
+        if cols:
+            lmat = xp.stack(cols, axis=1)  # (N, m)
+            col = col - lmat @ lmat[i, :]
+        li = col / math.sqrt(di)
+        cols.append(li)
+        pivots.append(i)
+        d = d - li * li
+    dev = array_api_compat.device(like)
+    lmat = (xp.stack(cols, axis=1) if cols
+            else xp.zeros((n, 0), dtype=like.dtype, device=dev))
+    if reg > 0:
+        shift = float(reg)
+    else:
+        rem = float(xp.max(d)) if n else 0.0
+        shift = rem if rem > 0 else float(xp.finfo(like.dtype).eps) * max(trace / max(n, 1), 1.0)
+    m = lmat.shape[1]
+    small = shift * xp.eye(m, dtype=like.dtype, device=dev) + lmat.T @ lmat
+    chol = backend.cholesky(small) if m else small
+    if chol is None:  # pragma: no cover - sI + L^T L is SPD for s > 0
+        raise ValueError("pivoted-Cholesky preconditioner: inner factorisation failed")
+    return PivotedCholeskyPreconditioner(lmat, chol, shift, tuple(pivots), backend)
+
+
+def _check_rank(rank: Any, n: int) -> int:
+    if isinstance(rank, bool) or not hasattr(rank, "__index__"):
+        raise TypeError(f"rank must be an integer; got {rank!r}")
+    r = int(rank)
+    if r < 1:
+        raise ValueError(f"rank must be at least 1; got {r}")
+    return min(r, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conjugate gradients
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CGReport:
+    """What happened in one :func:`cg_solve` call.
+
+    Attributes
+    ----------
+    converged : bool
+        Every column reached ``tol``.
+    iterations : int
+        Iterations run (products with K, not counting preconditioner set-up and the final
+        residual check).
+    tol : float
+        Requested relative residual.
+    maxiter : int
+        Iteration limit.
+    residuals : tuple of float
+        Final true relative residual :math:`\\|y - (K+\\lambda I)x\\| / \\|y\\|` per column.
+    history : tuple of float
+        Largest recursive relative residual over the columns after each iteration.
+    preconditioner : str
+        ``"none"``, ``"nystrom"``, ``"pivoted_cholesky"`` or the class name of a custom one.
+    rank : int
+        Rank of the preconditioner (0 without one).
+    setup_seconds, solve_seconds : float
+        Wall time building the preconditioner and iterating.
+    """
+
+    converged: bool
+    iterations: int
+    tol: float
+    maxiter: int
+    residuals: tuple[float, ...]
+    history: tuple[float, ...]
+    preconditioner: str
+    rank: int
+    setup_seconds: float
+    solve_seconds: float
+
+    @property
+    def max_residual(self) -> float:
+        return max(self.residuals) if self.residuals else 0.0
+
+    def __str__(self) -> str:
+        state = "converged" if self.converged else "NOT converged"
+        return (
+            f"CG {state} in {self.iterations} iterations (tol {self.tol:.1e}, max relative "
+            f"residual {self.max_residual:.2e}); preconditioner {self.preconditioner} rank "
+            f"{self.rank}; setup {self.setup_seconds:.3g}s, solve {self.solve_seconds:.3g}s"
+        )
+
+
+def _default_tol(xp: Any, dtype: Any) -> float:
+    return max(1e-6, 100.0 * float(xp.finfo(dtype).eps))
+
+
+def cg_solve(
+    k: Any,
+    y: Array,
+    *,
+    reg: float = 0.0,
+    tol: float | None = None,
+    maxiter: int | None = None,
+    preconditioner: str | Any | None = "nystrom",
+    rank: int = 100,
+    seed: int | None = 0,
+    x0: Array | None = None,
+    callback: Callable[[int, float], None] | None = None,
+    warn: bool = True,
+) -> tuple[Array, CGReport]:
+    r"""Solve :math:`(K + \lambda I) X = Y` by preconditioned conjugate gradients.
+
+    Parameters
+    ----------
+    k : array (N, N), dask array (N, N) or linear operator
+        Symmetric positive semi-definite kernel, used only through products (see the module
+        docstring for the operator protocol).
+    y : array, shape (N,) or (N, k)
+        Right-hand side(s); the solution has the same shape, namespace, device and dtype.
+    reg : float, default 0.0
+        Ridge :math:`\lambda \ge 0`.
+    tol : float, optional
+        Relative residual :math:`\|y - (K+\lambda I)x\| \le \mathrm{tol}\,\|y\|` per column;
+        default ``max(1e-6, 100 eps(dtype))``.
+    maxiter : int, optional
+        Iteration limit (default 10 N: rounding spoils the exact N-step termination).
+    preconditioner : "nystrom", "pivoted_cholesky", None or object, default "nystrom"
+        A ready preconditioner is any object with ``apply(R)`` (N, k) -> (N, k) approximating
+        :math:`(K + \lambda I)^{-1} R`.
+    rank : int, default 100
+        Rank of a preconditioner built here (capped at N).
+    seed : int or None
+        Seed of the Nystrom sketch.
+    x0 : array, optional
+        Initial guess, same shape as ``y``.
+    callback : callable, optional
+        ``callback(iteration, max_relative_residual)`` after every iteration.
+    warn : bool, default True
+        Emit :class:`ConvergenceWarning` when the tolerance is not reached.
+
+    Returns
+    -------
+    x : array, shape of ``y``
+    report : CGReport
+    """
+    op = aslinearoperator(k, name="k")
+    if array_api_compat.is_dask_array(y):
+        y = _dask_support().to_local(y)
+    if not _is_array(y):
+        raise TypeError(f"y must be an array; got {type(y).__name__}")
+    xp = array_api_compat.array_namespace(y)
+    check_array(xp, y, "y", (1, 2), "(N,) or (N, k)")
+    n = op.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
+    if isinstance(op, _ArrayOperator) and op.xp is not xp:
+        raise TypeError(
+            f"k is a {type(op.k).__module__} array but y is a {type(y).__module__} array; pass "
+            "arrays of one library"
+        )
+    reg = check_scalar(reg, "reg", nonnegative=True)
+    tol_v = _default_tol(xp, y.dtype) if tol is None else check_scalar(tol, "tol", positive=True)
+    if maxiter is None:
+        maxiter_v = max(10 * n, 1)
+    else:
+        if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 0:
+            raise ValueError(f"maxiter must be a non-negative integer; got {maxiter!r}")
+        maxiter_v = int(maxiter)
+    vector = y.ndim == 1
+    ymat = y[:, None] if vector else y
+    if x0 is not None:
+        if not _is_array(x0) or tuple(x0.shape) != tuple(y.shape):
+            raise ValueError(f"x0 must be an array of shape {tuple(y.shape)}")
+        xmat = xp.astype(x0[:, None] if vector else x0, y.dtype)
+    else:
+        xmat = xp.zeros_like(ymat)
+
+    def apply_a(v: Array) -> Array:
+        kv = op.matmat(v)
+        if reg:
+            kv = kv + reg * v
+        return kv
+
+    t0 = time.perf_counter()
+    precond = _make_preconditioner(preconditioner, op, rank, reg, seed, ymat)
+    setup = time.perf_counter() - t0
+    pname = "none" if precond is None else getattr(precond, "name", type(precond).__name__)
+    prank = 0 if precond is None else int(getattr(precond, "rank", 0))
+
+    t1 = time.perf_counter()
+    ynorm = xp.linalg.vector_norm(ymat, axis=0)  # (k,)
+    ynorm_safe = xp.where(ynorm > 0, ynorm, xp.ones_like(ynorm))
+    r = ymat - apply_a(xmat) if x0 is not None else ymat
+    z = precond.apply(r) if precond is not None else r
+    p = z
+    rz = xp.sum(r * z, axis=0)
+    res = xp.linalg.vector_norm(r, axis=0) / ynorm_safe
+    history: list[float] = []
+    it = 0
+    done = bool(xp.all(res <= tol_v))
+    while not done and it < maxiter_v:
+        active = res > tol_v
+        ap = apply_a(p)
+        pap = xp.sum(p * ap, axis=0)
+        ok = active & (pap > 0)
+        step = xp.where(ok, rz / xp.where(ok, pap, xp.ones_like(pap)), xp.zeros_like(pap))
+        xmat = xmat + step * p
+        r = r - step * ap
+        res = xp.where(active, xp.linalg.vector_norm(r, axis=0) / ynorm_safe, res)
+        it += 1
+        worst = float(xp.max(res))
+        history.append(worst)
+        if callback is not None:
+            callback(it, worst)
+        if worst <= tol_v or not bool(xp.any(ok)):
+            break
+        z = precond.apply(r) if precond is not None else r
+        rz_new = xp.sum(r * z, axis=0)
+        still = ok & (rz > 0)
+        beta = xp.where(still, rz_new / xp.where(still, rz, xp.ones_like(rz)),
+                        xp.zeros_like(rz))
+        p = z + beta * p
+        rz = xp.where(ok, rz_new, rz)
+    # honest final residual (the recursive one drifts in low precision)
+    true_res = xp.linalg.vector_norm(ymat - apply_a(xmat), axis=0) / ynorm_safe
+    residuals = tuple(float(v) for v in _to_list(xp, true_res))
+    solve_s = time.perf_counter() - t1
+    converged = bool(xp.all(res <= tol_v))
+    report = CGReport(
+        converged=converged,
+        iterations=it,
+        tol=tol_v,
+        maxiter=maxiter_v,
+        residuals=residuals,
+        history=tuple(history),
+        preconditioner=pname,
+        rank=prank,
+        setup_seconds=setup,
+        solve_seconds=solve_s,
+    )
+    if warn and not converged:
+        warnings.warn(
+            f"conjugate gradients did not converge: {report}; raise maxiter or rank, or add "
+            "a larger reg",
+            ConvergenceWarning,
+            stacklevel=2,
+        )
+    x = xmat[:, 0] if vector else xmat
+    return x, report
+
+
+def _to_list(xp: Any, v: Array) -> list[float]:
+    return [float(v[i]) for i in range(v.shape[0])]
+
+
+def _make_preconditioner(
+    preconditioner: Any, op: LinearOperator, rank: int, reg: float, seed: int | None,
+    like: Array,
+) -> Any:
+    if preconditioner is None or preconditioner == "none":
+        return None
+    if isinstance(preconditioner, str):
+        if preconditioner == "nystrom":
+            return nystrom_preconditioner(op, rank, reg=reg, seed=seed, like=like)
+        if preconditioner in ("pivoted_cholesky", "pivchol"):
+            return pivoted_cholesky_preconditioner(op, rank, reg=reg, like=like)
+        raise ValueError(
+            "preconditioner must be 'nystrom', 'pivoted_cholesky', None or an object with "
+            f"apply(R); got {preconditioner!r}"
+        )
+    if not callable(getattr(preconditioner, "apply", None)):
+        raise TypeError(
+            "preconditioner must be 'nystrom', 'pivoted_cholesky', None or an object with "
+            f"apply(R); got {type(preconditioner).__name__}"
+        )
+    return preconditioner
+
+
+def cg_kernel_regression(
+    k_train: Any,
+    y_train: Array,
+    k_test_train: Any,
+    *,
+    reg: float = 0.0,
+    **cg_options: Any,
+) -> Array:
+    r"""Kernel regression :math:`K_* (K + \lambda I)^{-1} y`, solved by :func:`cg_solve`.
+
+    This is what ``kernel_regression(..., solver="cg")`` runs.
+
+    Parameters
+    ----------
+    k_train : array (N, N), dask array or linear operator
+    y_train : array, shape (N,) or (N, k)
+    k_test_train : array (M, N), dask array (M, N), or an object with ``matmat``
+        (e.g. a :class:`~ntkcore.KernelOperator` between test and training points).
+    reg : float
+    **cg_options
+        ``tol``, ``maxiter``, ``preconditioner``, ``rank``, ``seed``, ``x0``, ``callback``,
+        ``warn`` of :func:`cg_solve`.
+
+    Returns
+    -------
+    array, shape (M,) or (M, k)
+        In ``k_test_train``'s kind: a lazy dask array for a dask ``k_test_train``, otherwise
+        the namespace of ``y_train``.
+    """
+    allowed = {"tol", "maxiter", "preconditioner", "rank", "seed", "x0", "callback", "warn"}
+    unknown = set(cg_options) - allowed
+    if unknown:
+        raise TypeError(
+            f"unknown conjugate-gradient option(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+        )
+    n = aslinearoperator(k_train, name="k_train").shape[0]
+    if len(k_test_train.shape) != 2 or k_test_train.shape[1] != n:
+        raise ValueError(
+            f"k_test_train must have N={n} columns (one per training point); got shape "
+            f"{tuple(k_test_train.shape)}"
+        )
+    alpha, _ = cg_solve(k_train, y_train, reg=reg, **cg_options)
+    if _is_array(k_test_train) or array_api_compat.is_dask_array(k_test_train):
+        return k_test_train @ alpha
+    if alpha.ndim == 1:
+        if hasattr(k_test_train, "matvec"):
+            return k_test_train.matvec(alpha)
+        return k_test_train.matmat(alpha[:, None])[:, 0]
+    return k_test_train.matmat(alpha)

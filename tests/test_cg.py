@@ -1,0 +1,285 @@
+"""Preconditioned conjugate gradients (ntkcore.cg) against direct float64 solves."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import scipy.linalg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ntkcore
+from ntkcore import cg
+
+
+def rbf_kernel(rng: np.random.Generator, n: int, d: int = 4, scale: float = 3.0) -> np.ndarray:
+    x = rng.standard_normal((n, d))
+    sq = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    return np.exp(-sq / scale)
+
+
+def low_rank_kernel(rng: np.random.Generator, n: int, r: int) -> np.ndarray:
+    f = rng.standard_normal((n, r))
+    return f @ f.T
+
+
+def skip_slow_jax(backend, keep: bool = False) -> None:
+    """Eager JAX dispatch makes every CG iteration slow; cover it in one case only."""
+    if backend.name == "jax" and not keep:
+        pytest.skip("jax is covered by one case of test_cg_matches_direct_solve")
+
+
+def true_rel_residual(k: np.ndarray, reg: float, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    a = k + reg * np.eye(k.shape[0])
+    res = y - a @ x
+    return np.linalg.norm(res, axis=0) / np.linalg.norm(y, axis=0)
+
+
+@pytest.mark.parametrize("preconditioner", [None, "nystrom", "pivoted_cholesky"])
+@pytest.mark.parametrize("ycols", [None, 3])
+def test_cg_matches_direct_solve(backend, rng, preconditioner, ycols):
+    skip_slow_jax(backend, keep=(preconditioner == "nystrom" and ycols == 3))
+    n, reg, tol = 60, 1e-2, 1e-10
+    k = rbf_kernel(rng, n)
+    y = rng.standard_normal((n,) if ycols is None else (n, ycols))
+    ref = scipy.linalg.solve(k + reg * np.eye(n), y, assume_a="pos")
+    x, report = cg.cg_solve(backend.asarray(k), backend.asarray(y), reg=reg, tol=tol,
+                            preconditioner=preconditioner, rank=20)
+    assert backend.is_native(x)
+    assert tuple(x.shape) == y.shape
+    xn = backend.to_numpy(x)
+    assert report.converged
+    assert report.iterations <= 10 * n
+    # the reported residual is the true one
+    np.testing.assert_allclose(np.atleast_1d(true_rel_residual(k, reg, xn, y)),
+                               report.residuals, rtol=1e-3, atol=1e-14)
+    assert report.max_residual <= 10 * tol
+    cond = np.linalg.cond(k + reg * np.eye(n))
+    err = np.linalg.norm(xn - ref) / np.linalg.norm(ref)
+    assert err <= 10 * cond * tol
+
+
+def test_cg_equals_cholesky_regression_path(backend, rng):
+    skip_slow_jax(backend)
+    n, m, reg = 50, 7, 1e-3
+    k_all = rbf_kernel(rng, n + m)
+    k, ks = k_all[:n, :n], k_all[n:, :n]
+    y = rng.standard_normal((n, 2))
+    ref = ks @ np.linalg.solve(k + reg * np.eye(n), y)
+    pred = cg.cg_kernel_regression(backend.asarray(k), backend.asarray(y), backend.asarray(ks),
+                                   reg=reg, tol=1e-11, rank=25)
+    assert backend.is_native(pred)
+    np.testing.assert_allclose(backend.to_numpy(pred), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_preconditioners_reduce_iterations(rng):
+    n, reg = 200, 1e-3
+    k = rbf_kernel(rng, n, scale=6.0)
+    y = rng.standard_normal(n)
+    its = {}
+    for pc in (None, "nystrom", "pivoted_cholesky"):
+        _, rep = cg.cg_solve(k, y, reg=reg, tol=1e-8, preconditioner=pc, rank=60)
+        assert rep.converged
+        its[pc] = rep.iterations
+        assert rep.preconditioner == ("none" if pc is None else pc)
+        assert rep.rank == (0 if pc is None else 60)
+    assert its["nystrom"] < its[None] / 2
+    assert its["pivoted_cholesky"] < its[None] / 2
+
+
+def test_float32_torch(rng):
+    torch = pytest.importorskip("torch")
+    n, reg = 80, 1e-2
+    k = rbf_kernel(rng, n)
+    y = rng.standard_normal(n)
+    x, rep = cg.cg_solve(torch.tensor(k, dtype=torch.float32),
+                         torch.tensor(y, dtype=torch.float32), reg=reg)
+    assert x.dtype == torch.float32
+    assert rep.tol == pytest.approx(max(1e-6, 100 * np.finfo(np.float32).eps))
+    assert rep.converged
+    ref = np.linalg.solve(k + reg * np.eye(n), y)
+    np.testing.assert_allclose(x.numpy(), ref, rtol=0, atol=1e-3 * np.abs(ref).max())
+
+
+class MatmatOnly:
+    """A user operator: only shape, dtype and matmat."""
+
+    def __init__(self, k):
+        self.k = k
+        self.shape = k.shape
+        self.dtype = k.dtype
+        self.calls = 0
+
+    def matmat(self, v):
+        self.calls += 1
+        return self.k @ v
+
+
+class MatvecOnly:
+    def __init__(self, k):
+        self.k = k
+        self.shape = k.shape
+        self.dtype = k.dtype
+
+    def matvec(self, v):
+        assert v.ndim == 1
+        return self.k @ v
+
+
+@pytest.mark.parametrize("preconditioner", [None, "nystrom", "pivoted_cholesky"])
+def test_duck_operators(rng, preconditioner):
+    n, reg = 40, 1e-2
+    k = rbf_kernel(rng, n)
+    y = rng.standard_normal((n, 2))
+    ref = np.linalg.solve(k + reg * np.eye(n), y)
+    for op in (MatmatOnly(k), MatvecOnly(k)):
+        x, rep = cg.cg_solve(op, y, reg=reg, tol=1e-10, preconditioner=preconditioner, rank=10)
+        assert rep.converged
+        np.testing.assert_allclose(x, ref, rtol=1e-6, atol=1e-8)
+
+
+def test_generic_operator_fallbacks(rng):
+    k = rbf_kernel(rng, 30)
+    op = cg.aslinearoperator(MatmatOnly(k))
+    like = np.zeros((30, 1))
+    np.testing.assert_allclose(op.diagonal(like), np.diag(k))
+    np.testing.assert_allclose(op.columns([3, 0, 29], like), k[:, [3, 0, 29]])
+
+
+def test_nystrom_exact_on_low_rank(backend, rng):
+    skip_slow_jax(backend)
+    n, r = 50, 6
+    k = low_rank_kernel(rng, n, r)
+    pc = cg.nystrom_preconditioner(backend.asarray(k), 10, reg=0.1,
+                                   like=backend.asarray(np.zeros((n, 1))))
+    u, lam = backend.to_numpy(pc.u), backend.to_numpy(pc.eigenvalues)
+    np.testing.assert_allclose((u * lam) @ u.T, k, atol=1e-8 * np.abs(k).max())
+    np.testing.assert_allclose(np.sort(lam)[::-1][:r], np.linalg.eigvalsh(k)[::-1][:r],
+                               rtol=1e-8)
+    # sketch rank 10 > rank 6, so lam_10 = 0 and M^{-1} (K + mu I) = mu I exactly
+    a = k + 0.1 * np.eye(n)
+    ma = backend.to_numpy(pc.apply(backend.asarray(a)))
+    np.testing.assert_allclose(ma, 0.1 * np.eye(n), atol=1e-8)
+
+
+def test_pivoted_cholesky_reference(backend, rng):
+    skip_slow_jax(backend)
+    n, r = 40, 5
+    k = low_rank_kernel(rng, n, r) + 1e-12 * np.eye(n)
+    pc = cg.pivoted_cholesky_preconditioner(backend.asarray(k), 8, reg=0.5,
+                                            like=backend.asarray(np.zeros((n, 1))))
+    lmat = backend.to_numpy(pc.l)
+    # independent reference: greedy pivoting, full Schur complements in numpy
+    s = k.copy()
+    piv = []
+    for _ in range(r):
+        i = int(np.argmax(np.diag(s)))
+        piv.append(i)
+        s = s - np.outer(s[:, i], s[:, i]) / s[i, i]
+    assert list(pc.pivots[:r]) == piv
+    np.testing.assert_allclose(lmat[:, :r] @ lmat[:, :r].T, k, atol=1e-8 * np.abs(k).max())
+    # Woodbury application equals the inverse of L L^T + s I
+    m = lmat @ lmat.T + pc.shift * np.eye(n)
+    v = rng.standard_normal((n, 2))
+    np.testing.assert_allclose(backend.to_numpy(pc.apply(backend.asarray(v))),
+                               np.linalg.solve(m, v), rtol=1e-7, atol=1e-10)
+
+
+def test_not_converged_warns_and_reports(rng):
+    k = rbf_kernel(rng, 100, scale=8.0)
+    y = rng.standard_normal(100)
+    seen = []
+    with pytest.warns(cg.ConvergenceWarning, match="did not converge"):
+        _x, rep = cg.cg_solve(k, y, reg=1e-6, tol=1e-12, maxiter=3, preconditioner=None,
+                             callback=lambda it, res: seen.append((it, res)))
+    assert not rep.converged
+    assert rep.iterations == 3
+    assert [s[0] for s in seen] == [1, 2, 3]
+    assert [s[1] for s in seen] == list(rep.history)
+    assert "NOT converged" in str(rep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cg.cg_solve(k, y, reg=1e-6, tol=1e-12, maxiter=3, preconditioner=None, warn=False)
+
+
+def test_x0_and_zero_rhs(rng):
+    n, reg = 30, 0.1
+    k = rbf_kernel(rng, n)
+    y = rng.standard_normal((n, 2))
+    y[:, 1] = 0.0
+    ref = np.linalg.solve(k + reg * np.eye(n), y)
+    x, rep = cg.cg_solve(k, y, reg=reg, tol=1e-10, x0=ref, preconditioner=None)
+    assert rep.iterations == 0 and rep.converged
+    x, rep = cg.cg_solve(k, y, reg=reg, tol=1e-10)
+    assert rep.converged
+    np.testing.assert_allclose(x, ref, atol=1e-8)
+    assert np.all(x[:, 1] == 0)
+
+
+def test_does_not_mutate_inputs(rng):
+    k = rbf_kernel(rng, 20)
+    y = rng.standard_normal(20)
+    k0, y0 = k.copy(), y.copy()
+    cg.cg_solve(k, y, reg=0.1, preconditioner="pivoted_cholesky", rank=5)
+    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(y, y0)
+
+
+def test_bad_arguments(rng):
+    k = rbf_kernel(rng, 10)
+    y = rng.standard_normal(10)
+    with pytest.raises(ValueError, match="y has 9 rows"):
+        cg.cg_solve(k, y[:9])
+    with pytest.raises(ValueError, match="square"):
+        cg.cg_solve(k[:, :9], y)
+    with pytest.raises(TypeError, match="linear operator"):
+        cg.cg_solve("kernel", y)
+    with pytest.raises(ValueError, match="preconditioner"):
+        cg.cg_solve(k, y, preconditioner="jacobi")
+    with pytest.raises(TypeError, match="preconditioner"):
+        cg.cg_solve(k, y, preconditioner=3)
+    with pytest.raises(ValueError, match="rank"):
+        cg.cg_solve(k, y, rank=0)
+    with pytest.raises(TypeError, match="rank"):
+        cg.cg_solve(k, y, rank=2.5)
+    with pytest.raises(ValueError, match="reg"):
+        cg.cg_solve(k, y, reg=-1.0)
+    with pytest.raises(ValueError, match="tol"):
+        cg.cg_solve(k, y, tol=0.0)
+    with pytest.raises(ValueError, match="maxiter"):
+        cg.cg_solve(k, y, maxiter=-2)
+    with pytest.raises(ValueError, match="x0"):
+        cg.cg_solve(k, y, x0=y[:5])
+    with pytest.raises(TypeError, match="floating"):
+        cg.cg_solve(k, np.arange(10))
+    with pytest.raises(ValueError, match="NaN"):
+        cg.cg_solve(k, np.full(10, np.nan))
+    with pytest.raises(TypeError, match="unknown conjugate-gradient option"):
+        cg.cg_kernel_regression(k, y, k, tolerance=1e-3)
+    with pytest.raises(ValueError, match="k_test_train must have N=10"):
+        cg.cg_kernel_regression(k, y, k[:, :4])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="one library"):
+        cg.cg_solve(k, torch.tensor(y))
+
+
+@settings(max_examples=15)
+@given(n=st.integers(2, 40), cols=st.integers(1, 3), reg=st.floats(1e-3, 1.0),
+       pc=st.sampled_from([None, "nystrom", "pivoted_cholesky"]), seed=st.integers(0, 2**16))
+def test_cg_property(n, cols, reg, pc, seed):
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal((n, max(1, n // 2)))
+    k = f @ f.T / f.shape[1]
+    y = rng.standard_normal((n, cols))
+    tol = 1e-9
+    x, rep = cg.cg_solve(k, y, reg=reg, tol=tol, preconditioner=pc, rank=max(1, n // 3),
+                         maxiter=5 * n)
+    assert rep.converged
+    assert np.all(true_rel_residual(k, reg, x, y) <= 10 * tol)
+
+
+def test_public_exports():
+    assert ntkcore.cg_solve is cg.cg_solve
+    assert ntkcore.CGReport is cg.CGReport
