@@ -5,6 +5,7 @@ same namespace, on the same device, in the same dtype.  See ``docs/`` for the ma
 architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the frameworks).
 """
 
+from . import models
 from ._version import __version__
 from .cg import (
     CGReport,
@@ -40,4 +41,5 @@ __all__ = [
     "gd_mse_predict",
     "gp_inference",
     "kernel_regression",
+    "models",
 ]

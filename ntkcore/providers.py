@@ -113,5 +113,14 @@ def _is_jax_pair(model: Any) -> bool:
     )
 
 
+def _is_mlp(model: Any) -> bool:
+    from .models import MLP  # pure array API: no framework import
+
+    return isinstance(model, MLP)
+
+
 register_provider("torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"))
-register_provider("jax", _is_jax_pair, _loader("ntkcore.backends.jax_provider", "jacobian"))
+register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
+# The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
+# ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.
+register_provider("jax", _is_jax_pair, _loader("ntkcore.backends.jax_provider", "provider"))

@@ -59,6 +59,14 @@ SUPPORT: dict[str, dict[str, Support]] = {
     "KernelRidge": _all(_TRIANGULAR, _DIFF),
     "gd_mse_predict": _all(note=_DIFF),
     "gp_inference": _all(_TRIANGULAR, _DIFF),
+    # explicit MLP (ntkcore/models.py): pure array API everywhere; erf/gelu use the pure
+    # array-API erf unless the backend offers a native ``erf`` hook.
+    "models.MLP": _all(note={"torch": "differentiable (autograd)",
+                             "jax": "differentiable (jax.grad)"}),
+    # JAX provider (backends/jax_provider.py): jax arrays and (apply_fn, params) pairs only.
+    "backends.jax.jacobian": _all(
+        fast={"jax": "jax.vmap(jax.jacrev), Kronecker for recognised dense layers"},
+        missing=("numpy", "torch", "cupy", "array_api_strict")),
 }
 
 
