@@ -1,0 +1,120 @@
+"""Memory budgets: parsing ``max_memory`` arguments and the default budget of a device.
+
+A budget is a number of bytes.  Users may write it as an ``int`` / ``float`` (bytes) or as a
+string with a unit: decimal units ``kB``, ``MB``, ``GB``, ``TB`` (powers of 1000), binary units
+``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024), or ``B``.  The single letters ``K``, ``M``,
+``G``, ``T`` mean the decimal units.  Case is ignored and spaces are allowed: ``"2GB"``,
+``"1.5 gib"``, ``"512M"``, ``"1e9"``.
+
+The default budget is :data:`DEFAULT_FRACTION` of the free memory the backend reports for the
+device holding the arrays (host ``MemAvailable`` for CPU arrays, free device memory on a GPU),
+or :data:`FALLBACK_BUDGET` bytes when the backend cannot tell.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+__all__ = ["DEFAULT_FRACTION", "FALLBACK_BUDGET", "default_budget", "parse_memory",
+           "resolve_budget"]
+
+#: Fraction of the free memory of a device used as the default working-memory budget.
+DEFAULT_FRACTION = 0.25
+#: Budget (bytes) used when the backend cannot report free memory: 1 GiB.
+FALLBACK_BUDGET = 1 << 30
+#: Smallest budget the default ever gives (64 MiB), so a nearly full device still makes progress.
+MIN_DEFAULT_BUDGET = 64 << 20
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
+
+
+def parse_memory(value: Any, name: str = "max_memory") -> int:
+    """Bytes from an ``int``, ``float`` or a string such as ``"2GB"`` or ``"512 MiB"``.
+
+    Parameters
+    ----------
+    value : int, float or str
+        The budget.  Must be positive.
+    name : str
+        Argument name used in error messages.
+
+    Returns
+    -------
+    int
+        The number of bytes (rounded down, at least 1).
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is neither a number nor a string (``bool`` is rejected too).
+    ValueError
+        If the string cannot be parsed, the unit is unknown, or the value is not a positive
+        finite number.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes or a string like '2GB'; got {value!r}")
+    if isinstance(value, str):
+        m = _PATTERN.match(value.lower())
+        if m is None:
+            raise ValueError(f"{name} must look like '2GB', '512MiB' or '1e9'; got {value!r}")
+        number, unit = m.groups()
+        if unit not in _UNITS:
+            raise ValueError(
+                f"{name} has unknown unit {unit!r} in {value!r}; use B, kB, MB, GB, TB, "
+                "KiB, MiB, GiB or TiB"
+            )
+        nbytes = float(number) * _UNITS[unit]
+    else:
+        try:
+            nbytes = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{name} must be a number of bytes or a string like '2GB'; got "
+                f"{type(value).__name__}"
+            ) from None
+    if not math.isfinite(nbytes) or nbytes <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of bytes; got {value!r}")
+    return max(1, int(nbytes))
+
+
+def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION) -> int:
+    """``fraction`` of the free memory of ``device`` as reported by ``backend``.
+
+    Parameters
+    ----------
+    backend : ntkcore.backends.Backend
+        Supplies ``free_memory(device)`` (bytes or ``None``).
+    device : device object
+        The device the arrays live on.
+    fraction : float
+        Share of the free memory to use (default :data:`DEFAULT_FRACTION`).
+
+    Returns
+    -------
+    int
+        Bytes; :data:`FALLBACK_BUDGET` when the free memory is unknown, never less than
+        :data:`MIN_DEFAULT_BUDGET`.
+    """
+    try:
+        free = backend.free_memory(device)
+    except Exception:  # a failing probe must not break the computation
+        free = None
+    if free is None or free <= 0:
+        return FALLBACK_BUDGET
+    return max(MIN_DEFAULT_BUDGET, int(free * fraction))
+
+
+def resolve_budget(max_memory: Any, backend: Any, device: Any) -> int:
+    """The budget in bytes: parsed ``max_memory``, or :func:`default_budget` when ``None``."""
+    if max_memory is None:
+        return default_budget(backend, device)
+    return parse_memory(max_memory, "max_memory")

@@ -1,0 +1,721 @@
+r"""Memory-bounded Gram contractions of structured Jacobians: the empirical NTK.
+
+For Jacobians :math:`J \in \mathbb{R}^{N_1\times O\times P}` and
+:math:`J' \in \mathbb{R}^{N_2\times O\times P}` split into the same parameter blocks ``b``,
+
+.. math::
+
+    \Theta[n, m, o, p] = \sum_b \Theta_b[n, m, o, p], \qquad
+    \Theta_b[n, m, o, p] = \sum_{k} J_b[n, o, k]\, J'_b[m, p, k] .
+
+Modes: ``full`` (N1, N2, O, O); ``trace`` (N1, N2) :math:`=\sum_o \Theta[:, :, o, o]` (a sum,
+not a mean); ``diagonal`` (N1, N2, O) :math:`=\Theta[:, :, o, o]`.
+
+Per block kind (``r`` rows and ``c`` columns of one tile):
+
+* :class:`~ntkcore.DenseBlock` (N, O, P_b): one GEMM.  trace: ``(r, O P_b) @ (O P_b, c)``;
+  full: ``(r O, P_b) @ (P_b, c O)``; diagonal: O batched ``(r, P_b) @ (P_b, c)``.
+* :class:`~ntkcore.KroneckerBlock` with factors ``a`` (N, S, d_in), ``g`` (N, S, O, d_out)
+  (and ``T`` positions on the column side):
+
+  .. math::
+
+      \Theta_b[n,m,o,p] = \sum_{s,t} \langle g[n,s,o], g'[m,t,p]\rangle\,
+                                      \langle a[n,s], a'[m,t]\rangle .
+
+  - ``S = T = 1`` (dense layer): :math:`\Theta_b = (G G'^\top) \odot (A A'^\top)`, two GEMMs
+    and a Hadamard product; in trace mode ``G`` is ``g`` reshaped to (N, O d_out).
+    Cost :math:`2 r c (d_{in} + O^k d_{out})` with ``k = 1`` (trace, diagonal) or 2 (full),
+    instead of :math:`2 r c O^k d_{out} d_{in}` for the materialised Jacobian.
+  - ``S > 1``, strategy ``"positions"`` (contract the weight-sharing axis):
+    :math:`A = a a'^\top` over (n s, m t).  trace: also :math:`G = g g'^\top` over
+    (n s, m t) with ``K = O d_out``, then :math:`\sum_{s,t} A \odot G`.  full / diagonal:
+    :math:`Y[n,m,t,o,:] = \sum_s A[n,s,m,t]\, g[n,s,o,:]`, then
+    :math:`\Theta_b[n,m,o,p] = \sum_{t,k} Y[n,m,t,o,k]\, g'[m,t,p,k]` (diagonal: ``p = o``).
+  - strategy ``"materialise"``: per-sample weights
+    :math:`W[n,o] = \sum_s g[n,s,o]\, a[n,s]^\top` (N, O, d_out d_in), one batched GEMM per
+    tile side, then the dense contraction.
+
+Choosing the Kronecker strategy (flop and memory model)
+--------------------------------------------------------
+Per tile of ``r`` rows and ``c`` columns, with ``P_b = d_out d_in`` and ``k = 2`` for
+``full`` (``k = 1`` otherwise); counts of floating-point operations (flops) and of
+working-memory elements, besides the factor slices :math:`(rS + cT)(d_{in} + O d_{out})`:
+
+* positions, trace: :math:`2rcST(d_{in} + O d_{out} + 1)` flops, :math:`3rcST` elements
+  (``A``, ``G`` and their product).
+* positions, full / diagonal: :math:`2rcST(d_{in} + O d_{out}) + 2rcTO^k d_{out}` flops,
+  :math:`2rcST + 2rcTOd_{out}` elements (``A`` and ``Y``, each possibly copied once).
+* materialise: :math:`2(rS + cT) O P_b + 2rcO^k P_b` flops, :math:`(r + c) O P_b` elements
+  (twice that for diagonal).
+
+A tile accumulator of up to :math:`4 r c O^k` elements comes on top.  For each block and strategy the largest square tile that fits the budget is found, the total
+flop count over all tiles is computed at that tile size (so the materialisation's
+recomputation on small tiles is charged), and the strategy with fewer flops wins.  All blocks
+share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
+
+Tiling and memory
+-----------------
+The kernel is computed in tiles of (rows, columns), block after block, so that the working
+memory beyond the output (factor slices, intermediate Gram matrices, per-sample weights, the
+tile accumulator) stays below ``max_memory``.  Tiles are written into a preallocated output
+where the namespace supports item assignment; otherwise (JAX) tiles are concatenated, which
+transiently needs a second output-sized buffer.  With ``J2=None`` only tiles on and above the
+diagonal are computed; the others are mirrored, and diagonal tiles are symmetrised, so the
+result is exactly symmetric.
+
+Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+from ._memory import resolve_budget
+from ._validation import namespace_of
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+Array = Any
+
+__all__ = ["GramPlan", "gram", "plan_gram"]
+
+MODES = ("full", "trace", "diagonal")
+STRATEGIES = ("positions", "materialise")
+
+#: Namespaces for which a self-product ``x @ x.T`` is faster on a contiguous copy of ``x.T``
+#: (keyed by backend name).  NumPy detects ``x @ x.T`` and calls SYRK (half the flops); on
+#: the development machine that was not slower than GEMM on a copy, so no backend copies by
+#: default.  ``benchmarks/suites/gram.py`` measures both variants ("selfprod" rows).
+SELF_PRODUCT_COPY: dict[str, bool] = {"numpy": False, "torch": False, "cupy": False,
+                                      "jax": False, "generic": False}
+
+#: Smallest tile side used to split a symmetric kernel so that only the upper triangle of
+#: tiles is computed (CPU / GPU).  Splitting into k tiles per side does (k+1)/(2k) of the work.
+SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Pair:
+    """Block ``index`` of J1 and its counterpart in J2."""
+
+    index: int
+    name: str
+    b1: Any
+    b2: Any
+
+    @property
+    def kronecker(self) -> bool:
+        return isinstance(self.b1, KroneckerBlock)
+
+    def strategies(self, forced: str | None) -> tuple[str, ...]:
+        if not self.kronecker:
+            return ("dense",)
+        if forced == "materialise":
+            return ("materialise",)
+        if self.b1.num_positions == 1 and self.b2.num_positions == 1:
+            return ("kron1",) if forced == "positions" else ("kron1", "materialise")
+        if forced == "positions":
+            return ("positions",)
+        return ("positions", "materialise")
+
+
+def _q(mode: str, o: int) -> int:
+    return {"trace": 1, "diagonal": o, "full": o * o}[mode]
+
+
+def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tuple[int, int]:
+    """``(working elements, flops)`` of one block on one ``r`` x ``c`` tile (see module doc)."""
+    q = _q(mode, o)
+    qk = o * o if mode == "full" else o  # output pairs per sample pair the GEMMs produce
+    if strategy == "dense":
+        p = pair.b1.num_params
+        inputs = (r + c) * o * p
+        mem = inputs * (2 if mode == "diagonal" else 1)
+        return mem, 2 * r * c * qk * p
+    b1, b2 = pair.b1, pair.b2
+    s, t, din, dout = b1.num_positions, b2.num_positions, b1.d_in, b1.d_out
+    inputs = (r * s + c * t) * (din + o * dout)
+    if strategy == "kron1":
+        mem = inputs * (2 if mode == "diagonal" else 1) + r * c * (1 + q)
+        if mode == "trace":
+            return mem, 2 * r * c * (din + o * dout) + r * c
+        return mem, 2 * r * c * (din + qk * dout) + r * c * q
+    if strategy == "positions":
+        rcst = r * c * s * t
+        if mode == "trace":
+            return inputs + 3 * rcst, 2 * rcst * (din + o * dout + 1)
+        y = r * c * t * o * dout
+        mem = inputs + 2 * rcst + 2 * y + c * t * o * dout
+        last = 2 * y * o if mode == "full" else 2 * y
+        return mem, 2 * rcst * (din + o * dout) + last
+    if strategy == "materialise":
+        p = din * dout
+        w = (r + c) * o * p
+        mem = inputs + w * (2 if mode == "diagonal" else 1)
+        return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * qk * p
+    raise AssertionError(strategy)
+
+
+def _acc_elems(mode: str, o: int, r: int, c: int, layerwise: bool) -> int:
+    """Tile accumulator: running sum, new block tile, sum result, symmetrised copy."""
+    return r * c * _q(mode, o) * (3 if layerwise else 4)
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest ``x`` in ``[lo, hi]`` with ``fits(x)`` (monotone), or ``lo - 1`` if none."""
+    if not fits(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class GramPlan:
+    """How :func:`gram` will compute a kernel (see :func:`plan_gram`).
+
+    Attributes
+    ----------
+    tile_rows, tile_cols : int
+        Tile size (rows of J1, columns of J2).
+    strategies : tuple of str
+        Per block: ``"dense"``, ``"kron1"`` (Kronecker, S = T = 1), ``"positions"`` or
+        ``"materialise"``.
+    num_tiles : int
+        Tiles computed (upper triangle only when symmetric).
+    symmetric : bool
+        Whether J2 is J1 (only upper-triangle tiles are computed).
+    working_bytes : int
+        Predicted peak working memory beyond the output.
+    budget_bytes : int
+        The memory budget.
+    flops : float
+        Floating-point operations of the tiles actually computed.
+    flops_all_tiles : float
+        Operations if every tile were computed (the nominal count, for throughput figures).
+    """
+
+    tile_rows: int
+    tile_cols: int
+    strategies: tuple[str, ...]
+    num_tiles: int
+    symmetric: bool
+    working_bytes: int
+    budget_bytes: int
+    flops: float
+    flops_all_tiles: float
+
+
+def _itemsize(xp: Any, dtype: Any) -> int:
+    return int(xp.finfo(dtype).bits) // 8
+
+
+
+def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
+          r: int, c: int, layerwise: bool) -> int:
+    """Working elements of a tile: the largest block's working set plus the accumulator."""
+    return max(_cost(s, p, mode, o, r, c)[0] for s, p in zip(strategies, pairs, strict=True)) \
+        + _acc_elems(mode, o, r, c, layerwise)
+
+
+def _grid_flops(strategy: str, pair: _Pair, mode: str, o: int, n1: int, n2: int,
+                r: int, c: int) -> float:
+    """Flops of one block over the whole (ragged) tile grid."""
+    total = 0.0
+    for rr, nrr in ((r, n1 // r), (n1 % r, 1 if n1 % r else 0)):
+        for cc, ncc in ((c, n2 // c), (n2 % c, 1 if n2 % c else 0)):
+            if nrr and ncc:
+                total += nrr * ncc * _cost(strategy, pair, mode, o, rr, cc)[1]
+    return total
+
+
+def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
+               layerwise: bool, budget: int, itemsize: int, forced: str | None,
+               gpu: bool) -> GramPlan:
+    """Strategies and tile size from the cost model (see the module docstring)."""
+    elems = budget / itemsize
+    nmax = max(n1, n2)
+    chosen: list[str] = []
+    tiles: list[int] = []
+    for pair in pairs:
+        options = []
+        for strat in pair.strategies(forced):
+            def fits(tile: int, strat: str = strat, pair: _Pair = pair) -> bool:
+                r, c = min(tile, n1), min(tile, n2)
+                return _work([strat], [pair], mode, o, r, c, layerwise) <= elems
+            tile = _largest(fits, 1, nmax)
+            if tile >= 1:
+                r, c = min(tile, n1), min(tile, n2)
+                key = (0, _grid_flops(strat, pair, mode, o, n1, n2, r, c))
+            else:  # nothing fits: prefer the smallest working set
+                key = (1, float(_work([strat], [pair], mode, o, 1, 1, layerwise)))
+            options.append((key, tile, strat))
+        key, tile, strat = min(options, key=lambda x: x[0])
+        chosen.append(strat)
+        tiles.append(tile)
+
+    tile = min(tiles)
+    if tile < 1:
+        warnings.warn(
+            f"max_memory={budget} bytes is too small for even a 1 x 1 tile of the kernel "
+            f"(needs about {_work(chosen, pairs, mode, o, 1, 1, layerwise) * itemsize} bytes); "
+            "computing with 1 x 1 tiles anyway", ResourceWarning, stacklevel=4)
+        tile = 1
+    if symmetric:
+        floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
+        r = c = min(tile, max(floor, math.ceil(n1 / 4)), n1)
+    else:
+        r, c = min(tile, n1), min(tile, n2)
+        if _work(chosen, pairs, mode, o, r, c, layerwise) <= elems:
+            if r == n1 and c < n2:  # few rows: widen the tiles
+                c = _largest(lambda x: _work(chosen, pairs, mode, o, r, x, layerwise) <= elems,
+                             c, n2)
+            elif c == n2 and r < n1:
+                r = _largest(lambda x: _work(chosen, pairs, mode, o, x, c, layerwise) <= elems,
+                             r, n1)
+
+    nr, nc = math.ceil(n1 / r), math.ceil(n2 / c)
+    ntiles = nr * (nr + 1) // 2 if symmetric else nr * nc
+    flops_all = sum(_grid_flops(s, p, mode, o, n1, n2, r, c)
+                    for s, p in zip(chosen, pairs, strict=True))
+    if symmetric:  # upper triangle: diagonal tiles plus half of the rest
+        diag = sum(_grid_flops(s, p, mode, o, r, r, r, r) for s, p in zip(chosen, pairs,
+                                                                         strict=True))
+        diag = diag * (n1 // r) + (sum(_grid_flops(s, p, mode, o, n1 % r, n1 % r, r, r)
+                                      for s, p in zip(chosen, pairs, strict=True))
+                                  if n1 % r else 0.0)
+        flops = diag + (flops_all - diag) / 2
+    else:
+        flops = flops_all
+    working = _work(chosen, pairs, mode, o, r, c, layerwise)
+    return GramPlan(tile_rows=r, tile_cols=c, strategies=tuple(chosen), num_tiles=ntiles,
+                    symmetric=symmetric, working_bytes=int(working * itemsize),
+                    budget_bytes=int(budget), flops=float(flops),
+                    flops_all_tiles=float(flops_all))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile kernels.  Inputs are already sliced to the tile and cast to the compute dtype.
+# ---------------------------------------------------------------------------------------------
+class _Ops:
+    """The namespace plus the self-product policy."""
+
+    def __init__(self, xp: Any, backend_name: str) -> None:
+        self.xp = xp
+        self.copy_self = SELF_PRODUCT_COPY.get(backend_name, False)
+
+    def nt(self, x: Array, y: Array) -> Array:
+        """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c)."""
+        if x is y and self.copy_self:
+            return x @ self.xp.asarray(x.T, copy=True)
+        return x @ y.T
+
+
+def _dense_tile(ops: _Ops, j1: Array, j2: Array, mode: str) -> Array:
+    """Theta for dense slices ``j1`` (r, O, P), ``j2`` (c, O, P)."""
+    xp = ops.xp
+    r, o, p = j1.shape
+    c = j2.shape[0]
+    same = j1 is j2
+    if mode == "trace":  # sum_{o,k} J[n,o,k] J'[m,o,k]: one GEMM with K = O P
+        x1 = xp.reshape(j1, (r, o * p))
+        return ops.nt(x1, x1 if same else xp.reshape(j2, (c, o * p)))
+    if mode == "full":  # (r O, P) @ (P, c O) -> (r, O, c, O) -> (r, c, O, O)
+        x1 = xp.reshape(j1, (r * o, p))
+        k = ops.nt(x1, x1 if same else xp.reshape(j2, (c * o, p)))
+        return xp.permute_dims(xp.reshape(k, (r, o, c, o)), (0, 2, 1, 3))
+    # diagonal: O batched GEMMs (O, r, P) @ (O, P, c) -> (O, r, c) -> (r, c, O)
+    k = xp.permute_dims(j1, (1, 0, 2)) @ xp.permute_dims(j2, (1, 2, 0))
+    return xp.permute_dims(k, (1, 2, 0))
+
+
+def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+    """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
+    xp = ops.xp
+    r, _, din = a1.shape
+    c = a2.shape[0]
+    o, dout = g1.shape[2], g1.shape[3]
+    same = a1 is a2 and g1 is g2
+    x1 = xp.reshape(a1, (r, din))
+    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c, din)))  # (r, c)
+    if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
+        y1 = xp.reshape(g1, (r, o * dout))
+        return ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout))) * aa
+    if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, c, O, O)
+        y1 = xp.reshape(g1, (r * o, dout))
+        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout)))
+        gg = xp.permute_dims(xp.reshape(gg, (r, o, c, o)), (0, 2, 1, 3))
+        return gg * aa[:, :, None, None]
+    # diagonal: (O, r, d_out) @ (O, d_out, c) -> (O, r, c) -> (r, c, O)
+    gg = xp.permute_dims(xp.reshape(g1, (r, o, dout)), (1, 0, 2)) @ \
+        xp.permute_dims(xp.reshape(g2, (c, o, dout)), (1, 2, 0))
+    return xp.permute_dims(gg, (1, 2, 0)) * aa[:, :, None]
+
+
+def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+    """Theta by contracting positions; a (r, S, d_in), g (r, S, O, d_out); a2/g2 with T."""
+    xp = ops.xp
+    r, s, din = a1.shape
+    c, t = a2.shape[0], a2.shape[1]
+    o, dout = g1.shape[2], g1.shape[3]
+    same = a1 is a2 and g1 is g2
+    x1 = xp.reshape(a1, (r * s, din))
+    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c * t, din)))  # A[(n,s), (m,t)]
+    if mode == "trace":
+        # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
+        y1 = xp.reshape(g1, (r * s, o * dout))
+        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * t, o * dout)))
+        return xp.sum(xp.reshape(aa * gg, (r, s, c, t)), axis=(1, 3))
+    # Y[n, (m,t), (o,k)] = sum_s A[n,s,m,t] g[n,s,o,k]: r batched (cT, S) @ (S, O d_out)
+    at = xp.permute_dims(xp.reshape(aa, (r, s, c * t)), (0, 2, 1))
+    y = at @ xp.reshape(g1, (r, s, o * dout))
+    if mode == "full":
+        # Theta[n,m,o,p] = sum_{t,k} Y[n,m,t,o,k] g'[m,t,p,k]: c batched (r O, T d) @ (T d, O)
+        yp = xp.permute_dims(xp.reshape(y, (r, c, t, o, dout)), (1, 0, 3, 2, 4))
+        yp = xp.reshape(yp, (c, r * o, t * dout))
+        g2p = xp.reshape(xp.permute_dims(g2, (0, 2, 1, 3)), (c, o, t * dout))
+        k = yp @ xp.permute_dims(g2p, (0, 2, 1))  # (c, r O, O)
+        return xp.permute_dims(xp.reshape(k, (c, r, o, o)), (1, 0, 2, 3))
+    # diagonal: Theta[n,m,o] = sum_{t,k} Y[n,m,t,o,k] g'[m,t,o,k]
+    y5 = xp.reshape(y, (r, c, t, o, dout))
+    return xp.sum(xp.vecdot(y5, g2[None, ...], axis=-1), axis=2)
+
+
+def _per_sample_weights(xp: Any, a: Array, g: Array) -> Array:
+    """W[n, o] = sum_s g[n,s,o] a[n,s]^T flattened: (n, O, d_out d_in); n batched GEMMs."""
+    n, s, din = a.shape
+    o, dout = g.shape[2], g.shape[3]
+    gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (n, O d_out, S)
+    return xp.reshape(gt @ a, (n, o, dout * din))
+
+
+def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
+                same: bool, dtype: Any, mode: str) -> Array:
+    """One block's contribution to the tile (rows, cols)."""
+    xp = ops.xp
+
+    def take(x: Array, sl: slice) -> Array:
+        x = x[sl, ...]
+        return x if x.dtype == dtype else xp.astype(x, dtype)
+
+    if strategy == "dense":
+        j1 = take(pair.b1.jac, rows)
+        j2 = j1 if same else take(pair.b2.jac, cols)
+        return _dense_tile(ops, j1, j2, mode)
+    a1, g1 = take(pair.b1.a, rows), take(pair.b1.g, rows)
+    a2, g2 = (a1, g1) if same else (take(pair.b2.a, cols), take(pair.b2.g, cols))
+    if strategy == "kron1":
+        return _kron1_tile(ops, a1, g1, a2, g2, mode)
+    if strategy == "positions":
+        return _positions_tile(ops, a1, g1, a2, g2, mode)
+    w1 = _per_sample_weights(xp, a1, g1)
+    w2 = w1 if same else _per_sample_weights(xp, a2, g2)
+    return _dense_tile(ops, w1, w2, mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function
+# ---------------------------------------------------------------------------------------------
+def _as_jacobian(j: Any, name: str) -> Jacobian:
+    if isinstance(j, Jacobian):
+        return j
+    if isinstance(j, DenseBlock | KroneckerBlock):
+        return Jacobian([j])
+    raise TypeError(f"{name} must be an ntkcore.Jacobian (or a single DenseBlock / "
+                    f"KroneckerBlock); got {type(j).__name__}")
+
+
+def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
+    if j2 is None:
+        return [_Pair(i, str(b.name), b, b) for i, b in enumerate(j1.blocks)]
+    if len(j1.blocks) != len(j2.blocks):
+        raise ValueError(f"J1 has {len(j1.blocks)} blocks {j1.names} but J2 has "
+                         f"{len(j2.blocks)} blocks {j2.names}; a cross kernel needs the same "
+                         "block structure")
+    if j1.num_outputs != j2.num_outputs:
+        raise ValueError(f"J1 has O={j1.num_outputs} outputs but J2 has O={j2.num_outputs}")
+    pairs = []
+    for i, (b1, b2) in enumerate(zip(j1.blocks, j2.blocks, strict=True)):
+        label = f"block {i} ({b1.name!r})"
+        if b1.name != b2.name:
+            raise ValueError(f"{label}: J1 names it {b1.name!r} but J2 names it {b2.name!r}")
+        if type(b1) is not type(b2):
+            raise ValueError(f"{label} is a {type(b1).__name__} in J1 but a "
+                             f"{type(b2).__name__} in J2")
+        if isinstance(b1, KroneckerBlock):
+            if (b1.d_in, b1.d_out) != (b2.d_in, b2.d_out):
+                raise ValueError(f"{label} has (d_in, d_out) = ({b1.d_in}, {b1.d_out}) in J1 "
+                                 f"but ({b2.d_in}, {b2.d_out}) in J2")
+        elif b1.num_params != b2.num_params:
+            raise ValueError(f"{label} has P_b={b1.num_params} parameters in J1 but "
+                             f"P_b={b2.num_params} in J2")
+        pairs.append(_Pair(i, str(b1.name), b1, b2))
+    return pairs
+
+
+def _resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
+    if dtype is None:
+        return default
+    if isinstance(dtype, str):
+        resolved = getattr(xp, dtype, None)
+        if resolved is None:
+            raise ValueError(f"dtype {dtype!r} is not a dtype of this array library")
+        dtype = resolved
+    try:
+        ok = xp.isdtype(dtype, "real floating")
+    except Exception:
+        ok = False
+    if not ok:
+        raise TypeError(f"dtype must be a real floating dtype of the arrays' library (e.g. "
+                        f"float64); got {dtype!r}")
+    return dtype
+
+
+def _progress_fn(progress: Any, total: int) -> tuple[Callable[[int, int], Any] | None, Any]:
+    if progress is None or progress is False:
+        return None, None
+    if progress is True or progress == "tqdm":
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="gram", unit="tile")
+        return (lambda done, tot: bar.update(1)), bar
+    if callable(progress):
+        return progress, None
+    raise TypeError(f"progress must be None, a callable(done, total), True or 'tqdm'; got "
+                    f"{progress!r}")
+
+
+_WRITABLE: dict[int, bool] = {}
+
+
+def _writable(xp: Any, dtype: Any, device: Any) -> bool:
+    """Whether arrays of ``xp`` support slice assignment (not JAX)."""
+    if array_api_compat.is_jax_namespace(xp):
+        return False
+    key = id(xp)
+    if key not in _WRITABLE:
+        try:
+            z = xp.zeros((2,), dtype=dtype, device=device)
+            z[0:1] = z[1:2]
+            _WRITABLE[key] = True
+        except Exception:
+            _WRITABLE[key] = False
+    return _WRITABLE[key]
+
+
+def _swap(mode: str, lead: int) -> tuple[int, ...]:
+    """Axes permutation transposing a tile: Theta[m,n,p,o] = Theta[n,m,o,p]."""
+    tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
+    base = (1, 0, *tail)
+    return tuple(range(lead)) + tuple(a + lead for a in base)
+
+
+@dataclass
+class _Setup:
+    xp: Any
+    ops: _Ops
+    pairs: list[_Pair]
+    mode: str
+    n1: int
+    n2: int
+    o: int
+    dtype: Any
+    device: Any
+    plan: GramPlan
+
+
+def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: Any,
+           strategy: str | None) -> _Setup:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if not isinstance(layerwise, bool):
+        raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}; got {strategy!r}")
+    j1 = _as_jacobian(J1, "J1")
+    j2 = None if J2 is None else _as_jacobian(J2, "J2")
+    xp, backend = namespace_of(J1=j1.blocks[0].arrays()[0],
+                               J2=None if j2 is None else j2.blocks[0].arrays()[0])
+    pairs = _pairs(j1, j2)
+    default = j1.dtype if j2 is None else xp.result_type(j1.dtype, j2.dtype)
+    out_dtype = _resolve_dtype(xp, dtype, default)
+    device = j1.device
+    budget = resolve_budget(max_memory, backend, device)
+    n1 = j1.num_samples
+    n2 = n1 if j2 is None else j2.num_samples
+    o = j1.num_outputs
+    itemsize = max(_itemsize(xp, out_dtype), _itemsize(xp, default))
+    if n1 == 0 or n2 == 0:
+        plan = GramPlan(max(n1, 1), max(n2, 1), tuple("dense" if not p.kronecker else "kron1"
+                                                      for p in pairs), 0, j2 is None, 0,
+                        budget, 0.0, 0.0)
+    else:
+        try:
+            gpu = bool(backend.is_gpu(device))
+        except Exception:
+            gpu = False
+        plan = _make_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
+                          strategy, gpu)
+    return _Setup(xp, _Ops(xp, backend.name), pairs, mode, n1, n2, o, out_dtype, device, plan)
+
+
+def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
+              max_memory: Any = None, dtype: Any = None,
+              strategy: str | None = None) -> GramPlan:
+    """The :class:`GramPlan` :func:`gram` follows for these arguments (nothing is computed).
+
+    ``strategy`` forces ``"positions"`` or ``"materialise"`` for every Kronecker block
+    (``None``: chosen by the cost model).  Other arguments as for :func:`gram`.
+    """
+    return _setup(J1, J2, mode, layerwise, max_memory, dtype, strategy).plan
+
+
+def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
+         max_memory: Any = None, dtype: Any = None, progress: Any = None) -> Array:
+    r"""Empirical NTK :math:`\Theta = J_1 J_2^\top` of structured Jacobians, in tiles.
+
+    Parameters
+    ----------
+    J1 : Jacobian (or a single DenseBlock / KroneckerBlock)
+        N1 samples, O outputs.
+    J2 : Jacobian, optional
+        N2 samples with the same block structure as ``J1`` (names, kinds, parameter shapes;
+        Kronecker blocks may have a different number of positions).  ``None``: ``J1`` against
+        itself; only tiles on and above the diagonal are computed and the result is exactly
+        symmetric.
+    mode : {"full", "trace", "diagonal"}
+        ``full``: :math:`\Theta[n,m,o,p] = \sum_k J_1[n,o,k] J_2[m,p,k]`, shape (N1, N2, O, O).
+        ``trace``: :math:`\sum_o \Theta[n,m,o,o]` (a sum over outputs), shape (N1, N2).
+        ``diagonal``: :math:`\Theta[n,m,o,o]`, shape (N1, N2, O).
+    layerwise : bool
+        Return one kernel per block on a leading axis, shape (B, N1, N2, ...); the sum over
+        that axis is the total kernel.
+    max_memory : int, float or str, optional
+        Budget in bytes (or ``"2GB"``, ``"512MiB"``) for the working memory beyond the
+        output.  Default: a quarter of the free memory of the arrays' device
+        (see :mod:`ntkcore._memory`).
+    dtype : dtype or str, optional
+        Accumulation and result dtype (e.g. ``float64`` for float32 factors; factors are cast
+        tile by tile).  Default: the Jacobians' dtype.
+    progress : None, callable, True or "tqdm"
+        ``progress(done, total)`` is called after each tile; ``True`` / ``"tqdm"`` shows a
+        tqdm bar.
+
+    Returns
+    -------
+    array
+        The kernel in the Jacobians' namespace and device: (N1, N2, O, O), (N1, N2) or
+        (N1, N2, O), with a leading (B,) axis when ``layerwise``.
+
+    Raises
+    ------
+    TypeError
+        ``J1``/``J2`` are not Jacobians, arrays of different libraries, a bad ``dtype``,
+        ``layerwise`` or ``progress``.
+    ValueError
+        Unknown ``mode``, a bad ``max_memory``, or ``J1`` and ``J2`` with different block
+        structure or output counts (the message names the block).
+
+    Notes
+    -----
+    Kronecker blocks use :math:`(G G'^\top)\odot(A A'^\top)` for a dense layer and, with
+    weight sharing, either contract the positions or materialise per-sample weights, chosen
+    by the flop and memory model described in the module docstring; :func:`plan_gram` shows
+    the choice and tile size.
+    """
+    st = _setup(J1, J2, mode, layerwise, max_memory, dtype, None)
+    return _execute(st, layerwise, progress)
+
+
+def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
+          max_memory: Any = None, dtype: Any = None, progress: Any = None,
+          strategy: str | None = None) -> Array:
+    """:func:`gram` with the Kronecker strategy forced (for tests and benchmarks)."""
+    st = _setup(J1, J2, mode, layerwise, max_memory, dtype, strategy)
+    return _execute(st, layerwise, progress)
+
+
+def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
+    xp, plan, mode = st.xp, st.plan, st.mode
+    symmetric = plan.symmetric
+    tail = {"trace": (), "diagonal": (st.o,), "full": (st.o, st.o)}[mode]
+    nb = len(st.pairs)
+    lead = (nb,) if layerwise else ()
+    out_shape = (*lead, st.n1, st.n2, *tail)
+    if st.n1 == 0 or st.n2 == 0:
+        return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
+    r, c = plan.tile_rows, plan.tile_cols
+    row_sl = [slice(i, min(i + r, st.n1)) for i in range(0, st.n1, r)]
+    col_sl = row_sl if symmetric else [slice(j, min(j + c, st.n2)) for j in range(0, st.n2, c)]
+    todo = [(i, j) for i in range(len(row_sl)) for j in range(len(col_sl))
+            if not symmetric or j >= i]
+    report, bar = _progress_fn(progress, len(todo))
+    writable = _writable(xp, st.dtype, st.device)
+    out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
+    grid: dict[tuple[int, int], Array] = {}
+    swap1 = _swap(mode, 0)
+    swapl = _swap(mode, 1)
+    try:
+        for done, (i, j) in enumerate(todo, start=1):
+            rs, cs = row_sl[i], col_sl[j]
+            same = symmetric and i == j
+            acc = None
+            parts = []
+            for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
+                t = _block_tile(st.ops, strat, pair, rs, cs, same, st.dtype, mode)
+                if layerwise:
+                    if same:
+                        t = (t + xp.permute_dims(t, swap1)) * 0.5
+                    if writable:
+                        out[(b, rs, cs, ...)] = t  # type: ignore[index]
+                        if symmetric and i != j:
+                            out[(b, cs, rs, ...)] = xp.permute_dims(t, swap1)  # type: ignore
+                    else:
+                        parts.append(t)
+                else:
+                    acc = t if acc is None else acc + t
+            if not layerwise:
+                assert acc is not None
+                if same:
+                    acc = (acc + xp.permute_dims(acc, swap1)) * 0.5
+                if writable:
+                    out[(rs, cs, ...)] = acc  # type: ignore[index]
+                    if symmetric and i != j:
+                        out[(cs, rs, ...)] = xp.permute_dims(acc, swap1)  # type: ignore
+                else:
+                    grid[(i, j)] = acc
+            elif not writable:
+                grid[(i, j)] = xp.stack(parts, axis=0)
+            if report is not None:
+                report(done, len(todo))
+    finally:
+        if bar is not None:
+            bar.close()
+    if writable:
+        return out
+    # assemble by concatenation (namespaces without item assignment, e.g. JAX)
+    ax = 1 if layerwise else 0
+    swap = swapl if layerwise else swap1
+    rows = []
+    for i in range(len(row_sl)):
+        tiles = []
+        for j in range(len(col_sl)):
+            if symmetric and j < i:
+                tiles.append(xp.permute_dims(grid[(j, i)], swap))
+            else:
+                tiles.append(grid[(i, j)])
+        rows.append(tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=ax + 1))
+    return rows[0] if len(rows) == 1 else xp.concat(rows, axis=ax)
