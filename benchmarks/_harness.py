@@ -2,16 +2,50 @@
 
 A suite module ``benchmarks/suites/<name>.py`` defines ``run(cfg: Config) -> list[dict]``
 returning rows built with :func:`row`.  Timings come from :func:`measure` (warm-up, several
-repetitions, median/min/max, device synchronisation); the runner adds machine facts.
+repetitions, median/min/max, device synchronisation); the runner adds machine facts and the
+measured GEMM throughput (:func:`gemm_throughput`).
+
+Peak memory
+-----------
+:func:`peak_memory` runs one case in a *fresh* Python process (CPU) and reports the growth of
+the resident set while the case runs: the case is called once as a warm-up (one-time library
+initialisation is not charged to it), the kernel's high-water mark ``VmHWM`` is reset through
+``/proc/self/clear_refs``, the case runs again and ``peak = VmHWM - RSS_before``.  The child
+runs with a fixed glibc mmap threshold so that large freed blocks go back to the kernel instead
+of being silently reused from the heap (which would hide the second run's allocations).  Where
+``clear_refs`` cannot be written the fallback is ``ru_maxrss - RSS_before`` without a warm-up.
+On a GPU the allocator's own counters are used in-process: ``torch.cuda.max_memory_allocated``
+after ``reset_peak_memory_stats``, or a CuPy memory hook tracking the pool's bytes in use.
+
+A case for :func:`peak_memory` is named ``"package.module:function"``; the function takes
+JSON-serialisable keyword arguments, builds its inputs and returns a zero-argument callable that
+runs the measured work (inputs are allocated before the baseline is taken, so they count as
+inputs, not as working memory; outputs count as working memory).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("numpy", "torch", "jax", "cupy")
+
+# Rows built with ``row`` during the current suite (the runner salvages them when a suite
+# raises or times out) and a callback the runner sets to advance its progress bar.
+_EMITTED: list[dict[str, Any]] = []
+_ON_MEASURE: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -22,6 +56,11 @@ class Config:
     backends : subset of ("numpy", "torch", "jax", "cupy").
     device : "cpu" or "cuda".
     dtype : "float32" or "float64".
+    repeat, warmup : timed and untimed calls per case (``repeat`` is 1 in quick mode).
+    budget_s : stop repeating a case once its timed calls have used this many seconds
+        (at least one timed call always runs); ``None`` for no limit.
+    memory : whether suites should measure peak memory (fresh subprocess per case on CPU).
+    extra : free-form options (``--set key=value`` on the command line).
     """
 
     quick: bool = False
@@ -31,10 +70,65 @@ class Config:
     repeat: int = 5
     warmup: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    budget_s: float | None = 20.0
+    memory: bool = True
 
     @property
     def reps(self) -> int:
         return 1 if self.quick else self.repeat
+
+    def pick(self, quick: Any, full: Any) -> Any:
+        """``quick`` in a quick run, else ``full`` (sizes, repetition counts, ...)."""
+        return quick if self.quick else full
+
+    def has(self, backend: str) -> bool:
+        """Whether ``backend`` was selected (and so is importable on this device)."""
+        return backend in self.backends
+
+    def time(self, fn: Callable[[], Any], backend: str | None = None) -> dict[str, float]:
+        """:func:`measure` ``fn`` with this configuration's repeats, warm-up, budget and the
+        device synchronisation of ``backend`` on ``self.device``."""
+        return measure(
+            fn,
+            repeat=self.reps,
+            warmup=0 if self.quick else self.warmup,
+            sync=sync_fn(backend, self.device) if backend else None,
+            budget_s=None if self.quick else self.budget_s,
+        )
+
+    def peak_memory(self, target: str, **kwargs: Any) -> int | None:
+        """Peak working memory of ``target(**kwargs)()`` (see :func:`peak_memory`).
+
+        ``None`` when ``memory`` is off.  Quick runs measure in-process (no subprocess start-up
+        cost); full runs use a fresh process on CPU.
+        """
+        if not self.memory:
+            return None
+        fresh = (not self.quick) and self.device == "cpu"
+        return peak_memory(target, kwargs, device=self.device, fresh=fresh)
+
+    @property
+    def mem_method(self) -> str | None:
+        """How :meth:`peak_memory` measured, for ``row(mem_method=...)``."""
+        if not self.memory:
+            return None
+        if self.device != "cpu":
+            return "allocator peak (in-process)"
+        return "RSS growth (in-process)" if self.quick else "RSS growth (fresh process)"
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def _block(out: Any) -> None:
+    """Wait for JAX's asynchronous dispatch to finish producing ``out`` (no-op otherwise)."""
+    jax = sys.modules.get("jax")
+    if jax is not None and out is not None:
+        try:
+            jax.block_until_ready(out)
+        except Exception:  # not a pytree of arrays: nothing to wait for
+            pass
 
 
 def measure(
@@ -43,29 +137,363 @@ def measure(
     repeat: int = 5,
     warmup: int = 1,
     sync: Callable[[], None] | None = None,
+    budget_s: float | None = None,
 ) -> dict[str, float]:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones.
+    """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeat`` timed ones.
 
     ``sync`` (e.g. ``torch.cuda.synchronize``) is called before starting and after each call
-    so that asynchronous devices are timed honestly.  Returns median/min/max in seconds.
+    so that asynchronous devices are timed honestly; JAX results are waited for with
+    ``block_until_ready``.  With ``budget_s``, repetitions stop once the timed calls have taken
+    that long (at least one always runs).  Returns median/min/max in seconds and the number of
+    timed calls.
     """
     for _ in range(warmup):
-        fn()
+        _block(fn())
     if sync:
         sync()
-    times = []
+    times: list[float] = []
     for _ in range(max(1, repeat)):
         t0 = time.perf_counter()
-        fn()
+        _block(fn())
         if sync:
             sync()
         times.append(time.perf_counter() - t0)
+        if budget_s is not None and sum(times) > budget_s:
+            break
+    if _ON_MEASURE is not None:
+        _ON_MEASURE()
     return {
         "median_s": statistics.median(times),
         "min_s": min(times),
         "max_s": max(times),
         "repeats": len(times),
     }
+
+
+def sync_fn(backend: str | None, device: str) -> Callable[[], None] | None:
+    """A callable that waits for queued work of ``backend`` on ``device`` (None on CPU)."""
+    if device == "cpu" or backend in (None, "numpy"):
+        return None
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.synchronize
+    if backend == "cupy":
+        import cupy
+
+        return lambda: cupy.cuda.Device().synchronize()
+    return None  # jax: measure() blocks on the result instead
+
+
+# --------------------------------------------------------------------------------------------
+# arrays of each backend
+
+
+def namespace(backend: str) -> Any:
+    """The namespace a user of ``backend`` holds: numpy, torch, jax.numpy or cupy."""
+    if backend == "numpy":
+        import numpy
+
+        return numpy
+    if backend == "torch":
+        import torch
+
+        return torch
+    if backend == "jax":
+        import jax.numpy
+
+        return jax.numpy
+    if backend == "cupy":
+        import cupy
+
+        return cupy
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def asarray(x: Any, backend: str, device: str = "cpu", dtype: str = "float32") -> Any:
+    """Copy the NumPy array ``x`` into ``backend`` on ``device`` with ``dtype``."""
+    import numpy as np
+
+    x = np.asarray(x)
+    if backend == "numpy":
+        return x.astype(dtype)
+    if backend == "torch":
+        import torch
+
+        return torch.as_tensor(x.astype(dtype), device=device)
+    if backend == "jax":
+        import jax
+
+        if dtype == "float64":
+            jax.config.update("jax_enable_x64", True)
+        dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+        return jax.device_put(x.astype(dtype), dev)
+    if backend == "cupy":
+        import cupy
+
+        return cupy.asarray(x.astype(dtype))
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def to_numpy(x: Any) -> Any:
+    """Host NumPy copy of an array of any backend."""
+    import numpy as np
+
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+        return x.get()
+    return np.asarray(x)
+
+
+def available_backends(device: str) -> tuple[str, ...]:
+    """Backends that import and have ``device`` on this machine."""
+    out = []
+    for name in BACKENDS:
+        try:
+            if name == "numpy":
+                ok = device == "cpu"
+            elif name == "torch":
+                import torch
+
+                ok = device == "cpu" or torch.cuda.is_available()
+            elif name == "jax":
+                import jax
+
+                ok = device == "cpu" or any(d.platform == "gpu" for d in jax.devices())
+            else:
+                import cupy
+
+                ok = device == "cuda" and cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            ok = False
+        if ok:
+            out.append(name)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM throughput
+
+
+def gemm_throughput(
+    backend: str, device: str, dtype: str, n: int, *, repeat: int = 3
+) -> dict[str, Any]:
+    """Measured square matrix-multiplication throughput of ``backend`` (n x n times n x n).
+
+    Returns ``gflops`` (from the median time), ``gflops_max`` (from the fastest call) and the
+    timing; ``2 n^3`` flops per product.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    b = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    t = measure(
+        lambda: a @ b, repeat=repeat, warmup=1, sync=sync_fn(backend, device), budget_s=10.0
+    )
+    flops = 2.0 * n**3
+    return {
+        "backend": backend,
+        "device": device,
+        "dtype": dtype,
+        "n": n,
+        "gflops": flops / t["median_s"] / 1e9,
+        "gflops_max": flops / t["min_s"] / 1e9,
+        **t,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# peak memory
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes."""
+    rss = _proc_status("VmRSS")
+    if rss is not None:
+        return rss
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's resident high-water mark (Linux >= 4.0); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) if sys.platform == "darwin" else int(r) * 1024
+
+
+def _load(target: str) -> Callable[..., Callable[[], Any]]:
+    mod, _, fn = target.partition(":")
+    if not fn:
+        raise ValueError(f"peak-memory target must be 'module:function', got {target!r}")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _cupy_peak(thunk: Callable[[], Any]) -> int:
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    class _Peak(cupy.cuda.MemoryHook):
+        name = "ntkcore_bench_peak"
+
+        def __init__(self) -> None:
+            self.base = pool.used_bytes()
+            self.peak = self.base
+
+        def malloc_postprocess(self, **kwargs: Any) -> None:
+            self.peak = max(self.peak, pool.used_bytes())
+
+    cupy.cuda.Device().synchronize()
+    hook = _Peak()
+    with hook:
+        out = thunk()
+        cupy.cuda.Device().synchronize()
+    del out
+    return int(hook.peak - hook.base)
+
+
+def _measure_in_process(
+    thunk: Callable[[], Any], device: str, backend: str | None = None
+) -> tuple[int, str]:
+    """Peak bytes allocated while ``thunk()`` runs, and how it was measured."""
+    if device != "cpu":
+        if backend == "cupy":
+            return _cupy_peak(thunk), "cupy memory pool"
+        if backend == "jax":
+            raise NotImplementedError("no resettable peak-memory counter for JAX on GPU")
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = thunk()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return int(peak), "torch.cuda.max_memory_allocated"
+    _block(thunk())  # warm-up: one-time initialisation is not the case's working memory
+    gc.collect()
+    base = current_rss()
+    if _reset_hwm():
+        out = thunk()
+        _block(out)
+        peak = _proc_status("VmHWM") or 0
+        del out
+        return max(0, peak - base), "VmHWM"
+    out = thunk()
+    _block(out)
+    del out
+    return max(0, _maxrss_bytes() - base), "ru_maxrss"
+
+
+def peak_memory(
+    target: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    device: str = "cpu",
+    fresh: bool | None = None,
+    timeout: float = 900.0,
+) -> int | None:
+    """Peak working memory in bytes of running ``target(**kwargs)()`` once.
+
+    Parameters
+    ----------
+    target : str
+        ``"package.module:function"``; the function builds inputs from ``kwargs`` and returns
+        the zero-argument callable to measure.
+    kwargs : dict
+        JSON-serialisable keyword arguments for ``target``.
+    device : "cpu" or "cuda"
+        CPU: resident-set growth; CUDA: the allocator's peak (CuPy's pool when
+    ``kwargs["backend"] == "cupy"``, else torch's).
+    fresh : bool, optional
+        Run in a new Python process (default: True on CPU, False on CUDA).
+    timeout : float
+        Seconds before the child is killed (then ``None`` is returned).
+
+    Returns
+    -------
+    int or None
+        Bytes; ``None`` if the case failed (the reason is printed to stderr).
+    """
+    kwargs = dict(kwargs or {})
+    fresh = (device == "cpu") if fresh is None else fresh
+    if not fresh:
+        try:
+            thunk = _load(target)(**kwargs)
+            return _measure_in_process(thunk, device, kwargs.get("backend"))[0]
+        except Exception as exc:
+            print(f"[peak_memory] {target} failed in-process: {exc!r}", file=sys.stderr)
+            return None
+    env = dict(os.environ)
+    # a fixed threshold switches off glibc's dynamic one, so freed large blocks are unmapped
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    spec = json.dumps({"target": target, "kwargs": kwargs, "device": device})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks._harness", "--peak-child", spec],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=str(ROOT),
+        )
+    except subprocess.TimeoutExpired:
+        print(f"[peak_memory] {target} timed out after {timeout:.0f} s", file=sys.stderr)
+        return None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return int(json.loads(line)["peak_bytes"])
+            except (ValueError, KeyError):
+                break
+    tail = (proc.stderr or "").strip().splitlines()[-5:]
+    print(f"[peak_memory] {target} failed (rc={proc.returncode}): {tail}", file=sys.stderr)
+    return None
+
+
+def alloc_case(nbytes: int) -> Callable[[], Any]:
+    """A case that allocates and touches ``nbytes`` (self-check of :func:`peak_memory`)."""
+    import numpy as np
+
+    return lambda: np.ones(int(nbytes) // 8, dtype=np.float64)
+
+
+def _peak_child(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    thunk = _load(spec["target"])(**spec["kwargs"])
+    peak, method = _measure_in_process(thunk, spec["device"], spec["kwargs"].get("backend"))
+    print(json.dumps({"peak_bytes": peak, "method": method}), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# rows
 
 
 def row(
@@ -83,12 +511,19 @@ def row(
     baseline: str | None = None,
     error: float | None = None,
     note: str = "",
+    mem_method: str | None = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
     """One result row; the schema checked by ``tests/test_benchmarks.py``.
 
-    ``baseline`` names the ``impl`` of the same ``case`` that speed-ups are measured against;
+    ``baseline`` names the ``impl`` of the same ``case`` that speed-ups are measured against
+    (looked up in the same run, same device and dtype, preferring the same backend);
     ``flops`` lets the renderer report the fraction of measured GEMM throughput reached;
-    ``error`` is a relative error against a reference computed in the same run.
+    ``error`` is a relative error against a reference computed in the same run;
+    ``params["N"]`` is the size the renderer plots time and memory against;
+    ``target`` states a goal the renderer checks, ``"<metric> <op> <value>"`` with metric one
+    of ``speedup``, ``time_s``, ``gemm_fraction``, ``mem_ratio`` (peak memory over the
+    baseline's), ``peak_mem_bytes``, ``error`` and op one of ``>=, <=, >, <``.
     """
     out: dict[str, Any] = {
         "suite": suite,
@@ -103,10 +538,22 @@ def row(
     out.update(timing or {})
     if peak_mem_bytes is not None:
         out["peak_mem_bytes"] = int(peak_mem_bytes)
+        if mem_method is not None:
+            out["mem_method"] = mem_method
     if flops is not None:
         out["flops"] = float(flops)
     if baseline is not None:
         out["baseline"] = baseline
     if error is not None:
         out["error"] = float(error)
+    if target is not None:
+        out["target"] = target
+    _EMITTED.append(out)
     return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak-child":
+        _peak_child(sys.argv[2])
+    else:
+        sys.exit("usage: python -m benchmarks._harness --peak-child SPEC_JSON")

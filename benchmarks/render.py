@@ -1,0 +1,472 @@
+"""Render benchmark JSON into ``docs/benchmarks.md`` and plots in ``docs/img/``.
+
+``python -m benchmarks.render [RESULTS.json ...] [--docs DIR]``; without files, the newest
+full (non ``--quick``) result of each machine and device in ``benchmarks/results/`` is used.
+
+Derived columns, all from rows of the *same* result file:
+
+- speed-up = median time of the ``baseline`` row (same suite, case, device and dtype; the same
+  backend when there is one, else any backend) / this row's median time;
+- GEMM % = (``flops`` / median time) / measured GEMM throughput of the row's backend, device
+  and dtype (numpy's on CPU or torch's on CUDA when the backend's own was not measured);
+- memory ratio = peak memory / the baseline row's peak memory (used by ``target``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import operator
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+METRICS = ("speedup", "time_s", "gemm_fraction", "mem_ratio", "peak_mem_bytes", "error")
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{int(b)} B"
+
+
+def _esc(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "x"
+
+
+# --------------------------------------------------------------------------------------------
+# derived quantities
+
+
+def family(r: dict[str, Any]) -> str:
+    """The series a row belongs to when plotting against ``params["N"]``."""
+    p = r.get("params") or {}
+    if p.get("family"):
+        return str(p["family"])
+    case = str(r["case"])
+    n = p.get("N")
+    if n is not None:
+        stripped = re.sub(rf"\b[Nn]\s*=\s*{n}\b", "", case)
+        if stripped == case:
+            stripped = re.sub(rf"\b{n}\b", "", case)
+        case = re.sub(r"\s+", " ", stripped).strip(" ,;-_") or case
+    return case
+
+
+def _gemm_table(doc: dict[str, Any]) -> dict[tuple[str, str, str], float]:
+    return {
+        (g["backend"], g["device"], g["dtype"]): g["gflops"]
+        for g in doc.get("gemm", [])
+        if g.get("gflops")
+    }
+
+
+def gemm_ref(doc: dict[str, Any], r: dict[str, Any]) -> float | None:
+    table = _gemm_table(doc)
+    key = (r["backend"], r["device"], r["dtype"])
+    if key in table:
+        return table[key]
+    fallback = "numpy" if r["device"] == "cpu" else "torch"
+    return table.get((fallback, r["device"], r["dtype"]))
+
+
+def derive(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows with ``_speedup``, ``_gemm_fraction``, ``_mem_ratio``, ``_target_ok`` added."""
+    rows = [dict(r) for r in doc.get("rows", [])]
+    index: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        index[(r["suite"], r["case"], r["device"], r["dtype"], r["impl"])].append(r)
+    for r in rows:
+        base = None
+        if r.get("baseline"):
+            cands = index.get((r["suite"], r["case"], r["device"], r["dtype"], r["baseline"]), [])
+            same = [c for c in cands if c["backend"] == r["backend"]]
+            base = (same or cands or [None])[0]
+        t = r.get("median_s")
+        if base is not None and base.get("median_s") and t:
+            r["_speedup"] = base["median_s"] / t
+            r["_baseline_backend"] = base["backend"]
+        if base is not None and base.get("peak_mem_bytes") and r.get("peak_mem_bytes") is not None:
+            r["_mem_ratio"] = r["peak_mem_bytes"] / base["peak_mem_bytes"]
+        g = gemm_ref(doc, r)
+        if r.get("flops") and t and g:
+            r["_gflops"] = r["flops"] / t / 1e9
+            r["_gemm_fraction"] = r["_gflops"] / g
+        if r.get("target"):
+            r["_target_ok"] = check_target(r)
+    return rows
+
+
+def metric(r: dict[str, Any], name: str) -> float | None:
+    return {
+        "speedup": r.get("_speedup"),
+        "time_s": r.get("median_s"),
+        "gemm_fraction": r.get("_gemm_fraction"),
+        "mem_ratio": r.get("_mem_ratio"),
+        "peak_mem_bytes": r.get("peak_mem_bytes"),
+        "error": r.get("error"),
+    }.get(name)
+
+
+def check_target(r: dict[str, Any]) -> bool | None:
+    """True/False when the row's ``target`` can be evaluated, None when it cannot."""
+    m = re.fullmatch(r"\s*(\w+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*", str(r.get("target", "")))
+    if not m or m.group(1) not in METRICS:
+        return None
+    value = metric(r, m.group(1))
+    if value is None:
+        return None
+    return bool(OPS[m.group(2)](value, float(m.group(3))))
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_scaling(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
+    """Median time (and peak memory, where measured) against N, one line per implementation."""
+    series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("median_s") is not None:
+            series[f"{r['impl']} ({r['backend']})"].append(r)
+    if not series or len({r["params"]["N"] for r in rows}) < 2:
+        return False
+    has_mem = any(r.get("peak_mem_bytes") for r in rows)
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2 if has_mem else 1, figsize=(11 if has_mem else 6, 4),
+                             squeeze=False)
+    for label, rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["params"]["N"])
+        ns = [r["params"]["N"] for r in rs]
+        med = [r["median_s"] for r in rs]
+        lo = [r["median_s"] - r.get("min_s", r["median_s"]) for r in rs]
+        hi = [r.get("max_s", r["median_s"]) - r["median_s"] for r in rs]
+        axes[0][0].errorbar(ns, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
+        if has_mem:
+            mem = [(r["params"]["N"], r["peak_mem_bytes"] / 2**20) for r in rs
+                   if r.get("peak_mem_bytes")]
+            if mem:
+                axes[0][1].plot(*zip(*mem, strict=True), marker="o", label=label)
+    axes[0][0].set(xscale="log", yscale="log", xlabel="N", ylabel="median time [s]",
+                   title=f"{title}: time")
+    axes[0][0].grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if has_mem:
+        axes[0][1].set(xscale="log", yscale="log", xlabel="N", ylabel="peak memory [MiB]",
+                       title=f"{title}: peak memory")
+        axes[0][1].grid(True, which="both", alpha=0.3)
+        axes[0][1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_speedups(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
+    """Horizontal bars of speed-up over the baseline (log scale, 1x marked)."""
+    rs = [r for r in rows if r.get("_speedup")]
+    if not rs:
+        return False
+    plt = _plt()
+    labels = [f"{r['case']} · {r['impl']} ({r['backend']}) vs {r['baseline']}" for r in rs]
+    vals = [r["_speedup"] for r in rs]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rs) + 1.2))
+    colors = ["tab:green" if v >= 1 else "tab:red" for v in vals]
+    ax.barh(range(len(rs)), vals, color=colors)
+    ax.set_yticks(range(len(rs)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="speed-up over baseline (x)", title=f"{title}: speed-up")
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.3g}x", va="center", fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# document
+
+
+def _sort_key(r: dict[str, Any]) -> tuple:
+    return (family(r), (r.get("params") or {}).get("N") or 0, r["case"], r["backend"],
+            r["impl"] != r.get("baseline", "") and r.get("baseline") is not None, r["impl"])
+
+
+def _machine_section(doc: dict[str, Any]) -> str:
+    m = doc.get("machine", {})
+    torch = m.get("torch") or {}
+    cuda = torch.get("cuda") or {}
+    v = m.get("versions", {})
+    facts = [
+        ["CPU", f"{m.get('cpu_model')} ({m.get('cpu_physical_cores')} physical cores, "
+                f"{m.get('cpu_logical')} logical, {m.get('cpu_affinity')} usable)"],
+        ["memory", fmt_bytes(m.get("memory_bytes"))],
+        ["BLAS (threadpoolctl)", m.get("blas_kernel") or "-"],
+        ["torch threads / BLAS", f"{torch.get('num_threads', '-')} / {torch.get('blas', '-')}"
+                                 if torch else "-"],
+        ["OpenBLAS guards in the timing run",
+         ", ".join(f"{k}={val}" for k, val in (m.get("env") or {}).items()
+                   if k.startswith("OPENBLAS_") and val is not None) or "unset"],
+        ["removed by the runner", ", ".join(f"{k}={val}" for k, val in
+                                            (m.get("env_before_reexec") or {}).items()) or "-"],
+        ["Python", m.get("python")],
+        ["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
+        ["git", f"{(m.get('git') or {}).get('commit', '')[:12]}"
+                f"{' (dirty)' if (m.get('git') or {}).get('dirty') else ''}"],
+    ]
+    if m.get("gpu") or cuda:
+        gpu = m.get("gpu") or {}
+        facts.insert(1, ["GPU", f"{gpu.get('name') or cuda.get('device_name')} "
+                                f"(driver {gpu.get('driver', '-')}, CUDA "
+                                f"{cuda.get('cuda_runtime', '-')})"])
+        tf = m.get("tf32") or {}
+        facts.insert(2, ["TF32 during timings",
+                         f"{'on' if tf.get('effective') else 'off'} "
+                         f"(torch matmul {tf.get('torch_matmul')}, cuDNN {tf.get('torch_cudnn')},"
+                         f" CuPy {tf.get('cupy')}, NVIDIA_TF32_OVERRIDE "
+                         f"{tf.get('NVIDIA_TF32_OVERRIDE')})"])
+    return _table(["fact", "value"], facts)
+
+
+def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
+    """Markdown section for one result file; writes its plots into ``img_dir``."""
+    cfg = doc.get("config", {})
+    slug = f"{doc.get('machine_slug', 'machine')}-{cfg.get('device', 'cpu')}"
+    out = [f"## {doc.get('machine_slug')} · {cfg.get('device')} · {cfg.get('dtype')} · "
+           f"{doc.get('created', '')[:10]}\n"]
+    backends = ", ".join(cfg.get("backends", []))
+    out.append(f"Command: `{' '.join(doc.get('command', []))}` (total "
+               f"{doc.get('wall_s', 0) / 60:.1f} min; backends {backends}; "
+               f"{cfg.get('repeat')} timed calls after {cfg.get('warmup')} warm-up, at most "
+               f"{cfg.get('budget_s')} s of timed calls per case"
+               f"{'; QUICK smoke run, sizes are tiny' if cfg.get('quick') else ''}).\n")
+    out.append("### Machine\n")
+    out.append(_machine_section(doc))
+    out.append("\n### Measured GEMM throughput\n")
+    out.append(_table(
+        ["backend", "device", "dtype", "n", "GFLOP/s (median)", "GFLOP/s (best)"],
+        [[g["backend"], g["device"], g["dtype"], g["n"],
+          f"{g['gflops']:.1f}" if g.get("gflops") else g.get("error", "-"),
+          f"{g['gflops_max']:.1f}" if g.get("gflops_max") else "-"] for g in doc.get("gemm", [])],
+    ))
+    out.append("\n### Suites\n")
+    srows = []
+    for name, info in doc.get("suites", {}).items():
+        err = (info.get("error") or "").strip().splitlines()
+        srows.append([name, info.get("status"), info.get("n_rows", 0),
+                      f"{info.get('wall_s', 0):.1f} s", err[-1][:160] if err else ""])
+    out.append(_table(["suite", "status", "rows", "wall time", "problem"], srows))
+
+    rows = derive(doc)
+    targets = [r for r in rows if r.get("target")]
+    if targets:
+        out.append("\n### Targets\n")
+        trs = []
+        for r in targets:
+            ok = r.get("_target_ok")
+            m = re.match(r"\s*(\w+)", r["target"])
+            val = metric(r, m.group(1)) if m else None
+            shown = "-" if val is None else (
+                fmt_bytes(val) if m and m.group(1) == "peak_mem_bytes" else f"{val:.3g}")
+            trs.append([r["suite"], r["case"], f"{r['impl']} ({r['backend']})", r["target"],
+                        shown, {True: "met", False: "NOT met", None: "n/a"}[ok]])
+        out.append(_table(["suite", "case", "impl", "target", "measured", "status"], trs))
+
+    by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_suite[r["suite"]].append(r)
+    for suite, rs in by_suite.items():
+        out.append(f"\n### {suite}\n")
+        rs.sort(key=_sort_key)
+        table = []
+        for r in rs:
+            t = r.get("median_s")
+            timing = "-" if t is None else (
+                f"{fmt_time(t)} ({fmt_time(r.get('min_s'))}–{fmt_time(r.get('max_s'))})")
+            sp = r.get("_speedup")
+            sp_s = "-" if sp is None else f"{sp:.3g}x vs {r['baseline']}" + (
+                f" ({r['_baseline_backend']})" if r.get("_baseline_backend") != r["backend"]
+                else "")
+            gf = r.get("_gemm_fraction")
+            err = r.get("error")
+            table.append([
+                r["case"], r["impl"], r["backend"], r["device"], r["dtype"], timing,
+                fmt_bytes(r.get("peak_mem_bytes")), sp_s,
+                "-" if gf is None else f"{100 * gf:.0f}%",
+                "-" if err is None else f"{err:.1e}", r.get("note", ""),
+            ])
+        out.append(_table(["case", "impl", "backend", "device", "dtype", "median (min–max)",
+                           "peak memory", "speed-up", "GEMM %", "rel. error", "note"], table))
+        fams: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rs:
+            if isinstance((r.get("params") or {}).get("N"), (int, float)):
+                fams[family(r)].append(r)
+        for fam, frs in fams.items():
+            name = f"{slug}-{_slug(suite)}-{_slug(fam)}.png"
+            if plot_scaling(frs, f"{suite} · {fam}", img_dir / name):
+                out.append(f"\n![{suite} {fam}: time and memory against N]({img_rel}/{name})\n")
+        name = f"{slug}-{_slug(suite)}-speedup.png"
+        if plot_speedups(rs, suite, img_dir / name):
+            out.append(f"\n![{suite}: speed-up over the baseline]({img_rel}/{name})\n")
+    return "\n".join(out)
+
+
+INTRO = """# Benchmarks
+
+*Generated by `python -m benchmarks.render` from the JSON files in `benchmarks/results/`;
+edit the renderer, not this file.*
+
+## Reproducing
+
+```bash
+python -m benchmarks --render                      # all suites, all CPU backends (~{minutes})
+python -m benchmarks --suite regression,peers --backend numpy,torch
+python -m benchmarks --quick --out /tmp/smoke.json # seconds-long smoke run (used by the tests)
+bash benchmarks/peers/make_venv.sh                 # once: neural-tangents in .venv-nt/
+bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDIA GPU
+```
+
+## How the numbers are taken
+
+- **Time**: each case runs once untimed (warm-up: JIT compilation, lazy initialisation), then
+  up to 5 timed calls (fewer once a case has used 20 s); the tables give the median and the
+  min–max range. On a GPU every call is followed by a device synchronisation (and JAX results
+  by `block_until_ready`), so asynchronous launches are not mistaken for finished work.
+- **Peak memory** (CPU): every case runs again in a fresh Python process; after a warm-up call
+  the kernel's resident-set high-water mark is reset and the reported figure is its growth
+  during one call (working memory including the output, excluding the inputs). On a GPU:
+  `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, or the bytes in use in
+  CuPy's memory pool, minus what was allocated before the call.
+- **GEMM throughput** of each backend is measured in the same run (square products, float32
+  and float64); "GEMM %" is a row's flop count divided by its median time, as a fraction of
+  that throughput.
+- **Speed-up** compares a row with the baseline named in the row (same case, device and dtype,
+  same run); "rel. error" is the relative error against a float64 reference computed in the
+  same run.
+- **BLAS environment**: some machines set `OPENBLAS_CORETYPE` and `OPENBLAS_L2_SIZE` to protect
+  old OpenBLAS builds; they slow a current one down. Timing runs of `python -m benchmarks`
+  re-execute themselves without both variables (only that command; tests and CI keep them)
+  and record the BLAS kernel threadpoolctl reports.
+- The machine that produced the CPU tables is shared: treat differences under ~20% as noise.
+"""
+
+
+GPU_NONE = """## GPU
+
+No GPU results yet. `benchmarks/gpu.sh OUTDIR` is ready for a machine with one NVIDIA GPU and
+no network (it installs wheels carried in `./.whl`, runs `pytest -m gpu` for the torch-CUDA
+and CuPy backends with TF32 disabled, then the GPU benchmark selection with
+`--device cuda`, recording whether TF32 was on, and writes JSON and logs to OUTDIR), but it
+has not been run: the task that built this benchmark had no GPU machine. Copy the JSON it
+writes into `benchmarks/results/` and re-run `python -m benchmarks.render` to add the GPU
+tables here.
+"""
+
+
+def default_files() -> list[Path]:
+    """Newest non-quick result of each (machine, device) in benchmarks/results/."""
+    newest: dict[tuple[str, str], tuple[str, Path]] = {}
+    for p in sorted(RESULTS.glob("*.json")):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        cfg = doc.get("config", {})
+        if cfg.get("quick"):
+            continue
+        key = (doc.get("machine_slug", p.stem), cfg.get("device", "cpu"))
+        created = doc.get("created", "")
+        if key not in newest or created >= newest[key][0]:
+            newest[key] = (created, p)
+    return [p for _, p in sorted(newest.values(), key=lambda cp: str(cp[1]))]
+
+
+def _expected_minutes(docs: list[dict[str, Any]]) -> str:
+    cpu = [d for d in docs if d.get("config", {}).get("device") == "cpu"
+           and not d.get("config", {}).get("quick")]
+    if cpu:
+        return f"{cpu[-1].get('wall_s', 0) / 60:.0f} min on the machine below"
+    return "see the tables below for the wall time"
+
+
+def render(files: list[Path] | None = None, docs: Path = ROOT / "docs") -> Path:
+    """Write ``docs/benchmarks.md`` (and ``docs/img/*.png``) from result files."""
+    files = default_files() if files is None else [Path(f) for f in files]
+    loaded = [json.loads(Path(f).read_text()) for f in files]
+    img_dir = docs / "img"
+    parts = [INTRO.replace("{minutes}", _expected_minutes(loaded))]
+    if not any(d.get("config", {}).get("device") == "cuda" for d in loaded):
+        parts.append(GPU_NONE)
+    if not loaded:
+        parts.append("\nNo result files yet: run `python -m benchmarks --render`.\n")
+    for f, d in zip(files, loaded, strict=True):
+        parts.append(f"\n<!-- from {Path(f).name} -->\n")
+        parts.append(render_doc(d, img_dir, "img"))
+    docs.mkdir(parents=True, exist_ok=True)
+    out = docs / "benchmarks.md"
+    out.write_text("\n".join(parts).rstrip() + "\n")
+    print(f"[benchmarks] rendered {out} from {len(files)} result file(s)", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.render", description=__doc__)
+    p.add_argument("files", nargs="*", type=Path, help="result JSON files (default: newest "
+                                                       "full run per machine and device)")
+    p.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = p.parse_args(argv)
+    render(args.files or None, docs=args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
