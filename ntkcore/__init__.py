@@ -16,6 +16,7 @@ from .cg import (
 )
 from .errors import JitterWarning, NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .operators import KernelOperator
 from .regression import (
     GPPosterior,
     KernelRidge,
@@ -27,17 +28,18 @@ from .regression import (
 __all__ = [
     "CGReport",
     "ConvergenceWarning",
-    "NystromPreconditioner",
-    "PivotedCholeskyPreconditioner",
-    "cg_solve",
     "DenseBlock",
     "GPPosterior",
     "Jacobian",
     "JitterWarning",
+    "KernelOperator",
     "KernelRidge",
     "KroneckerBlock",
     "NotPositiveDefiniteError",
+    "NystromPreconditioner",
+    "PivotedCholeskyPreconditioner",
     "__version__",
+    "cg_solve",
     "gd_mse_predict",
     "gp_inference",
     "kernel_regression",

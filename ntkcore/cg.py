@@ -552,6 +552,10 @@ def cg_solve(
             "arrays of one library"
         )
     reg = check_scalar(reg, "reg", nonnegative=True)
+    op_reg = getattr(op, "reg", 0.0)
+    if isinstance(op_reg, float) and op_reg > 0 and hasattr(op, "with_reg"):
+        # an operator carrying its own ridge (KernelOperator): precondition K, shift by both
+        op, reg = op.with_reg(0.0), reg + op_reg
     tol_v = _default_tol(xp, y.dtype) if tol is None else check_scalar(tol, "tol", positive=True)
     if maxiter is None:
         maxiter_v = max(10 * n, 1)

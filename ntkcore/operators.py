@@ -1,0 +1,301 @@
+r"""An implicit eNTK operator: kernel-matrix products without storing the kernel.
+
+:class:`KernelOperator` represents :math:`K = J_1 J_2^\top` (+ :math:`\lambda I`) for
+structured Jacobians and computes :math:`K V` by streaming over tiles: for row block
+:math:`i` and column block :math:`j`,
+
+.. math:: (K V)_i = \sum_j \Theta(J_1[i], J_2[j])\, V_j ,
+
+where each tile :math:`\Theta(J_1[i], J_2[j])` (block x block) comes from
+:func:`ntkcore.gram` and is dropped after use, so memory is one tile plus the factors, never
+N x N.  For a symmetric kernel (``J2=None``) only tiles with :math:`j \ge i` are computed and
+tile :math:`(i, j)` also contributes :math:`\Theta_{ij}^\top V_i` to row block :math:`j`.
+
+``method="factors"`` skips the kernel altogether: :math:`K V = J_1 (J_2^\top V)` through the
+Jacobian's structured products (``vjp`` then ``jvp``); for the trace kernel
+:math:`K = \sum_o J_{1,o} J_{2,o}^\top`, so one ``vjp``/``jvp`` pair per output and column.
+It is cheaper than tiles when :math:`O P` is small next to :math:`N` (wide data, small
+model); ``"auto"`` picks by a flop estimate.
+
+Modes: ``"trace"`` gives the (N1, N2) kernel :math:`\sum_o \Theta[:, :, o, o]`; ``"full"`` the
+(N1 O, N2 O) matrix with row index ``n * O + o`` (the (N1, N2, O, O) kernel flattened
+row-major after moving the output axes next to their samples).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+
+from .cg import LinearOperator
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+Array = Any
+
+__all__ = ["KernelOperator"]
+
+_MODES = ("trace", "full")
+_METHODS = ("tiles", "factors", "auto")
+_TILE_BYTES = 64 * 2**20
+
+
+def _gram(*args: Any, **kwargs: Any) -> Array:
+    from .gram import gram
+
+    return gram(*args, **kwargs)
+
+
+def _as_jacobian(j: Any, name: str) -> Jacobian:
+    if isinstance(j, Jacobian):
+        return j
+    if isinstance(j, DenseBlock | KroneckerBlock):
+        return Jacobian([j])
+    raise TypeError(f"{name} must be an ntkcore.Jacobian (or a single block); got "
+                    f"{type(j).__name__}")
+
+
+class KernelOperator(LinearOperator):
+    r"""The eNTK :math:`J_1 J_2^\top + \lambda I` as a linear operator (never stored).
+
+    Parameters
+    ----------
+    J1 : Jacobian
+        N1 samples, O outputs (any namespace and device).
+    J2 : Jacobian, optional
+        N2 samples with the same blocks; ``None`` means ``J1`` (a symmetric kernel).
+    mode : {"trace", "full"}, default "trace"
+        Operator shape (N1, N2) or (N1 O, N2 O); see the module docstring.
+    block : int, optional
+        Samples per tile side (default: tiles of about 64 MiB of kernel).
+    reg : float, default 0.0
+        Ridge :math:`\lambda` added to the diagonal (symmetric operators only).
+    method : {"tiles", "factors", "auto"}, default "tiles"
+        How products are computed (see the module docstring).
+    max_memory : optional
+        Passed to :func:`ntkcore.gram` for each tile.
+    dtype : dtype, optional
+        Accumulation dtype of the tiles (default: the dtype of the vectors multiplied).
+
+    Attributes
+    ----------
+    shape : tuple of int
+    dtype : dtype
+        The Jacobians' dtype.
+    tiles_computed : int
+        Kernel tiles computed so far (a cost counter).
+
+    Examples
+    --------
+    >>> op = KernelOperator(J, reg=1e-3)                     # doctest: +SKIP
+    >>> alpha, report = ntkcore.cg_solve(op, y)               # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        J1: Any,
+        J2: Any = None,
+        *,
+        mode: str = "trace",
+        block: int | None = None,
+        reg: float = 0.0,
+        method: str = "tiles",
+        max_memory: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        self.J1 = _as_jacobian(J1, "J1")
+        self.J2 = None if J2 is None else _as_jacobian(J2, "J2")
+        if self.J2 is not None:
+            if self.J2.xp is not self.J1.xp:
+                raise TypeError("J1 and J2 must hold arrays of one library")
+            if self.J2.num_outputs != self.J1.num_outputs:
+                raise ValueError(f"J1 has O={self.J1.num_outputs} outputs but J2 has "
+                                 f"O={self.J2.num_outputs}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES} for an operator; got {mode!r}")
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}; got {method!r}")
+        reg = float(reg)
+        if not math.isfinite(reg) or reg < 0:
+            raise ValueError(f"reg must be a finite non-negative number; got {reg}")
+        if reg and self.J2 is not None:
+            raise ValueError("reg is only meaningful for a symmetric operator (J2=None)")
+        self.mode = mode
+        self.reg = reg
+        self.max_memory = max_memory
+        self.acc_dtype = dtype
+        self.xp = self.J1.xp
+        self.dtype = self.J1.dtype
+        o = self.J1.num_outputs
+        self._q = o if mode == "full" else 1
+        n1 = self.J1.num_samples
+        n2 = n1 if self.J2 is None else self.J2.num_samples
+        self.shape = (n1 * self._q, n2 * self._q)  # type: ignore[assignment]
+        if block is None:
+            item = 8
+            block = max(1, int(math.sqrt(_TILE_BYTES / (item * self._q * self._q))))
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive integer; got {block!r}")
+        self.block = block
+        self.method = self._choose(method)
+        self.tiles_computed = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def symmetric(self) -> bool:
+        return self.J2 is None
+
+    @property
+    def _j2(self) -> Jacobian:
+        return self.J1 if self.J2 is None else self.J2
+
+    def with_reg(self, reg: float) -> KernelOperator:
+        """The same kernel with another ridge (shares the Jacobians)."""
+        new = object.__new__(KernelOperator)
+        new.__dict__.update(self.__dict__)
+        new.reg = float(reg)
+        new.tiles_computed = 0
+        return new
+
+    def _choose(self, method: str) -> str:
+        if method != "auto":
+            return method
+        n1, n2, o = self.J1.num_samples, self._j2.num_samples, self.J1.num_outputs
+        tiles = factors = 0.0
+        for b in self.J1.blocks:
+            if isinstance(b, KroneckerBlock):
+                s = b.num_positions
+                per_pair = s * s * ((o * o if self.mode == "full" else o) * b.d_out + b.d_in)
+                per_sample = 2.0 * s * b.d_in * b.d_out
+            else:
+                per_pair = (o if self.mode == "full" else 1) * o * b.num_params
+                per_sample = 2.0 * o * b.num_params
+            tiles += (n1 * n2 / (2.0 if self.symmetric else 1.0)) * per_pair
+            # one vjp + one jvp per output (trace) or per column (full)
+            factors += (n1 + n2) * per_sample * (o if self.mode == "trace" else 1)
+        return "factors" if factors < tiles else "tiles"
+
+    def _check_v(self, v: Array) -> Any:
+        try:
+            xp = array_api_compat.array_namespace(v)
+        except TypeError:
+            raise TypeError(f"v must be an array; got {type(v).__name__}") from None
+        if xp is not self.xp:
+            raise TypeError(f"v is a {type(v).__module__} array but the Jacobians hold "
+                            f"{self.xp.__name__} arrays")
+        if v.ndim != 2 or v.shape[0] != self.shape[1]:
+            raise ValueError(f"v must have shape ({self.shape[1]}, k); got {tuple(v.shape)}")
+        return xp
+
+    def _tile(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, same: bool) -> Array:
+        """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
+        xp = self.xp
+        a = self.J1.select(slice(i0, i1))
+        b = None if same else self._j2.select(slice(j0, j1))
+        t = _gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
+        self.tiles_computed += 1
+        if self.mode == "full":
+            bi, bj, o = t.shape[0], t.shape[1], t.shape[2]
+            t = xp.reshape(xp.permute_dims(t, (0, 2, 1, 3)), (bi * o, bj * o))
+        return t
+
+    # -- products -------------------------------------------------------------------------
+    def matmat(self, v: Array) -> Array:
+        """:math:`(K + \\lambda I) V` for ``v`` (N2 q, k) -> (N1 q, k), q = O for "full"."""
+        self._check_v(v)
+        out = self._matmat_factors(v) if self.method == "factors" else self._matmat_tiles(v)
+        if self.reg:
+            out = out + self.reg * v
+        return out
+
+    def matvec(self, v: Array) -> Array:
+        if v.ndim != 1:
+            raise ValueError(f"v must have shape ({self.shape[1]},); got {tuple(v.shape)}")
+        return self.matmat(v[:, None])[:, 0]
+
+    def _matmat_tiles(self, v: Array) -> Array:
+        xp, q, bs = self.xp, self._q, self.block
+        dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
+        n1, n2 = self.J1.num_samples, self._j2.num_samples
+        rows = [(s, min(n1, s + bs)) for s in range(0, n1, bs)]
+        cols = rows if self.symmetric else [(s, min(n2, s + bs)) for s in range(0, n2, bs)]
+        out: list[Array | None] = [None] * len(rows)
+
+        def add(idx: int, term: Array) -> None:
+            cur = out[idx]
+            out[idx] = term if cur is None else cur + term
+
+        for i, (i0, i1) in enumerate(rows):
+            start = i if self.symmetric else 0
+            for j in range(start, len(cols)):
+                j0, j1 = cols[j]
+                t = xp.astype(self._tile(i0, i1, j0, j1, dtype, self.symmetric and i == j),
+                              v.dtype)
+                add(i, t @ v[j0 * q:j1 * q, :])
+                if self.symmetric and j != i:
+                    add(j, t.T @ v[i0 * q:i1 * q, :])
+        return xp.concat([o for o in out if o is not None], axis=0)
+
+    def _matmat_factors(self, v: Array) -> Array:
+        xp = self.xp
+        j1, j2 = self.J1, self._j2
+        n2, o = j2.num_samples, j2.num_outputs
+        dev = array_api_compat.device(v)
+        cdtype = self.dtype
+        cols = []
+        for c in range(v.shape[1]):
+            vc = xp.astype(v[:, c], cdtype)
+            if self.mode == "full":
+                w = j2.vjp(xp.reshape(vc, (n2, o)))  # J2^T v, (P,)
+                cols.append(xp.reshape(j1.jvp(w), (-1,)))
+            else:
+                acc = None
+                for k in range(o):
+                    onehot = xp.astype(xp.arange(o, device=dev) == k, cdtype)  # (O,)
+                    w = j2.vjp(vc[:, None] * onehot[None, :])  # J2[:, k, :]^T v
+                    term = j1.jvp(w)[:, k]  # J1[:, k, :] w
+                    acc = term if acc is None else acc + term
+                cols.append(acc)
+        return xp.astype(xp.stack(cols, axis=1), v.dtype)
+
+    # -- pieces used by preconditioners ---------------------------------------------------
+    def columns(self, idx: list[int], like: Array) -> Array:
+        """Columns ``(K + lambda I)[:, idx]`` (N1, len(idx)) of a trace-mode operator."""
+        if self.mode != "trace":
+            return LinearOperator.columns(self, idx, like)
+        xp = self.xp
+        dev = array_api_compat.device(like)
+        ind = xp.asarray(idx, dtype=xp.int64, device=dev)
+        t = _gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
+                  dtype=like.dtype)
+        self.tiles_computed += 1
+        t = xp.astype(t, like.dtype)
+        if self.reg:
+            grid = xp.arange(self.shape[0], dtype=xp.int64, device=dev)
+            t = t + self.reg * xp.astype(grid[:, None] == ind[None, :], like.dtype)
+        return t
+
+    def diagonal(self, like: Array) -> Array:
+        """The diagonal of :math:`K + \\lambda I` (symmetric operators), one tile per block."""
+        if not self.symmetric:
+            raise ValueError("diagonal() needs a symmetric operator (J2=None)")
+        xp, bs = self.xp, self.block
+        n = self.J1.num_samples
+        parts = []
+        for s in range(0, n, bs):
+            part = self.J1.select(slice(s, min(n, s + bs)))
+            if self.mode == "trace":
+                t = _gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
+                parts.append(xp.linalg.diagonal(t))
+            else:
+                t = _gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
+                d = xp.linalg.diagonal(xp.permute_dims(t, (2, 0, 1)))  # (O, b)
+                parts.append(xp.reshape(d.T, (-1,)))
+            self.tiles_computed += 1
+        d = xp.astype(xp.concat(parts), like.dtype)
+        return d + self.reg if self.reg else d
+
+    def __repr__(self) -> str:
+        return (f"KernelOperator(shape={self.shape}, mode={self.mode!r}, block={self.block}, "
+                f"reg={self.reg:g}, method={self.method!r})")
