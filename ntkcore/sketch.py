@@ -1,0 +1,845 @@
+r"""Randomized sketches of the parameter dimension, and low-rank compression of Kronecker blocks.
+
+A sketch is a random matrix :math:`\Omega \in \mathbb{R}^{q \times n}` with
+:math:`\mathbb{E}[\Omega^\top \Omega] = I_n`, so that for any fixed :math:`X, Y` with ``n`` rows
+
+.. math:: \mathbb{E}[(\Omega X)^\top (\Omega Y)] = X^\top Y ,
+
+i.e. a sketched Gram matrix is an unbiased estimate of the exact one.  Rows are the leading
+axis (``apply(X)`` maps ``X`` of shape (n, ...) to (q, ...)); for a per-sample Jacobian the rows
+are the parameter coordinates.
+
+Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``, ``.q``):
+
+``uniform(n, q)``
+    Row sampling with :math:`p_j = 1/n`.  With replacement a drawn row ``j`` is scaled by
+    :math:`1/\sqrt{q p_j} = \sqrt{n/q}`.  Without replacement the ``q`` rows are a uniformly
+    random subset and the scale is also :math:`\sqrt{n/q}`: each row is included with
+    probability :math:`q/n`, so :math:`\mathbb{E}[\Omega^\top\Omega] = (q/n)(n/q) I = I` exactly.
+``leverage(U, q)``
+    Row sampling with :math:`p_j \propto \|U_{j,:}\|^2`.  With replacement the scale is
+    :math:`1/\sqrt{q p_j}`.  Without replacement we use *randomized systematic
+    probability-proportional-to-size sampling*: inclusion probabilities
+    :math:`\pi_j = \min(1, c\, p_j)` with :math:`c` chosen so that :math:`\sum_j \pi_j = q`
+    (rows with :math:`\pi_j = 1` are taken with certainty), the rows are put in a random order,
+    a single :math:`u \sim U[0, 1)` is drawn and row ``j`` is taken when the cumulative sum of
+    :math:`\pi` crosses one of :math:`u, u+1, \dots, u+q-1` inside row ``j``'s interval.  Each row
+    is then included exactly with probability :math:`\pi_j` (at most once), and the
+    Horvitz-Thompson scale :math:`1/\sqrt{\pi_j}` makes :math:`\mathbb{E}[\Omega^\top\Omega]`
+    equal to the identity on every row with :math:`p_j > 0`.  (Rows with :math:`p_j = 0` are
+    zero rows of ``U``; they only fill up the ``q`` slots when fewer than ``q`` rows are
+    nonzero, and then carry scale 0.)  This is exactly unbiased for :math:`U^\top Y`, unlike
+    successive sampling with the naive scale.
+``gaussian(n, q)``
+    :math:`\Omega = G / \sqrt{q}` with i.i.d. standard normal :math:`G` (materialised, q x n).
+``sparse_sign(n, q, nnz=1)``
+    CountSketch-style: every column has ``nnz`` entries :math:`\pm 1/\sqrt{nnz}` in rows drawn
+    independently and uniformly (collisions allowed), with independent random signs; this keeps
+    :math:`\mathbb{E}[\Omega^\top\Omega] = I`.  Applied as one-hot matrix products over column
+    chunks (the standard has no scatter-add), so it costs :math:`O(q\, n\, k)` flops and
+    :math:`O(q \cdot \text{chunk})` extra memory.
+
+Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
+the same ``seed`` gives the same sketch on the same backend; different backends draw from
+different generators.  A sketch made without an array to copy from (``like=None``) is *unbound*:
+its randomness is drawn at the first :meth:`apply`, in that array's namespace and on its device,
+and reused afterwards.
+
+:func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
+sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
+block), and :func:`low_rank` compresses Kronecker blocks with many positions (SENG's implicit
+mode).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+from .backends import get_backend
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+Array = Any
+
+__all__ = [
+    "GaussianSketch",
+    "JacobianSketch",
+    "RowSketch",
+    "Sketch",
+    "SketchSpec",
+    "SparseSignSketch",
+    "gaussian",
+    "leverage",
+    "low_rank",
+    "make_sketch",
+    "sketch_jacobian",
+    "sparse_sign",
+    "split_budget",
+    "uniform",
+]
+
+KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _check_size(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive integer; got {value!r}") from None
+    if ivalue < 1:
+        raise ValueError(f"{name} must be a positive integer; got {ivalue}")
+    return int(ivalue)
+
+
+def _check_seed(seed: Any) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise TypeError(f"seed must be None or a non-negative integer; got {seed!r}")
+    return seed
+
+
+def _sub_seed(seed: int | None, *keys: int) -> int | None:
+    """A deterministic, distinct seed per (block, factor); None stays None (fresh entropy)."""
+    if seed is None:
+        return None
+    h = seed
+    for k in keys:
+        h = (h * 1_000_003 + 7919 * (k + 1)) % (2**63 - 1)
+    return h
+
+
+def _resolve_like(like: Any) -> tuple[Any, Any]:
+    """(namespace, device) from an array or an array namespace."""
+    try:
+        xp = array_api_compat.array_namespace(like)
+        return xp, array_api_compat.device(like)
+    except TypeError:
+        pass
+    if hasattr(like, "asarray") and hasattr(like, "zeros"):
+        probe = like.zeros((1,))
+        return array_api_compat.array_namespace(probe), array_api_compat.device(probe)
+    raise TypeError(f"like must be an array or an array namespace; got {type(like).__name__}")
+
+
+def _wide_float(xp: Any, device: Any) -> Any:
+    """float64 where the namespace/device has it (jax without x64 and MPS do not), else float32."""
+    try:
+        probe = xp.zeros((1,), dtype=xp.float64, device=device)
+    except Exception:
+        return xp.float32
+    return xp.float64 if probe.dtype == xp.float64 else xp.float32
+
+
+def _float_dtype(xp: Any, x: Array) -> Any:
+    return x.dtype if xp.isdtype(x.dtype, "real floating") else xp.float64
+
+
+def _move_axis_first(xp: Any, x: Array, axis: int) -> tuple[Array, tuple[int, ...] | None]:
+    axis = axis % x.ndim
+    if axis == 0:
+        return x, None
+    perm = (axis, *[i for i in range(x.ndim) if i != axis])
+    return xp.permute_dims(x, perm), perm
+
+
+def _restore_axis(xp: Any, x: Array, perm: tuple[int, ...] | None) -> Array:
+    if perm is None:
+        return x
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return xp.permute_dims(x, tuple(inv))
+
+
+# -- sketch objects ------------------------------------------------------------------------
+class Sketch:
+    """Base class: a random (q, n) matrix with :math:`\\mathbb{E}[\\Omega^\\top\\Omega] = I`.
+
+    Attributes
+    ----------
+    n : int
+        Rows of the sketched operand (e.g. the parameter count P).
+    q : int
+        Rows of the result.
+    kind : str
+        ``"uniform"``, ``"leverage"``, ``"gaussian"`` or ``"sparse_sign"``.
+    seed : int or None
+        The generator seed (None: fresh entropy at drawing time).
+    """
+
+    kind = "abstract"
+
+    def __init__(self, n: int, q: int, seed: int | None) -> None:
+        self.n = n
+        self.q = q
+        self.seed = seed
+        self._xp: Any = None
+        self._device: Any = None
+
+    @property
+    def bound(self) -> bool:
+        """Whether the random draws exist already (in :attr:`namespace` on :attr:`device`)."""
+        return self._xp is not None
+
+    @property
+    def namespace(self) -> Any:
+        return self._xp
+
+    @property
+    def device(self) -> Any:
+        return self._device
+
+    def bind(self, like: Any) -> Sketch:
+        """Draw the randomness in the namespace/device of ``like`` (array or namespace)."""
+        xp, dev = _resolve_like(like)
+        if self._xp is None:
+            self._xp, self._device = xp, dev
+            self._draw()
+        elif self._xp is not xp or self._device != dev:
+            raise ValueError(
+                f"this {self.kind} sketch was drawn for {self._xp.__name__} arrays on device "
+                f"{self._device}; got {xp.__name__} arrays on {dev}"
+            )
+        return self
+
+    def _require_bound(self) -> None:
+        if self._xp is None:
+            raise RuntimeError(f"this {self.kind} sketch is not drawn yet: call .bind(like) "
+                               "or .apply(X) first, or create it with like=...")
+
+    def _draw(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check_operand(self, x: Array, axis: int) -> Any:
+        try:
+            xp = array_api_compat.array_namespace(x)
+        except TypeError:
+            raise TypeError(f"X must be an array; got {type(x).__name__}") from None
+        if x.ndim == 0:
+            raise ValueError("X must have at least one axis")
+        if x.shape[axis] != self.n:
+            raise ValueError(f"X must have n={self.n} entries along axis {axis}; "
+                             f"got shape {tuple(x.shape)}")
+        self.bind(x)
+        return xp
+
+    def apply(self, x: Array, axis: int = 0) -> Array:
+        """:math:`\\Omega X` along ``axis``: (..., n, ...) -> (..., q, ...), in x's dtype."""
+        raise NotImplementedError
+
+    def matrix(self, dtype: Any = None) -> Array:
+        """The dense (q, n) sketch matrix (for tests and small n)."""
+        self._require_bound()
+        xp = self._xp
+        eye = xp.eye(self.n, dtype=dtype or _wide_float(xp, self._device), device=self._device)
+        return self.apply(eye)
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} sketch q={self.q} n={self.n} seed={self.seed}>"
+
+
+class RowSketch(Sketch):
+    """Row sampling: row i of :math:`\\Omega` is :math:`e_{j_i}^\\top` times ``scale[i]``.
+
+    Attributes
+    ----------
+    indices : array, shape (q,), int64
+        The sampled rows :math:`j_i` (repeats possible with replacement).
+    scale : array, shape (q,)
+        :math:`1/\\sqrt{q p_{j_i}}` (with replacement) or :math:`1/\\sqrt{\\pi_{j_i}}`
+        (without), in float64 where the namespace has it.
+    probabilities : array, shape (n,), or None
+        The sampling distribution :math:`p` (None for uniform).
+    """
+
+    def __init__(self, n: int, q: int, seed: int | None, *, replace: bool, kind: str,
+                 probabilities: Array | None = None) -> None:
+        super().__init__(n, q, seed)
+        self.kind = kind
+        self.replace = bool(replace)
+        self.probabilities = probabilities
+        self._indices: Array = None
+        self._scale: Array = None
+
+    @property
+    def indices(self) -> Array:
+        self._require_bound()
+        return self._indices
+
+    @property
+    def scale(self) -> Array:
+        self._require_bound()
+        return self._scale
+
+    def _draw(self) -> None:
+        xp, dev = self._xp, self._device
+        wide = _wide_float(xp, dev)
+        gen = get_backend(xp).generator(self.seed, dev)
+        n, q = self.n, self.q
+        p = self.probabilities
+        if p is None:
+            if self.replace:
+                idx = gen.integers(0, n, (q,))
+            else:
+                idx = gen.choice(n, q, replace=False)
+            scale = xp.full((q,), math.sqrt(n / q), dtype=wide, device=dev)
+        elif self.replace:
+            # with replacement: E[Omega^T Omega]_jj = q * p_j / (q p_j) = 1
+            idx = gen.choice(n, q, p=p, replace=True)
+            scale = 1.0 / xp.sqrt(q * xp.take(p, idx))
+        else:
+            idx, scale = _systematic_pps(xp, gen, p, q)
+        self._indices = xp.astype(idx, xp.int64)
+        self._scale = xp.astype(scale, wide)
+
+    def apply(self, x: Array, axis: int = 0) -> Array:
+        xp = self._check_operand(x, axis)
+        axis = axis % x.ndim
+        out = xp.take(x, self._indices, axis=axis)
+        shape = [1] * x.ndim
+        shape[axis] = self.q
+        scale = xp.reshape(xp.astype(self._scale, _float_dtype(xp, x)), tuple(shape))
+        return out * scale
+
+    def matrix(self, dtype: Any = None) -> Array:
+        self._require_bound()
+        xp, dev = self._xp, self._device
+        dtype = dtype or _wide_float(xp, dev)
+        cols = xp.arange(self.n, dtype=xp.int64, device=dev)
+        onehot = xp.astype(self._indices[:, None] == cols[None, :], dtype)
+        return onehot * xp.astype(self._scale, dtype)[:, None]
+
+
+def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
+    """Randomized systematic PPS sample of q distinct rows (see the module docstring).
+
+    Returns ``(indices, scale)`` with ``scale = 1/sqrt(pi)`` (0 on zero-probability rows).
+    """
+    n = int(p.shape[0])
+    dev = array_api_compat.device(p)
+    positive = p > 0
+    n_pos = int(xp.sum(xp.astype(positive, xp.int64)))
+    if n_pos <= q:
+        # every nonzero row is certain; zero rows fill the remaining slots with scale 0
+        n_zero = n - n_pos
+        fill = (q - n_pos) / n_zero if n_zero > 0 else 0.0
+        pi = xp.where(positive, xp.ones_like(p), xp.full_like(p, fill))
+    else:
+        certain = xp.zeros(p.shape, dtype=xp.bool, device=dev)
+        pi = q * p / xp.sum(p)
+        for _ in range(q + 1):  # each pass adds at least one certain row, or stops
+            k = int(xp.sum(xp.astype(certain, xp.int64)))
+            rest = xp.sum(xp.where(certain, xp.zeros_like(p), p))
+            pi = xp.where(certain, xp.ones_like(p), (q - k) * p / rest)
+            new = certain | (pi >= 1.0)
+            if int(xp.sum(xp.astype(new, xp.int64))) == k:
+                break
+            certain = new
+        pi = xp.clip(pi, 0.0, 1.0)
+    perm = gen.choice(n, n, replace=False)
+    pi_perm = xp.take(pi, perm)
+    cs = xp.cumulative_sum(pi_perm)
+    cs = cs * (q / cs[-1])  # remove round-off so the last point u + q - 1 < cs[-1]
+    u = gen.uniform((1,), p.dtype)
+    points = u + xp.arange(q, dtype=p.dtype, device=dev)
+    pos = xp.searchsorted(cs, points, side="right")
+    pos = xp.clip(pos, 0, n - 1)
+    idx = xp.take(perm, pos)
+    pi_sel = xp.take(pi, idx)
+    p_sel = xp.take(p, idx)
+    scale = xp.where(p_sel > 0, 1.0 / xp.sqrt(xp.where(pi_sel > 0, pi_sel, 1.0)),
+                     xp.zeros_like(pi_sel))
+    return idx, scale
+
+
+class GaussianSketch(Sketch):
+    """:math:`\\Omega = G/\\sqrt{q}`, :math:`G_{ij} \\sim N(0, 1)` i.i.d.; stored densely (q, n)."""
+
+    kind = "gaussian"
+
+    def _draw(self) -> None:
+        xp, dev = self._xp, self._device
+        gen = get_backend(xp).generator(self.seed, dev)
+        wide = _wide_float(xp, dev)
+        self._omega = gen.normal((self.q, self.n), wide) / math.sqrt(self.q)
+
+    @property
+    def omega(self) -> Array:
+        self._require_bound()
+        return self._omega
+
+    def apply(self, x: Array, axis: int = 0) -> Array:
+        xp = self._check_operand(x, axis)
+        dtype = _float_dtype(xp, x)
+        xt, perm = _move_axis_first(xp, x, axis)
+        rest = tuple(xt.shape[1:])
+        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+        out = xp.astype(self._omega, dtype) @ flat
+        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
+
+    def matrix(self, dtype: Any = None) -> Array:
+        self._require_bound()
+        return self._omega if dtype is None else self._xp.astype(self._omega, dtype)
+
+
+class SparseSignSketch(Sketch):
+    """CountSketch-style sparse sign sketch with ``nnz`` entries per column.
+
+    Attributes
+    ----------
+    rows : array, shape (nnz, n), int64
+        Row of each nonzero (independent uniform draws; collisions allowed).
+    signs : array, shape (nnz, n)
+        :math:`\\pm 1/\\sqrt{nnz}`.
+    """
+
+    kind = "sparse_sign"
+    _CHUNK_ELEMENTS = 1 << 22  # one-hot tile size (q x chunk)
+
+    def __init__(self, n: int, q: int, seed: int | None, nnz: int = 1) -> None:
+        super().__init__(n, q, seed)
+        self.nnz = nnz
+
+    def _draw(self) -> None:
+        xp, dev = self._xp, self._device
+        gen = get_backend(xp).generator(self.seed, dev)
+        wide = _wide_float(xp, dev)
+        self.rows = gen.integers(0, self.q, (self.nnz, self.n))
+        bits = gen.integers(0, 2, (self.nnz, self.n))
+        self.signs = xp.astype(2 * bits - 1, wide) / math.sqrt(self.nnz)
+
+    def apply(self, x: Array, axis: int = 0) -> Array:
+        xp = self._check_operand(x, axis)
+        dtype = _float_dtype(xp, x)
+        xt, perm = _move_axis_first(xp, x, axis)
+        rest = tuple(xt.shape[1:])
+        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+        buckets = xp.arange(self.q, dtype=xp.int64, device=self._device)[:, None]
+        signs = xp.astype(self.signs, dtype)
+        chunk = max(1, self._CHUNK_ELEMENTS // self.q)
+        out = None
+        for start in range(0, self.n, chunk):
+            stop = min(self.n, start + chunk)
+            part = flat[start:stop, :]
+            for k in range(self.nnz):
+                # one-hot (q, chunk) tile of Omega's columns start..stop
+                tile = xp.astype(buckets == self.rows[k, start:stop][None, :], dtype)
+                term = (tile * signs[k, start:stop][None, :]) @ part
+                out = term if out is None else out + term
+        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
+
+
+# -- constructors ---------------------------------------------------------------------------
+def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
+            like: Any = None) -> RowSketch:
+    """Uniform row sampling of ``q`` out of ``n`` rows, scaled by :math:`\\sqrt{n/q}`.
+
+    Parameters
+    ----------
+    n, q : int
+        Rows of the operand and of the sketch.  Without replacement ``q <= n``.
+    seed : int, optional
+        Generator seed; the same seed gives the same rows on the same backend.
+    replace : bool
+        Sample with replacement (i.i.d. rows) or a uniformly random subset.
+    like : array or array namespace, optional
+        Where to draw (namespace and device).  ntkcore has no default array library, so with
+        ``like=None`` the sketch is drawn at its first :meth:`~Sketch.apply`, in the operand's
+        namespace and on its device (``.indices`` is available after that).
+
+    Returns
+    -------
+    RowSketch
+        ``.apply(X)`` gives :math:`\\Omega X` (q, ...) with :math:`\\mathbb{E}[\\Omega^\\top
+        \\Omega] = I`.
+    """
+    n = _check_size(n, "n")
+    q = _check_size(q, "q")
+    if not replace and q > n:
+        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
+    sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="uniform")
+    if like is not None:
+        sk.bind(like)
+    return sk
+
+
+def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True) -> RowSketch:
+    """Row sampling with probabilities proportional to squared row norms of ``U``.
+
+    Parameters
+    ----------
+    U : array, shape (n, ...)
+        Rows on axis 0; :math:`p_j = \\|U_{j,\\cdot}\\|^2 / \\|U\\|_F^2` (all other axes summed).
+        An all-zero ``U`` falls back to uniform probabilities.
+    q : int
+        Rows of the sketch (``q <= n`` without replacement).
+    seed : int, optional
+        Generator seed.
+    replace : bool
+        With replacement: scale :math:`1/\\sqrt{q p_j}`.  Without: randomized systematic PPS
+        sampling with Horvitz-Thompson scale :math:`1/\\sqrt{\\pi_j}` (module docstring).
+
+    Returns
+    -------
+    RowSketch
+        Drawn in U's namespace and on U's device.
+    """
+    try:
+        xp = array_api_compat.array_namespace(U)
+    except TypeError:
+        raise TypeError(f"U must be an array; got {type(U).__name__}") from None
+    if U.ndim == 0:
+        raise ValueError("U must have at least one axis (rows on axis 0)")
+    if not xp.isdtype(U.dtype, "real floating"):
+        raise TypeError(f"U must have a real floating dtype; got {U.dtype}")
+    n = int(U.shape[0])
+    q = _check_size(q, "q")
+    if not replace and q > n:
+        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
+    dev = array_api_compat.device(U)
+    p = row_norms_squared(U)
+    p = _normalise(xp, xp.astype(p, _wide_float(xp, dev)), "U")
+    sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="leverage", probabilities=p)
+    return sk.bind(U)
+
+
+def row_norms_squared(U: Array) -> Array:
+    """:math:`\\|U_{j,\\cdot}\\|^2` for rows on axis 0, shape (n,)."""
+    xp = array_api_compat.array_namespace(U)
+    flat = xp.reshape(U, (U.shape[0], -1))
+    return xp.sum(flat * flat, axis=1)
+
+
+def _normalise(xp: Any, w: Array, what: str) -> Array:
+    if not bool(xp.all(xp.isfinite(w))):
+        raise ValueError(f"{what} contains NaN or Inf")
+    total = xp.sum(w)
+    if float(total) <= 0.0:
+        return xp.full_like(w, 1.0 / w.shape[0])
+    return w / total
+
+
+def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
+    """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
+    sk = GaussianSketch(_check_size(n, "n"), _check_size(q, "q"), _check_seed(seed))
+    if like is not None:
+        sk.bind(like)
+    return sk
+
+
+def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
+                like: Any = None) -> SparseSignSketch:
+    """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
+    sk = SparseSignSketch(_check_size(n, "n"), _check_size(q, "q"), _check_seed(seed),
+                          _check_size(nnz, "nnz"))
+    if like is not None:
+        sk.bind(like)
+    return sk
+
+
+@dataclass(frozen=True)
+class SketchSpec:
+    """A sketch to be drawn later for an operand: kind, size, seed, replacement.
+
+    ``smw_solve`` / ``natural_gradient`` accept a ``SketchSpec`` or the tuple shorthand
+    ``(kind, q)`` / ``(kind, q, seed)``.
+    """
+
+    kind: str
+    q: int
+    seed: int | None = None
+    replace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
+        object.__setattr__(self, "q", _check_size(self.q, "sketch size q"))
+        _check_seed(self.seed)
+
+    @staticmethod
+    def coerce(spec: Any) -> SketchSpec:
+        if isinstance(spec, SketchSpec):
+            return spec
+        if isinstance(spec, tuple) and 2 <= len(spec) <= 3 and isinstance(spec[0], str):
+            return SketchSpec(*spec)
+        raise TypeError("sketch must be a Sketch, a SketchSpec or a tuple (kind, q[, seed]); "
+                        f"got {spec!r}")
+
+
+def make_sketch(kind: str, operand: Array, q: int, *, seed: int | None = None,
+                replace: bool = True) -> Sketch:
+    """A sketch of ``kind`` for the rows (axis 0) of ``operand``, drawn on its device."""
+    n = int(operand.shape[0])
+    if kind == "leverage":
+        return leverage(operand, q, seed=seed, replace=replace)
+    if kind == "uniform":
+        return uniform(n, q, seed=seed, replace=replace, like=operand)
+    if kind == "gaussian":
+        return gaussian(n, q, seed=seed, like=operand)
+    if kind == "sparse_sign":
+        return sparse_sign(n, q, seed=seed, like=operand)
+    raise ValueError(f"sketch kind must be one of {KINDS}; got {kind!r}")
+
+
+# -- Jacobians -----------------------------------------------------------------------------
+def split_budget(q: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """How :func:`sketch_jacobian` splits ``q`` rows over blocks of ``sizes`` parameters.
+
+    :math:`q_b = \\min(P_b, \\max(1, \\mathrm{round}(q P_b / P)))`: proportional to the block
+    size (the same sampling fraction everywhere), at least one row, never more than the block.
+    """
+    total = sum(sizes)
+    return tuple(min(s, max(1, round(q * s / total))) for s in sizes)
+
+
+def split_kronecker(q_b: int, d_in: int, d_out: int) -> tuple[int, int]:
+    """``(q_A, q_G)`` for a Kronecker block: equal sampling fractions of d_in and d_out.
+
+    :math:`f = \\sqrt{q_b / (d_{in} d_{out})}`, :math:`q_A = \\mathrm{clip}(\\mathrm{round}(f
+    d_{in}), 1, d_{in})`, :math:`q_G = \\mathrm{clip}(\\mathrm{round}(q_b / q_A), 1, d_{out})`, so
+    :math:`q_A q_G \\approx q_b`.  A factor with :math:`q = d` is left unsketched (exact).
+    """
+    f = math.sqrt(q_b / (d_in * d_out))
+    q_a = min(d_in, max(1, round(f * d_in)))
+    q_g = min(d_out, max(1, round(q_b / q_a)))
+    return q_a, q_g
+
+
+class JacobianSketch:
+    """The block-diagonal sketch used by :func:`sketch_jacobian`.
+
+    ``block_sketches[b]`` is ``None`` (block kept exact), a :class:`Sketch` of the block's
+    parameters (dense block), or a pair ``(sketch_A, sketch_G)`` (Kronecker block; either may
+    be ``None`` for an unsketched factor).  :meth:`apply` maps a flat parameter vector (P,) or
+    (P, k) to the sketched parameter space (Q,) / (Q, k), consistently with the sketched
+    Jacobian, so that ``Js.jvp(sk.apply(v))`` estimates ``J.jvp(v)`` without bias.
+    """
+
+    def __init__(self, sizes: tuple[int, ...], shapes: list[tuple[int, int] | None],
+                 block_sketches: list[Any]) -> None:
+        self.sizes = sizes
+        self.shapes = shapes  # (d_out, d_in) for Kronecker blocks
+        self.block_sketches = block_sketches
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.sizes)
+
+    def apply(self, v: Array) -> Array:
+        xp = array_api_compat.array_namespace(v)
+        if v.ndim not in (1, 2) or v.shape[0] != self.num_params:
+            raise ValueError(f"v must have shape ({self.num_params},) or ({self.num_params}, k); "
+                             f"got {tuple(v.shape)}")
+        k = None if v.ndim == 1 else int(v.shape[1])
+        pieces, start = [], 0
+        for size, shape, sk in zip(self.sizes, self.shapes, self.block_sketches, strict=True):
+            piece = v[start:start + size, ...]
+            start += size
+            if sk is None:
+                pieces.append(piece)
+            elif shape is None:
+                pieces.append(sk.apply(piece, axis=0))
+            else:
+                d_out, d_in = shape
+                sk_a, sk_g = sk
+                mat = xp.reshape(piece, (d_out, d_in) if k is None else (d_out, d_in, k))
+                if sk_g is not None:
+                    mat = sk_g.apply(mat, axis=0)  # Omega_G V
+                if sk_a is not None:
+                    mat = sk_a.apply(mat, axis=1)  # V Omega_A^T
+                flat = int(mat.shape[0]) * int(mat.shape[1])
+                pieces.append(xp.reshape(mat, (flat,) if k is None else (flat, k)))
+        return xp.concat(pieces, axis=0)
+
+
+def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | None,
+                   replace: bool, weights: Array | None) -> Sketch | None:
+    if q >= axis_len:
+        return None
+    if method == "leverage":
+        assert weights is not None
+        return leverage(weights, q, seed=seed, replace=replace)
+    if method == "uniform":
+        return uniform(axis_len, q, seed=seed, replace=replace, like=x)
+    if method == "gaussian":
+        return gaussian(axis_len, q, seed=seed, like=x)
+    if method == "sparse_sign":
+        return sparse_sign(axis_len, q, seed=seed, like=x)
+    raise ValueError(f"method must be one of {KINDS}; got {method!r}")
+
+
+def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
+                    replace: bool = True, return_sketch: bool = False
+                    ) -> Jacobian | tuple[Jacobian, JacobianSketch]:
+    """Sketch the parameter dimension of ``J``: ``gram(result)`` estimates ``gram(J)`` unbiasedly.
+
+    Parameters
+    ----------
+    J : Jacobian
+        N samples, O outputs, P parameters.
+    q : int
+        Total sketch rows.  Split over blocks by :func:`split_budget` (proportional to block
+        size, at least 1, at most P_b; a block with q_b = P_b is kept exact); a Kronecker
+        block's q_b is split into q_A x q_G rows of d_in and d_out by :func:`split_kronecker`.
+        ``q >= P`` returns ``J`` unchanged.
+    method : {"uniform", "leverage", "gaussian", "sparse_sign"}
+        Leverage probabilities: dense blocks :math:`p_j \\propto \\sum_{n,o} J[n,o,j]^2`;
+        Kronecker blocks use the marginal factor norms
+        :math:`p_A(i) \\propto \\sum_{n,s} a[n,s,i]^2` and
+        :math:`p_G(j) \\propto \\sum_{n,s,o} g[n,s,o,j]^2`.
+    seed : int, optional
+        Master seed; every block and factor gets its own derived seed.
+    replace : bool
+        Row sampling with or without replacement (see the module docstring).
+    return_sketch : bool
+        Also return the :class:`JacobianSketch` (to sketch parameter vectors consistently).
+
+    Returns
+    -------
+    Jacobian, or (Jacobian, JacobianSketch)
+        Dense blocks (N, O, q_b); Kronecker blocks with a (N, S, q_A) and g (N, S, O, q_G).
+
+    Notes
+    -----
+    Dense block: :math:`\\tilde J_b = J_b \\Omega_b^\\top`.  Kronecker block (parameter index
+    ``i_out * d_in + i_in``): :math:`\\Omega_b = \\Omega_G \\otimes \\Omega_A` with independent
+    :math:`\\Omega_A, \\Omega_G`, so :math:`\\mathbb{E}[\\Omega_b^\\top\\Omega_b] = I \\otimes I`
+    and :math:`\\Omega_b \\operatorname{vec}(g a^\\top) = \\operatorname{vec}((\\Omega_G g)
+    (\\Omega_A a)^\\top)`: the sketched block is the Kronecker block with factors
+    :math:`a \\Omega_A^\\top` and :math:`g \\Omega_G^\\top`.  Blocks are sketched
+    independently, so the total is unbiased as well.
+    """
+    if not isinstance(J, Jacobian):
+        raise TypeError(f"J must be an ntkcore.Jacobian; got {type(J).__name__}")
+    q = _check_size(q, "q")
+    seed = _check_seed(seed)
+    if method not in KINDS:
+        raise ValueError(f"method must be one of {KINDS}; got {method!r}")
+    xp = J.xp
+    sizes = J.block_sizes
+    budgets = split_budget(q, sizes) if q < J.num_params else sizes
+    blocks: list[Any] = []
+    sketches: list[Any] = []
+    shapes: list[tuple[int, int] | None] = []
+    for b, (block, q_b) in enumerate(zip(J.blocks, budgets, strict=True)):
+        if isinstance(block, DenseBlock):
+            shapes.append(None)
+            if q_b >= block.num_params:
+                blocks.append(block)
+                sketches.append(None)
+                continue
+            jt = xp.permute_dims(block.jac, (2, 0, 1))  # (P_b, N, O): rows = parameters
+            sk = _factor_sketch(method, jt, block.num_params, q_b, _sub_seed(seed, b, 0),
+                                replace, jt if method == "leverage" else None)
+            blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
+            sketches.append(sk)
+        else:
+            shapes.append((block.d_out, block.d_in))
+            if q_b >= block.num_params:
+                blocks.append(block)
+                sketches.append(None)
+                continue
+            q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
+            wa = wg = None
+            if method == "leverage":
+                wa = xp.permute_dims(block.a, (2, 0, 1))  # (d_in, N, S)
+                wg = xp.permute_dims(block.g, (3, 0, 1, 2))  # (d_out, N, S, O)
+            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, _sub_seed(seed, b, 1),
+                                  replace, wa)
+            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, _sub_seed(seed, b, 2),
+                                  replace, wg)
+            a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
+            g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
+            blocks.append(KroneckerBlock(a, g, block.name))
+            sketches.append(None if sk_a is None and sk_g is None else (sk_a, sk_g))
+    out = Jacobian(blocks)
+    if return_sketch:
+        return out, JacobianSketch(sizes, shapes, sketches)
+    return out
+
+
+# -- low-rank compression -------------------------------------------------------------------
+def low_rank(J: Jacobian | KroneckerBlock, rank: int) -> tuple[Any, Array]:
+    """Compress Kronecker blocks with S positions to ``rank`` positions (SENG's implicit mode).
+
+    For one output (O = 1) the per-sample gradient of a Kronecker block is the (d_out, d_in)
+    matrix :math:`M_n = G_n^\\top A_n` with :math:`G_n = g[n, :, 0, :]` (S, d_out) and
+    :math:`A_n = a[n]` (S, d_in).  Its truncated SVD is found without forming :math:`M_n`:
+
+    .. math::
+
+        G_n^\\top = P_G T_G,\\quad A_n^\\top = P_A T_A \\ (\\text{thin QR}),\\qquad
+        T_G T_A^\\top = W \\Sigma V^\\top \\ (\\text{small SVD}),\\qquad
+        M_n = (P_G W) \\Sigma (P_A V)^\\top .
+
+    The new factors are :math:`\\tilde g_{n,i} = \\sigma_i^{1/2} P_G w_i` and
+    :math:`\\tilde a_{n,i} = \\sigma_i^{1/2} P_A v_i` for the ``r`` largest :math:`\\sigma_i`, so
+    :math:`\\tilde M_n = \\sum_i \\tilde g_{n,i} \\tilde a_{n,i}^\\top` is the best rank-r
+    approximation.  Cost per sample :math:`O(S (d_{out}^2 + d_{in}^2))` at most.
+
+    Parameters
+    ----------
+    J : Jacobian or KroneckerBlock
+        Only Kronecker blocks with ``S > rank`` are compressed; other blocks pass unchanged.
+    rank : int
+        Positions kept, r.  Exact when r >= rank(M_n) for every n.
+
+    Returns
+    -------
+    compressed : Jacobian or KroneckerBlock (same type as ``J``)
+        Compressed Kronecker blocks have a (N, r, d_in) and g (N, r, 1, d_out).
+    rel_error : array
+        :math:`\\|M_n - \\tilde M_n\\|_F / \\|M_n\\|_F = \\sqrt{\\sum_{i>r}\\sigma_i^2 /
+        \\sum_i \\sigma_i^2}`, shape (N,) for a block and (B, N) for a Jacobian (0 for blocks
+        left unchanged and where :math:`M_n = 0`).
+    """
+    rank = _check_size(rank, "rank")
+    if isinstance(J, KroneckerBlock):
+        return _low_rank_block(J, rank)
+    if not isinstance(J, Jacobian):
+        raise TypeError(f"J must be a Jacobian or KroneckerBlock; got {type(J).__name__}")
+    xp = J.xp
+    blocks, errors = [], []
+    for block in J.blocks:
+        if isinstance(block, KroneckerBlock):
+            nb, err = _low_rank_block(block, rank)
+        else:
+            nb = block
+            err = xp.zeros((J.num_samples,), dtype=J.dtype, device=J.device)
+        blocks.append(nb)
+        errors.append(xp.astype(err, J.dtype))
+    return Jacobian(blocks), xp.stack(errors, axis=0)
+
+
+def _low_rank_block(block: KroneckerBlock, rank: int) -> tuple[KroneckerBlock, Array]:
+    xp = array_api_compat.array_namespace(block.a, block.g)
+    n, s = block.num_samples, block.num_positions
+    if block.num_outputs != 1:
+        raise ValueError("low_rank needs one output per sample (O = 1, e.g. per-sample loss "
+                         f"gradients); block {block.name!r} has O={block.num_outputs}")
+    dtype = block.dtype
+    dev = array_api_compat.device(block.a)
+    if s <= rank:
+        return block, xp.zeros((n,), dtype=dtype, device=dev)
+    gt = xp.matrix_transpose(xp.astype(block.g[:, :, 0, :], dtype))  # (N, d_out, S)
+    at = xp.matrix_transpose(xp.astype(block.a, dtype))  # (N, d_in, S)
+    p_g, t_g = xp.linalg.qr(gt)  # (N, d_out, k_g), (N, k_g, S)
+    p_a, t_a = xp.linalg.qr(at)  # (N, d_in, k_a), (N, k_a, S)
+    w, sv, vt = xp.linalg.svd(t_g @ xp.matrix_transpose(t_a), full_matrices=False)
+    r = min(rank, int(sv.shape[-1]))
+    root = xp.sqrt(sv[:, :r])  # (N, r)
+    g_new = xp.matrix_transpose(p_g @ w[:, :, :r]) * root[:, :, None]  # (N, r, d_out)
+    a_new = xp.matrix_transpose(p_a @ xp.matrix_transpose(vt[:, :r, :])) * root[:, :, None]
+    total = xp.sum(sv * sv, axis=-1)
+    dropped = xp.sum(sv[:, r:] * sv[:, r:], axis=-1)
+    safe = xp.where(total > 0, total, xp.ones_like(total))
+    err = xp.where(total > 0, xp.sqrt(dropped / safe), xp.zeros_like(total))
+    return KroneckerBlock(a_new, g_new[:, :, None, :], block.name), err

@@ -1,0 +1,410 @@
+r"""Sherman-Morrison-Woodbury solves and the empirical natural-gradient direction.
+
+Math
+----
+For :math:`U \in \mathbb{R}^{P\times\rho}` (``rho`` columns, e.g. per-sample gradients),
+:math:`\lambda > 0` and a scale :math:`s > 0`, SMW turns the P x P system into a
+:math:`\rho\times\rho` one:
+
+.. math::
+
+    (\lambda I + s\,U U^\top)\, d = g
+    \iff
+    d = \frac{1}{\lambda}\bigl(g - U b\bigr),\qquad
+    (\lambda I + s\,U^\top U)\, b = s\,U^\top g .
+
+:math:`C = \lambda I + s U^\top U` is symmetric positive definite: it is factored once by
+Cholesky (:math:`C = L L^\top`, backend ``cholesky`` / ``cho_solve``, never an inverse).  The
+Gram :math:`U^\top U` is the dominant cost (:math:`P\rho^2` multiply-adds when its symmetry is
+used); it is computed in U's dtype and the small system is assembled and factored in float64
+where the namespace has it.
+
+Sketched (SENG): with a sketch :math:`\Omega` (q x P, :math:`\mathbb{E}[\Omega^\top\Omega]=I`),
+:math:`\Xi = \Omega U`, :math:`\xi = \Omega g`,
+
+.. math:: (\lambda I + s\,\Xi^\top\Xi)\, b = s\,\Xi^\top \xi,\qquad d = (g - U b)/\lambda ,
+
+which costs :math:`q\rho^2` instead of :math:`P\rho^2` for the Gram.
+
+A :class:`~ntkcore.Jacobian` can stand in for U: its columns are the N*O rows of J
+(:math:`U = J^\top`), :math:`U^\top U` is ``gram(J, mode="full")`` reshaped to (N*O, N*O),
+:math:`U^\top g = J g` (``jvp``) and :math:`U b = J^\top b` (``vjp``); J is never materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from ._validation import check_array, check_scalar, namespace_of
+from .errors import NotPositiveDefiniteError
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .sketch import Sketch, SketchSpec, _sub_seed, _wide_float, make_sketch, sketch_jacobian
+
+Array = Any
+
+__all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
+
+_SYRK_BLOCK = 128  # column-block width of the blocked symmetric Gram
+
+
+# -- the symmetric Gram U^T U ---------------------------------------------------------------
+def sym_gram(xp: Any, u: Array) -> Array:
+    r""":math:`U^\top U` (rho, rho) for U (P, rho), using the symmetry.
+
+    NumPy's ``matmul`` recognises ``U.T @ U`` and calls BLAS ``syrk`` (half the flops).  Other
+    namespaces get a blocked upper triangle: with column blocks :math:`U_i` of width 128,
+    :math:`G_{ij} = U_i^\top U_j` is computed for :math:`i \le j` only and the lower blocks are
+    transposes, i.e. :math:`(m+1)/(2m)` of the flops of a full GEMM for m blocks.
+    """
+    rho = int(u.shape[1])
+    if array_api_compat.is_numpy_namespace(xp) or rho <= _SYRK_BLOCK:
+        return xp.matrix_transpose(u) @ u
+    edges = [*range(0, rho, _SYRK_BLOCK), rho]
+    cols = [u[:, edges[i]:edges[i + 1]] for i in range(len(edges) - 1)]
+    m = len(cols)
+    upper: dict[tuple[int, int], Array] = {}
+    for i in range(m):
+        ci = xp.matrix_transpose(cols[i])
+        for j in range(i, m):
+            upper[(i, j)] = ci @ cols[j]
+    rows = []
+    for i in range(m):
+        rows.append(xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
+                               for j in range(m)], axis=1))
+    return xp.concat(rows, axis=0)
+
+
+def _jacobian_gram(J: Jacobian) -> Array:
+    """(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o)."""
+    xp = J.xp
+    n, o = J.num_samples, J.num_outputs
+    try:
+        from .gram import gram
+    except ImportError:  # the gram engine is not available: per-block fallback
+        gram = None
+    if gram is not None:
+        k = gram(J, mode="full")  # (N, N, O, O)
+        return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
+    total = None
+    for b in J.blocks:
+        if isinstance(b, KroneckerBlock) and b.num_positions == 1:
+            gg = xp.reshape(b.g[:, 0, :, :], (n * o, b.d_out))
+            aa = b.a[:, 0, :]
+            ka = aa @ xp.matrix_transpose(aa)  # (N, N)
+            kg = gg @ xp.matrix_transpose(gg)  # (N*O, N*O)
+            ka_rep = xp.reshape(
+                xp.broadcast_to(ka[:, None, :, None], (n, o, n, o)), (n * o, n * o))
+            part = kg * ka_rep
+        else:
+            flat = xp.reshape(b.to_dense(), (n * o, b.num_params))
+            part = flat @ xp.matrix_transpose(flat)
+        total = part if total is None else total + part
+    return total
+
+
+# -- operators standing for U ----------------------------------------------------------------
+class _ArrayOp:
+    """U as a (P, rho) array."""
+
+    def __init__(self, xp: Any, u: Array) -> None:
+        self.xp = xp
+        self.u = u
+        self.num_rows = int(u.shape[0])
+        self.num_cols = int(u.shape[1])
+
+    def gram(self) -> Array:
+        return sym_gram(self.xp, self.u)
+
+    def t_mul(self, g: Array) -> Array:  # U^T g: (P,)/(P,k) -> (rho,)/(rho,k)
+        return self.xp.matrix_transpose(self.u) @ g if g.ndim == 2 else g @ self.u
+
+    def mul(self, b: Array) -> Array:  # U b
+        return self.u @ b
+
+
+class _JacobianOp:
+    """U = J^T for a Jacobian J (N, O, P): columns are the N*O rows of J."""
+
+    def __init__(self, J: Jacobian) -> None:
+        self.J = J
+        self.xp = J.xp
+        self.n, self.o = J.num_samples, J.num_outputs
+        self.num_rows = J.num_params
+        self.num_cols = self.n * self.o
+
+    def gram(self) -> Array:
+        return _jacobian_gram(self.J)
+
+    def _t_mul_vec(self, g: Array) -> Array:
+        return self.xp.reshape(self.J.jvp(g), (self.num_cols,))
+
+    def t_mul(self, g: Array) -> Array:
+        if g.ndim == 1:
+            return self._t_mul_vec(g)
+        return self.xp.stack([self._t_mul_vec(g[:, j]) for j in range(int(g.shape[1]))], axis=1)
+
+    def _mul_vec(self, b: Array) -> Array:
+        return self.J.vjp(self.xp.reshape(b, (self.n, self.o)))
+
+    def mul(self, b: Array) -> Array:
+        if b.ndim == 1:
+            return self._mul_vec(b)
+        return self.xp.stack([self._mul_vec(b[:, j]) for j in range(int(b.shape[1]))], axis=1)
+
+
+def _jacobian_as_float(J: Jacobian, xp: Any, dtype: Any) -> Jacobian:
+    blocks: list[Any] = []
+    for b in J.blocks:
+        if isinstance(b, DenseBlock):
+            blocks.append(DenseBlock(xp.astype(b.jac, dtype), b.name))
+        else:
+            blocks.append(KroneckerBlock(xp.astype(b.a, dtype), xp.astype(b.g, dtype), b.name))
+    return Jacobian(blocks)
+
+
+# -- the prepared solver --------------------------------------------------------------------
+class SMWSolver:
+    r"""A factored SMW system: build once, solve for many right-hand sides (SENG reuses it).
+
+    Parameters
+    ----------
+    U : array (P, rho) or Jacobian
+        The low-rank factor (columns = N*O rows of a Jacobian).
+    damping : float
+        :math:`\lambda > 0`.
+    sketch : Sketch, SketchSpec, tuple (kind, q[, seed]) or None
+        Sketch of the P rows.  A :class:`~ntkcore.sketch.Sketch` object must have ``n = P``
+        (array U only); a spec is drawn here (for a Jacobian through
+        :func:`~ntkcore.sketch.sketch_jacobian`).
+    scale : float
+        :math:`s` in :math:`\lambda I + s U U^\top` (``1/N`` for the empirical Fisher).
+    gram_dtype : {"wide", "native"}
+        ``"wide"`` computes the Gram itself in float64 (casting the factors; for small
+        Jacobian blocks as in SENG); ``"native"`` computes it in U's dtype and only the
+        rho x rho system in float64.
+
+    Notes
+    -----
+    :meth:`solve` returns :math:`d = (g - U b)/\lambda` with
+    :math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top \Omega g` (:math:`\Xi = U`,
+    :math:`\Omega = I` without a sketch).  :meth:`set_damping` refactors the small system
+    without recomputing the Gram.
+    """
+
+    def __init__(self, U: Array | Jacobian, damping: float, *, sketch: Any = None,
+                 scale: float = 1.0, gram_dtype: str = "native") -> None:
+        damping = check_scalar(damping, "damping", positive=True)
+        self.scale = check_scalar(scale, "scale", positive=True)
+        if gram_dtype not in ("native", "wide"):
+            raise ValueError(f"gram_dtype must be 'native' or 'wide'; got {gram_dtype!r}")
+        if isinstance(U, Jacobian):
+            xp = U.xp
+            namespace_of(U=U.blocks[0].arrays()[0])
+            for blk in U.blocks:
+                for arr in blk.arrays():
+                    check_array(xp, arr, f"U (Jacobian block {blk.name!r})", (arr.ndim,),
+                                "a block array")
+            self.op: Any = _JacobianOp(U)
+            self.dtype = U.dtype
+            self.device = U.device
+        else:
+            xp, _ = namespace_of(U=U)
+            check_array(xp, U, "U", (2,), "(P, rho)")
+            self.op = _ArrayOp(xp, U)
+            self.dtype = U.dtype
+            self.device = array_api_compat.device(U)
+        self.xp = xp
+        from .backends import get_backend
+
+        self.backend = get_backend(xp)
+        self.wide = _wide_float(xp, self.device)
+        self.gram_dtype = gram_dtype
+        self._prepare_sketch(U, sketch)
+        self.damping = damping
+        self._factor()
+
+    # the sketched operator Xi and the map g -> Omega g
+    def _prepare_sketch(self, U: Any, sketch: Any) -> None:
+        xp = self.xp
+        if sketch is None:
+            self.sketch_op = self.op
+            self.sketch_vec = None
+            return
+        if isinstance(U, Jacobian):
+            if isinstance(sketch, Sketch):
+                raise TypeError("for a Jacobian U pass sketch as a SketchSpec or (kind, q); "
+                                "its blocks are sketched by ntkcore.sketch.sketch_jacobian")
+            spec = SketchSpec.coerce(sketch)
+            js, jsk = sketch_jacobian(U, spec.q, method=spec.kind, seed=spec.seed,
+                                      replace=spec.replace, return_sketch=True)
+            self.sketch_op = _JacobianOp(js)
+            self.sketch_vec = jsk.apply
+            return
+        if isinstance(sketch, Sketch):
+            if sketch.n != self.op.num_rows:
+                raise ValueError(f"sketch has n={sketch.n} but U has P={self.op.num_rows} rows")
+            sk = sketch
+        else:
+            spec = SketchSpec.coerce(sketch)
+            if spec.q >= self.op.num_rows and spec.kind in ("uniform", "leverage"):
+                self.sketch_op, self.sketch_vec = self.op, None  # nothing to save: exact
+                return
+            sk = make_sketch(spec.kind, U, spec.q, seed=spec.seed, replace=spec.replace)
+        self.sketch_op = _ArrayOp(xp, sk.apply(U))
+        self.sketch_vec = sk.apply
+
+    def _factor(self) -> None:
+        xp = self.xp
+        if not hasattr(self, "_gram"):
+            op = self.sketch_op
+            if self.gram_dtype == "wide" and isinstance(op, _JacobianOp):
+                gram = _jacobian_gram(_jacobian_as_float(op.J, xp, self.wide))
+            elif self.gram_dtype == "wide":
+                gram = sym_gram(xp, xp.astype(op.u, self.wide))
+            else:
+                gram = op.gram()
+            self._gram = xp.astype(gram, self.wide)
+        rho = int(self._gram.shape[0])
+        eye = xp.eye(rho, dtype=self.wide, device=self.device)
+        c = self.damping * eye + self.scale * self._gram
+        c = (c + xp.matrix_transpose(c)) / 2  # exact symmetry for the factorisation
+        l = self.backend.cholesky(c)
+        if l is None:
+            raise NotPositiveDefiniteError(
+                f"damping*I + scale*U^T U (rho={rho}) is not numerically positive definite; "
+                f"increase damping (now {self.damping}) or check U for huge entries")
+        self._chol = l
+
+    @property
+    def gram(self) -> Array:
+        r""":math:`\Xi^\top\Xi` (rho, rho) in float64 (where available)."""
+        return self._gram
+
+    def set_damping(self, damping: float) -> None:
+        """Change :math:`\\lambda` and refactor the small system (the Gram is kept)."""
+        damping = check_scalar(damping, "damping", positive=True)
+        if damping != self.damping:
+            self.damping = damping
+            self._factor()
+
+    def coefficients(self, g: Array) -> Array:
+        r""":math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top\Omega g`, (rho,) or (rho, k)."""
+        xp = self.xp
+        sg = g if self.sketch_vec is None else self.sketch_vec(g)
+        rhs = xp.astype(self.sketch_op.t_mul(sg), self.wide) * self.scale
+        return self.backend.cho_solve(self._chol, rhs)
+
+    def solve(self, g: Array) -> Array:
+        """:math:`d` for ``g`` (P,) or (P, k); the result has g's shape and dtype."""
+        xp = self.xp
+        p = self.op.num_rows
+        if g.ndim not in (1, 2) or g.shape[0] != p:
+            raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
+        b = self.coefficients(g)
+        ub = self.op.mul(xp.astype(b, self.dtype))
+        return xp.astype((g - ub) / self.damping, g.dtype)
+
+
+# -- public functions -------------------------------------------------------------------------
+def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = None) -> Array:
+    r"""Solve :math:`(\lambda I + U U^\top) d = g` through a rho x rho Cholesky factorisation.
+
+    Parameters
+    ----------
+    U : array, shape (P, rho), or Jacobian
+        Low-rank factor.  A :class:`~ntkcore.Jacobian` (N, O, P) stands for :math:`U = J^\top`
+        with rho = N*O columns, used through ``gram``/``jvp``/``vjp`` only.
+    g : array, shape (P,) or (P, k)
+        Right-hand side(s), same namespace and device as U.
+    damping : float
+        :math:`\lambda > 0`.
+    sketch : Sketch, SketchSpec, tuple (kind, q[, seed]) or None
+        Row sketch of the P dimension (module docstring).  With a sketch the result is SENG's
+        sketched direction, not the exact solution.
+
+    Returns
+    -------
+    d : array, shape of g
+        :math:`d = (g - U b)/\lambda`, :math:`b = (\lambda I + U^\top U)^{-1} U^\top g`.
+
+    Raises
+    ------
+    ValueError
+        damping <= 0 or non-finite, NaN/Inf in U or g, mismatched shapes.
+    """
+    damping = check_scalar(damping, "damping", positive=True)
+    if isinstance(U, Jacobian):
+        xp, _ = namespace_of(U=U.blocks[0].arrays()[0], g=g)
+        p = U.num_params
+    else:
+        xp, _ = namespace_of(U=U, g=g)
+        check_array(xp, U, "U", (2,), "(P, rho)")
+        p = int(U.shape[0])
+    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
+    if g.shape[0] != p:
+        raise ValueError(f"g must have P={p} rows (U has P={p}); got shape {tuple(g.shape)}")
+    return SMWSolver(U, damping, sketch=sketch).solve(g)
+
+
+def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: Any = None,
+                     blockwise: bool = False) -> Array:
+    r"""Empirical natural-gradient direction :math:`(\lambda I + J^\top J / N)\, d = g`.
+
+    Parameters
+    ----------
+    J : Jacobian with O = 1, or array (N, P)
+        Per-sample loss gradients (row n = :math:`\nabla_\theta \ell_n`).
+    g : array, shape (P,) or (P, k)
+        Gradient(s) to precondition (usually the mean loss gradient).
+    damping : float
+        :math:`\lambda > 0`.
+    sketch : SketchSpec or tuple (kind, q[, seed]), optional
+        With ``blockwise=True`` every block is sketched to ``min(q, P_b)`` rows; otherwise
+        ``q`` rows in total, split over blocks by :func:`ntkcore.sketch.sketch_jacobian`.
+    blockwise : bool
+        Solve each block (layer) on its own, as SENG does:
+        :math:`(\lambda I + J_b^\top J_b/N)\, d_b = g_b` (block-diagonal empirical Fisher).
+        An array J is one block.
+
+    Returns
+    -------
+    d : array, shape of g
+
+    Notes
+    -----
+    SMW with :math:`s = 1/N`: :math:`(\lambda I + J J^\top/N) b = J g / N`,
+    :math:`d = (g - J^\top b)/\lambda`.
+    """
+    damping = check_scalar(damping, "damping", positive=True)
+    if isinstance(J, Jacobian):
+        xp, _ = namespace_of(J=J.blocks[0].arrays()[0], g=g)
+        if J.num_outputs != 1:
+            raise ValueError("natural_gradient needs per-sample loss gradients, i.e. a "
+                             f"Jacobian with O = 1; got O = {J.num_outputs}")
+        n, p = J.num_samples, J.num_params
+    else:
+        xp, _ = namespace_of(J=J, g=g)
+        check_array(xp, J, "J", (2,), "(N, P)")
+        n, p = int(J.shape[0]), int(J.shape[1])
+    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
+    if g.shape[0] != p:
+        raise ValueError(f"g must have P={p} rows (J has P={p}); got shape {tuple(g.shape)}")
+    spec = None if sketch is None else SketchSpec.coerce(sketch)
+    if not isinstance(J, Jacobian):
+        return SMWSolver(xp.matrix_transpose(J), damping, sketch=spec, scale=1.0 / n).solve(g)
+    if not blockwise:
+        return SMWSolver(J, damping, sketch=spec, scale=1.0 / n).solve(g)
+    pieces, start = [], 0
+    for block in J.blocks:
+        size = block.num_params
+        gb = g[start:start + size, ...]
+        start += size
+        bspec = None
+        if spec is not None and spec.q < size:
+            seed = None if spec.seed is None else _sub_seed(spec.seed, 1000 + len(pieces))
+            bspec = SketchSpec(spec.kind, spec.q, seed, spec.replace)
+        pieces.append(SMWSolver(Jacobian([block]), damping, sketch=bspec,
+                                scale=1.0 / n).solve(gb))
+    return xp.concat(pieces, axis=0)

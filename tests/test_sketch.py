@@ -1,0 +1,283 @@
+"""Sketches: reproducibility, unbiasedness, leverage variance, Kronecker structure, low rank.
+
+Unbiasedness tests average M independent sketched Grams and accept the mean when it lies within
+Z standard errors (the empirical per-draw standard deviation / sqrt(M)) of the exact Gram in
+every entry; a biased scheme (successive sampling with the naive scale) is shown to fail the
+same check, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import _cuda_available, make_case
+
+import ntkcore.sketch as sk
+from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+
+# The issue's scope is numpy, torch and array_api_strict (plus torch on CUDA where present);
+# jax runs these ops eagerly op by op and is far too slow for Monte-Carlo loops.
+_CASES = ["numpy", "torch", "array_api_strict",
+          pytest.param("torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+              not _cuda_available(), reason="no CUDA GPU")])]
+
+
+@pytest.fixture(params=_CASES)
+def backend(request):
+    return make_case(request.param)
+
+Z = 5.0  # standard errors allowed per entry; with ~100 entries a false alarm has p < 1e-4
+
+ROW_KINDS = [("uniform", True), ("uniform", False), ("leverage", True), ("leverage", False),
+             ("gaussian", True), ("sparse_sign", True)]
+
+
+def _heavy_rows(rng: np.random.Generator, n: int = 40, rho: int = 4) -> np.ndarray:
+    u = rng.standard_normal((n, rho))
+    u[:3] *= 30.0  # a few heavy rows
+    return u
+
+
+def _mean_and_se(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m = samples.shape[0]
+    return samples.mean(axis=0), samples.std(axis=0, ddof=1) / np.sqrt(m)
+
+
+def _assert_unbiased(samples: np.ndarray, exact: np.ndarray) -> None:
+    mean, se = _mean_and_se(samples)
+    tol = Z * se + 1e-9 * np.abs(exact).max()
+    worst = np.max(np.abs(mean - exact) - tol)
+    assert worst <= 0, f"mean deviates from the exact value by more than {Z} standard errors"
+
+
+@pytest.mark.parametrize(("kind", "replace"), ROW_KINDS)
+def test_same_seed_same_sketch(backend, rng, kind, replace):
+    u = backend.asarray(_heavy_rows(rng))
+    s1 = sk.make_sketch(kind, u, 12, seed=7, replace=replace)
+    s2 = sk.make_sketch(kind, u, 12, seed=7, replace=replace)
+    s3 = sk.make_sketch(kind, u, 12, seed=8, replace=replace)
+    a1, a2, a3 = (backend.to_numpy(s.apply(u)) for s in (s1, s2, s3))
+    assert backend.is_native(s1.apply(u))
+    np.testing.assert_array_equal(a1, a2)
+    assert not np.array_equal(a1, a3)
+    # apply agrees with the dense matrix
+    np.testing.assert_allclose(backend.to_numpy(s1.matrix()) @ backend.to_numpy(u), a1,
+                               rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize(("kind", "replace"), ROW_KINDS)
+def test_row_sketch_gram_unbiased(backend, kind, replace):
+    rng = np.random.default_rng(3)
+    u_np = _heavy_rows(rng)
+    u = backend.asarray(u_np)
+    exact = u_np.T @ u_np
+    draws = 300
+    samples = np.empty((draws, *exact.shape))
+    for i in range(draws):
+        s = sk.make_sketch(kind, u, 10, seed=1000 + i, replace=replace)
+        x = backend.to_numpy(s.apply(u))
+        samples[i] = x.T @ x
+    _assert_unbiased(samples, exact)
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_leverage_operator_identity_in_expectation(replace):
+    # E[Omega^T Omega] = I on the diagonal (off-diagonal is zero for every draw without
+    # replacement; with replacement too since one row per draw).
+    rng = np.random.default_rng(4)
+    u = _heavy_rows(rng, n=25)
+    draws = 1000
+    diag = np.empty((draws, 25))
+    for i in range(draws):
+        m = sk.leverage(u, 8, seed=i, replace=replace).matrix()
+        diag[i] = np.diag(m.T @ m)
+    mean, se = _mean_and_se(diag)
+    assert np.all(np.abs(mean - 1.0) <= Z * se + 1e-12)
+
+
+def test_unbiasedness_check_detects_a_biased_scheme():
+    # Successive sampling without replacement with the naive scale 1/sqrt(q p_j) is biased
+    # (heavy rows are included at most once); the same check must reject it.
+    rng = np.random.default_rng(3)
+    u = _heavy_rows(rng)
+    exact = u.T @ u
+    p = np.sum(u * u, axis=1)
+    p /= p.sum()
+    q, draws = 10, 300
+    samples = np.empty((draws, *exact.shape))
+    for i in range(draws):
+        idx = np.random.default_rng(i).choice(u.shape[0], q, replace=False, p=p)
+        x = u[idx] / np.sqrt(q * p[idx])[:, None]
+        samples[i] = x.T @ x
+    with pytest.raises(AssertionError):
+        _assert_unbiased(samples, exact)
+
+
+def test_leverage_has_lower_variance_than_uniform_on_heavy_rows():
+    rng = np.random.default_rng(5)
+    u = _heavy_rows(rng, n=200, rho=5)
+    exact = u.T @ u
+    errs = {}
+    for kind in ("uniform", "leverage"):
+        e = []
+        for i in range(200):
+            x = sk.make_sketch(kind, u, 20, seed=i).apply(u)
+            e.append(np.linalg.norm(x.T @ x - exact) ** 2)
+        errs[kind] = np.mean(e)
+    assert errs["leverage"] < 0.25 * errs["uniform"]
+
+
+def test_without_replacement_full_sample_is_exact(backend, rng):
+    u_np = rng.standard_normal((15, 3))
+    u = backend.asarray(u_np)
+    for kind in ("uniform", "leverage"):
+        x = backend.to_numpy(sk.make_sketch(kind, u, 15, seed=1, replace=False).apply(u))
+        np.testing.assert_allclose(x.T @ x, u_np.T @ u_np, rtol=1e-10)
+
+
+def test_unbound_sketch_binds_on_apply(backend, rng):
+    s = sk.uniform(20, 5, seed=3)
+    assert not s.bound
+    with pytest.raises(RuntimeError, match="not drawn"):
+        _ = s.indices
+    x = backend.asarray(rng.standard_normal((20, 2)))
+    y = s.apply(x)
+    assert backend.is_native(y) and tuple(y.shape) == (5, 2)
+    assert backend.is_native(s.indices)
+    if backend.name != "numpy":
+        with pytest.raises(ValueError, match="was drawn for"):
+            s.apply(rng.standard_normal((20, 2)))
+    # a namespace works as `like`
+    s2 = sk.uniform(20, 5, seed=3, like=backend.xp)
+    np.testing.assert_array_equal(backend.to_numpy(s2.apply(x)), backend.to_numpy(y))
+
+
+def test_bad_arguments():
+    u = np.ones((10, 2))
+    with pytest.raises(ValueError, match="q"):
+        sk.uniform(10, 0)
+    with pytest.raises(TypeError, match="q"):
+        sk.uniform(10, 2.5)
+    with pytest.raises(ValueError, match="without replacement"):
+        sk.uniform(10, 11, replace=False)
+    with pytest.raises(ValueError, match="without replacement"):
+        sk.leverage(u, 11, replace=False)
+    with pytest.raises(TypeError, match="seed"):
+        sk.uniform(10, 2, seed=-1)
+    with pytest.raises(ValueError, match="n=10"):
+        sk.uniform(10, 2, like=u).apply(np.ones((9, 2)))
+    with pytest.raises(ValueError, match="NaN"):
+        sk.leverage(np.full((10, 2), np.nan), 3)
+    with pytest.raises(ValueError, match="kind"):
+        sk.SketchSpec("fancy", 3)
+    with pytest.raises(TypeError, match="Jacobian"):
+        sk.sketch_jacobian(u, 3)
+
+
+# -- Jacobians ----------------------------------------------------------------------------------
+def _jacobian(backend, rng, n=5, o=2):
+    blocks = [
+        KroneckerBlock(backend.asarray(rng.standard_normal((n, 1, 12))),
+                       backend.asarray(rng.standard_normal((n, 1, o, 9))), "fc"),
+        DenseBlock(backend.asarray(rng.standard_normal((n, o, 30))), "dense"),
+        KroneckerBlock(backend.asarray(rng.standard_normal((n, 3, 8))),
+                       backend.asarray(rng.standard_normal((n, 3, o, 10))), "conv"),
+    ]
+    return Jacobian(blocks)
+
+
+def _dense_gram(jd: np.ndarray) -> np.ndarray:
+    return np.einsum("nap,mbp->nmab", jd, jd)
+
+
+@pytest.mark.parametrize("method", ["uniform", "leverage", "gaussian", "sparse_sign"])
+def test_kronecker_sketch_matches_materialised_row_sampling(backend, rng, method):
+    J = _jacobian(backend, rng)
+    js, jsk = sk.sketch_jacobian(J, 80, method=method, seed=11, return_sketch=True)
+    assert [type(b) for b in js] == [type(b) for b in J]
+    v_np = rng.standard_normal(J.num_params)
+    sv = backend.to_numpy(jsk.apply(backend.asarray(v_np)))
+    start = 0
+    out = 0
+    for b, bs, sketch in zip(J.blocks, js.blocks, jsk.block_sketches, strict=True):
+        dense = backend.to_numpy(b.to_dense())  # (N, O, P_b)
+        if isinstance(b, KroneckerBlock):
+            sk_a, sk_g = sketch
+            om_a = np.eye(b.d_in) if sk_a is None else backend.to_numpy(sk_a.matrix())
+            om_g = np.eye(b.d_out) if sk_g is None else backend.to_numpy(sk_g.matrix())
+            omega = np.kron(om_g, om_a)  # parameter index i_out * d_in + i_in
+            assert isinstance(bs, KroneckerBlock)
+        else:
+            omega = backend.to_numpy(sketch.matrix())
+        np.testing.assert_allclose(backend.to_numpy(bs.to_dense()),
+                                   np.einsum("nop,qp->noq", dense, omega), rtol=1e-10,
+                                   atol=1e-10)
+        vb = v_np[start:start + b.num_params]
+        np.testing.assert_allclose(sv[out:out + omega.shape[0]], omega @ vb, rtol=1e-10,
+                                   atol=1e-10)
+        start += b.num_params
+        out += omega.shape[0]
+    assert out == sv.shape[0]
+
+
+@pytest.mark.parametrize("method", ["uniform", "leverage"])
+def test_sketch_jacobian_gram_unbiased(method):
+    rng = np.random.default_rng(8)
+
+    class _Np:
+        name = "numpy"
+
+        @staticmethod
+        def asarray(x):
+            return np.asarray(x, dtype=np.float64)
+
+    J = _jacobian(_Np, rng, n=3, o=1)
+    exact = _dense_gram(J.to_dense())
+    draws = 300
+    samples = np.empty((draws, *exact.shape))
+    for i in range(draws):
+        samples[i] = _dense_gram(sk.sketch_jacobian(J, 60, method=method, seed=i).to_dense())
+    _assert_unbiased(samples, exact)
+
+
+def test_budget_split():
+    assert sk.split_budget(10, (50, 50)) == (5, 5)
+    assert sk.split_budget(1000, (10, 90)) == (10, 90)
+    assert all(q >= 1 for q in sk.split_budget(3, (1000, 1, 5)))
+    qa, qg = sk.split_kronecker(100, 400, 100)
+    assert qa * qg == pytest.approx(100, rel=0.2) and qa / 400 == pytest.approx(qg / 100, rel=0.3)
+
+
+def test_sketch_jacobian_large_q_is_identity(rng):
+    J = Jacobian([DenseBlock(rng.standard_normal((2, 1, 5)))])
+    np.testing.assert_array_equal(sk.sketch_jacobian(J, 5).to_dense(), J.to_dense())
+
+
+# -- low-rank compression ---------------------------------------------------------------------
+def test_low_rank_matches_truncated_svd(backend, rng):
+    n, s, d_in, d_out = 4, 9, 7, 5
+    a = rng.standard_normal((n, s, d_in))
+    g = rng.standard_normal((n, s, 1, d_out))
+    block = KroneckerBlock(backend.asarray(a), backend.asarray(g), "conv")
+    m = np.einsum("nso,nsi->noi", g[:, :, 0], a)  # per-sample gradients (n, d_out, d_in)
+    for r in (1, 3):
+        cb, err = sk.low_rank(block, r)
+        assert cb.num_positions == r
+        approx = backend.to_numpy(cb.to_dense()).reshape(n, d_out, d_in)
+        for i in range(n):
+            uu, ss, vv = np.linalg.svd(m[i])
+            best = (uu[:, :r] * ss[:r]) @ vv[:r]
+            np.testing.assert_allclose(approx[i], best, rtol=1e-8, atol=1e-8)
+            ref = np.sqrt(np.sum(ss[r:] ** 2) / np.sum(ss**2))
+            np.testing.assert_allclose(backend.to_numpy(err)[i], ref, rtol=1e-8, atol=1e-12)
+    # exact when r >= rank(M_n) (= min(d_out, d_in) = 5 here)
+    cb, err = sk.low_rank(Jacobian([block]), 5)
+    np.testing.assert_allclose(backend.to_numpy(cb.to_dense()),
+                               backend.to_numpy(block.to_dense()), rtol=1e-8, atol=1e-8)
+    assert np.max(backend.to_numpy(err)) < 1e-7
+
+
+def test_low_rank_rejects_multiple_outputs(rng):
+    block = KroneckerBlock(rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 4, 2, 3)))
+    with pytest.raises(ValueError, match="O = 1"):
+        sk.low_rank(block, 2)

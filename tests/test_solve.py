@@ -1,0 +1,186 @@
+"""SMW solves and the natural-gradient direction against dense float64 solves (numpy.linalg)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import _cuda_available, make_case
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ntkcore
+import ntkcore.sketch as sk
+from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.solve import SMWSolver, sym_gram
+
+_CASES = ["numpy", "torch", "array_api_strict",
+          pytest.param("torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+              not _cuda_available(), reason="no CUDA GPU")])]
+
+
+@pytest.fixture(params=_CASES)
+def backend(request):
+    return make_case(request.param)
+
+
+def _dense_solve(u: np.ndarray, g: np.ndarray, lam: float, scale: float = 1.0) -> np.ndarray:
+    p = u.shape[0]
+    return np.linalg.solve(lam * np.eye(p) + scale * u @ u.T, g)
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=st.integers(1, 40), rho=st.integers(1, 12), k=st.sampled_from([None, 1, 3]),
+       log_lam=st.floats(-3, 2), seed=st.integers(0, 2**31))
+def test_smw_solve_matches_dense(backend, p, rho, k, log_lam, seed):
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal((p, rho))
+    g = rng.standard_normal(p if k is None else (p, k))
+    lam = 10.0**log_lam
+    d = ntkcore.smw_solve(backend.asarray(u), backend.asarray(g), lam)
+    assert backend.is_native(d) and tuple(d.shape) == g.shape
+    ref = _dense_solve(u, g, lam)
+    np.testing.assert_allclose(backend.to_numpy(d), ref, rtol=1e-7,
+                               atol=1e-8 * np.abs(ref).max())
+
+
+def test_smw_solve_float32_stays_float32(backend, rng):
+    u = rng.standard_normal((200, 16))
+    g = rng.standard_normal(200)
+    d = ntkcore.smw_solve(backend.asarray(u, "float32"), backend.asarray(g, "float32"), 0.5)
+    assert d.dtype == backend.asarray(g, "float32").dtype
+    np.testing.assert_allclose(backend.to_numpy(d), _dense_solve(u, g, 0.5), rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_blocked_symmetric_gram(backend, rng):
+    u = rng.standard_normal((50, 300))
+    np.testing.assert_allclose(backend.to_numpy(sym_gram(backend.xp if backend.name == "numpy"
+                                                          else _ns(backend), backend.asarray(u))),
+                               u.T @ u, rtol=1e-10)
+
+
+def _ns(backend):
+    import array_api_compat
+
+    return array_api_compat.array_namespace(backend.asarray(np.zeros(1)))
+
+
+def _jacobian(backend, rng, n=6, o=1):
+    return Jacobian([
+        KroneckerBlock(backend.asarray(rng.standard_normal((n, 1, 5))),
+                       backend.asarray(rng.standard_normal((n, 1, o, 4))), "fc1"),
+        DenseBlock(backend.asarray(rng.standard_normal((n, o, 9))), "bn"),
+        KroneckerBlock(backend.asarray(rng.standard_normal((n, 3, 6))),
+                       backend.asarray(rng.standard_normal((n, 3, o, 3))), "conv"),
+    ])
+
+
+@pytest.mark.parametrize("o", [1, 2])
+def test_smw_solve_with_jacobian(backend, rng, o):
+    J = _jacobian(backend, rng, o=o)
+    jd = backend.to_numpy(J.to_dense())  # (N, O, P)
+    u = jd.reshape(-1, jd.shape[2]).T  # columns = the N*O rows
+    g = rng.standard_normal((J.num_params, 2))
+    d = ntkcore.smw_solve(J, backend.asarray(g), 0.7)
+    np.testing.assert_allclose(backend.to_numpy(d), _dense_solve(u, g, 0.7), rtol=1e-9,
+                               atol=1e-10)
+
+
+def test_natural_gradient_matches_dense(backend, rng):
+    J = _jacobian(backend, rng)
+    n = J.num_samples
+    jd = backend.to_numpy(J.to_dense())[:, 0, :]  # (N, P)
+    g = rng.standard_normal(J.num_params)
+    lam = 0.2
+    ref = np.linalg.solve(lam * np.eye(J.num_params) + jd.T @ jd / n, g)
+    d = ntkcore.natural_gradient(J, backend.asarray(g), lam)
+    np.testing.assert_allclose(backend.to_numpy(d), ref, rtol=1e-9, atol=1e-10)
+    d_arr = ntkcore.natural_gradient(backend.asarray(jd), backend.asarray(g), lam)
+    np.testing.assert_allclose(backend.to_numpy(d_arr), ref, rtol=1e-9, atol=1e-10)
+    # blockwise: one dense solve per block
+    db = backend.to_numpy(ntkcore.natural_gradient(J, backend.asarray(g), lam, blockwise=True))
+    start = 0
+    for size in J.block_sizes:
+        jb = jd[:, start:start + size]
+        ref_b = np.linalg.solve(lam * np.eye(size) + jb.T @ jb / n, g[start:start + size])
+        np.testing.assert_allclose(db[start:start + size], ref_b, rtol=1e-9, atol=1e-10)
+        start += size
+
+
+def test_sketched_solve_matches_formula(backend, rng):
+    p, rho, q, lam = 60, 5, 20, 0.3
+    u = rng.standard_normal((p, rho))
+    g = rng.standard_normal(p)
+    s = sk.leverage(backend.asarray(u), q, seed=4)
+    d = backend.to_numpy(ntkcore.smw_solve(backend.asarray(u), backend.asarray(g), lam,
+                                           sketch=s))
+    om = backend.to_numpy(s.matrix())
+    xi, x = om @ u, om @ g
+    b = np.linalg.solve(lam * np.eye(rho) + xi.T @ xi, xi.T @ x)
+    np.testing.assert_allclose(d, (g - u @ b) / lam, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "leverage", "gaussian"])
+def test_sketched_solve_error_falls_with_q(kind):
+    rng = np.random.default_rng(0)
+    p, rho, lam = 400, 8, 1.0
+    u = rng.standard_normal((p, rho)) * np.linspace(0.2, 3.0, p)[:, None]
+    g = u @ rng.standard_normal(rho) + 0.1 * rng.standard_normal(p)
+    exact = _dense_solve(u, g, lam)
+    errs = []
+    for q in (20, 80, 320):
+        e = [np.linalg.norm(ntkcore.smw_solve(u, g, lam, sketch=(kind, q, s)) - exact)
+             for s in range(15)]
+        errs.append(np.mean(e) / np.linalg.norm(exact))
+    assert errs[0] > errs[1] > errs[2]
+    assert errs[2] < 0.5 * errs[0]
+    # sampling every row without replacement is exact
+    spec = sk.SketchSpec("uniform", p, seed=1, replace=False)
+    np.testing.assert_allclose(ntkcore.smw_solve(u, g, lam, sketch=spec), exact, rtol=1e-9)
+
+
+def test_sketched_natural_gradient_runs_per_block(backend, rng):
+    J = _jacobian(backend, rng)
+    g = backend.asarray(rng.standard_normal(J.num_params))
+    for blockwise in (False, True):
+        d = ntkcore.natural_gradient(J, g, 0.5, sketch=("uniform", 6, 3), blockwise=blockwise)
+        assert backend.is_native(d) and tuple(d.shape) == (J.num_params,)
+        d2 = ntkcore.natural_gradient(J, g, 0.5, sketch=("uniform", 6, 3), blockwise=blockwise)
+        np.testing.assert_array_equal(backend.to_numpy(d), backend.to_numpy(d2))
+
+
+def test_solver_reuse_and_set_damping(rng):
+    u = rng.standard_normal((30, 4))
+    g = rng.standard_normal(30)
+    solver = SMWSolver(u, 1.0, scale=0.25)
+    np.testing.assert_allclose(solver.solve(g), _dense_solve(u, g, 1.0, 0.25), rtol=1e-10)
+    solver.set_damping(0.1)
+    np.testing.assert_allclose(solver.solve(g), _dense_solve(u, g, 0.1, 0.25), rtol=1e-10)
+
+
+def test_bad_inputs(rng):
+    u = rng.standard_normal((10, 3))
+    g = rng.standard_normal(10)
+    for lam in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="damping"):
+            ntkcore.smw_solve(u, g, lam)
+    bad = u.copy()
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match="U contains NaN"):
+        ntkcore.smw_solve(bad, g, 1.0)
+    with pytest.raises(ValueError, match="g contains NaN"):
+        ntkcore.smw_solve(u, np.full(10, np.inf), 1.0)
+    with pytest.raises(ValueError, match="g must have"):
+        ntkcore.smw_solve(u, np.ones(9), 1.0)
+    with pytest.raises(ValueError, match="U must have shape"):
+        ntkcore.smw_solve(np.ones(10), g, 1.0)
+    with pytest.raises(ValueError, match="sketch has n"):
+        ntkcore.smw_solve(u, g, 1.0, sketch=sk.uniform(9, 3, like=u))
+    with pytest.raises(TypeError, match="sketch must be"):
+        ntkcore.smw_solve(u, g, 1.0, sketch="uniform")
+    J = Jacobian([DenseBlock(rng.standard_normal((4, 2, 10)))])
+    with pytest.raises(ValueError, match="O = 1"):
+        ntkcore.natural_gradient(J, g, 1.0)
+    u_copy = u.copy()
+    ntkcore.smw_solve(u, g, 1.0, sketch=("leverage", 4, 0))
+    np.testing.assert_array_equal(u, u_copy)  # never mutates inputs
