@@ -4,7 +4,7 @@ Everything here keeps autograd intact: ``cholesky_ex`` and ``solve_triangular`` 
 differentiable, so kernel regression built on them can be back-propagated into its inputs.
 
 The PyTorch Jacobian provider and the SENG optimizer live beside this module
-(``ntkcore.backends.torch_provider`` / ``ntkcore.backends.torch_seng``) and are re-exported
+(``ntkcore.backends.torch_jacobian`` / ``ntkcore.backends.torch_seng``) and are re-exported
 here as ``ntkcore.backends.torch.jacobian`` and ``ntkcore.backends.torch.SENG`` once defined.
 """
 
@@ -113,3 +113,7 @@ class TorchGenerator:
 
     def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
         return torch.rand(shape, generator=self.gen, device=self.device, dtype=dtype)
+
+
+# The Jacobian provider lives in its own module; re-exported as ntkcore.backends.torch.jacobian.
+from .torch_jacobian import from_block_order, jacobian, to_block_order  # noqa: E402, F401

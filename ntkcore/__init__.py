@@ -5,7 +5,8 @@ same namespace, on the same device, in the same dtype.  See ``docs/`` for the ma
 architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the frameworks).
 """
 
-from . import models
+from . import models, sketch
+from ._api import ntk, pseudo_ntk
 from ._version import __version__
 from .cg import (
     CGReport,
@@ -24,6 +25,7 @@ from .regression import (
     gp_inference,
     kernel_regression,
 )
+from .solve import natural_gradient, smw_solve
 
 __all__ = [
     "CGReport",
@@ -44,4 +46,9 @@ __all__ = [
     "gp_inference",
     "kernel_regression",
     "models",
+    "natural_gradient",
+    "ntk",
+    "pseudo_ntk",
+    "sketch",
+    "smw_solve",
 ]

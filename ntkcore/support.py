@@ -67,6 +67,17 @@ SUPPORT: dict[str, dict[str, Support]] = {
     "backends.jax.jacobian": _all(
         fast={"jax": "jax.vmap(jax.jacrev), Kronecker for recognised dense layers"},
         missing=("numpy", "torch", "cupy", "array_api_strict")),
+    # ntk / pseudo_ntk (ntkcore/_api.py): pure array API around the provider of the model's
+    # type; the inputs' namespace is the one that provider works in.
+    "ntk": _all(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
+                      "jax": "(apply_fn, params) or models.MLP"}),
+    "pseudo_ntk": _all(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
+                             "jax": "(apply_fn, params) or models.MLP"}),
+    # torch provider (backends/torch_jacobian.py): hooks + batched output gradients.
+    "backends.torch.jacobian": _all(
+        fast={"torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
+        note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
+        missing=("numpy", "cupy", "jax", "array_api_strict")),
 }
 
 

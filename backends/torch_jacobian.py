@@ -1,0 +1,665 @@
+r"""The PyTorch Jacobian provider: a ``torch.nn.Module`` and inputs -> :class:`ntkcore.Jacobian`.
+
+What is structured
+------------------
+One forward pass with forward hooks records, for every *structured* module, its inputs and
+outputs; one backward pass batched over the O outputs (``torch.autograd.grad`` with
+``is_grads_batched=True``; a single pass for O = 1 and for the pseudo-NTK) gives the gradients
+of every output with respect to those layer outputs.  No weight gradient is ever formed and
+there is no loop over samples.
+
+=====================  ===================================================================
+module                 block
+=====================  ===================================================================
+``nn.Linear``          :class:`~ntkcore.KroneckerBlock`; input (N, *mid, d_in) gives
+                       S = prod(mid) positions (S = 1 on (N, d_in), S = T on (N, T, d)).
+``nn.Conv1d/2d/3d``    KroneckerBlock on unfolded patches: a (N, L, C_in*k), L the number of
+                       output positions; stride, dilation, padding (ints, ``'same'``,
+                       ``'valid'``) and every ``padding_mode``.  ``groups > 1``: the G groups
+                       are put on the position axis (a (N, G*L, C_in/G*k), g zero outside the
+                       output channels of each group), which represents the (C_out, C_in/G*k)
+                       weight exactly; when that is larger than the per-sample gradient itself
+                       (many groups, e.g. depthwise), a DenseBlock is built from the same factors
+                       instead (no extra pass).
+``nn.Embedding``       KroneckerBlock with one-hot inputs a (N, T, V) and weight
+                       :math:`W^\top` (D, V) (so its parameters are the *transposed* table);
+                       ``padding_idx`` rows get zero gradient as in torch.
+anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
+                       of ``jacrev`` with respect to those parameters only, in chunks of
+                       ``chunk_size`` samples (LayerNorm, BatchNorm in eval mode, custom modules,
+                       bare ``nn.Parameter``, subclasses overriding ``forward``).
+=====================  ===================================================================
+
+A module called several times (tied weights) gets one block whose positions are the
+concatenation of all calls along S: :math:`\partial f/\partial W = \sum_{calls}\sum_s g a^\top`
+is exactly the Kronecker sum over the concatenated positions.  A structured module falls back to
+a DenseBlock when its weight is also used outside its own ``forward`` (the number of uses in the
+autograd graph differs from the number of hooked calls), when a parameter is registered in
+several modules, or when a call's input does not lead with the sample axis N.
+
+Block order and parameter layout
+--------------------------------
+Let ``names`` be the selected parameters in ``model.named_parameters()`` order (duplicates of
+tied parameters removed, as torch does).  The blocks cover every selected parameter exactly once
+and appear in the order of their first parameter in ``names``:
+
+* KroneckerBlock of a Linear/Conv module at path ``m``: parameters ``m.weight`` (if selected)
+  and ``m.bias`` (if selected).  The block's (d_out, d_in) matrix is
+  ``[weight.reshape(d_out, -1), bias[:, None]]`` (weight only: no ones column; bias only:
+  d_in = 1 with a = 1), flattened row-major, i.e. the bias is *interleaved* as the last column
+  of each row, not appended after the weight.
+* KroneckerBlock of an Embedding at ``m``: ``m.weight.T`` flattened row-major.
+* DenseBlock named ``m`` (a module path): the selected parameters registered directly on
+  ``m``, each flattened row-major, concatenated in ``named_parameters`` order.  A parameter
+  registered on the root module gets its own DenseBlock named by the parameter name.
+
+:func:`to_block_order` and :func:`from_block_order` convert between per-parameter tensors and
+this flat block order (e.g. to compare with a ``torch.func.jacrev`` reference, or to turn a
+flat update into parameter-shaped tensors).
+
+Differentiability
+-----------------
+When ``x`` requires grad (e.g. KIP, where the data are trained), the factors are built without
+detaching and the output gradients with ``create_graph=True``, so the returned Jacobian is
+differentiable with respect to ``x``.  Otherwise every factor is detached.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+__all__ = ["from_block_order", "jacobian", "to_block_order"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_STRUCTURED = (nn.Linear, *_CONV, nn.Embedding)
+# Structured only when the class keeps torch's own forward (a subclass may compute anything).
+_FORWARD = {nn.Linear: nn.Linear.forward, nn.Conv1d: nn.Conv1d.forward,
+            nn.Conv2d: nn.Conv2d.forward, nn.Conv3d: nn.Conv3d.forward,
+            nn.Embedding: nn.Embedding.forward}
+
+
+# --------------------------------------------------------------------------------------------
+# parameter selection
+# --------------------------------------------------------------------------------------------
+def _select_params(model: nn.Module, params: Any) -> list[str]:
+    """Names of the selected parameters in ``named_parameters`` order."""
+    named = list(model.named_parameters())
+    if params is None:
+        chosen = [n for n, p in named if p.requires_grad]
+        if not chosen:
+            raise ValueError("model has no parameter that requires grad; pass params= or set "
+                             "requires_grad on the parameters of interest")
+        return chosen
+    if isinstance(params, str | torch.Tensor):
+        params = [params]
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError("params must be None, or an iterable of parameter names or tensors; "
+                        f"got {type(params).__name__}") from None
+    if not items:
+        raise ValueError("params is empty: select at least one parameter")
+    by_id = {id(p): n for n, p in named}
+    all_named = dict(model.named_parameters(remove_duplicate=False))
+    wanted: set[str] = set()
+    for item in items:
+        if isinstance(item, str):
+            if item not in all_named:
+                raise ValueError(f"params: {item!r} is not a parameter name of the model")
+            name = by_id[id(all_named[item])]
+        elif isinstance(item, torch.Tensor):
+            if id(item) not in by_id:
+                raise ValueError("params: a tensor passed is not a parameter of the model")
+            name = by_id[id(item)]
+        else:
+            raise TypeError(f"params entries must be names or tensors; got {type(item).__name__}")
+        wanted.add(name)
+    chosen = [n for n, _ in named if n in wanted]
+    frozen = [n for n in chosen if not dict(named)[n].requires_grad]
+    if frozen:
+        raise ValueError(f"params: {frozen} do not require grad; set requires_grad=True on them")
+    return chosen
+
+
+def _owner_map(model: nn.Module) -> tuple[dict[str, tuple[str, str]], dict[int, int]]:
+    """``name -> (module path, local name)`` for deduplicated names, and how many modules
+    register each parameter tensor (by id)."""
+    owners: dict[str, tuple[str, str]] = {}
+    registrations: dict[int, int] = {}
+    seen: set[int] = set()
+    # named_modules() dedups shared modules and visits in the order named_parameters() uses.
+    for mpath, mod in model.named_modules():
+        for local, p in mod._parameters.items():
+            if p is None:
+                continue
+            registrations[id(p)] = registrations.get(id(p), 0) + 1
+            if id(p) not in seen:
+                seen.add(id(p))
+                owners[f"{mpath}.{local}" if mpath else local] = (mpath, local)
+    return owners, registrations
+
+
+# --------------------------------------------------------------------------------------------
+# hooks
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    a: torch.Tensor  # module input (N, ...)
+    y: torch.Tensor  # module output (N, ...)
+    a_version: int
+    y_version: int
+
+
+@dataclass
+class _Unit:
+    path: str
+    module: nn.Module
+    names: list[str]  # selected params of this module, in order (weight before bias)
+    has_weight: bool
+    has_bias: bool
+    calls: list[_Call] = field(default_factory=list)
+
+
+def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]:
+    owners, registrations = _owner_map(model)
+    named = dict(model.named_parameters())
+    by_module: dict[str, list[str]] = {}
+    for n in selected:
+        mpath, _ = owners[n]
+        by_module.setdefault(mpath, []).append(n)
+    units: dict[str, _Unit] = {}
+    for mpath, names in by_module.items():
+        mod = model.get_submodule(mpath) if mpath else model
+        cls = type(mod)
+        base = next((c for c in _STRUCTURED if isinstance(mod, c)), None)
+        if base is None or cls.forward is not _FORWARD[base]:
+            continue
+        if any(registrations[id(named[n])] > 1 for n in names):
+            continue
+        locals_ = {owners[n][1] for n in names}
+        if not locals_ <= {"weight", "bias"}:
+            continue
+        units[mpath] = _Unit(mpath, mod, names, "weight" in locals_, "bias" in locals_)
+    return units
+
+
+def _check_sample_coupling(model: nn.Module) -> None:
+    for path, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if mod.training or not mod.track_running_stats:
+                raise ValueError(
+                    f"module {path or type(mod).__name__!r} is a BatchNorm that normalises with "
+                    "batch statistics, which couples the samples (the per-sample Jacobian is "
+                    "then undefined); call model.eval() first"
+                    + ("" if mod.track_running_stats else
+                       " (and it needs track_running_stats=True to have running statistics)"))
+        if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training and mod.p > 0:
+            raise ValueError(f"module {path!r} is a Dropout in training mode (a random model "
+                             "has no fixed Jacobian); call model.eval() first")
+
+
+def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                 clone: bool) -> torch.Tensor:
+    handles = []
+    for unit in units.values():
+        unit.calls = []
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any,
+                 unit: _Unit = unit) -> Any:
+            a = args[0] if args else kwargs.get("input")
+            if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
+                return None
+            if clone:
+                a = a.clone()
+                y = out
+                out = out.clone()
+            else:
+                y = out
+            unit.calls.append(_Call(a, y, a._version, y._version))
+            return out if clone else None
+
+        handles.append(unit.module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model must return a tensor (N, ...); got {type(out).__name__}")
+    return out
+
+
+def _graph_uses(out: torch.Tensor) -> tuple[set[Any], dict[int, int]]:
+    """Nodes reachable from ``out`` and, per leaf tensor id, the number of graph edges into its
+    gradient accumulator (= the number of times the forward used it)."""
+    seen: set[Any] = set()
+    uses: dict[int, int] = {}
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                uses[id(var)] = uses.get(id(var), 0) + 1
+            stack.append(nxt)
+    return seen, uses
+
+
+# --------------------------------------------------------------------------------------------
+# factors
+# --------------------------------------------------------------------------------------------
+def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """Unfolded input patches (N, L, C_in * prod(k)) in the weight's (C_in, k1, k2, ...) order."""
+    nd = len(mod.kernel_size)
+    pads: list[int] = []
+    for i in range(nd):
+        k, d = mod.kernel_size[i], mod.dilation[i]
+        if isinstance(mod.padding, str):
+            if mod.padding == "valid":
+                lo = hi = 0
+            else:  # 'same' (torch pads the extra element on the right)
+                total = d * (k - 1)
+                lo, hi = total // 2, total - total // 2
+        else:
+            lo = hi = mod.padding[i]
+        pads.append((lo, hi))
+    flat = [v for lo_hi in reversed(pads) for v in lo_hi]  # F.pad wants the last dim first
+    if any(flat):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        a = F.pad(a, flat, mode=mode)
+    for i in range(nd):
+        k, d, s = mod.kernel_size[i], mod.dilation[i], mod.stride[i]
+        span = d * (k - 1) + 1
+        a = a.unfold(2 + i, span, s)  # appends a window axis
+        if d > 1:
+            a = a[..., ::d]
+    n, c = a.shape[0], a.shape[1]
+    # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd)
+    perm = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
+    a = a.permute(perm)
+    return a.reshape(n, -1, c * math.prod(mod.kernel_size))
+
+
+def _with_ones(a: torch.Tensor) -> torch.Tensor:
+    return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
+
+
+def _unit_block(unit: _Unit, calls: list[_Call], grads: list[torch.Tensor], n: int,
+                o: int, detach: bool) -> DenseBlock | KroneckerBlock:
+    """The block of one structured module from its hooked calls and output gradients
+    ``grads[i]`` (O, *y_i.shape)."""
+    mod = unit.module
+    a_parts, g_parts = [], []
+    for call, gy in zip(calls, grads, strict=True):
+        a_in = call.a.detach() if detach else call.a
+        if isinstance(mod, nn.Linear):
+            a_c = a_in.reshape(n, -1, mod.in_features)
+            g_c = gy.reshape(o, n, -1, mod.out_features).permute(1, 2, 0, 3)
+        elif isinstance(mod, nn.Embedding):
+            idx = a_in.reshape(n, -1)
+            a_c = F.one_hot(idx, mod.num_embeddings).to(gy.dtype)
+            if mod.padding_idx is not None:
+                a_c[..., mod.padding_idx] = 0
+            g_c = gy.reshape(o, n, -1, mod.embedding_dim).permute(1, 2, 0, 3)
+        else:
+            a_c = _conv_patches(mod, a_in)
+            cout = mod.out_channels
+            g_c = gy.reshape(o, n, cout, -1).permute(1, 3, 0, 2)  # (N, L, O, C_out)
+        a_parts.append(a_c)
+        g_parts.append(g_c)
+    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
+    g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, dim=1)
+    g = g.contiguous()
+    groups = getattr(mod, "groups", 1)
+    if groups > 1:
+        return _grouped_conv_block(unit, a, g, groups)
+    if not unit.has_weight:  # bias only: the ones column is the whole input
+        a = a.new_ones((*a.shape[:-1], 1))
+    elif unit.has_bias:
+        a = _with_ones(a)
+    return KroneckerBlock(a.contiguous(), g, unit.path)
+
+
+def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
+                        groups: int) -> DenseBlock | KroneckerBlock:
+    r"""A grouped convolution: a (N, L, C_in*k), g (N, L, O, C_out).
+
+    Output channel c belongs to group c // (C_out/G) and sees only that group's input channels
+    (contiguous in the patch vector).  With the G groups as extra positions,
+    a'[n, (G,L), C_in/G*k] and g'[n, (G,L), o, c] = g[n, L, o, c] if c is in group G else 0,
+    :math:`\sum_{(G,L)} g' a'^\top` is the (C_out, C_in/G*k) weight gradient exactly.
+    """
+    n, s, o, cout = g.shape
+    cg_in = a.shape[2] // groups
+    cg_out = cout // groups
+    a4 = a.reshape(n, s, groups, cg_in)
+    kron_size = n * groups * s * (o * cout + cg_in + 1)
+    dense_size = n * o * cout * (cg_in + 1)
+    if kron_size <= dense_size:
+        ap = a4.permute(0, 2, 1, 3).reshape(n, groups * s, cg_in)
+        g5 = g.new_zeros((n, groups, s, o, cout))
+        for gi in range(groups):
+            sl = slice(gi * cg_out, (gi + 1) * cg_out)
+            g5[:, gi, :, :, sl] = g[..., sl]
+        gp = g5.reshape(n, groups * s, o, cout)
+        if not unit.has_weight:
+            ap = ap.new_ones((n, groups * s, 1))
+        elif unit.has_bias:
+            ap = _with_ones(ap)
+        return KroneckerBlock(ap.contiguous(), gp, unit.path)
+    # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
+    gg = g.reshape(n, s, o, groups, cg_out)
+    dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
+    pieces = []  # DenseBlock layout: [weight.flatten(), bias]
+    if unit.has_weight:
+        pieces.append(dw.reshape(n, o, -1))
+    if unit.has_bias:
+        pieces.append(g.sum(dim=1))
+    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    return DenseBlock(jac, unit.path)
+
+
+def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], pseudo: bool,
+                  create_graph: bool) -> list[torch.Tensor]:
+    """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
+    as (O, *ys[i].shape) (O = 1 for the pseudo-NTK)."""
+    n, o = out2.shape
+    if pseudo or o == 1:
+        cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
+        grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
+                                    allow_unused=True, materialize_grads=True)
+        return [gr[None] for gr in grads]
+    eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
+    cot = eye[:, None, :].expand(o, n, o)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return list(torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
+                                            retain_graph=True, allow_unused=True,
+                                            materialize_grads=True, is_grads_batched=True))
+    except RuntimeError:  # an op without a batching rule: one backward per output
+        per_o = [torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
+                                     retain_graph=True, allow_unused=True,
+                                     materialize_grads=True) for k in range(o)]
+        return [torch.stack([p[i] for p in per_o]) for i in range(len(ys))]
+
+
+def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
+                  o: int, pseudo: bool, chunk_size: int | None,
+                  create_graph: bool) -> dict[str, DenseBlock]:
+    """DenseBlocks by torch.func: vmap over samples of jacrev w.r.t. the listed parameters."""
+    from torch.func import functional_call, jacrev, vmap
+
+    named = dict(model.named_parameters())
+    names = [n for _, ns in groups for n in ns]
+    pdict = {k: (named[k] if create_graph else named[k].detach()) for k in names}
+    scale = 1.0 / math.sqrt(o)
+
+    def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, pd, (xn.unsqueeze(0),), strict=False).reshape(-1)
+        return (out.sum() * scale).reshape(1) if pseudo else out
+
+    jf = vmap(jacrev(f), in_dims=(None, 0))
+    n = x.shape[0]
+    p_total = sum(named[k].numel() for k in names)
+    if chunk_size is None:  # keep each chunk's Jacobian around 64 MB
+        chunk_size = max(1, min(n, (2**26) // max(1, o * p_total * x.element_size())))
+    pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    with torch.enable_grad() if create_graph else torch.no_grad():
+        for start in range(0, n, chunk_size):
+            res = jf(pdict, x[start:start + chunk_size])
+            for k in names:
+                pieces[k].append(res[k].reshape(res[k].shape[0], res[k].shape[1], -1))
+    blocks = {}
+    for bname, ns in groups:
+        cols = [torch.cat(pieces[k], dim=0) if len(pieces[k]) > 1 else pieces[k][0] for k in ns]
+        jac = cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
+        blocks[bname] = DenseBlock(jac, bname)
+    return blocks
+
+
+# --------------------------------------------------------------------------------------------
+# the provider
+# --------------------------------------------------------------------------------------------
+def jacobian(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    params: Iterable[str | torch.Tensor] | None = None,
+    pseudo: bool = False,
+    chunk_size: int | None = None,
+    create_graph: bool | None = None,
+) -> Jacobian:
+    r"""The per-sample Jacobian of a torch model, with Kronecker structure where it exists.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps ``x`` (N, ...) to outputs (N, ...); the trailing output axes are flattened to
+        O = prod(shape[1:]) (an output (N,) is O = 1).  Samples must be independent: BatchNorm
+        using batch statistics (training mode) or Dropout in training mode raise ValueError.
+    x : torch.Tensor, shape (N, ...)
+        Inputs, on the model's device.  If ``x.requires_grad`` the result is differentiable
+        with respect to ``x``.
+    params : iterable of str or torch.Tensor, optional
+        The parameters to differentiate (names as in ``model.named_parameters()`` or the
+        tensors themselves).  Default: every parameter with ``requires_grad``.
+    pseudo : bool
+        Return the Jacobian of :math:`\sum_o f_o / \sqrt{O}` (O = 1), the pseudo-NTK
+        Jacobian, from a single backward pass.
+    chunk_size : int, optional
+        Samples per ``torch.func`` call for the DenseBlocks (default: about 64 MB of Jacobian
+        per chunk).
+    create_graph : bool, optional
+        Keep the autograd graph to ``x`` (default: ``x.requires_grad``).
+
+    Returns
+    -------
+    Jacobian
+        N samples, O outputs, blocks in parameter order (see the module docstring for how
+        blocks map to ``model.parameters()``): a KroneckerBlock
+        (a (N, S, d_in), g (N, S, O, d_out)) per Linear / Conv / Embedding module, a
+        DenseBlock (N, O, P_b) for everything else.  Block names are module paths.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor of shape (N, ...); got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[0] < 1:
+        raise ValueError(f"x must lead with a non-empty sample axis N; got shape "
+                         f"{tuple(x.shape)}")
+    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    _check_sample_coupling(model)
+    selected = _select_params(model, params)
+    if create_graph is None:
+        create_graph = bool(x.requires_grad)
+    detach = not create_graph
+    n = int(x.shape[0])
+
+    units = _structured_units(model, selected)
+    out = _run_forward(model, x, units, clone=False)
+    if any(c.a._version != c.a_version or c.y._version != c.y_version
+           for u in units.values() for c in u.calls):
+        out = _run_forward(model, x, units, clone=True)  # something was modified in place
+    if out.ndim < 1 or out.shape[0] != n:
+        raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
+                         f"{tuple(out.shape)}")
+    o = int(math.prod(out.shape[1:]))
+    out2 = out.reshape(n, o)
+
+    # Which hooked modules really are Kronecker: every use of the weight is a hooked call whose
+    # input leads with N.
+    named = dict(model.named_parameters())
+    kron: dict[str, tuple[_Unit, list[_Call]]] = {}
+    if units and out.grad_fn is not None:
+        reachable, uses = _graph_uses(out)
+        for path, unit in units.items():
+            used = [c for c in unit.calls if c.y.grad_fn is not None and c.y.grad_fn in reachable]
+            if not used:
+                continue  # falls back to dense (torch.func finds the true, possibly zero, use)
+            if any(uses.get(id(named[nm]), 0) != len(used) for nm in unit.names):
+                continue
+            if any(c.a.ndim < 1 or c.a.shape[0] != n or c.y.shape[0] != n for c in used):
+                continue
+            kron[path] = (unit, used)
+
+    # Blocks in parameter order.
+    owners, _ = _owner_map(model)
+    order: list[tuple[str, str]] = []  # (kind, block name)
+    dense_groups: dict[str, list[str]] = {}
+    for nm in selected:
+        mpath, _local = owners[nm]
+        if mpath in kron:
+            if ("kron", mpath) not in order:
+                order.append(("kron", mpath))
+            continue
+        bname = mpath if mpath else nm
+        if bname not in dense_groups:
+            dense_groups[bname] = []
+            order.append(("dense", bname))
+        dense_groups[bname].append(nm)
+
+    blocks: dict[str, DenseBlock | KroneckerBlock] = {}
+    if kron:
+        paths = list(kron)
+        ys = [c.y for p in paths for c in kron[p][1]]
+        grads = _output_grads(out2, ys, pseudo, create_graph)
+        og = 1 if pseudo else o
+        k = 0
+        for p in paths:
+            unit, used = kron[p]
+            blocks[p] = _unit_block(unit, used, grads[k:k + len(used)], n, og, detach)
+            k += len(used)
+    del out, out2, units
+    if dense_groups:
+        blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo,
+                                    chunk_size, create_graph))
+    return Jacobian([blocks[name] for _, name in order])
+
+
+# --------------------------------------------------------------------------------------------
+# layout helpers
+# --------------------------------------------------------------------------------------------
+def _block_layout(model: nn.Module, jac: Jacobian,
+                  params: Any) -> list[tuple[Any, list[str], str]]:
+    """Per block: (block, parameter names, kind) with kind 'dense', 'kron' or 'embedding'."""
+    selected = _select_params(model, params)
+    owners, _ = _owner_map(model)
+    out = []
+    covered: list[str] = []
+    for b in jac.blocks:
+        if b.name in selected and owners[b.name][0] == "":
+            names = [b.name]
+        else:
+            names = [nm for nm in selected if owners[nm][0] == b.name]
+        if not names:
+            raise ValueError(f"block {b.name!r} matches no selected parameter of the model")
+        kind = "dense"
+        if isinstance(b, KroneckerBlock):
+            mod = model.get_submodule(b.name)
+            kind = "embedding" if isinstance(mod, nn.Embedding) else "kron"
+        out.append((b, names, kind))
+        covered += names
+    if sorted(covered) != sorted(selected):
+        raise ValueError("the Jacobian's blocks do not match the selected parameters")
+    return out
+
+
+def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.Tensor],
+                   params: Any = None) -> torch.Tensor:
+    """Assemble per-parameter tensors into the Jacobian's flat block order.
+
+    Parameters
+    ----------
+    model, jac, params
+        The model, a Jacobian returned by :func:`jacobian` for it and the same ``params``.
+    per_param : dict of str -> tensor (..., *param.shape)
+        E.g. ``torch.func.jacrev`` output (N, O, *shape) or a parameter update (*shape); the
+        leading axes must agree.
+
+    Returns
+    -------
+    tensor (..., P)
+        In block order, with the layouts of the module docstring (bias interleaved as the last
+        column of a Kronecker block's matrix, Embedding tables transposed).
+    """
+    named = dict(model.named_parameters())
+    owners, _ = _owner_map(model)
+    cols = []
+    for _b, names, kind in _block_layout(model, jac, params):
+        mats = []
+        for nm in names:
+            t = per_param[nm]
+            pdim = named[nm].ndim
+            lead = t.shape[:t.ndim - pdim]
+            if kind == "dense":
+                cols.append(t.reshape(*lead, -1))
+            elif kind == "embedding":
+                mats.append(t.transpose(-1, -2))
+            elif owners[nm][1] == "bias":
+                mats.append(t.reshape(*lead, -1, 1))
+            else:  # weight (d_out, ...) -> (d_out, d_in)
+                mats.append(t.reshape(*lead, named[nm].shape[0], -1))
+        if mats:
+            mat = mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)
+            cols.append(mat.reshape(*mat.shape[:-2], -1))
+    return torch.cat(cols, dim=-1)
+
+
+def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
+                     params: Any = None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_block_order`: ``v`` (..., P) -> ``{name: (..., *shape)}``.
+
+    Use it to turn a flat vector in block order (e.g. ``jac.vjp(c)`` or a natural-gradient
+    step) into parameter-shaped tensors.
+    """
+    if v.shape[-1] != jac.num_params:
+        raise ValueError(f"v must have a last axis of size P={jac.num_params}; got shape "
+                         f"{tuple(v.shape)}")
+    named = dict(model.named_parameters())
+    owners, _ = _owner_map(model)
+    out: dict[str, torch.Tensor] = {}
+    lead = v.shape[:-1]
+    start = 0
+    for b, names, kind in _block_layout(model, jac, params):
+        piece = v[..., start:start + b.num_params]
+        start += b.num_params
+        if kind == "dense":
+            off = 0
+            for nm in names:
+                size = named[nm].numel()
+                out[nm] = piece[..., off:off + size].reshape(*lead, *named[nm].shape)
+                off += size
+            continue
+        mat = piece.reshape(*lead, b.d_out, b.d_in)
+        if kind == "embedding":
+            out[names[0]] = mat.transpose(-1, -2).reshape(*lead, *named[names[0]].shape)
+            continue
+        col = 0
+        for nm in names:
+            w = named[nm]
+            if owners[nm][1] == "bias":
+                out[nm] = mat[..., col]
+                col += 1
+            else:
+                width = w.numel() // w.shape[0]
+                out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
+                col += width
+    return out

@@ -1,0 +1,271 @@
+r"""High-level entry points: the empirical NTK of a model, ``ntk()`` and ``pseudo_ntk()``.
+
+.. math::
+
+    \Theta(x, x')[o, p] = \sum_b J_b(x)[o, :]\, J_b(x')[p, :]^\top ,
+    \qquad J_b(x) = \partial f(\theta, x) / \partial \theta_b .
+
+The model is turned into a structured :class:`~ntkcore.Jacobian` by the provider registered for
+its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params)``,
+:class:`ntkcore.models.MLP`, ...), and the kernel is contracted by :func:`ntkcore.gram`.
+
+Memory.  With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
+batches.  A first small batch measures the factor bytes per sample ``b``; a provider call on
+``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
+gradients).  If the factors of all samples fit in ``M / 2`` they are computed once (in batches)
+and :func:`~ntkcore.gram` gets the rest of the budget.  Otherwise the kernel is computed in
+(row, column) sample blocks whose factors each take at most ``M / 4``: the row block's factors
+are computed once, the column blocks' are recomputed per row block (for ``x2=None`` only blocks
+on and above the diagonal, the others are transposes).  The kernel itself is not counted.
+
+Pure array API: nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import array_api_compat
+
+from ._memory import resolve_budget
+from ._validation import namespace_of
+from .gram import gram
+from .jacobian import Jacobian
+from .providers import find_provider
+
+Array = Any
+
+__all__ = ["ntk", "pseudo_ntk"]
+
+_MODES = ("full", "trace", "diagonal")
+_PROBE = 8  # samples in the first (measuring) provider call
+_OVERHEAD = 3  # transient bytes of a provider call per byte of factors it returns
+
+
+def _jac_bytes(j: Jacobian) -> int:
+    total = 0
+    for b in j.blocks:
+        for arr in b.arrays():
+            total += math.prod(arr.shape) * _itemsize(j.xp, arr.dtype)
+    return total
+
+
+def _itemsize(xp: Any, dtype: Any) -> int:
+    try:
+        return int(xp.finfo(dtype).bits) // 8
+    except Exception:
+        return 8
+
+
+def _progress_fn(progress: Any, total: int, desc: str) -> tuple[Callable[[], None] | None, Any]:
+    if progress is None or progress is False:
+        return None, None
+    if progress is True or progress == "tqdm":
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="tile")
+        return (lambda: bar.update(1)), bar
+    if callable(progress):
+        count = [0]
+
+        def report() -> None:
+            count[0] += 1
+            progress(count[0], total)
+
+        return report, None
+    raise TypeError(f"progress must be None, a callable(done, total), True or 'tqdm'; got "
+                    f"{progress!r}")
+
+
+def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
+    xp, backend = namespace_of(x1=x1, x2=x2)
+    for name, x in (("x1", x1), ("x2", x2)):
+        if x is not None and (x.ndim < 1 or x.shape[0] is None):
+            raise ValueError(f"{name} must lead with the sample axis N; got shape "
+                             f"{tuple(x.shape)}")
+    if x1.shape[0] == 0:
+        raise ValueError("x1 has no samples (N1 = 0)")
+    if x2 is not None and x2.shape[0] == 0:
+        raise ValueError("x2 has no samples (N2 = 0)")
+    return xp, backend
+
+
+def _batch_size(per_sample: float, budget: float) -> int:
+    return max(1, int(budget // max(1.0, _OVERHEAD * per_sample)))
+
+
+def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
+               batch: int, first: Jacobian | None = None) -> Jacobian:
+    """The Jacobian of samples ``start:stop`` from provider calls of ``batch`` samples."""
+    parts = [] if first is None else [first]
+    pos = start if first is None else start + first.num_samples
+    while pos < stop:
+        end = min(stop, pos + batch)
+        parts.append(call(x[pos:end, ...]))
+        pos = end
+    return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts)
+
+
+def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
+            params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any) -> Array:
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    if not isinstance(layerwise, bool):
+        raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be None or a positive integer; got {batch_size!r}")
+    provider = find_provider(model)
+    xp, backend = _check_inputs(x1, x2)
+    budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
+    kwargs: dict[str, Any] = {"params": params}
+    if pseudo:
+        kwargs["pseudo"] = True
+
+    def call(x: Any) -> Jacobian:
+        j = provider.jacobian(model, x, **kwargs)
+        if not isinstance(j, Jacobian):
+            raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
+                            "not an ntkcore.Jacobian")
+        return j
+
+    n1 = int(x1.shape[0])
+    n2 = n1 if x2 is None else int(x2.shape[0])
+    probe = call(x1[0:min(n1, _PROBE), ...])
+    per_sample = _jac_bytes(probe) / probe.num_samples
+    batch = batch_size or _batch_size(per_sample, budget / 2)
+    total_factors = per_sample * (n1 + (0 if x2 is None else n2))
+    if total_factors <= budget / 2:
+        j1 = _jacobians(call, x1, 0, n1, batch, probe)
+        j2 = None if x2 is None else _jacobians(call, x2, 0, n2, batch)
+        rest = max(budget - _jac_bytes(j1) - (0 if j2 is None else _jac_bytes(j2)),
+                   budget // 4)
+        return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
+                    progress=progress)
+    return _streamed(call, x1, x2, n1, n2, probe, per_sample, budget, batch_size, mode,
+                     layerwise, dtype, progress, xp)
+
+
+def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
+              probe: Jacobian, per_sample: float, budget: int, batch_size: Any, mode: str,
+              layerwise: bool, dtype: Any, progress: Any, xp: Any) -> Array:
+    """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
+    block = max(1, int(budget / 4 // max(1.0, per_sample)))
+    batch = batch_size or _batch_size(per_sample, budget / 4)
+    rows = [(i, min(n1, i + block)) for i in range(0, n1, block)]
+    symmetric = x2 is None
+    cols = rows if symmetric else [(j, min(n2, j + block)) for j in range(0, n2, block)]
+    todo = [(i, j) for i in range(len(rows)) for j in range(len(cols)) if not symmetric or j >= i]
+    report, bar = _progress_fn(progress, len(todo), "ntk")
+    xc = x1 if symmetric else x2
+    swap_tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
+    lead = 1 if layerwise else 0
+    swap = tuple(range(lead)) + tuple(a + lead for a in (1, 0, *swap_tail))
+    tiles: dict[tuple[int, int], Array] = {}
+    rest = max(budget // 2, 1)
+    try:
+        for i, (r0, r1) in enumerate(rows):
+            first = probe if r0 == 0 and probe.num_samples <= r1 - r0 else None
+            ji = _jacobians(call, x1, r0, r1, batch, first)
+            for j, (c0, c1) in enumerate(cols):
+                if symmetric and j < i:
+                    continue
+                if symmetric and j == i:
+                    tiles[(i, j)] = gram(ji, None, mode=mode, layerwise=layerwise,
+                                         max_memory=rest, dtype=dtype)
+                else:
+                    jj = _jacobians(call, xc, c0, c1, batch)
+                    tiles[(i, j)] = gram(ji, jj, mode=mode, layerwise=layerwise,
+                                         max_memory=rest, dtype=dtype)
+                    del jj
+                if report is not None:
+                    report()
+            del ji
+    finally:
+        if bar is not None:
+            bar.close()
+    out_rows = []
+    for i in range(len(rows)):
+        row = [xp.permute_dims(tiles[(j, i)], swap) if symmetric and j < i else tiles[(i, j)]
+               for j in range(len(cols))]
+        out_rows.append(row[0] if len(row) == 1 else xp.concat(row, axis=lead + 1))
+    return out_rows[0] if len(out_rows) == 1 else xp.concat(out_rows, axis=lead)
+
+
+def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
+        layerwise: bool = False, max_memory: Any = None, params: Any = None,
+        progress: Any = None, dtype: Any = None, batch_size: int | None = None) -> Array:
+    r"""The empirical neural tangent kernel of a model.
+
+    .. math:: \Theta[n, m, o, p] = \sum_k J[n, o, k]\, J'[m, p, k],
+              \quad J = \partial f(\theta, x_1) / \partial\theta,\;
+              J' = \partial f(\theta, x_2) / \partial\theta .
+
+    Parameters
+    ----------
+    model : model object
+        Anything a registered Jacobian provider knows (:func:`ntkcore.providers.find_provider`):
+        a ``torch.nn.Module`` (Kronecker blocks for Linear / Conv / Embedding, see
+        :mod:`ntkcore.backends.torch_jacobian`), an :class:`ntkcore.models.MLP`, a JAX
+        ``(apply_fn, params)`` pair, ...
+    x1 : array, shape (N1, ...)
+        Inputs of the model's framework, leading with the sample axis.
+    x2 : array, shape (N2, ...), optional
+        Second inputs; ``None`` means ``x1`` against itself (symmetric: tiles on and above the
+        diagonal only, the result is exactly symmetric).
+    mode : {"full", "trace", "diagonal"}
+        ``full`` (N1, N2, O, O); ``trace`` (N1, N2), :math:`\sum_o \Theta[:, :, o, o]`;
+        ``diagonal`` (N1, N2, O).
+    layerwise : bool
+        One kernel per parameter block on a leading axis (B, N1, N2, ...), in the Jacobian's
+        block order; the blocks sum to the total kernel.
+    max_memory : int, float or str, optional
+        Working-memory budget in bytes (or ``"1GB"``) for Jacobian factors and contractions,
+        the kernel itself aside (see the module docstring).  Default: a quarter of the
+        device's free memory.
+    params : optional
+        Provider-specific parameter subset (torch: parameter names or tensors).
+    progress : None, callable, True or "tqdm"
+        Progress report per tile (``progress(done, total)``) or a tqdm bar.
+    dtype : dtype, optional
+        Accumulation and result dtype (default: the Jacobian's).
+    batch_size : int, optional
+        Samples per provider call (default: from the memory budget).
+
+    Returns
+    -------
+    array
+        In the inputs' namespace and device: (N1, N2, O, O), (N1, N2) or (N1, N2, O), with a
+        leading (B,) axis when ``layerwise``.
+    """
+    return _kernel(model, x1, x2, mode=mode, layerwise=layerwise, max_memory=max_memory,
+                   params=params, progress=progress, dtype=dtype, pseudo=False,
+                   batch_size=batch_size)
+
+
+def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: bool = False,
+               max_memory: Any = None, params: Any = None, progress: Any = None,
+               dtype: Any = None, batch_size: int | None = None) -> Array:
+    r"""The pseudo-NTK: the kernel of :math:`\bar f = \sum_o f_o / \sqrt{O}`.
+
+    .. math:: \hat\Theta[n, m] = \langle \nabla_\theta \bar f(x_n), \nabla_\theta \bar f(x'_m)
+              \rangle = \frac{1}{O} \sum_{o, p} \Theta[n, m, o, p] .
+
+    The provider builds the Jacobian of :math:`\bar f` with one backward pass, so the cost is
+    that of a single-output model (O times less than :func:`ntk` in ``full`` mode).
+
+    Parameters
+    ----------
+    model, x1, x2, layerwise, max_memory, params, progress, dtype, batch_size
+        As for :func:`ntk`.
+
+    Returns
+    -------
+    array
+        (N1, N2), or (B, N1, N2) when ``layerwise``.
+    """
+    return _kernel(model, x1, x2, mode="trace", layerwise=layerwise, max_memory=max_memory,
+                   params=params, progress=progress, dtype=dtype, pseudo=True,
+                   batch_size=batch_size)

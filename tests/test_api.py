@@ -1,0 +1,206 @@
+"""ntk() / pseudo_ntk() on torch models against float64 torch.func reference kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+import ntkcore
+
+DT = torch.float64
+
+
+def ref_jac(model, x):
+    """Dense (N, O, P) by torch.func, all parameters requiring grad."""
+    pd = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    def f(pd, xn):
+        return functional_call(model, pd, (xn[None],)).reshape(-1)
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(pd, x)
+    return torch.cat([v.reshape(v.shape[0], v.shape[1], -1) for v in jac.values()], dim=2)
+
+
+def ref_kernel(model, x1, x2, mode):
+    j1 = ref_jac(model, x1)
+    j2 = j1 if x2 is None else ref_jac(model, x2)
+    full = torch.einsum("nok,mpk->nmop", j1, j2)
+    if mode == "full":
+        return full
+    if mode == "trace":
+        return torch.einsum("nmoo->nm", full)
+    return torch.einsum("nmoo->nmo", full)
+
+
+def rel(a, b):
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+class Net(nn.Module):
+    """Linear + LayerNorm (dense block) + conv-free; 3 outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6)
+        self.l2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.ln(torch.tanh(self.l1(x)))))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+@pytest.mark.parametrize("max_memory", [None, 4000, 40_000])
+def test_ntk_modes_symmetric_and_cross(mode, max_memory):
+    """Small budgets force the streamed (row, column) sample-block path."""
+    m = Net().to(DT).eval()
+    x1 = torch.randn(11, 4, dtype=DT)
+    x2 = torch.randn(7, 4, dtype=DT)
+    k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=max_memory)
+    assert isinstance(k, torch.Tensor) and k.dtype == DT
+    assert rel(k, ref_kernel(m, x1, x2, mode)) < 1e-12
+    ks = ntkcore.ntk(m, x1, mode=mode, max_memory=max_memory)
+    assert rel(ks, ref_kernel(m, x1, None, mode)) < 1e-12
+    swap = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
+    assert torch.equal(ks, ks.permute(swap))  # symmetric tiles: exactly symmetric
+
+
+@pytest.mark.parametrize("max_memory", [None, 3000])
+def test_layerwise_sums_to_total(max_memory):
+    m = Net().to(DT).eval()
+    x1 = torch.randn(9, 4, dtype=DT)
+    x2 = torch.randn(5, 4, dtype=DT)
+    lw = ntkcore.ntk(m, x1, x2, layerwise=True, max_memory=max_memory)
+    assert lw.shape == (3, 9, 5, 3, 3)  # blocks l1, ln, l2
+    tot = ref_kernel(m, x1, x2, "full")
+    assert rel(lw.sum(0), tot) < 1e-12
+    # each block is its own parameter subset's kernel
+    params = [["l1.weight", "l1.bias"], ["ln.weight", "ln.bias"], ["l2.weight", "l2.bias"]]
+    for b, names in enumerate(params):
+        kb = ntkcore.ntk(m, x1, x2, params=names)
+        assert rel(lw[b], kb) < 1e-12
+
+
+@pytest.mark.parametrize("max_memory", [None, 3000])
+def test_pseudo_ntk_is_mean_over_output_pairs(max_memory):
+    m = Net().to(DT).eval()
+    x1 = torch.randn(8, 4, dtype=DT)
+    x2 = torch.randn(6, 4, dtype=DT)
+    p = ntkcore.pseudo_ntk(m, x1, x2, max_memory=max_memory)
+    full = ref_kernel(m, x1, x2, "full")
+    assert p.shape == (8, 6)
+    assert rel(p, full.sum((2, 3)) / 3) < 1e-12
+    ps = ntkcore.pseudo_ntk(m, x1)
+    assert rel(ps, ref_kernel(m, x1, None, "full").sum((2, 3)) / 3) < 1e-12
+    lw = ntkcore.pseudo_ntk(m, x1, x2, layerwise=True)
+    assert lw.shape == (3, 8, 6) and rel(lw.sum(0), p) < 1e-12
+
+
+def test_cnn_ntk_and_float32():
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 5, 3, stride=2),
+                        nn.Tanh(), nn.Flatten(), nn.Linear(5 * 2 * 2, 2)).to(DT).eval()
+    x = torch.randn(6, 3, 8, 8, dtype=DT)
+    k64 = ntkcore.ntk(cnn, x)
+    ref = ref_kernel(cnn, x, None, "full")
+    assert rel(k64, ref) < 1e-12
+    k32 = ntkcore.ntk(cnn.float(), x.float())
+    assert k32.dtype == torch.float32
+    assert rel(k32.double(), ref) < 1e-5
+
+
+def test_params_subset_and_embedding_inputs():
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(5, 3)
+            self.l = nn.Linear(3, 2)
+
+        def forward(self, i):
+            return self.l(torch.tanh(self.e(i))).mean(1)
+
+    m = Emb().to(DT)
+    idx = torch.randint(0, 5, (6, 4))
+    k = ntkcore.ntk(m, idx, mode="trace", max_memory=2000)
+    assert rel(k, ref_kernel(m, idx, None, "trace")) < 1e-12
+    ke = ntkcore.ntk(m, idx, params=["e.weight"], mode="trace")
+    m.l.weight.requires_grad_(False)
+    m.l.bias.requires_grad_(False)
+    assert rel(ke, ref_kernel(m, idx, None, "trace")) < 1e-12
+
+
+@settings(max_examples=8, deadline=None)
+@given(n1=st.integers(1, 9), n2=st.integers(1, 9), budget=st.sampled_from([None, 1500, 9000]),
+       batch=st.sampled_from([None, 1, 4]))
+def test_ntk_sizes_budgets_batches(n1, n2, budget, batch):
+    torch.manual_seed(n1 * 10 + n2)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    x1 = torch.randn(n1, 3, dtype=DT)
+    x2 = torch.randn(n2, 3, dtype=DT)
+    k = ntkcore.ntk(m, x1, x2, mode="diagonal", max_memory=budget, batch_size=batch)
+    assert k.shape == (n1, n2, 2)
+    assert rel(k, ref_kernel(m, x1, x2, "diagonal")) < 1e-12
+
+
+def test_progress_callback():
+    m = Net().to(DT)
+    x = torch.randn(10, 4, dtype=DT)
+    calls = []
+    ntkcore.ntk(m, x, mode="trace", max_memory=3000, progress=lambda d, t: calls.append((d, t)))
+    assert calls and calls[-1][0] == calls[-1][1]
+    calls.clear()
+    ntkcore.ntk(m, x, mode="trace", progress=lambda d, t: calls.append((d, t)))
+    assert calls and calls[-1][0] == calls[-1][1]
+
+
+def test_errors():
+    m = Net().to(DT)
+    x = torch.randn(4, 4, dtype=DT)
+    with pytest.raises(ValueError, match="mode"):
+        ntkcore.ntk(m, x, mode="sum")
+    with pytest.raises(TypeError, match="layerwise"):
+        ntkcore.ntk(m, x, layerwise=1)
+    with pytest.raises(TypeError, match="no Jacobian provider"):
+        ntkcore.ntk(object(), x)
+    with pytest.raises(TypeError, match="x2"):
+        ntkcore.ntk(m, x, np.zeros((3, 4)))
+    with pytest.raises(ValueError, match="x1 has no samples"):
+        ntkcore.ntk(m, x[:0])
+    with pytest.raises(ValueError, match="batch_size"):
+        ntkcore.ntk(m, x, batch_size=0)
+    with pytest.raises(ValueError, match="max_memory"):
+        ntkcore.ntk(m, x, max_memory=-1)
+
+
+def test_api_module_imports_no_framework():
+    import ast
+    import pathlib
+
+    src = pathlib.Path(ntkcore.__file__).with_name("_api.py").read_text()
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module.split(".")[0])
+    assert not mods & {"torch", "numpy", "jax", "cupy", "scipy"}
+
+
+def test_pseudo_scale():
+    # a single-output model: pseudo_ntk == trace ntk
+    m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    assert rel(ntkcore.pseudo_ntk(m, x), ntkcore.ntk(m, x, mode="trace")) < 1e-14
+    assert math.isclose(float(ntkcore.ntk(m, x, mode="full")[0, 0, 0, 0]),
+                        float(ntkcore.pseudo_ntk(m, x)[0, 0]), rel_tol=1e-12)
