@@ -92,3 +92,12 @@ class JaxGenerator:
 
     def uniform(self, shape: tuple[int, ...], dtype: Any) -> Array:
         return self._put(jax.random.uniform(self._next(), shape, dtype=dtype))
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-export of the Jacobian provider: ``ntkcore.backends.jax.jacobian``."""
+    if name == "jacobian":
+        from .jax_provider import jacobian
+
+        return jacobian
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

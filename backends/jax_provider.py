@@ -1,0 +1,462 @@
+r"""The JAX Jacobian provider: ``jacobian(apply_fn, params, x)`` -> :class:`ntkcore.Jacobian`.
+
+Model convention
+----------------
+``apply_fn(params, x)`` maps a batch ``x`` of shape (n, ...) to outputs (n, O) (or (n,), read as
+O = 1; other trailing shapes are flattened), with samples processed independently (no batch
+statistics).  ``params`` is any pytree; every leaf with a floating dtype is a parameter, in
+``jax.tree_util`` leaf order, named by its key path (``"['dense0']['kernel']"``).  Per-sample
+Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``, ``chunk_size``
+samples at a time (one compiled function, reused for every chunk).
+
+Blocks
+------
+* **KroneckerBlock** for a *recognised dense layer*.  ``apply_fn`` is traced once
+  (``jax.make_jaxpr``, for one sample) and a weight leaf ``W`` is recognised when, in the
+  top-level program,
+
+  1. ``W`` is 2-D and used exactly once, by a ``dot_general`` without batch dimensions that
+     contracts one axis of ``W`` with one axis of the other operand ``A`` (the layer input,
+     any number of free axes: tokens, positions), possibly after one ``transpose`` of ``W``
+     used nowhere else (``x @ W.T``);
+
+  then the layer output :math:`y = A W` gets a zero perturbation :math:`\epsilon` in a
+  re-evaluation of the traced program, :math:`g = \partial f / \partial \epsilon` comes out of
+  the same reverse pass as the dense blocks, and :math:`a` is the recorded ``A`` with the
+  contracted axis last (S = product of its free axes).  A bias leaf ``b`` is recognised when it
+  is 1-D, reaches an ``add`` with the layer output only through ``reshape`` /
+  ``broadcast_in_dim`` / ``convert_element_type`` (each used once) that place its axis on the
+  output-feature axis, and the layer output feeds only that ``add``; its block is
+  ``KroneckerBlock(ones(N, S, 1), g)``.  Layers inside nested calls (``jax.jit``-ed inner
+  functions, ``custom_jvp`` bodies, scans) are not recognised and get dense blocks.
+  As a safeguard every recognised block is compared with the dense per-sample Jacobian of the
+  first sample, and falls back to a dense block (with a warning) if they disagree.
+
+  Flattening: a Kronecker block is ordered ``(d_out, d_in)`` row-major.  That is the leaf's own
+  order when ``W`` has shape (d_out, d_in) (``x @ W.T``) and the *transpose* of it for the
+  flax/haiku layout (d_in, d_out) (``x @ W``); such blocks are named with a ``.T`` suffix
+  (``"['dense0']['kernel'].T"``) to say so.
+* **DenseBlock** (``jax.vmap(jax.jacrev)``) for every other floating leaf, flattened row-major
+  in the leaf's own shape.
+
+Registry adapter
+----------------
+The provider registry calls ``jacobian(model, x, *, params=None, pseudo=False, **options)``
+with ``model = (apply_fn, params)``; :func:`provider` adapts that form (its ``params`` is the
+registry's *subset selection*: leaf names, passed on as ``select``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+__all__ = ["jacobian", "provider"]
+
+_BIAS_PATH_PRIMS = ("reshape", "broadcast_in_dim", "convert_element_type")
+_DEFAULT_CHUNK_BYTES = 1 << 28
+
+
+@dataclass
+class _Layer:
+    w_leaf: int  # index into all leaves
+    eqn: int  # index of the dot_general in the top-level jaxpr
+    a_pos: int  # operand position of the layer input in the dot
+    a_contract: int  # contracted axis of the layer input
+    w_first: bool  # whether W's free axis comes first in the dot output
+    transposed: bool  # whether the leaf is stored (d_in, d_out)
+    y_shape: tuple[int, ...]
+    b_leaf: int | None = None
+
+
+def _uses(jaxpr: Any) -> dict[Any, list[int]]:
+    """Top-level use sites (equation indices; -1 for an output) of every variable."""
+    uses: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                uses.setdefault(v, []).append(k)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            uses.setdefault(v, []).append(-1)
+    return uses
+
+
+def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int]) -> list[_Layer]:
+    uses = _uses(jaxpr)
+    producer = {v: k for k, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    var_leaf = {v: i for i, v in enumerate(leaf_vars)}
+    layers: list[_Layer] = []
+    for i in sorted(candidates):
+        v = leaf_vars[i]
+        if len(v.aval.shape) != 2 or len(uses.get(v, [])) != 1 or uses[v][0] < 0:
+            continue
+        k = uses[v][0]
+        eqn = jaxpr.eqns[k]
+        perm = (0, 1)
+        w_var = v
+        if eqn.primitive.name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
+            w_var = eqn.outvars[0]
+            if len(uses.get(w_var, [])) != 1 or uses[w_var][0] < 0:
+                continue
+            k = uses[w_var][0]
+            eqn = jaxpr.eqns[k]
+            perm = (1, 0)
+        if eqn.primitive.name != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if lb or rb or len(lc) != 1 or len(rc) != 1:
+            continue
+        if eqn.invars[1] is w_var and eqn.invars[0] is not w_var:
+            w_pos, a_pos = 1, 0
+        elif eqn.invars[0] is w_var and eqn.invars[1] is not w_var:
+            w_pos, a_pos = 0, 1
+        else:
+            continue
+        a_var = eqn.invars[a_pos]
+        if isinstance(a_var, Literal) or a_var in var_leaf:
+            continue
+        w_contract = (lc, rc)[w_pos][0]
+        # contracted axis of the stored leaf (through the transpose, if any)
+        leaf_contract = perm[w_contract]
+        layer = _Layer(w_leaf=i, eqn=k, a_pos=a_pos, a_contract=(lc, rc)[a_pos][0],
+                       w_first=(w_pos == 0), transposed=(leaf_contract == 0),
+                       y_shape=tuple(eqn.outvars[0].aval.shape))
+        layer.b_leaf = _find_bias(jaxpr, eqn.outvars[0], layer, uses, producer, var_leaf,
+                                  candidates)
+        layers.append(layer)
+    return layers
+
+
+def _find_bias(jaxpr: Any, y_var: Any, layer: _Layer, uses: dict, producer: dict,
+               var_leaf: dict, candidates: set[int]) -> int | None:
+    y_uses = uses.get(y_var, [])
+    if len(y_uses) != 1 or y_uses[0] < 0:
+        return None
+    add = jaxpr.eqns[y_uses[0]]
+    if add.primitive.name != "add" or len(add.invars) != 2:
+        return None
+    other = add.invars[1] if add.invars[0] is y_var else add.invars[0]
+    if other is y_var or isinstance(other, Literal):
+        return None
+    o_shape = tuple(other.aval.shape)
+    if tuple(add.outvars[0].aval.shape) != layer.y_shape or len(o_shape) != len(layer.y_shape) \
+            or any(so not in (1, sy) for so, sy in zip(o_shape, layer.y_shape, strict=True)):
+        return None
+    feature_axis = 0 if layer.w_first else len(layer.y_shape) - 1
+    d_out = layer.y_shape[feature_axis]
+    # walk back from the add to a 1-D leaf, tracking which axis carries the bias entries
+    chain = []
+    v = other
+    while v not in var_leaf:
+        if len(uses.get(v, [])) != 1 or v not in producer:
+            return None
+        eqn = jaxpr.eqns[producer[v]]
+        if eqn.primitive.name not in _BIAS_PATH_PRIMS or len(eqn.invars) != 1:
+            return None
+        chain.append(eqn)
+        v = eqn.invars[0]
+        if isinstance(v, Literal):
+            return None
+    b = var_leaf[v]
+    if b not in candidates or tuple(v.aval.shape) != (d_out,) or len(uses.get(v, [])) != 1:
+        return None
+    axis = 0
+    for eqn in reversed(chain):  # forward from the leaf to the add
+        out_shape = tuple(eqn.outvars[0].aval.shape)
+        if eqn.primitive.name == "broadcast_in_dim":
+            axis = eqn.params["broadcast_dimensions"][axis]
+        elif eqn.primitive.name == "reshape":
+            if d_out == 1:
+                axis = 0
+            else:
+                big = [j for j, s in enumerate(out_shape) if s != 1]
+                if big != [big[0]] or out_shape[big[0]] != d_out:
+                    return None
+                axis = big[0]
+    if d_out != 1 and axis != feature_axis:
+        return None
+    return b
+
+
+def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+               perturb: dict[int, Any], record: dict[int, int]) -> tuple[list[Any], dict]:
+    """Evaluate ``jaxpr`` adding ``perturb[k]`` to equation k's output and recording operand
+    ``record[k]`` of equation k."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, val in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args, strict=True):
+        env[v] = val
+    recorded: dict[int, Any] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        vals = [read(v) for v in eqn.invars]
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns: list[Any] = []
+        if isinstance(bind_params, tuple):  # jax < 0.7 returned (subfuns, params)
+            subfuns, bind_params = bind_params
+        ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+        if ctx is not None:
+            with ctx:
+                ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
+        else:
+            ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
+        if k in record:
+            recorded[k] = vals[record[k]]
+        if k in perturb:
+            ans = ans + perturb[k]
+        outs = ans if eqn.primitive.multiple_results else [ans]
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            env[v] = val
+    return [read(v) for v in jaxpr.outvars], recorded
+
+
+def _leaf_names(params: Any) -> tuple[list[str], list[Any], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = [jax.tree_util.keystr(path) or "params" for path, _ in flat]
+    leaves = [leaf for _, leaf in flat]
+    return names, leaves, treedef
+
+
+@dataclass
+class _Plan:
+    o: int
+    dtype: Any
+    layers: list[_Layer]
+    dense_idx: list[int]
+    f_flat: Callable[..., Any]
+    batched: Callable[..., Any]
+    verified: bool = False
+
+
+# Traced and compiled per-sample Jacobian functions, keyed by the model function, the tree
+# structure, leaf shapes/dtypes, the sample shape and the options (as jax.jit caches).
+_PLANS: OrderedDict[Any, _Plan] = OrderedDict()
+_MAX_PLANS = 8
+
+
+def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
+               floating: list[int], pseudo: bool, structured: bool) -> _Plan:
+    def f_flat(all_leaves: list[Any], xi: Any) -> Any:
+        out = apply_fn(jax.tree_util.tree_unflatten(treedef, all_leaves), xi[None])
+        return jnp.reshape(out[0], (-1,))
+
+    closed = jax.make_jaxpr(f_flat)(leaves, x0)
+    jaxpr, consts = closed.jaxpr, closed.consts
+    o = int(jaxpr.outvars[0].aval.shape[0])
+    leaf_vars = list(jaxpr.invars[: len(leaves)])
+    layers = _find_layers(jaxpr, leaf_vars, set(floating)) if structured else []
+    in_layer = {ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers if ly.b_leaf is not None}
+    dense_idx = [i for i in floating if i not in in_layer]
+    perturb_eqns = [ly.eqn for ly in layers]
+    record = {ly.eqn: ly.a_pos for ly in layers}
+    scale = 1.0 / math.sqrt(o)
+    o_eff = 1 if pseudo else o
+    dtype = jnp.result_type(*[leaves[i].dtype for i in floating], x0.dtype)
+
+    def per_sample(all_leaves: list[Any], xi: Any) -> list[Any]:
+        def fun(dense_vals: list[Any], eps: list[Any]) -> tuple[Any, Any]:
+            args = list(all_leaves)
+            for i, val in zip(dense_idx, dense_vals, strict=True):
+                args[i] = val
+            outs, rec = _interpret(jaxpr, consts, [*args, xi],
+                                   dict(zip(perturb_eqns, eps, strict=True)), record)
+            out = jnp.reshape(outs[0], (-1,))
+            if pseudo:
+                out = jnp.sum(out)[None] * scale
+            return out, [rec[k] for k in perturb_eqns]
+
+        eps0 = [jnp.zeros(ly.y_shape, dtype=jaxpr.eqns[ly.eqn].outvars[0].aval.dtype)
+                for ly in layers]
+        (jd, je), acts = jax.jacrev(fun, argnums=(0, 1), has_aux=True)(
+            [all_leaves[i] for i in dense_idx], eps0)
+        res = [jnp.reshape(j, (o_eff, -1)).astype(dtype) for j in jd]
+        for ly, g, a in zip(layers, je, acts, strict=True):  # g: (O, *y_shape)
+            if ly.w_first:  # y = (d_out, free...)
+                g = jnp.moveaxis(g, 1, -1)
+            g = jnp.reshape(g, (o_eff, -1, g.shape[-1]))  # (O, S, d_out)
+            a = jnp.moveaxis(a, ly.a_contract, -1)
+            res.append(jnp.transpose(g, (1, 0, 2)).astype(dtype))
+            res.append(jnp.reshape(a, (-1, a.shape[-1])).astype(dtype))
+        return res
+
+    batched = jax.jit(jax.vmap(per_sample, in_axes=(None, 0)))
+    return _Plan(o=o, dtype=dtype, layers=layers, dense_idx=dense_idx, f_flat=f_flat,
+                 batched=batched)
+
+
+def jacobian(
+    apply_fn: Callable[[Any, Any], Any],
+    params: Any,
+    x: Any,
+    *,
+    pseudo: bool = False,
+    chunk_size: int | None = None,
+    select: Sequence[str] | None = None,
+    structured: bool = True,
+) -> Jacobian:
+    r"""Per-sample Jacobian of a JAX model, with Kronecker blocks for recognised dense layers.
+
+    Parameters
+    ----------
+    apply_fn : callable
+        ``apply_fn(params, x)`` -> (n, O) (module docstring).
+    params : pytree
+        The parameters; floating leaves get blocks.
+    x : jax or numpy array, shape (N, ...)
+        Inputs, sample axis first.
+    pseudo : bool
+        Jacobian of :math:`\sum_o f_o / \sqrt{O}` (O = 1): one reverse pass per sample instead
+        of O.
+    chunk_size : int, optional
+        Samples per ``vmap`` call (default: as many as keep the dense blocks of one chunk
+        under 256 MiB).
+    select : sequence of str, optional
+        Leaf names (key paths as in ``Jacobian.names``) to include; default all.
+    structured : bool
+        Recognise dense layers (default); ``False`` gives dense blocks only.
+
+    Returns
+    -------
+    Jacobian
+        One block per selected leaf in leaf order (a recognised weight and its bias are two
+        blocks), jax arrays in the promoted dtype of ``x`` and the parameters.
+    """
+    if not callable(apply_fn):
+        raise TypeError(f"apply_fn must be callable; got {type(apply_fn).__name__}")
+    if not isinstance(pseudo, bool):
+        raise TypeError(f"pseudo must be a bool; got {pseudo!r}")
+    try:
+        x = jnp.asarray(x)
+    except TypeError:
+        raise TypeError(f"x must be a jax or numpy array; got {type(x).__name__}") from None
+    if x.ndim < 1 or x.shape[0] < 1:
+        raise ValueError(f"x must have a leading sample axis with N >= 1; got shape {x.shape}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    names, leaves, treedef = _leaf_names(params)
+    leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+    floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    if select is not None:
+        if isinstance(select, str):
+            select = [select]
+        unknown = [s for s in select if s not in names]
+        if unknown:
+            raise ValueError(f"select names unknown leaves {unknown}; leaves are {names}")
+        wanted = set(select)
+        floating = [i for i in floating if names[i] in wanted]
+    if not floating:
+        raise ValueError("params has no floating-point leaves to differentiate")
+    n = int(x.shape[0])
+    key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
+           tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(apply_fn, treedef, leaves, x[0], floating, pseudo, structured)
+        _PLANS[key] = plan
+        while len(_PLANS) > _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+    else:
+        _PLANS.move_to_end(key)
+    o, layers, dense_idx = plan.o, plan.layers, plan.dense_idx
+    o_eff = 1 if pseudo else o
+
+    if chunk_size is None:
+        per = o_eff * (sum(int(leaves[i].size) for i in dense_idx)
+                       + sum(math.prod(ly.y_shape) for ly in layers))
+        per = max(per, 1) * jnp.dtype(plan.dtype).itemsize * 3
+        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // per)
+    # few distinct compiled sizes: powers of two up to chunk_size
+    chunk_size = min(chunk_size, 1 << max(0, (n - 1).bit_length()))
+
+    parts: list[list[Any]] = []
+    for start in range(0, n, chunk_size):
+        xc = x[start:start + chunk_size]
+        m = int(xc.shape[0])
+        if m < chunk_size:  # pad to the compiled shape, drop the padding afterwards
+            pad = jnp.broadcast_to(xc[-1:], (chunk_size - m, *xc.shape[1:]))
+            xc = jnp.concatenate([xc, pad], axis=0)
+        out = plan.batched(leaves, xc)
+        parts.append([t[:m] if m < chunk_size else t for t in out])
+
+    def cat(j: int) -> Any:
+        return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
+
+    blocks: dict[int, Any] = {}
+    for j, i in enumerate(dense_idx):
+        blocks[i] = DenseBlock(cat(j), names[i])
+    nd = len(dense_idx)
+    for j, ly in enumerate(layers):
+        g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
+        suffix = ".T" if ly.transposed else ""
+        blocks[ly.w_leaf] = KroneckerBlock(a, g, names[ly.w_leaf] + suffix)
+        if ly.b_leaf is not None:
+            ones = jnp.ones((a.shape[0], a.shape[1], 1), dtype=a.dtype)
+            blocks[ly.b_leaf] = KroneckerBlock(ones, g, names[ly.b_leaf])
+
+    if layers and not plan.verified:
+        bad = _verify(blocks, layers, leaves, plan.f_flat, x[0], pseudo, o)
+        if bad is not None:
+            _PLANS.pop(key, None)
+            warnings.warn(f"jax provider: the structured block {bad} disagreed with autodiff "
+                          "on the first sample; computing dense blocks instead",
+                          RuntimeWarning, stacklevel=2)
+            return jacobian(apply_fn, params, x, pseudo=pseudo, chunk_size=chunk_size,
+                            select=select, structured=False)
+        plan.verified = True
+    return Jacobian([blocks[i] for i in floating])
+
+
+def _verify(blocks: dict[int, Any], layers: list[_Layer], leaves: list[Any],
+            f_flat: Callable, x0: Any, pseudo: bool, o: int) -> str | None:
+    """Compare the recognised blocks with dense jacrev on the first sample; the name of the
+    first block that disagrees, or None."""
+    struct = sorted({ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers
+                                                    if ly.b_leaf is not None})
+
+    def f_sub(vals: list[Any]) -> Any:
+        args = list(leaves)
+        for i, v in zip(struct, vals, strict=True):
+            args[i] = v
+        out = f_flat(args, x0)
+        return jnp.sum(out) / math.sqrt(o) if pseudo else out
+
+    ref = jax.jacrev(f_sub)([leaves[i] for i in struct])
+    for i, r in zip(struct, ref, strict=True):
+        blk = blocks[i]
+        got = blk.select(slice(0, 1)).to_dense()[0]  # (O, P)
+        r = jnp.reshape(r, (1 if pseudo else o, *leaves[i].shape))
+        if str(blk.name).endswith(".T"):
+            r = jnp.swapaxes(r, 1, 2)
+        r = jnp.reshape(r, got.shape)
+        tol = 1e-4 if jnp.finfo(got.dtype).bits <= 32 else 1e-9
+        err = float(jnp.max(jnp.abs(got - r)))
+        if not err <= tol * max(1.0, float(jnp.max(jnp.abs(r)))):
+            return f"{blk.name!r} (max error {err:.3g})"
+    return None
+
+
+def provider(model: Any, x: Any, *, params: Any = None, pseudo: bool = False,
+             **options: Any) -> Jacobian:
+    """Registry adapter: ``model = (apply_fn, params)``; ``params=`` selects leaves by name."""
+    if not (isinstance(model, tuple) and len(model) == 2):
+        raise TypeError("a JAX model is an (apply_fn, params) pair")
+    apply_fn, tree = model
+    if params is not None and isinstance(params, str):
+        params = [params]
+    return jacobian(apply_fn, tree, x, pseudo=pseudo, select=params, **options)
