@@ -1,0 +1,1 @@
+"""Reference implementations the benchmark suites compare ntkcore against (written here)."""

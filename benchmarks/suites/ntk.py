@@ -1,0 +1,210 @@
+r"""Suite ``ntk``: ``ntkcore.ntk()`` on PyTorch models against torch.func baselines.
+
+Models (PyTorch default initialisation, ``torch.manual_seed(0)``, eval mode), inputs standard
+normal (seed 1):
+
+=====================  ==========================================================  ======
+case                   model                                                       O
+=====================  ==========================================================  ======
+``MLP 6x512 tanh``     256 -> 6 x [Linear 512, tanh] -> Linear 1, N = 384, trace   1
+``MLP 8x1000 tanh``    256 -> 8 x [Linear 1000, tanh] -> Linear 1, N = 512, trace  1
+``MLP 784-512-512-10`` relu, full mode; ntkcore at N = 1024, both at N = 128       10
+``CNN``                Conv2d 3->32 k3 p1, tanh, Conv2d 32->64 k3 s2 p1, tanh,     10
+                       Linear 64*16*16 -> 10 on 32x32 inputs; full N = 128 and
+                       trace N = 256
+``Transformer block``  (N, T=16, d=64): single-head attention (q, k, v, o Linear),  10
+                       LayerNorm, MLP 64-128-64, LayerNorm, mean over T, Linear 10;
+                       trace, N = 128
+``MLP 6x512 N=4096``   trace kernel with ``max_memory="1GB"`` (ntkcore only)        1
+=====================  ==========================================================  ======
+
+Implementations (``benchmarks/baselines/torch_func.py``):
+
+- ``ntkcore``: ``ntkcore.ntk(model, x, mode=...)`` (torch provider: Kronecker blocks from one
+  forward and one output-batched backward pass, then :func:`ntkcore.gram`);
+- ``torch.func jacobian`` (the baseline): ``vmap(jacrev)`` per-sample Jacobian, one GEMM;
+- ``torch.func ntk-vp``: columns of the kernel from vmapped vjp + jvp (only where it finishes
+  in seconds: the 6x512 MLP, the CNN at N = 128 and the transformer).
+
+Targets: >= 100x the baseline on the 6x512 MLP, >= 3x on the CNN; the N = 4096 trace kernel
+within 1 GB of working memory.  ``error``: relative Frobenius error of the kernel's leading
+(32, 32) block against a float64 ``torch.func`` Jacobian contraction on those 32 samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks._harness import Config, row
+
+SUITE = "ntk"
+HERE = "benchmarks.suites.ntk"
+BASELINE = "torch.func jacobian"
+N_REF = 32
+
+# name -> (model kind, N, mode, impls, target of ntkcore, max_memory)
+CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
+    "MLP 6x512 tanh N=384": ("mlp6x512", 384, "trace",
+                             ("ntkcore", BASELINE, "torch.func ntk-vp"), "speedup >= 100", None),
+    "MLP 8x1000 tanh N=512": ("mlp8x1000", 512, "trace", ("ntkcore", BASELINE), None, None),
+    "MLP 784-512-512-10 relu N=128 full": ("mlp784", 128, "full", ("ntkcore", BASELINE), None,
+                                           None),
+    "MLP 784-512-512-10 relu N=1024 full": ("mlp784", 1024, "full", ("ntkcore",), None, None),
+    "CNN N=128 full": ("cnn", 128, "full", ("ntkcore", BASELINE, "torch.func ntk-vp"),
+                       "speedup >= 3", None),
+    "CNN N=256 trace": ("cnn", 256, "trace", ("ntkcore", BASELINE), "speedup >= 3", None),
+    "Transformer block N=128 trace": ("transformer", 128, "trace",
+                                      ("ntkcore", BASELINE, "torch.func ntk-vp"), None, None),
+    "MLP 6x512 tanh N=4096 trace 1GB": ("mlp6x512", 4096, "trace", ("ntkcore",),
+                                        "peak_mem_bytes <= 1e9", "1GB"),
+}
+QUICK_CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
+    "MLP tiny N=16": ("mlp_tiny", 16, "trace", ("ntkcore", BASELINE, "torch.func ntk-vp"),
+                      None, None),
+    "CNN tiny N=8 full": ("cnn_tiny", 8, "full", ("ntkcore", BASELINE, "torch.func ntk-vp"),
+                          None, None),
+    "Transformer tiny N=8": ("transformer_tiny", 8, "trace", ("ntkcore", BASELINE), None,
+                             "64MB"),
+}
+
+
+def _mlp(torch: Any, widths: list[int], act: Any) -> Any:
+    layers: list[Any] = []
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(act())
+    return torch.nn.Sequential(*layers)
+
+
+def _transformer(torch: Any, d: int, hidden: int, out: int) -> Any:
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.ln1 = nn.LayerNorm(d)
+            self.fc1 = nn.Linear(d, hidden)
+            self.fc2 = nn.Linear(hidden, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.head = nn.Linear(d, out)
+
+        def forward(self, x: Any) -> Any:
+            att = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / math.sqrt(d), dim=-1)
+            h = self.ln1(x + self.o(att @ self.v(x)))
+            h = self.ln2(h + self.fc2(torch.tanh(self.fc1(h))))
+            return self.head(h.mean(1))
+
+    return Block()
+
+
+def build(kind: str, n: int, dtype: str, device: str) -> tuple[Any, Any]:
+    """The model (eval mode) and inputs (N, ...) of a case, deterministic."""
+    import torch
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    if kind == "mlp6x512":
+        model, shape = _mlp(torch, [256, *[512] * 6, 1], nn.Tanh), (256,)
+    elif kind == "mlp8x1000":
+        model, shape = _mlp(torch, [256, *[1000] * 8, 1], nn.Tanh), (256,)
+    elif kind == "mlp784":
+        model, shape = _mlp(torch, [784, 512, 512, 10], nn.ReLU), (784,)
+    elif kind == "mlp_tiny":
+        model, shape = _mlp(torch, [8, 16, 16, 1], nn.Tanh), (8,)
+    elif kind in ("cnn", "cnn_tiny"):
+        c1, c2, hw = (32, 64, 32) if kind == "cnn" else (4, 6, 8)
+        model = nn.Sequential(
+            nn.Conv2d(3, c1, 3, padding=1), nn.Tanh(),
+            nn.Conv2d(c1, c2, 3, stride=2, padding=1), nn.Tanh(),
+            nn.Flatten(), nn.Linear(c2 * (hw // 2) ** 2, 10))
+        shape = (3, hw, hw)
+    elif kind == "transformer":
+        model, shape = _transformer(torch, 64, 128, 10), (16, 64)
+    elif kind == "transformer_tiny":
+        model, shape = _transformer(torch, 8, 16, 3), (4, 8)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    tdtype = getattr(torch, dtype)
+    model = model.to(device=device, dtype=tdtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((n, *shape), generator=gen, dtype=torch.float64).to(device=device,
+                                                                          dtype=tdtype)
+    return model, x
+
+
+def case(impl: str, kind: str, n: int, mode: str, dtype: str, device: str,
+         max_memory: Any = None, backend: str = "torch") -> Callable[[], Any]:
+    """The zero-argument call of ``impl`` on a case (also the peak-memory target)."""
+    model, x = build(kind, n, dtype, device)
+    if impl == "ntkcore":
+        import ntkcore
+
+        return lambda: ntkcore.ntk(model, x, mode=mode, max_memory=max_memory)
+    from benchmarks.baselines import torch_func
+
+    if impl == BASELINE:
+        return lambda: torch_func.jacobian_contraction(model, x, mode=mode)
+    if impl == "torch.func ntk-vp":
+        return lambda: torch_func.ntk_vector_products(model, x, mode=mode)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def reference(kind: str, n: int, mode: str, device: str) -> Any:
+    """float64 torch.func kernel of the first ``min(n, N_REF)`` samples."""
+    from benchmarks.baselines import torch_func
+
+    model, x = build(kind, n, "float64", device)
+    return torch_func.jacobian_contraction(model, x[:N_REF], mode=mode).cpu()
+
+
+def _params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _flops(kind: str, impl: str, n: int, mode: str, o: int, p: int) -> float | None:
+    """Contraction flops of the baseline (the dominant term), for the renderer."""
+    if impl == BASELINE:
+        return 2.0 * n * n * p * (o * o if mode == "full" else o)
+    return None
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    from benchmarks.baselines.torch_func import kernel_error
+
+    if not cfg.has("torch"):
+        return []
+    rows: list[dict[str, Any]] = []
+    cases = cfg.pick(QUICK_CASES, CASES)
+    for name, (kind, n, mode, impls, target, max_memory) in cases.items():
+        ref = reference(kind, n, mode, cfg.device)
+        model, _ = build(kind, 1, cfg.dtype, cfg.device)
+        p = _params(model)
+        o = 10 if kind in ("mlp784", "cnn", "cnn_tiny", "transformer") else (
+            3 if kind == "transformer_tiny" else 1)
+        base = BASELINE if BASELINE in impls else None
+        for impl in impls:
+            fn = case(impl, kind, n, mode, cfg.dtype, cfg.device, max_memory)
+            k = fn()
+            m = min(n, N_REF)
+            err = kernel_error(k[:m, :m].cpu(), ref)
+            del k
+            timing = cfg.time(fn, "torch")
+            del fn
+            mem = cfg.peak_memory(f"{HERE}:case", impl=impl, kind=kind, n=n, mode=mode,
+                                  dtype=cfg.dtype, device=cfg.device, max_memory=max_memory)
+            rows.append(row(
+                SUITE, name, impl, backend="torch", device=cfg.device, dtype=cfg.dtype,
+                timing=timing, params={"N": n, "O": o, "P": p, "mode": mode,
+                                       "max_memory": max_memory},
+                peak_mem_bytes=mem, mem_method=cfg.mem_method,
+                flops=_flops(kind, impl, n, mode, o, p),
+                baseline=base if impl != base else None, error=err,
+                target=target if impl == "ntkcore" else None,
+                note=f"error vs float64 torch.func on the first {m} samples",
+            ))
+    return rows
