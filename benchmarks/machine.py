@@ -235,6 +235,7 @@ def collect(device: str = "cpu") -> dict[str, Any]:
         "cpu_logical": os.cpu_count(),
         "cpu_affinity": affinity,
         "memory_bytes": mem_total,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {p: _version(p) for p in PACKAGES if importlib.util.find_spec(p) is not None},
         "blas": blas_info(),
         "blas_kernel": blas_kernel(),

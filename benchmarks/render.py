@@ -250,6 +250,9 @@ def _machine_section(doc: dict[str, Any]) -> str:
         ["CPU", f"{m.get('cpu_model')} ({m.get('cpu_physical_cores')} physical cores, "
                 f"{m.get('cpu_logical')} logical, {m.get('cpu_affinity')} usable)"],
         ["memory", fmt_bytes(m.get("memory_bytes"))],
+        ["load average (1/5/15 min), start → end",
+         " / ".join(f"{v:.1f}" for v in doc.get("load_average_start") or []) + " → "
+         + " / ".join(f"{v:.1f}" for v in m.get("load_average") or [])],
         ["BLAS (threadpoolctl)", m.get("blas_kernel") or "-"],
         ["torch threads / BLAS", f"{torch.get('num_threads', '-')} / {torch.get('blas', '-')}"
                                  if torch else "-"],
@@ -288,7 +291,9 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
                f"{doc.get('wall_s', 0) / 60:.1f} min; backends {backends}; "
                f"{cfg.get('repeat')} timed calls after {cfg.get('warmup')} warm-up, at most "
                f"{cfg.get('budget_s')} s of timed calls per case"
-               f"{'; QUICK smoke run, sizes are tiny' if cfg.get('quick') else ''}).\n")
+               f"{'; QUICK smoke run, sizes are tiny' if cfg.get('quick') else ''}"
+               f"{'; INCOMPLETE: the run was stopped' if doc.get('complete') is False else ''}"
+               ").\n")
     out.append("### Machine\n")
     out.append(_machine_section(doc))
     out.append("\n### Measured GEMM throughput\n")

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import machine
 
     started = _dt.datetime.now().astimezone()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     t_start = time.perf_counter()
     gemm = measure_gemm(cfg)
 
@@ -296,12 +297,55 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
+    facts = machine.collect(cfg.device)
+    mslug = args.machine_name or machine.slug(facts, cfg.device)
+    out_path = args.out or RESULTS / (
+        f"{mslug}-{cfg.device}{'-quick' if cfg.quick else ''}-{started:%Y-%m-%d}.json"
+    )
+    config = {
+        "quick": cfg.quick,
+        "backends": list(cfg.backends),
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "repeat": cfg.repeat,
+        "warmup": cfg.warmup,
+        "budget_s": cfg.budget_s,
+        "memory": cfg.memory,
+        "tf32": args.tf32,
+        "suites": names,
+        "extra": extra,
+    }
+
+    def write(complete: bool) -> None:
+        """Write the result file; also after each suite, so a killed run keeps its rows."""
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "created": started.isoformat(timespec="seconds"),
+            "complete": complete,
+            "wall_s": time.perf_counter() - t_start,
+            "load_average_start": load_start,
+            "command": ["python", "-m", "benchmarks", *argv],
+            "machine_slug": mslug,
+            "machine": facts,
+            "config": config,
+            "gemm": gemm,
+            "suites": results,
+            "rows": rows,
+        }
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(_clean_floats(json.loads(json.dumps(doc, default=_jsonable))), f,
+                      indent=1)
+            f.write("\n")
+        os.replace(tmp, out_path)
+
     bar = tqdm(total=len(names), desc="suites", unit="suite", file=sys.stderr, leave=True)
     counter = {"n": 0}
 
     def tick() -> None:
         counter["n"] += 1
-        bar.set_postfix_str(f"{bar.desc}: {counter['n']} cases", refresh=True)
+        bar.set_postfix_str(f"{counter['n']} cases", refresh=True)
 
     _harness._ON_MEASURE = tick
     try:
@@ -321,46 +365,16 @@ def main(argv: list[str] | None = None) -> int:
                 msg += f" ({last[0]})"
             bar.write(msg, file=sys.stderr)
             bar.update(1)
+            write(complete=False)
     finally:
         _harness._ON_MEASURE = None
         bar.close()
 
     # the libraries the suites imported are now loaded: record their BLAS/threads too
     facts = machine.collect(cfg.device)
-    mslug = args.machine_name or machine.slug(facts, cfg.device)
-    out_path = args.out or RESULTS / (
-        f"{mslug}-{cfg.device}{'-quick' if cfg.quick else ''}-{started:%Y-%m-%d}.json"
-    )
-    doc = {
-        "schema_version": SCHEMA_VERSION,
-        "created": started.isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - t_start,
-        "command": ["python", "-m", "benchmarks", *argv],
-        "machine_slug": mslug,
-        "machine": facts,
-        "config": {
-            "quick": cfg.quick,
-            "backends": list(cfg.backends),
-            "device": cfg.device,
-            "dtype": cfg.dtype,
-            "repeat": cfg.repeat,
-            "warmup": cfg.warmup,
-            "budget_s": cfg.budget_s,
-            "memory": cfg.memory,
-            "tf32": args.tf32,
-            "suites": names,
-            "extra": extra,
-        },
-        "gemm": gemm,
-        "suites": results,
-        "rows": rows,
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(_clean_floats(json.loads(json.dumps(doc, default=_jsonable))), f, indent=1)
-        f.write("\n")
+    write(complete=True)
     print(f"[benchmarks] wrote {out_path} ({len(rows)} rows, "
-          f"{doc['wall_s']:.0f} s)", file=sys.stderr)
+          f"{time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     if args.render:
         from benchmarks import render
 

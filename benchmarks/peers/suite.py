@@ -1,0 +1,174 @@
+r"""Suite ``peers``: ntkcore against neural-tangents' empirical NTK on the same MLP weights.
+
+For each case, one tanh MLP in the NTK parameterisation
+
+.. math:: y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l,\quad z_l = \tanh(y_l),\quad f = y_L,
+
+with :math:`W_l, b_l \sim \mathcal N(0, 1)` drawn once in float64 NumPy, and the trace eNTK
+:math:`\Theta(X, X) \in \mathbb R^{N\times N}` of N Gaussian inputs:
+
+- ``ntkcore`` (each selected backend): ``ntkcore.ntk(ntkcore.models.MLP(...), x,
+  mode="trace")`` (Kronecker blocks, per layer :math:`(G G^\top)\odot(A A^\top)`);
+- ``neural-tangents impl 1/2/3``: ``nt.empirical_ntk_fn(f, trace_axes=(-1,), vmap_axes=0,
+  implementation=k)`` under ``jax.jit`` in the peer venv (``nt.py``), the model written with
+  ``lax.dot_general`` so that implementation 3's structured rules apply.  JIT compilation is
+  excluded from the timing (it is the first call; its time is given in the note).
+
+The baseline is neural-tangents' structured derivatives (implementation 3); target for
+ntkcore: >= 1.5x faster.  ``error``: relative Frobenius error against an independent float64
+NumPy evaluation of the same per-layer formula written out in this file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from benchmarks._harness import Config, asarray, row, to_numpy
+from benchmarks.peers import nt
+
+SUITE = "peers"
+HERE = "benchmarks.peers.suite"
+BASELINE = "neural-tangents impl 3"
+
+# name -> (widths, N); quick runs use the "tiny" case only
+CASES = {
+    "MLP 6x512 tanh": ((32, 512, 512, 512, 512, 512, 512, 1), 384),
+    "MLP-h 8x1000 tanh": ((32, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1), 256),
+}
+QUICK_CASES = {"MLP tiny tanh": ((8, 16, 16, 1), 8)}
+# neural-tangents impl 1 materialises the N x O x P Jacobian: skip it above this many bytes
+JACOBIAN_LIMIT = 3 * 2**30
+
+
+def problem(case: str, seed: int = 0) -> dict[str, Any]:
+    widths, n = {**CASES, **QUICK_CASES}[case]
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal((o, i)) for i, o in pairwise(widths)]
+    biases = [rng.standard_normal(o) for o in widths[1:]]
+    x = rng.standard_normal((n, widths[0]))
+    scales = [1.0 / math.sqrt(i) for i in widths[:-1]]
+    return {"weights": weights, "biases": biases, "x": x, "scales": scales, "beta": 1.0,
+            "widths": widths, "n": n}
+
+
+def reference_ntk(p: dict[str, Any]) -> np.ndarray:
+    """Trace eNTK in float64 from the per-layer formula (independent of ntkcore).
+
+    Forward :math:`y_l = c_l W_l z_{l-1} + \\beta b_l`; backward
+    :math:`g_L = I_O`, :math:`g_{l-1} = (g_l c_l W_l) \\odot \\tanh'(y_{l-1})`; layer l adds
+    :math:`\\sum_o \\langle g_l[n,o], g_l[m,o]\\rangle \\langle a_n, a_m\\rangle` with
+    :math:`a = [c_l z_{l-1}, \\beta]`.
+    """
+    ws, bs, x, cs, beta = p["weights"], p["biases"], p["x"], p["scales"], p["beta"]
+    zs, ys = [x], []
+    for l, (w, b) in enumerate(zip(ws, bs, strict=True)):
+        y = cs[l] * zs[-1] @ w.T + beta * b
+        ys.append(y)
+        zs.append(np.tanh(y) if l < len(ws) - 1 else y)
+    n, o = x.shape[0], ws[-1].shape[0]
+    g = np.broadcast_to(np.eye(o), (n, o, o)).copy()  # d f_o / d y_L
+    k = np.zeros((n, n))
+    for l in reversed(range(len(ws))):
+        a = np.concatenate([cs[l] * zs[l], np.full((n, 1), beta)], axis=1)
+        k += np.einsum("nok,mok->nm", g, g) * (a @ a.T)
+        if l > 0:
+            g = (g @ (cs[l] * ws[l])) * (1.0 - np.tanh(ys[l - 1]) ** 2)[:, None, :]
+    return k
+
+
+def ntkcore_case(backend: str, device: str, dtype: str, case: str) -> Callable[[], Any]:
+    """Inputs in ``backend``; returns the call computing ntkcore's trace eNTK."""
+    import ntkcore
+    from ntkcore.models import MLP
+
+    p = problem(case)
+    ws = [asarray(w, backend, device, dtype) for w in p["weights"]]
+    bs = [asarray(b, backend, device, dtype) for b in p["biases"]]
+    x = asarray(p["x"], backend, device, dtype)
+    net = MLP(ws, bs, activation="tanh", parameterization="ntk", weight_std=1.0, bias_std=1.0)
+    return lambda: ntkcore.ntk(net, x, mode="trace")
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _params(p: dict[str, Any]) -> dict[str, Any]:
+    widths = p["widths"]
+    n_params = sum((i + 1) * o for i, o in pairwise(widths))
+    return {"N": p["n"], "O": widths[-1], "P": n_params, "widths": list(widths),
+            "family": "MLP " + "-".join(map(str, widths[1:-1]))}
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if cfg.device != "cpu":
+        nt_ok, nt_info = False, "neural-tangents runs on the CPU venv only"
+    elif cfg.quick and cfg.extra.get("peers_nt") != "1":
+        # the peer's start-up (JAX import + compilation) would dominate a smoke run
+        nt_ok, nt_info = False, "skipped in --quick runs (add --set peers_nt=1)"
+    else:
+        nt_ok, nt_info = nt.status()
+    cases = cfg.pick(QUICK_CASES, CASES)
+    for case in cases:
+        p = problem(case)
+        ref = reference_ntk(p)
+        params = _params(p)
+        params["family"] = case
+        for backend in cfg.backends:
+            if backend not in ("numpy", "torch", "jax", "cupy"):
+                continue
+            fn = ntkcore_case(backend, cfg.device, cfg.dtype, case)
+            err = _rel(to_numpy(fn()), ref)
+            timing = cfg.time(fn, backend)
+            mem = cfg.peak_memory(f"{HERE}:ntkcore_case", backend=backend, device=cfg.device,
+                                  dtype=cfg.dtype, case=case)
+            rows.append(row(
+                SUITE, case, "ntkcore", backend=backend, device=cfg.device, dtype=cfg.dtype,
+                timing=timing, params=params, peak_mem_bytes=mem, mem_method=cfg.mem_method,
+                baseline=BASELINE if nt_ok else None, error=err,
+                target="speedup >= 1.5" if nt_ok else None,
+                note="trace eNTK" + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),
+            ))
+        if not nt_ok:
+            continue
+        impls = [1, 2, 3]
+        jac_bytes = p["n"] * params["O"] * params["P"] * np.dtype(cfg.dtype).itemsize
+        if jac_bytes > JACOBIAN_LIMIT:
+            impls.remove(1)
+            rows.append(row(
+                SUITE, case, "neural-tangents impl 1", backend="jax", device="cpu",
+                dtype=cfg.dtype, params=params,
+                note=f"not run: its N x O x P Jacobian alone is {jac_bytes / 2**30:.1f} GiB",
+            ))
+        results, kernels, versions = nt.run(
+            p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
+            activation="tanh", impls=tuple(impls), mode="trace", dtype=cfg.dtype,
+            repeat=cfg.reps, warmup=0 if cfg.quick else cfg.warmup,
+            budget_s=None if cfg.quick else cfg.budget_s,
+            memory=cfg.memory and not cfg.quick, separate=not cfg.quick,
+        )
+        vers = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "devices")
+        for res in results:
+            impl = f"neural-tangents impl {res['impl']}"
+            name = nt.IMPL_NAMES[res["impl"]]
+            if "error" in res:
+                rows.append(row(SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype,
+                                params=params, note=f"{name}: failed: {res['error'][:300]}"))
+                continue
+            k = kernels.get(f"impl{res['impl']}")
+            timing = {key: res[key] for key in ("median_s", "min_s", "max_s", "repeats")}
+            rows.append(row(
+                SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype, timing=timing,
+                params=params, peak_mem_bytes=res.get("peak_mem_bytes"),
+                mem_method="RSS growth (fresh process)" if "peak_mem_bytes" in res else None,
+                baseline=None if impl == BASELINE else BASELINE,
+                error=None if k is None else _rel(np.asarray(k, dtype=np.float64), ref),
+                note=f"{name}; jit first call {res.get('compile_s', float('nan')):.2g} s; {vers}",
+            ))
+    return rows

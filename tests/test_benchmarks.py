@@ -1,0 +1,263 @@
+"""The benchmark runner: a ``--quick`` run on numpy and torch CPU, its JSON schema, the
+renderer, failure isolation of suites, the peak-memory helper and the BLAS-environment rule.
+
+No timing is asserted anywhere (the machine is shared); numbers that are checked are exact
+facts (schema, statuses, byte counts of a known allocation, relative errors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _harness, render  # noqa: E402
+from benchmarks import run as runner  # noqa: E402
+
+ROW_TYPES = {
+    "suite": str,
+    "case": str,
+    "impl": str,
+    "backend": str,
+    "device": str,
+    "dtype": str,
+    "params": dict,
+    "note": str,
+}
+OPTIONAL_NUMBERS = ("median_s", "min_s", "max_s", "peak_mem_bytes", "flops", "error")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--backend", "numpy",
+         "--backend", "torch", "--device", "cpu", "--blas-env", "keep", "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    doc["_path"] = str(out)
+    return doc
+
+
+def test_quick_run_top_level_schema(quick_results: dict) -> None:
+    doc = quick_results
+    for key in ("schema_version", "created", "command", "machine", "config", "gemm", "suites",
+                "rows", "machine_slug"):
+        assert key in doc, key
+    assert doc["config"]["quick"] is True
+    assert doc["config"]["backends"] == ["numpy", "torch"]
+    m = doc["machine"]
+    assert m["cpu_logical"] >= 1 and isinstance(m["versions"], dict)
+    assert "numpy" in m["versions"] and "torch" in m["versions"]
+    assert isinstance(m["blas"], list)
+    # the quick run keeps the caller's environment: nothing was re-executed
+    assert m["env_before_reexec"] is None
+    got = {(g["backend"], g["dtype"]) for g in doc["gemm"]}
+    assert got == {("numpy", "float32"), ("numpy", "float64"), ("torch", "float32"),
+                   ("torch", "float64")}
+    for g in doc["gemm"]:
+        assert g["gflops"] > 0 and g["min_s"] <= g["median_s"] <= g["max_s"]
+
+
+def test_every_suite_ran(quick_results: dict) -> None:
+    suites = quick_results["suites"]
+    assert "regression" in suites
+    problems = {n: (i["status"], i.get("error", "")[-600:]) for n, i in suites.items()
+                if i["status"] != "ok"}
+    assert not problems, problems
+    counted = sum(i["n_rows"] for i in suites.values())
+    assert counted == len(quick_results["rows"])
+
+
+def test_rows_schema(quick_results: dict) -> None:
+    rows = quick_results["rows"]
+    assert rows
+    for r in rows:
+        for key, typ in ROW_TYPES.items():
+            assert isinstance(r[key], typ), (key, r)
+        assert r["backend"] in ("numpy", "torch", "jax", "cupy"), r
+        for key in OPTIONAL_NUMBERS:
+            if key in r and r[key] is not None:
+                assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (key, r)
+        if "median_s" in r:
+            assert 0 <= r["min_s"] <= r["median_s"] <= r["max_s"]
+            assert r["repeats"] >= 1
+        if r.get("baseline"):
+            same_case = {x["impl"] for x in rows
+                         if (x["suite"], x["case"], x["device"]) == (r["suite"], r["case"],
+                                                                     r["device"])}
+            assert r["baseline"] in same_case, r
+
+
+def test_regression_rows_are_accurate(quick_results: dict) -> None:
+    rows = [r for r in quick_results["rows"] if r["suite"] == "regression"]
+    impls = {(r["case"].split()[0], r["impl"], r["backend"]) for r in rows}
+    for expected in [("fit+predict", "ntkcore", "numpy"), ("fit+predict", "scipy.cho_factor",
+                     "numpy"), ("fit+predict", "numpy.linalg.solve", "numpy"),
+                     ("fit+predict", "ntkcore", "torch"), ("backward", "ntkcore", "torch"),
+                     ("backward", "torch.linalg.solve", "torch")]:
+        assert expected in impls
+    for r in rows:
+        # float32 against a float64 reference on a well-conditioned kernel
+        assert r["error"] < 1e-3, r
+        assert r["dtype"] == "float32" and r["device"] == "cpu"
+        assert "peak_mem_bytes" in r
+
+
+def test_render_writes_tables_and_plots(quick_results: dict, tmp_path: Path) -> None:
+    out = render.render([Path(quick_results["_path"])], docs=tmp_path)
+    text = out.read_text()
+    assert "median (min–max)" in text and "peak memory" in text and "GEMM %" in text
+    assert "### regression" in text and "No GPU results yet" in text
+    pngs = list((tmp_path / "img").glob("*.png"))
+    assert pngs
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def _doc(rows: list[dict]) -> dict:
+    return {"gemm": [{"backend": "numpy", "device": "cpu", "dtype": "float32",
+                      "gflops": 100.0}], "rows": rows}
+
+
+def _r(impl: str, t: float, **kw) -> dict:
+    base = {"suite": "s", "case": "c N=10", "impl": impl, "backend": "numpy", "device": "cpu",
+            "dtype": "float32", "params": {"N": 10}, "note": "", "median_s": t, "min_s": t,
+            "max_s": t}
+    base.update(kw)
+    return base
+
+
+def test_render_derived_columns() -> None:
+    rows = render.derive(_doc([
+        _r("base", 2.0, peak_mem_bytes=400),
+        _r("ours", 0.5, baseline="base", flops=25e9, peak_mem_bytes=100,
+           target="speedup >= 3"),
+        _r("slow", 4.0, baseline="base", target="mem_ratio < 1"),
+    ]))
+    ours = rows[1]
+    assert ours["_speedup"] == pytest.approx(4.0)
+    assert ours["_gemm_fraction"] == pytest.approx(0.5)  # 50 GFLOP/s of 100
+    assert ours["_mem_ratio"] == pytest.approx(0.25)
+    assert ours["_target_ok"] is True
+    assert rows[2]["_speedup"] == pytest.approx(0.5)
+    assert rows[2]["_target_ok"] is None  # no memory measured: cannot be judged
+    assert render.family(ours) == "c"
+
+
+def test_failing_suites_are_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _harness.Config(quick=True)
+
+    def boom(cfg: _harness.Config) -> list:
+        _harness.row("boom", "c", "i", backend="numpy", device="cpu", dtype="float32")
+        raise RuntimeError("suite exploded")
+
+    def slow(cfg: _harness.Config) -> list:
+        _harness.row("slow", "c", "i", backend="numpy", device="cpu", dtype="float32")
+        time.sleep(5)
+        return []
+
+    monkeypatch.setitem(sys.modules, "fake_boom", types.SimpleNamespace(run=boom))
+    monkeypatch.setitem(sys.modules, "fake_slow", types.SimpleNamespace(run=slow))
+    info = runner.run_suite("boom", "fake_boom", cfg, None)
+    assert info["status"] == "error" and "suite exploded" in info["error"]
+    assert len(info["rows"]) == 1  # rows emitted before the failure are kept
+    info = runner.run_suite("missing", "benchmarks.suites.no_such_suite_xyz", cfg, None)
+    assert info["status"] == "import-error" and info["rows"] == []
+    info = runner.run_suite("slow", "fake_slow", cfg, 0.3)
+    assert info["status"] == "timeout" and len(info["rows"]) == 1
+    assert info["wall_s"] < 4
+
+
+def test_discover_lists_suites() -> None:
+    found = runner.discover()
+    assert found["regression"] == "benchmarks.suites.regression"
+    assert "peers" in found
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_peak_memory_measures_a_known_allocation(fresh: bool) -> None:
+    nbytes = 96 * 2**20
+    got = _harness.peak_memory("benchmarks._harness:alloc_case", {"nbytes": nbytes},
+                               fresh=fresh)
+    assert got is not None
+    assert 0.9 * nbytes <= got <= 1.25 * nbytes + 8 * 2**20
+
+
+def test_peak_memory_reports_failure_as_none() -> None:
+    assert _harness.peak_memory("benchmarks._harness:no_such_case", {}, fresh=True) is None
+
+
+def test_blas_guards_removed_only_in_timing_runs() -> None:
+    env = _env(OPENBLAS_CORETYPE="Haswell", OPENBLAS_L2_SIZE="1048576")
+    cmd = [sys.executable, "-m", "benchmarks", "--print-env"]
+    timing = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    got = json.loads(timing.stdout.strip().splitlines()[-1])
+    assert got["env"] == {"OPENBLAS_CORETYPE": None, "OPENBLAS_L2_SIZE": None}
+    assert got["env_before_reexec"] == {"OPENBLAS_CORETYPE": "Haswell",
+                                        "OPENBLAS_L2_SIZE": "1048576"}
+    quick = subprocess.run([*cmd, "--quick"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    got = json.loads(quick.stdout.strip().splitlines()[-1])
+    assert got["env"] == {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"}
+    assert got["env_before_reexec"] is None
+
+
+def test_neural_tangents_peer_matches_reference() -> None:
+    from benchmarks.peers import nt, suite
+
+    ok, why = nt.status()
+    if not ok:
+        pytest.skip(why)
+    p = suite.problem("MLP tiny tanh")
+    results, kernels, versions = nt.run(
+        p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
+        impls=(1, 2, 3), dtype="float64", repeat=1, warmup=0, memory=False, separate=False)
+    assert versions["neural_tangents"].startswith("0.6")
+    ref = suite.reference_ntk(p)
+    assert [r["impl"] for r in results] == [1, 2, 3]
+    for r in results:
+        assert "error" not in r, r
+        assert suite._rel(kernels[f"impl{r['impl']}"], ref) < 1e-10
+
+
+def test_peers_reference_matches_autodiff() -> None:
+    """The independent float64 reference of the peers suite against torch.func."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.peers import suite
+
+    p = suite.problem("MLP tiny tanh")
+    params = [torch.tensor(a) for pair in zip(p["weights"], p["biases"], strict=True)
+              for a in pair]
+    x = torch.tensor(p["x"])
+
+    def f(*flat: torch.Tensor) -> torch.Tensor:
+        z = x
+        for l in range(len(flat) // 2):
+            w, b = flat[2 * l], flat[2 * l + 1]
+            y = p["scales"][l] * z @ w.T + p["beta"] * b
+            z = torch.tanh(y) if l < len(flat) // 2 - 1 else y
+        return z[:, 0]
+
+    jac = torch.autograd.functional.jacobian(f, tuple(params))
+    j = torch.cat([t.reshape(x.shape[0], -1) for t in jac], dim=1).numpy()
+    ref = suite.reference_ntk(p)
+    assert suite._rel(j @ j.T, ref) < 1e-12
