@@ -376,9 +376,17 @@ def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
 
 
 def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], pseudo: bool,
-                  create_graph: bool) -> list[torch.Tensor]:
+                  create_graph: bool, batched: bool) -> list[torch.Tensor]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
-    as (O, *ys[i].shape) (O = 1 for the pseudo-NTK)."""
+    as (O, *ys[i].shape) (O = 1 for the pseudo-NTK).
+
+    All N samples go through each backward pass together (samples are independent, so the
+    gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
+    passes are either one ``is_grads_batched`` pass (vmap over the O one-hot cotangents: one
+    big GEMM per layer) or a loop of O passes; the loop is used when ``batched`` is False
+    (convolutions, whose vmapped backward is slower than O plain ones) and when an op has no
+    batching rule.  Either way no weight gradient is computed: only the ``ys`` are inputs.
+    """
     n, o = out2.shape
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
@@ -387,17 +395,20 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], pseudo: bool,
         return [gr[None] for gr in grads]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return list(torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
-                                            retain_graph=True, allow_unused=True,
-                                            materialize_grads=True, is_grads_batched=True))
-    except RuntimeError:  # an op without a batching rule: one backward per output
-        per_o = [torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
-                                     retain_graph=True, allow_unused=True,
-                                     materialize_grads=True) for k in range(o)]
-        return [torch.stack([p[i] for p in per_o]) for i in range(len(ys))]
+    if batched:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return list(torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
+                                                retain_graph=True, allow_unused=True,
+                                                materialize_grads=True,
+                                                is_grads_batched=True))
+        except RuntimeError:  # an op without a batching rule: one backward per output
+            pass
+    per_o = [torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
+                                 retain_graph=create_graph or k < o - 1, allow_unused=True,
+                                 materialize_grads=True) for k in range(o)]
+    return [torch.stack([p[i] for p in per_o]) for i in range(len(ys))]
 
 
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
@@ -445,6 +456,7 @@ def jacobian(
     pseudo: bool = False,
     chunk_size: int | None = None,
     create_graph: bool | None = None,
+    backward: str = "auto",
 ) -> Jacobian:
     r"""The per-sample Jacobian of a torch model, with Kronecker structure where it exists.
 
@@ -468,6 +480,10 @@ def jacobian(
         per chunk).
     create_graph : bool, optional
         Keep the autograd graph to ``x`` (default: ``x.requires_grad``).
+    backward : {"auto", "batched", "loop"}
+        How the O output-gradient passes run: one ``is_grads_batched`` pass or a loop of O
+        passes over all samples ("auto": the loop when the model has convolutions, whose
+        vmapped backward is slow; batched otherwise).  Same flops either way.
 
     Returns
     -------
@@ -484,6 +500,8 @@ def jacobian(
     if x.ndim < 1 or x.shape[0] < 1:
         raise ValueError(f"x must lead with a non-empty sample axis N; got shape "
                          f"{tuple(x.shape)}")
+    if backward not in ("auto", "batched", "loop"):
+        raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     _check_sample_coupling(model)
@@ -540,7 +558,11 @@ def jacobian(
     if kron:
         paths = list(kron)
         ys = [c.y for p in paths for c in kron[p][1]]
-        grads = _output_grads(out2, ys, pseudo, create_graph)
+        if backward == "auto":
+            batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
+        else:
+            batched = backward == "batched"
+        grads = _output_grads(out2, ys, pseudo, create_graph, batched)
         og = 1 if pseudo else o
         k = 0
         for p in paths:

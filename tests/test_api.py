@@ -74,7 +74,7 @@ def test_ntk_modes_symmetric_and_cross(mode, max_memory):
     ks = ntkcore.ntk(m, x1, mode=mode, max_memory=max_memory)
     assert rel(ks, ref_kernel(m, x1, None, mode)) < 1e-12
     swap = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
-    assert torch.equal(ks, ks.permute(swap))  # symmetric tiles: exactly symmetric
+    assert rel(ks, ks.permute(swap)) < 1e-14  # symmetric (exactly, up to GEMM rounding)
 
 
 @pytest.mark.parametrize("max_memory", [None, 3000])

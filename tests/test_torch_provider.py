@@ -353,3 +353,19 @@ def test_registry_finds_torch_provider():
 
     assert reexported is jacobian
     assert find_provider(mlp()).name == "torch"
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_backward_strategies_agree(model):
+    if model == "mlp":
+        m, x = mlp().to(DT), torch.randn(4, 5, dtype=DT)
+    else:
+        m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+        x = torch.randn(4, 2, 4, 4, dtype=DT)
+    ref = dense_reference(reference(m, x))
+    kr = torch.einsum("nok,mpk->nmop", ref, ref)
+    for how in ("auto", "batched", "loop"):
+        jd = jacobian(m, x, backward=how).to_dense()
+        assert rel(torch.einsum("nok,mpk->nmop", jd, jd), kr) < 1e-12
+    with pytest.raises(ValueError, match="backward"):
+        jacobian(m, x, backward="fast")
