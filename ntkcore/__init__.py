@@ -5,9 +5,17 @@ same namespace, on the same device, in the same dtype.  See ``docs/`` for the ma
 architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the frameworks).
 """
 
-from . import models, sketch
+from . import analysis, models, sketch
 from ._api import ntk, pseudo_ntk
 from ._version import __version__
+from .analysis import (
+    centered_kernel_alignment,
+    effective_rank,
+    kernel_alignment,
+    kernel_spectrum,
+    relative_kernel_distance,
+    trace_share,
+)
 from .cg import (
     CGReport,
     ConvergenceWarning,
@@ -16,6 +24,7 @@ from .cg import (
     cg_solve,
 )
 from .errors import JitterWarning, NotPositiveDefiniteError
+from .gram import gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .operators import KernelOperator
 from .regression import (
@@ -41,14 +50,22 @@ __all__ = [
     "NystromPreconditioner",
     "PivotedCholeskyPreconditioner",
     "__version__",
+    "analysis",
+    "centered_kernel_alignment",
     "cg_solve",
+    "effective_rank",
     "gd_mse_predict",
     "gp_inference",
+    "gram",
+    "kernel_alignment",
     "kernel_regression",
+    "kernel_spectrum",
     "models",
     "natural_gradient",
     "ntk",
     "pseudo_ntk",
+    "relative_kernel_distance",
     "sketch",
     "smw_solve",
+    "trace_share",
 ]

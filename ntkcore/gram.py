@@ -49,7 +49,8 @@ working-memory elements, besides the factor slices :math:`(rS + cT)(d_{in} + O d
 * materialise: :math:`2(rS + cT) O P_b + 2rcO^k P_b` flops, :math:`(r + c) O P_b` elements
   (twice that for diagonal).
 
-A tile accumulator of up to :math:`4 r c O^k` elements comes on top.  For each block and strategy the largest square tile that fits the budget is found, the total
+A tile accumulator of :math:`3 r c O^k` elements comes on top (layerwise: one tile).
+For each block and strategy the largest square tile that fits the budget is found, the total
 flop count over all tiles is computed at that tile size (so the materialisation's
 recomputation on small tiles is charged), and the strategy with fewer flops wins.  All blocks
 share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
@@ -61,8 +62,9 @@ memory beyond the output (factor slices, intermediate Gram matrices, per-sample 
 tile accumulator) stays below ``max_memory``.  Tiles are written into a preallocated output
 where the namespace supports item assignment; otherwise (JAX) tiles are concatenated, which
 transiently needs a second output-sized buffer.  With ``J2=None`` only tiles on and above the
-diagonal are computed; the others are mirrored, and diagonal tiles are symmetrised, so the
-result is exactly symmetric.
+diagonal are computed and the others are mirrored (see ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` for
+when a kernel is split for that purpose); tiles on the diagonal are symmetric up to rounding
+(NumPy computes ``x @ x.T`` with SYRK, which is exactly symmetric).
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -95,8 +97,12 @@ STRATEGIES = ("positions", "materialise")
 SELF_PRODUCT_COPY: dict[str, bool] = {"numpy": False, "torch": False, "cupy": False,
                                       "jax": False, "generic": False}
 
-#: Smallest tile side used to split a symmetric kernel so that only the upper triangle of
-#: tiles is computed (CPU / GPU).  Splitting into k tiles per side does (k+1)/(2k) of the work.
+#: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
+#: (k+1)/(2k) of the work but mirrors the lower tiles (a transposed copy, memory bound).  The
+#: split is made only when the budget forces tiles anyway or when the contraction costs at
+#: least this many flops per kernel entry, and then with tiles no smaller than
+#: ``SYMMETRIC_MIN_TILE`` (CPU / GPU).
+SYMMETRIC_SPLIT_FLOPS_PER_ENTRY = 2048
 SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 
 
@@ -165,9 +171,10 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
     raise AssertionError(strategy)
 
 
-def _acc_elems(mode: str, o: int, r: int, c: int, layerwise: bool) -> int:
-    """Tile accumulator: running sum, new block tile, sum result, symmetrised copy."""
-    return r * c * _q(mode, o) * (3 if layerwise else 4)
+def _acc_factor(layerwise: bool, nblocks: int) -> int:
+    """Tiles held by the accumulator: running sum, new block tile and their sum (one block or
+    layerwise: just the block's tile)."""
+    return 1 if layerwise or nblocks == 1 else 3
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -225,10 +232,10 @@ def _itemsize(xp: Any, dtype: Any) -> int:
 
 
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
-          r: int, c: int, layerwise: bool) -> int:
+          r: int, c: int, acc: int) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
     return max(_cost(s, p, mode, o, r, c)[0] for s, p in zip(strategies, pairs, strict=True)) \
-        + _acc_elems(mode, o, r, c, layerwise)
+        + r * c * _q(mode, o) * acc
 
 
 def _grid_flops(strategy: str, pair: _Pair, mode: str, o: int, n1: int, n2: int,
@@ -248,6 +255,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     """Strategies and tile size from the cost model (see the module docstring)."""
     elems = budget / itemsize
     nmax = max(n1, n2)
+    acc = _acc_factor(layerwise, len(pairs))
     chosen: list[str] = []
     tiles: list[int] = []
     for pair in pairs:
@@ -255,13 +263,13 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         for strat in pair.strategies(forced):
             def fits(tile: int, strat: str = strat, pair: _Pair = pair) -> bool:
                 r, c = min(tile, n1), min(tile, n2)
-                return _work([strat], [pair], mode, o, r, c, layerwise) <= elems
+                return _work([strat], [pair], mode, o, r, c, acc) <= elems
             tile = _largest(fits, 1, nmax)
             if tile >= 1:
                 r, c = min(tile, n1), min(tile, n2)
                 key = (0, _grid_flops(strat, pair, mode, o, n1, n2, r, c))
             else:  # nothing fits: prefer the smallest working set
-                key = (1, float(_work([strat], [pair], mode, o, 1, 1, layerwise)))
+                key = (1, float(_work([strat], [pair], mode, o, 1, 1, acc)))
             options.append((key, tile, strat))
         key, tile, strat = min(options, key=lambda x: x[0])
         chosen.append(strat)
@@ -271,20 +279,26 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     if tile < 1:
         warnings.warn(
             f"max_memory={budget} bytes is too small for even a 1 x 1 tile of the kernel "
-            f"(needs about {_work(chosen, pairs, mode, o, 1, 1, layerwise) * itemsize} bytes); "
+            f"(needs about {_work(chosen, pairs, mode, o, 1, 1, acc) * itemsize} bytes); "
             "computing with 1 x 1 tiles anyway", ResourceWarning, stacklevel=4)
         tile = 1
     if symmetric:
-        floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
-        r = c = min(tile, max(floor, math.ceil(n1 / 4)), n1)
+        r = min(tile, n1)
+        per_entry = sum(_cost(s, p, mode, o, r, r)[1] for s, p in zip(chosen, pairs,
+                                                                       strict=True))
+        per_entry /= r * r * _q(mode, o)
+        if per_entry >= SYMMETRIC_SPLIT_FLOPS_PER_ENTRY:
+            floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
+            r = min(r, max(floor, math.ceil(n1 / 4)))
+        c = r
     else:
         r, c = min(tile, n1), min(tile, n2)
-        if _work(chosen, pairs, mode, o, r, c, layerwise) <= elems:
+        if _work(chosen, pairs, mode, o, r, c, acc) <= elems:
             if r == n1 and c < n2:  # few rows: widen the tiles
-                c = _largest(lambda x: _work(chosen, pairs, mode, o, r, x, layerwise) <= elems,
+                c = _largest(lambda x: _work(chosen, pairs, mode, o, r, x, acc) <= elems,
                              c, n2)
             elif c == n2 and r < n1:
-                r = _largest(lambda x: _work(chosen, pairs, mode, o, x, c, layerwise) <= elems,
+                r = _largest(lambda x: _work(chosen, pairs, mode, o, x, c, acc) <= elems,
                              r, n1)
 
     nr, nc = math.ceil(n1 / r), math.ceil(n2 / c)
@@ -300,7 +314,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         flops = diag + (flops_all - diag) / 2
     else:
         flops = flops_all
-    working = _work(chosen, pairs, mode, o, r, c, layerwise)
+    working = _work(chosen, pairs, mode, o, r, c, acc)
     return GramPlan(tile_rows=r, tile_cols=c, strategies=tuple(chosen), num_tiles=ntiles,
                     symmetric=symmetric, working_bytes=int(working * itemsize),
                     budget_bytes=int(budget), flops=float(flops),
@@ -594,8 +608,7 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     J2 : Jacobian, optional
         N2 samples with the same block structure as ``J1`` (names, kinds, parameter shapes;
         Kronecker blocks may have a different number of positions).  ``None``: ``J1`` against
-        itself; only tiles on and above the diagonal are computed and the result is exactly
-        symmetric.
+        itself; only tiles on and above the diagonal are computed, the rest is mirrored.
     mode : {"full", "trace", "diagonal"}
         ``full``: :math:`\Theta[n,m,o,p] = \sum_k J_1[n,o,k] J_2[m,p,k]`, shape (N1, N2, O, O).
         ``trace``: :math:`\sum_o \Theta[n,m,o,o]` (a sum over outputs), shape (N1, N2).
@@ -677,8 +690,6 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
                 t = _block_tile(st.ops, strat, pair, rs, cs, same, st.dtype, mode)
                 if layerwise:
-                    if same:
-                        t = (t + xp.permute_dims(t, swap1)) * 0.5
                     if writable:
                         out[(b, rs, cs, ...)] = t  # type: ignore[index]
                         if symmetric and i != j:
@@ -687,10 +698,9 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         parts.append(t)
                 else:
                     acc = t if acc is None else acc + t
+                del t  # free the block tile before the next block's working set is allocated
             if not layerwise:
                 assert acc is not None
-                if same:
-                    acc = (acc + xp.permute_dims(acc, swap1)) * 0.5
                 if writable:
                     out[(rs, cs, ...)] = acc  # type: ignore[index]
                     if symmetric and i != j:

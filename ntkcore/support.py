@@ -78,6 +78,17 @@ SUPPORT: dict[str, dict[str, Support]] = {
         fast={"torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
         note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
         missing=("numpy", "cupy", "jax", "array_api_strict")),
+    # gram engine (ntkcore/gram.py): pure array API; tiles written in place where the
+    # namespace allows item assignment, concatenated otherwise (JAX).
+    "gram": _all(note={"torch": "differentiable (autograd)",
+                       "jax": "tiles assembled by concatenation (no in-place writes)"}),
+    "Jacobian": _all(),
+    # kernel analysis helpers (ntkcore/analysis.py): pure array API.
+    "analysis.kernel_alignment": _all(),
+    "analysis.relative_kernel_distance": _all(),
+    "analysis.kernel_spectrum": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
+    "analysis.effective_rank": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
+    "analysis.trace_share": _all(),
 }
 
 

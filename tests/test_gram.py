@@ -1,0 +1,481 @@
+"""Tests of ntkcore.gram: every kernel is compared with an einsum over dense Jacobians.
+
+The dense reference is built here, independently of ``Jacobian.to_dense``:
+``J[n, o, i * d_in + j] = sum_s g[n, s, o, i] a[n, s, j]`` and
+``Theta[n, m, o, p] = sum_k J1[n, o, k] J2[m, p, k]``, all in float64 NumPy.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ntkcore
+from ntkcore._memory import DEFAULT_FRACTION, default_budget, parse_memory
+from ntkcore.gram import _gram, plan_gram
+
+
+def fixture_settings(max_examples: int) -> settings:
+    """Settings for hypothesis tests that use the ``backend`` fixture (at most the profile's
+    example count)."""
+    return settings(max_examples=min(max_examples, settings.default.max_examples),
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow], deadline=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def make_factors(spec, n, rng, positions=None):
+    """NumPy factors for a block spec list: ("dense", P) or ("kron", S, d_in, d_out)."""
+    o = spec["O"]
+    out = []
+    for i, b in enumerate(spec["blocks"]):
+        if b[0] == "dense":
+            out.append(("dense", rng.standard_normal((n, o, b[1]))))
+        else:
+            s = b[1] if positions is None else positions[i]
+            out.append(("kron", rng.standard_normal((n, s, b[2])),
+                        rng.standard_normal((n, s, o, b[3]))))
+    return out
+
+
+def dense_blocks(factors):
+    """Independent dense per-block Jacobians (N, O, P_b)."""
+    res = []
+    for f in factors:
+        if f[0] == "dense":
+            res.append(f[1])
+        else:
+            a, g = f[1], f[2]
+            n, _, o, _ = g.shape
+            res.append(np.einsum("nsoi,nsj->noij", g, a).reshape(n, o, -1))
+    return res
+
+
+def reduce_mode(k, mode):
+    if mode == "full":
+        return k
+    if mode == "trace":
+        return np.einsum("...nmoo->...nm", k)
+    return np.einsum("...nmoo->...nmo", k)
+
+
+def reference(f1, f2, mode, layerwise=False):
+    d1, d2 = dense_blocks(f1), dense_blocks(f2)
+    per = np.stack([np.einsum("nok,mpk->nmop", x, y) for x, y in zip(d1, d2, strict=True)])
+    k = per if layerwise else per.sum(axis=0)
+    return reduce_mode(k, mode)
+
+
+def to_jacobian(backend, factors, dtype="float64"):
+    blocks = []
+    for i, f in enumerate(factors):
+        if f[0] == "dense":
+            blocks.append(ntkcore.DenseBlock(backend.asarray(f[1], dtype), name=f"b{i}"))
+        else:
+            blocks.append(ntkcore.KroneckerBlock(backend.asarray(f[1], dtype),
+                                                 backend.asarray(f[2], dtype), name=f"b{i}"))
+    return ntkcore.Jacobian(blocks)
+
+
+@st.composite
+def specs(draw, max_blocks=3):
+    blocks = []
+    for _ in range(draw(st.integers(1, max_blocks))):
+        if draw(st.booleans()):
+            blocks.append(("dense", draw(st.integers(1, 7))))
+        else:
+            blocks.append(("kron", draw(st.sampled_from([1, 1, 2, 3, 5])),
+                           draw(st.integers(1, 4)), draw(st.integers(1, 4))))
+    return {"O": draw(st.integers(1, 3)), "blocks": blocks}
+
+
+def limit_jax(backend, mode, allowed=("trace",)):
+    """JAX compiles every op for every new shape (about 0.1 s each): run only a subset of the
+    parametrisations on it to keep the suite fast."""
+    if backend.name == "jax" and mode not in allowed:
+        pytest.skip("jax: covered by the trace-mode variant and the fixed-shape tests")
+
+
+def rel_err(x, ref):
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-300))
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness against the dense einsum
+# ---------------------------------------------------------------------------------------------
+@fixture_settings(12)
+@given(spec=specs(), n1=st.integers(1, 6), n2=st.integers(1, 5),
+       mode=st.sampled_from(["full", "trace", "diagonal"]),
+       strategy=st.sampled_from([None, "positions", "materialise"]),
+       symmetric=st.booleans(), layerwise=st.booleans(),
+       max_memory=st.sampled_from([None, 2_000, 20_000]),
+       other_positions=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_gram_matches_dense_einsum(backend, spec, n1, n2, mode, strategy, symmetric, layerwise,
+                                   max_memory, other_positions, seed):
+    if backend.name == "jax":
+        pytest.skip("jax compiles every new shape (slow); covered by the fixed-shape tests")
+    rng = np.random.default_rng(seed)
+    f1 = make_factors(spec, n1, rng)
+    j1 = to_jacobian(backend, f1)
+    if symmetric:
+        f2, j2 = f1, None
+    else:
+        # Kronecker blocks of J2 may have a different number of positions T
+        pos = [b[1] + (1 if other_positions else 0) if b[0] == "kron" else None
+               for b in spec["blocks"]]
+        f2 = make_factors(spec, n2, rng, positions=pos)
+        j2 = to_jacobian(backend, f2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        k = _gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=max_memory,
+                  strategy=strategy)
+    assert backend.is_native(k)
+    ref = reference(f1, f2, mode, layerwise)
+    assert tuple(k.shape) == ref.shape
+    np.testing.assert_allclose(backend.to_numpy(k), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_public_gram_cross_and_self(backend, rng, mode):
+    spec = {"O": 3, "blocks": [("kron", 1, 5, 4), ("kron", 4, 3, 2), ("dense", 6)]}
+    f1, f2 = make_factors(spec, 7, rng), make_factors(spec, 4, rng)
+    j1, j2 = to_jacobian(backend, f1), to_jacobian(backend, f2)
+    np.testing.assert_allclose(backend.to_numpy(ntkcore.gram(j1, j2, mode=mode)),
+                               reference(f1, f2, mode), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(backend.to_numpy(ntkcore.gram(j1, mode=mode)),
+                               reference(f1, f1, mode), rtol=1e-10, atol=1e-10)
+
+
+def test_single_block_accepted(rng):
+    a, g = rng.standard_normal((4, 2, 3)), rng.standard_normal((4, 2, 2, 5))
+    k = ntkcore.gram(ntkcore.KroneckerBlock(a, g), mode="trace")
+    np.testing.assert_allclose(k, reference([("kron", a, g)], [("kron", a, g)], "trace"),
+                               rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# structure: PSD, symmetry, layerwise sums, tiling, strategies
+# ---------------------------------------------------------------------------------------------
+def test_psd_and_symmetric(backend, rng):
+    limit_jax(backend, "full")
+    spec = {"O": 2, "blocks": [("kron", 1, 6, 5), ("kron", 3, 4, 3), ("dense", 5)]}
+    f = make_factors(spec, 9, rng)
+    j = to_jacobian(backend, f)
+    n, o = 9, 2
+    for max_memory in (None, 3_000):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            full = backend.to_numpy(ntkcore.gram(j, mode="full", max_memory=max_memory))
+            tr = backend.to_numpy(ntkcore.gram(j, mode="trace", max_memory=max_memory))
+        assert plan_gram(j, mode="full", max_memory=max_memory).symmetric
+        mat = full.transpose(0, 2, 1, 3).reshape(n * o, n * o)
+        np.testing.assert_allclose(mat, mat.T, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(tr, tr.T, rtol=1e-12, atol=1e-12)
+        scale = np.abs(mat).max()
+        assert np.linalg.eigvalsh((mat + mat.T) / 2).min() > -1e-10 * scale
+        assert np.linalg.eigvalsh((tr + tr.T) / 2).min() > -1e-10 * np.abs(tr).max()
+
+
+def test_symmetric_tiles_are_mirrored_exactly(rng):
+    spec = {"O": 2, "blocks": [("kron", 2, 3, 3), ("dense", 4)]}
+    j = to_jacobian_np(make_factors(spec, 11, rng))
+    k = ntkcore.gram(j, mode="full", max_memory=4_000)
+    plan = plan_gram(j, mode="full", max_memory=4_000)
+    assert plan.tile_rows < 11 and plan.num_tiles < (-(-11 // plan.tile_rows)) ** 2
+    r = plan.tile_rows
+    # an off-diagonal tile and its mirror image agree bit for bit
+    np.testing.assert_array_equal(k[:r, r:], k[r:, :r].transpose(1, 0, 3, 2))
+
+
+def to_jacobian_np(factors):
+    from tests.conftest import make_case
+
+    return to_jacobian(make_case("numpy"), factors)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_layerwise_sums_to_total(backend, rng, mode):
+    limit_jax(backend, mode)
+    spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("dense", 5), ("kron", 3, 2, 3)]}
+    f1, f2 = make_factors(spec, 5, rng), make_factors(spec, 3, rng)
+    j1, j2 = to_jacobian(backend, f1), to_jacobian(backend, f2)
+    for jj in (None, j2):
+        lw = backend.to_numpy(ntkcore.gram(j1, jj, mode=mode, layerwise=True))
+        tot = backend.to_numpy(ntkcore.gram(j1, jj, mode=mode))
+        assert lw.shape == (3, *tot.shape)
+        np.testing.assert_allclose(lw.sum(axis=0), tot, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lw, reference(f1, f1 if jj is None else f2, mode,
+                                                 layerwise=True), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_tiled_equals_untiled(backend, rng, mode, symmetric):
+    limit_jax(backend, mode)
+    spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("kron", 3, 3, 2), ("dense", 4)]}
+    f1, f2 = make_factors(spec, 10, rng), make_factors(spec, 7, rng)
+    j1 = to_jacobian(backend, f1)
+    j2 = None if symmetric else to_jacobian(backend, f2)
+    whole = backend.to_numpy(ntkcore.gram(j1, j2, mode=mode))
+    assert plan_gram(j1, j2, mode=mode).num_tiles == 1
+    for budget in (1_500, "6kB") if backend.name != "jax" else ("6kB",):
+        plan = plan_gram(j1, j2, mode=mode, max_memory=budget)
+        assert plan.num_tiles > 1
+        tiled = backend.to_numpy(ntkcore.gram(j1, j2, mode=mode, max_memory=budget))
+        np.testing.assert_allclose(tiled, whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_kronecker_strategies_agree(backend, rng, mode):
+    limit_jax(backend, mode)
+    spec = {"O": 3, "blocks": [("kron", 4, 5, 3), ("kron", 1, 3, 4)]}
+    f1 = make_factors(spec, 6, rng)
+    f2 = make_factors(spec, 5, rng, positions=[7, 1])
+    j1, j2 = to_jacobian(backend, f1), to_jacobian(backend, f2)
+    for jj, ff in ((None, f1), (j2, f2)) if backend.name != "jax" else ((j2, f2),):
+        pos = _gram(j1, jj, mode=mode, strategy="positions")
+        mat = _gram(j1, jj, mode=mode, strategy="materialise")
+        assert plan_gram(j1, jj, mode=mode, strategy="positions").strategies == ("positions",
+                                                                                   "kron1")
+        assert plan_gram(j1, jj, mode=mode, strategy="materialise").strategies == (
+            "materialise", "materialise")
+        np.testing.assert_allclose(backend.to_numpy(pos), backend.to_numpy(mat), rtol=1e-11,
+                                   atol=1e-11)
+        np.testing.assert_allclose(backend.to_numpy(pos), reference(f1, ff, mode), rtol=1e-10,
+                                   atol=1e-10)
+
+
+def test_cost_model_picks_the_cheaper_strategy(rng):
+    n = 16
+    # few positions, wide layer: contracting positions is far cheaper
+    few = ntkcore.KroneckerBlock(rng.standard_normal((n, 2, 64)),
+                                 rng.standard_normal((n, 2, 1, 64)))
+    # many positions, narrow layer: materialising the 4 x 4 weights is cheaper
+    many = ntkcore.KroneckerBlock(rng.standard_normal((n, 64, 4)),
+                                  rng.standard_normal((n, 64, 1, 4)))
+    for mode in ("full", "trace", "diagonal"):
+        assert plan_gram(few, mode=mode).strategies == ("positions",)
+        assert plan_gram(many, mode=mode).strategies == ("materialise",)
+        pos = plan_gram(few, mode=mode, strategy="positions").flops
+        mat = plan_gram(few, mode=mode, strategy="materialise").flops
+        assert pos < mat
+    # a dense layer (S = 1) always takes the Hadamard-product path
+    dense_layer = ntkcore.KroneckerBlock(rng.standard_normal((n, 1, 8)),
+                                         rng.standard_normal((n, 1, 3, 8)))
+    assert plan_gram(dense_layer, mode="full").strategies == ("kron1",)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_working_memory_within_budget(rng, mode):
+    """NumPy allocations are traced: peak beyond inputs and output stays under max_memory."""
+    spec = {"O": 2, "blocks": [("kron", 1, 16, 12), ("kron", 4, 8, 6), ("dense", 30)]}
+    f = make_factors(spec, 60, rng)
+    j = to_jacobian_np(f)
+    budget = 200_000
+    for strategy in ("positions", "materialise"):
+        for lw in (False, True):
+            plan = plan_gram(j, mode=mode, max_memory=budget, strategy=strategy, layerwise=lw)
+            assert plan.num_tiles > 1 and plan.working_bytes <= budget
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                k = _gram(j, mode=mode, max_memory=budget, strategy=strategy, layerwise=lw)
+                peak = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+            assert peak - k.nbytes <= budget, (strategy, lw, peak - k.nbytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_float32_within_1e5(backend, rng, mode):
+    limit_jax(backend, mode)
+    spec = {"O": 2, "blocks": [("kron", 1, 16, 8), ("kron", 3, 6, 4), ("dense", 12)]}
+    f1, f2 = make_factors(spec, 8, rng), make_factors(spec, 5, rng)
+    # reference from the float32-rounded inputs, in float64
+    f1 = [tuple(x if isinstance(x, str) else x.astype(np.float32).astype(np.float64)
+                for x in f) for f in f1]
+    f2 = [tuple(x if isinstance(x, str) else x.astype(np.float32).astype(np.float64)
+                for x in f) for f in f2]
+    j1, j2 = to_jacobian(backend, f1, "float32"), to_jacobian(backend, f2, "float32")
+    ref = reference(f1, f2, mode)
+    k32 = ntkcore.gram(j1, j2, mode=mode)
+    assert backend.to_numpy(k32).dtype == np.float32
+    assert rel_err(backend.to_numpy(k32), ref) < 1e-5
+    k64 = ntkcore.gram(j1, j2, mode=mode, dtype=backend.xp.float64)
+    assert backend.to_numpy(k64).dtype == np.float64
+    assert rel_err(backend.to_numpy(k64), ref) < 1e-12
+    if backend.name != "jax":  # tiled, with casts tile by tile
+        k64s = ntkcore.gram(j1, j2, mode=mode, dtype="float64", max_memory=4_000)
+        assert rel_err(backend.to_numpy(k64s), ref) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# progress reporting
+# ---------------------------------------------------------------------------------------------
+def test_progress_callback_called_per_tile(rng):
+    spec = {"O": 1, "blocks": [("kron", 1, 5, 5)]}
+    j = to_jacobian_np(make_factors(spec, 12, rng))
+    for j2 in (None, to_jacobian_np(make_factors(spec, 9, rng))):
+        calls: list[tuple[int, int]] = []
+        plan = plan_gram(j, j2, mode="trace", max_memory=1_000)
+        ntkcore.gram(j, j2, mode="trace", max_memory=1_000,
+                     progress=lambda done, total, calls=calls: calls.append((done, total)))
+        assert plan.num_tiles > 1
+        assert calls == [(i + 1, plan.num_tiles) for i in range(plan.num_tiles)]
+
+
+def test_progress_tqdm_bar(rng, capsys):
+    pytest.importorskip("tqdm")
+    spec = {"O": 1, "blocks": [("dense", 5)]}
+    j = to_jacobian_np(make_factors(spec, 6, rng))
+    ntkcore.gram(j, mode="trace", progress=True)
+    ntkcore.gram(j, mode="trace", progress="tqdm")
+    assert "tile" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+def test_validation_errors(rng):
+    spec = {"O": 2, "blocks": [("kron", 2, 3, 4), ("dense", 5)]}
+    f = make_factors(spec, 4, rng)
+    j = to_jacobian_np(f)
+    with pytest.raises(ValueError, match="mode"):
+        ntkcore.gram(j, mode="sum")
+    with pytest.raises(TypeError, match="layerwise"):
+        ntkcore.gram(j, layerwise="yes")
+    with pytest.raises(TypeError, match="J1"):
+        ntkcore.gram(np.ones((3, 2, 4)))
+    with pytest.raises(TypeError, match="J2"):
+        ntkcore.gram(j, np.ones((3, 2, 4)))
+    with pytest.raises(ValueError, match="max_memory"):
+        ntkcore.gram(j, max_memory="lots")
+    with pytest.raises(ValueError, match="max_memory"):
+        ntkcore.gram(j, max_memory=-5)
+    with pytest.raises(TypeError, match="dtype"):
+        ntkcore.gram(j, dtype=np.int64)
+    with pytest.raises(ValueError, match="dtype"):
+        ntkcore.gram(j, dtype="float99")
+    with pytest.raises(TypeError, match="progress"):
+        ntkcore.gram(j, progress=3)
+    with pytest.raises(ValueError, match="strategy"):
+        plan_gram(j, strategy="magic")
+
+    a, g = f[0][1], f[0][2]
+    other_names = ntkcore.Jacobian([ntkcore.KroneckerBlock(a, g, name="b0"),
+                                    ntkcore.DenseBlock(f[1][1], name="fc")])
+    with pytest.raises(ValueError, match="'b1'"):
+        ntkcore.gram(j, other_names)
+    kinds = ntkcore.Jacobian([ntkcore.DenseBlock(np.ones((3, 2, 12)), name="b0"),
+                              ntkcore.DenseBlock(np.ones((3, 2, 5)), name="b1")])
+    with pytest.raises(ValueError, match=r"'b0'.*KroneckerBlock.*DenseBlock"):
+        ntkcore.gram(j, kinds)
+    shapes = ntkcore.Jacobian([ntkcore.KroneckerBlock(np.ones((3, 2, 4)), np.ones((3, 2, 2, 3)),
+                                                      name="b0"),
+                               ntkcore.DenseBlock(np.ones((3, 2, 5)), name="b1")])
+    with pytest.raises(ValueError, match=r"'b0'.*d_in"):
+        ntkcore.gram(j, shapes)
+    params = ntkcore.Jacobian([ntkcore.KroneckerBlock(a[:3], g[:3], name="b0"),
+                               ntkcore.DenseBlock(np.ones((3, 2, 6)), name="b1")])
+    with pytest.raises(ValueError, match=r"'b1'.*P_b"):
+        ntkcore.gram(j, params)
+    outputs = ntkcore.Jacobian([ntkcore.KroneckerBlock(a[:, :, :1], g[..., :1, :], name="b0")])
+    with pytest.raises(ValueError, match="O="):
+        ntkcore.gram(ntkcore.Jacobian([j.blocks[0]]), outputs)
+    with pytest.raises(ValueError, match="blocks"):
+        ntkcore.gram(j, ntkcore.Jacobian([j.blocks[0]]))
+
+
+def test_mixed_libraries_rejected(rng):
+    torch = pytest.importorskip("torch")
+    j = to_jacobian_np(make_factors({"O": 1, "blocks": [("dense", 3)]}, 3, rng))
+    jt = ntkcore.Jacobian([ntkcore.DenseBlock(torch.ones((2, 1, 3), dtype=torch.float64),
+                                              name="b0")])
+    with pytest.raises(TypeError, match="J2"):
+        ntkcore.gram(j, jt)
+
+
+def test_tiny_budget_warns_and_still_computes(rng):
+    spec = {"O": 1, "blocks": [("kron", 2, 3, 3)]}
+    f = make_factors(spec, 3, rng)
+    j = to_jacobian_np(f)
+    with pytest.warns(ResourceWarning, match="max_memory"):
+        k = ntkcore.gram(j, mode="trace", max_memory=8)
+    np.testing.assert_allclose(k, reference(f, f, "trace"), rtol=1e-12)
+
+
+def test_inputs_not_mutated(rng):
+    spec = {"O": 2, "blocks": [("kron", 2, 3, 3), ("dense", 4)]}
+    f = make_factors(spec, 5, rng)
+    copies = [tuple(x.copy() if not isinstance(x, str) else x for x in b) for b in f]
+    j = to_jacobian_np(f)
+    ntkcore.gram(j, mode="full", max_memory=2_000, dtype="float32")
+    for b, c in zip(f, copies, strict=True):
+        for x, y in zip(b[1:], c[1:], strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd (KIP-style: gradients flow through the kernel into the factors)
+# ---------------------------------------------------------------------------------------------
+def test_torch_gradient_through_gram(rng):
+    torch = pytest.importorskip("torch")
+    a = torch.tensor(rng.standard_normal((5, 3, 4)), requires_grad=True)
+    g = torch.tensor(rng.standard_normal((5, 3, 2, 3)))
+    j = ntkcore.Jacobian([ntkcore.KroneckerBlock(a, g)])
+    loss = (ntkcore.gram(j, mode="full", max_memory=3_000) ** 2).sum()
+    (grad,) = torch.autograd.grad(loss, a)
+    a2 = a.detach().clone().requires_grad_(True)
+    dense = torch.einsum("nsoi,nsj->noij", g, a2).reshape(5, 2, -1)
+    ref_loss = (torch.einsum("nok,mpk->nmop", dense, dense) ** 2).sum()
+    (ref,) = torch.autograd.grad(ref_loss, a2)
+    np.testing.assert_allclose(grad.numpy(), ref.numpy(), rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory budgets
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "nbytes"), [
+    ("2GB", 2 * 10**9), ("2 gb", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)), ("512MiB", 512 << 20),
+    ("512M", 512 * 10**6), ("100kB", 100_000), ("3KiB", 3072), ("1e9", 10**9), ("64B", 64),
+    ("1T", 10**12), (12345, 12345), (2.5e6, 2_500_000),
+])
+def test_parse_memory(text, nbytes):
+    assert parse_memory(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "2 parsecs", "-1GB", "0", 0, -3, float("nan"),
+                                 float("inf"), "1e999"])
+def test_parse_memory_rejects(bad):
+    with pytest.raises(ValueError, match="max_memory"):
+        parse_memory(bad)
+
+
+@pytest.mark.parametrize("bad", [None, True, [1], object()])
+def test_parse_memory_type_errors(bad):
+    with pytest.raises(TypeError, match="budget"):
+        parse_memory(bad, "budget")
+
+
+def test_default_budget():
+    class Known:
+        def free_memory(self, device):
+            return 8 * 2**30
+
+    class Unknown:
+        def free_memory(self, device):
+            return None
+
+    assert default_budget(Known(), None) == int(8 * 2**30 * DEFAULT_FRACTION)
+    assert default_budget(Unknown(), None) == 1 << 30
+    assert default_budget(Known(), None, fraction=0.5) == 4 * 2**30
