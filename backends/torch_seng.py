@@ -1,0 +1,530 @@
+r"""SENG: the sketchy empirical natural gradient optimizer for PyTorch.
+
+For every layer (block) :math:`b` SENG moves along the damped empirical natural gradient
+
+.. math::
+
+    (\lambda I + \tfrac{1}{N} U_b U_b^\top)\, d_b = g_b ,\qquad
+    d_b = \frac{1}{\lambda}\bigl(g_b - U_b c_b\bigr),\qquad
+    (\lambda I + \tfrac{1}{N} U_b^\top U_b)\, c_b = \tfrac{1}{N} U_b^\top g_b ,
+
+where the columns of :math:`U_b` (P_b x N) are the per-sample loss gradients of the batch and
+:math:`g_b` the (mean) gradient plus weight decay.  The N x N system is assembled in float64 and
+factored by Cholesky (``ntkcore.solve.SMWSolver``); with ``sketch`` its Gram and right-hand side
+use a row sketch of the P_b dimension (:math:`\Omega_A \otimes \Omega_G` for Kronecker
+layers, see ``ntkcore.sketch.sketch_jacobian``).
+
+Per-sample gradients come from the ONE backward of the batch loss that the user runs anyway:
+
+* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1): forward hooks keep the layer input
+  (unfolded into patches for convolutions) and a hook on the layer output keeps
+  :math:`\partial L / \partial y`; with a mean-reduced loss that is
+  :math:`\tfrac{1}{N}\partial \ell_n / \partial y_n`, so the per-sample gradient is the
+  Kronecker block with ``a`` = inputs (plus a ones column for the bias) and
+  ``g = N * dL/dy``.  It is never materialised.
+* every other trainable parameter (norm layers, embeddings, grouped convolutions, ...) gets
+  dense per-sample gradients from ``torch.func``: the output gradient
+  :math:`\partial \ell_n / \partial f(x_n)` is captured at the model output and pulled back per
+  sample with ``vmap(vjp)``.  This needs a model whose samples do not interact (no BatchNorm in
+  training mode) and whose positional tensor arguments all lead with the batch axis.
+
+The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
+steps from the batch of that step; in between, only the cheap products
+:math:`U_b^\top g_b` and :math:`U_b c_b` are recomputed for the new gradient.
+
+Distributed (``torch.distributed``, e.g. with ``DistributedDataParallel``): the gradient is
+averaged across workers (by DDP), every worker solves with its own samples, and the directions
+are averaged with one ``all_reduce`` (the block-diagonal-over-workers variant of the SENG
+paper).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.sketch import SketchSpec, _sub_seed
+from ntkcore.sketch import low_rank as _low_rank
+from ntkcore.solve import SMWSolver
+
+__all__ = ["SENG"]
+
+_STRUCTURED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass
+class _Unit:
+    """One factored layer: weight (d_out, d_in) [+ bias] -> a Kronecker block."""
+
+    name: str
+    module: nn.Module
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def flat_grad(self, wd: float) -> torch.Tensor:
+        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,)."""
+        w = self.weight
+        gw = _grad(w).reshape(w.shape[0], -1)
+        if wd:
+            gw = gw + wd * w.detach().reshape(w.shape[0], -1)
+        if self.bias is not None:
+            gb = _grad(self.bias)
+            if wd:
+                gb = gb + wd * self.bias.detach()
+            gw = torch.cat([gw, gb[:, None]], dim=1)
+        return gw.reshape(-1)
+
+    def split(self, d: torch.Tensor) -> list[torch.Tensor]:
+        w = self.weight
+        mat = d.reshape(w.shape[0], -1)
+        if self.bias is None:
+            return [mat.reshape(w.shape)]
+        return [mat[:, :-1].reshape(w.shape), mat[:, -1].reshape(self.bias.shape)]
+
+
+@dataclass
+class _DenseGroup:
+    """Trainable parameters of one module without Kronecker structure."""
+
+    name: str
+    names: list[str]
+    params: list[nn.Parameter]
+
+    def flat_grad(self, wd: float) -> torch.Tensor:
+        parts = []
+        for p in self.params:
+            g = _grad(p)
+            if wd:
+                g = g + wd * p.detach()
+            parts.append(g.reshape(-1))
+        return torch.cat(parts)
+
+    def split(self, d: torch.Tensor) -> list[torch.Tensor]:
+        out, start = [], 0
+        for p in self.params:
+            out.append(d[start:start + p.numel()].reshape(p.shape))
+            start += p.numel()
+        return out
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad.detach()
+
+
+def _inside_functorch(x: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(x)) if check is not None else False
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel / DataParallel wrappers."""
+    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+        model = model.module
+    return model
+
+
+class SENG(torch.optim.Optimizer):
+    r"""Sketchy empirical natural gradient (layer-wise SMW with Cholesky), one backward per step.
+
+    Parameters
+    ----------
+    params_or_model : nn.Module or iterable of parameters / parameter groups
+        A module (its trainable parameters are optimised), or parameters together with
+        ``model=``.  Hooks are installed on the model's layers.
+    lr : float
+        Step size :math:`\alpha`: :math:`\theta \leftarrow \theta - \alpha\, m`.
+    damping : float
+        :math:`\lambda > 0` (per parameter group; see also ``damping_schedule``).
+    model : nn.Module, optional
+        Required when ``params_or_model`` is not a module.  May be wrapped in
+        ``DistributedDataParallel``.
+    sketch : {"uniform", "leverage", "gaussian", "sparse_sign"} or None
+        Sketch the parameter rows of layers with more than ``sketch_size`` parameters.
+    sketch_size : int
+        Rows q per sketched layer (split q_A x q_G over the Kronecker factors).
+    update_freq : int
+        Refresh the curvature (per-sample factors and Cholesky factor) every this many steps.
+    momentum : float
+        Heavy-ball momentum on the direction: :math:`m \leftarrow \mu m + d`.
+    weight_decay : float
+        Added to the gradient before preconditioning (:math:`g + w\theta`).
+    damping_schedule : callable, optional
+        ``damping_schedule(step) -> float`` overrides ``damping`` (the small system is
+        refactored, not recomputed, when the value changes).
+    loss_reduction : {"mean", "sum"}
+        How the loss reduces over the batch; per-sample gradients are ``N * dL/dy`` for
+        "mean" and ``dL/dy`` for "sum".
+    low_rank : int, optional
+        Compress Kronecker layers with more than this many positions (convolutions) to rank
+        ``low_rank`` per-sample gradients (SENG's implicit mode, ``ntkcore.sketch.low_rank``).
+    distributed : {"auto", True, False}
+        Average directions over ``torch.distributed`` workers (auto: when initialised with
+        more than one worker).
+    seed : int, optional
+        Seed of the sketches (the k-th refresh uses a seed derived from it and k).
+
+    Notes
+    -----
+    Usage is that of any optimizer: ``opt.zero_grad(); loss = crit(model(x), y);
+    loss.backward(); opt.step()``.  On refresh steps the forward and backward must run after the
+    previous ``step()`` (the hooks capture only while a refresh is due and autograd is
+    enabled); the last forward before ``step()`` is the one used.  ``state_dict()`` stores the
+    step counter, momentum buffers and the current curvature factors, so a loaded optimizer
+    continues exactly.
+    """
+
+    def __init__(self, params_or_model: Any, lr: float = 0.05, damping: float = 1.0, *,
+                 model: nn.Module | None = None, sketch: str | None = None,
+                 sketch_size: int = 256, update_freq: int = 1, momentum: float = 0.0,
+                 weight_decay: float = 0.0,
+                 damping_schedule: Callable[[int], float] | None = None,
+                 loss_reduction: str = "mean", low_rank: int | None = None,
+                 distributed: str | bool = "auto", seed: int | None = 0) -> None:
+        if isinstance(params_or_model, nn.Module):
+            if model is not None and model is not params_or_model:
+                raise ValueError("pass the model either as the first argument or as model=")
+            model = params_or_model
+            params: Any = [p for p in model.parameters() if p.requires_grad]
+        else:
+            if model is None:
+                raise TypeError("SENG needs the model (to capture per-sample gradients): "
+                                "SENG(model, ...) or SENG(params, ..., model=model)")
+            params = params_or_model
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be positive and finite; got {lr}")
+        if not (damping > 0 and math.isfinite(damping)):
+            raise ValueError(f"damping must be positive and finite; got {damping}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1); got {momentum}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be non-negative; got {weight_decay}")
+        if int(update_freq) != update_freq or update_freq < 1:
+            raise ValueError(f"update_freq must be a positive integer; got {update_freq}")
+        if sketch is not None and sketch not in ("uniform", "leverage", "gaussian",
+                                                 "sparse_sign"):
+            raise ValueError("sketch must be None, 'uniform', 'leverage', 'gaussian' or "
+                             f"'sparse_sign'; got {sketch!r}")
+        if int(sketch_size) != sketch_size or sketch_size < 1:
+            raise ValueError(f"sketch_size must be a positive integer; got {sketch_size}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
+        if low_rank is not None and (int(low_rank) != low_rank or low_rank < 1):
+            raise ValueError(f"low_rank must be None or a positive integer; got {low_rank}")
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.model = model
+        self.sketch = sketch
+        self.sketch_size = int(sketch_size)
+        self.update_freq = int(update_freq)
+        self.damping_schedule = damping_schedule
+        self.loss_reduction = loss_reduction
+        self.low_rank = None if low_rank is None else int(low_rank)
+        self.distributed = distributed
+        self.seed = seed
+        self._step = 0
+        self._refreshes = 0
+        self._solvers: dict[str, SMWSolver] = {}
+        self._curvature: dict[str, Jacobian] = {}
+        self._sketch_seeds: dict[str, int | None] = {}
+        self._root_calls: list[dict[str, Any]] = []
+        self._suspended = False
+        self._build_units()
+        self._install_hooks()
+
+    # -- structure ------------------------------------------------------------------------
+    def _group_of(self) -> dict[int, dict[str, Any]]:
+        return {id(p): g for g in self.param_groups for p in g["params"]}
+
+    def _build_units(self) -> None:
+        inner = _unwrap(self.model)
+        owned = self._group_of()
+        self.units: list[_Unit] = []
+        self.dense: list[_DenseGroup] = []
+        covered: set[int] = set()
+        for name, mod in inner.named_modules():
+            if not isinstance(mod, _STRUCTURED) or getattr(mod, "groups", 1) != 1:
+                continue
+            w, b = mod.weight, mod.bias
+            if id(w) not in owned or (b is not None and id(b) not in owned):
+                continue
+            self.units.append(_Unit(name or "<root>", mod, w, b))
+            covered.update({id(w)} | ({id(b)} if b is not None else set()))
+        by_module: dict[str, _DenseGroup] = {}
+        for pname, p in inner.named_parameters():
+            if id(p) in owned and id(p) not in covered:
+                mname = pname.rpartition(".")[0] or "<root>"
+                grp = by_module.setdefault(mname, _DenseGroup(mname, [], []))
+                grp.names.append(pname)
+                grp.params.append(p)
+                covered.add(id(p))
+        self.dense = list(by_module.values())
+        missing = [p for g in self.param_groups for p in g["params"] if id(p) not in covered]
+        if missing:
+            raise ValueError(f"{len(missing)} optimised parameter(s) do not belong to the model")
+
+    def _install_hooks(self) -> None:
+        inner = _unwrap(self.model)
+        self._handles = [inner.register_forward_pre_hook(self._root_pre_hook)]
+        if self.dense:
+            self._handles.append(inner.register_forward_hook(self._root_hook))
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit)))
+
+    def remove_hooks(self) -> None:
+        """Detach the optimizer's hooks from the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _capturing(self, x: Any = None) -> bool:
+        # (a deep copy of a hooked model carries hooks bound to a stripped optimizer copy)
+        if getattr(self, "_suspended", True) or not torch.is_grad_enabled():
+            return False
+        if isinstance(x, torch.Tensor) and _inside_functorch(x):
+            return False  # forwards inside torch.func transforms (vmap, grad) are not batches
+        return self._step % self.update_freq == 0 or not self._solvers
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._capturing(args[0] if args else None):
+            for unit in self.units:
+                unit.calls = []
+            self._root_calls = []
+
+    def _root_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if (not isinstance(out, torch.Tensor) or not out.requires_grad
+                or not self._capturing(out)):
+            return
+        rec: dict[str, Any] = {"args": tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                                             for a in args), "gy": None}
+
+        def keep(grad: torch.Tensor) -> None:
+            rec["gy"] = grad.detach()
+
+        out.register_hook(keep)
+        self._root_calls = [rec]
+
+    def _make_unit_hook(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            if not self._capturing(out):
+                return
+            rec: dict[str, Any] = {"x": args[0].detach(), "gy": None}
+
+            def keep(grad: torch.Tensor) -> None:
+                rec["gy"] = grad.detach()
+
+            out.register_hook(keep)
+            unit.calls.append(rec)
+
+        return hook
+
+    # -- per-sample factors ---------------------------------------------------------------
+    def _unit_block(self, unit: _Unit) -> KroneckerBlock:
+        calls = [c for c in unit.calls if c["gy"] is not None]
+        if not calls:
+            raise RuntimeError(
+                f"SENG has no captured gradients for layer {unit.name!r}: on a curvature "
+                "refresh step run the forward and backward (with autograd enabled) after the "
+                "previous step() and before this one")
+        mod = unit.module
+        a_parts, g_parts = [], []
+        for c in calls:
+            x, gy = c["x"], c["gy"]
+            n = x.shape[0]
+            if isinstance(mod, nn.Linear):
+                a = x.reshape(n, -1, x.shape[-1])
+                g = gy.reshape(n, -1, gy.shape[-1])
+            else:
+                from .torch_jacobian import _conv_patches
+
+                a = _conv_patches(mod, x)  # (N, L, C_in * prod(k))
+                g = gy.reshape(n, gy.shape[1], -1).transpose(1, 2)  # (N, L, C_out)
+            if unit.bias is not None:
+                a = torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
+            a_parts.append(a)
+            g_parts.append(g)
+        a = torch.cat(a_parts, dim=1) if len(a_parts) > 1 else a_parts[0]
+        g = torch.cat(g_parts, dim=1) if len(g_parts) > 1 else g_parts[0]
+        if self.loss_reduction == "mean":
+            g = g * a.shape[0]
+        return KroneckerBlock(a.contiguous(), g[:, :, None, :].contiguous(), unit.name)
+
+    def _dense_blocks(self) -> list[DenseBlock]:
+        if not self.dense:
+            return []
+        rec = self._root_calls[0] if self._root_calls else None
+        if rec is None or rec["gy"] is None:
+            raise RuntimeError("SENG has no captured model-output gradient for the layers "
+                               f"without Kronecker structure ({[g.name for g in self.dense]}); "
+                               "run the forward and backward before step()")
+        from torch.func import functional_call, vjp, vmap
+
+        inner = _unwrap(self.model)
+        base = {k: v.detach() for k, v in inner.named_parameters()}
+        base.update({k: v.detach() for k, v in inner.named_buffers()})
+        names = [n for grp in self.dense for n in grp.names]
+        fb = {n: base[n] for n in names}
+        args = rec["args"]
+        batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
+
+        def one(e_n: torch.Tensor, *args_n: Any) -> dict[str, torch.Tensor]:
+            def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+                full = {**base, **p}
+                xs = tuple(a[None] if isinstance(a, torch.Tensor) else a for a in args_n)
+                return functional_call(inner, full, xs)[0]
+
+            _, pull = vjp(f, fb)
+            return pull(e_n)[0]
+
+        per_sample = vmap(one, in_dims=(0, *batched))(rec["gy"], *args)
+        n = rec["gy"].shape[0]
+        scale = n if self.loss_reduction == "mean" else 1.0
+        blocks = []
+        for grp in self.dense:
+            flat = torch.cat([per_sample[k].reshape(n, -1) for k in grp.names], dim=1)
+            blocks.append(DenseBlock((flat * scale)[:, None, :], grp.name))
+        return blocks
+
+    def _damping(self, group: dict[str, Any]) -> float:
+        if self.damping_schedule is not None:
+            value = float(self.damping_schedule(self._step))
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"damping_schedule({self._step}) returned {value}; "
+                                 "damping must be positive and finite")
+            return value
+        return float(group["damping"])
+
+    def _build_solver(self, name: str, block: Any, damping: float) -> SMWSolver:
+        jac = Jacobian([block])
+        spec = None
+        if self.sketch is not None and jac.num_params > self.sketch_size:
+            spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
+        return SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
+                         gram_dtype="wide")
+
+    def _refresh(self) -> None:
+        groups = self._group_of()
+        self._refreshes += 1
+        self._curvature = {}
+        blocks: list[tuple[str, Any, dict[str, Any]]] = []
+        for unit in self.units:
+            block: Any = self._unit_block(unit)
+            if self.low_rank is not None:
+                block, _err = _low_rank(block, self.low_rank)
+            blocks.append((unit.name, block, groups[id(unit.weight)]))
+        self._suspended = True  # the torch.func forwards below must not be captured
+        try:
+            dense_blocks = self._dense_blocks()
+        finally:
+            self._suspended = False
+        for grp, block in zip(self.dense, dense_blocks, strict=True):
+            blocks.append(("dense:" + grp.name, block, groups[id(grp.params[0])]))
+        self._solvers = {}
+        for i, (name, block, group) in enumerate(blocks):
+            self._curvature[name] = block
+            self._sketch_seeds[name] = _sub_seed(self.seed, self._refreshes, i)
+            self._solvers[name] = self._build_solver(name, block, self._damping(group))
+        for unit in self.units:
+            unit.calls = []
+        self._root_calls = []
+
+    def _world(self) -> int:
+        if self.distributed is False:
+            return 1
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.distributed is True:
+                raise RuntimeError("distributed=True but torch.distributed is not initialised")
+            return 1
+        return dist.get_world_size()
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SENG step (refreshing the curvature first when due); returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._step % self.update_freq == 0 or not self._solvers:
+            self._refresh()
+        groups = self._group_of()
+        owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
+        owners += [("dense:" + g.name, g) for g in self.dense]
+        directions: list[torch.Tensor] = []
+        for name, owner in owners:
+            group = groups[id(owner.params[0])]
+            solver = self._solvers[name]
+            solver.set_damping(self._damping(group))
+            g = owner.flat_grad(group["weight_decay"])
+            directions.append(solver.solve(g))
+        world = self._world()
+        if world > 1:
+            flat = torch.cat(directions)
+            torch.distributed.all_reduce(flat)
+            flat /= world
+            directions = list(torch.split(flat, [d.numel() for d in directions]))
+        for (_name, owner), d in zip(owners, directions, strict=True):
+            for p, dp in zip(owner.params, owner.split(d), strict=True):
+                group = groups[id(p)]
+                mu = group["momentum"]
+                if mu:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = dp.clone()
+                    else:
+                        buf.mul_(mu).add_(dp)
+                    dp = buf
+                p.add_(dp.to(p.dtype), alpha=-group["lr"])
+        self._step += 1
+        return loss
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        curvature = {}
+        for name, block in self._curvature.items():
+            curvature[name] = {k: v.detach().clone() for k, v in zip(
+                ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
+                strict=True)}
+        sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
+                      "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("seng", None)
+        super().load_state_dict(state_dict)
+        if extra is None:
+            return
+        self._step = int(extra["step"])
+        self._refreshes = int(extra["refreshes"])
+        self._sketch_seeds = dict(extra["sketch_seeds"])
+        groups = self._group_of()
+        dev_of = {u.name: u.weight for u in self.units}
+        dev_of.update({"dense:" + g.name: g.params[0] for g in self.dense})
+        self._curvature, self._solvers = {}, {}
+        for name, arrays in extra["curvature"].items():
+            like = dev_of[name]
+            if "jac" in arrays:
+                block: Any = DenseBlock(arrays["jac"].to(like.device), name.split(":", 1)[1])
+            else:
+                block = KroneckerBlock(arrays["a"].to(like.device), arrays["g"].to(like.device),
+                                       name)
+            self._curvature[name] = block
+            self._solvers[name] = self._build_solver(name, block, self._damping(groups[id(like)]))
