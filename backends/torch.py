@@ -117,3 +117,13 @@ class TorchGenerator:
 
 # The Jacobian provider lives in its own module; re-exported as ntkcore.backends.torch.jacobian.
 from .torch_jacobian import from_block_order, jacobian, to_block_order  # noqa: E402, F401
+
+
+def __getattr__(name: str) -> Any:
+    # SENG is imported lazily (it imports ntkcore.solve, which must not be imported while this
+    # backend module is still initialising).
+    if name == "SENG":
+        from .torch_seng import SENG
+
+        return SENG
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
