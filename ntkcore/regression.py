@@ -213,6 +213,8 @@ def kernel_regression(
     *,
     reg: float = 0.0,
     jitter: str | float | None = "auto",
+    solver: str = "cholesky",
+    **cg_options: Any,
 ) -> Array:
     r"""Kernel (ridge) regression predictions :math:`K_* (K + \lambda I)^{-1} y`.
 
@@ -228,13 +230,29 @@ def kernel_regression(
         Ridge :math:`\lambda \ge 0`.
     jitter : "auto", float or None
         Jitter policy when the Cholesky factorisation fails.
+    solver : {"cholesky", "cg"}, default "cholesky"
+        ``"cg"``: preconditioned conjugate gradients (:func:`ntkcore.cg_solve`), which needs
+        only products with ``k_train``: it may then also be a dask array or a linear operator
+        (e.g. :class:`ntkcore.KernelOperator`), and ``k_test_train`` a dask array or an
+        operator.  Warns :class:`ntkcore.ConvergenceWarning` if the tolerance is not reached.
+    **cg_options
+        For ``solver="cg"`` only: ``tol``, ``maxiter``, ``preconditioner`` ("nystrom",
+        "pivoted_cholesky", None), ``rank``, ``seed``, ``x0``, ``callback``.
 
     Returns
     -------
     array, shape (M,) or (M, K)
         Predictions in the inputs' namespace, device and dtype; differentiable with respect
-        to all three arrays under torch/jax autograd.
+        to all three arrays under torch/jax autograd (Cholesky solver).
     """
+    if solver == "cg":
+        from .cg import cg_kernel_regression
+
+        return cg_kernel_regression(k_train, y_train, k_test_train, reg=reg, **cg_options)
+    if solver != "cholesky":
+        raise ValueError(f"solver must be 'cholesky' or 'cg'; got {solver!r}")
+    if cg_options:
+        raise TypeError(f"options {sorted(cg_options)} apply only to solver='cg'")
     return KernelRidge(reg=reg, jitter=jitter).fit(k_train, y_train).predict(k_test_train)
 
 

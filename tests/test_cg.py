@@ -403,3 +403,20 @@ def test_kernel_operator_bad_arguments(rng):
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="v is a torch"):
         op.matmat(torch.zeros((10, 1), dtype=torch.float64))
+
+
+def test_kernel_regression_solver_cg(backend, rng):
+    skip_slow_jax(backend)
+    n, m, reg = 40, 6, 1e-2
+    k_all = rbf_kernel(rng, n + m)
+    k, ks = backend.asarray(k_all[:n, :n]), backend.asarray(k_all[n:, :n])
+    y = backend.asarray(rng.standard_normal(n))
+    chol = ntkcore.kernel_regression(k, y, ks, reg=reg)
+    it = ntkcore.kernel_regression(k, y, ks, reg=reg, solver="cg", tol=1e-11, rank=15)
+    assert backend.is_native(it)
+    np.testing.assert_allclose(backend.to_numpy(it), backend.to_numpy(chol), rtol=1e-7,
+                               atol=1e-9)
+    with pytest.raises(ValueError, match="solver"):
+        ntkcore.kernel_regression(k, y, ks, solver="lu")
+    with pytest.raises(TypeError, match="only to solver='cg'"):
+        ntkcore.kernel_regression(k, y, ks, tol=1e-3)

@@ -1,0 +1,162 @@
+r"""Solvers on dask kernels: blocked Cholesky, and a product-only operator for CG.
+
+Blocked Cholesky (for kernels that fit the cluster's memory, not one machine's):
+
+.. math:: L L^\top = K + \lambda I, \quad z = L^{-1} y, \quad \alpha = L^{-\top} z, \quad
+          \hat f = K_* \alpha .
+
+``dask.array.linalg.cholesky`` returns the *upper* factor unless ``lower=True`` is passed; we
+ask for the lower one explicitly and solve with ``lower=True`` then with its transpose
+(``lower=False``).  The factor is persisted on the workers so that the two solves do not
+factorise twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+import dask.array as da
+import numpy as np
+
+from ..cg import LinearOperator
+from ..errors import NotPositiveDefiniteError
+from ._ntk import _to_numpy
+
+
+def to_local(x: Any) -> np.ndarray:
+    """Compute a (small) dask array into host memory."""
+    return np.asarray(x.compute()) if hasattr(x, "compute") else _to_numpy(x)
+
+
+def _back(xp: Any, host: np.ndarray, like: Any) -> Any:
+    if isinstance(like, np.ndarray):
+        return host
+    return xp.asarray(host, dtype=like.dtype, device=array_api_compat.device(like))
+
+
+class DaskMatrixOperator(LinearOperator):
+    """A square dask array as a linear operator for :func:`ntkcore.cg_solve`.
+
+    Each product ``K @ V`` is one Dask computation (tiles read from Zarr, or recomputed from
+    the graph, or taken from worker memory after ``persist``); ``V`` and the result are small
+    (N, k) host arrays converted to and from the namespace of ``V``.
+
+    Parameters
+    ----------
+    k : dask.array.Array, shape (N, N)
+    persist : bool, default False
+        ``k.persist()`` first (keeps every tile in the workers' memory: only when it fits).
+    """
+
+    def __init__(self, k: da.Array, *, persist: bool = False) -> None:
+        if k.ndim != 2:
+            raise ValueError(f"k must have shape (N, N); got shape {tuple(k.shape)}")
+        self.k = k.persist() if persist else k
+        self.shape = (int(k.shape[0]), int(k.shape[1]))
+        self.dtype = k.dtype
+
+    def matmat(self, v: Any) -> Any:
+        xp = array_api_compat.array_namespace(v)
+        host = _to_numpy(v)
+        vd = da.from_array(host, chunks=(self.k.chunks[1], host.shape[1]))
+        out = np.asarray((self.k @ vd).compute())
+        return _back(xp, out.astype(host.dtype, copy=False), v)
+
+    def matvec(self, v: Any) -> Any:
+        return self.matmat(v[:, None])[:, 0]
+
+    def columns(self, idx: list[int], like: Any) -> Any:
+        xp = array_api_compat.array_namespace(like)
+        out = np.asarray(self.k[:, list(idx)].compute()).astype(_to_numpy(like).dtype)
+        return _back(xp, out, like)
+
+    def diagonal(self, like: Any) -> Any:
+        xp = array_api_compat.array_namespace(like)
+        out = np.asarray(da.diagonal(self.k).compute()).astype(_to_numpy(like).dtype)
+        return _back(xp, out, like)
+
+
+def cholesky_regression(
+    k_train: Any,
+    y_train: Any,
+    k_test_train: Any = None,
+    *,
+    reg: float = 0.0,
+    compute: bool = True,
+) -> Any:
+    r"""Kernel regression by blocked Cholesky on a dask kernel.
+
+    Parameters
+    ----------
+    k_train : dask.array.Array (or array), shape (N, N)
+        ``dask.array.linalg.cholesky`` needs equal square chunks: the kernel is rechunked to
+        its first row chunk c on both axes and padded to a multiple of c with an identity
+        block (which leaves the first N entries of the solution unchanged).
+    y_train : array, shape (N,) or (N, k)
+    k_test_train : dask.array.Array or array, shape (M, N), optional
+        Without it the dual coefficients :math:`\alpha` are returned.
+    reg : float
+        Ridge :math:`\lambda \ge 0`.
+    compute : bool, default True
+        Return NumPy arrays (and check the factorisation); ``False`` returns lazy dask arrays.
+
+    Returns
+    -------
+    array, shape (M,) / (M, k) predictions, or (N,) / (N, k) coefficients
+
+    Raises
+    ------
+    NotPositiveDefiniteError
+        The factorisation produced non-finite values (``K + reg I`` not positive definite).
+    """
+    k = k_train if isinstance(k_train, da.Array) else da.from_array(_to_numpy(k_train))
+    if k.ndim != 2 or k.shape[0] != k.shape[1]:
+        raise ValueError(f"k_train must be square (N, N); got shape {tuple(k.shape)}")
+    n = int(k.shape[0])
+    reg = float(reg)
+    if not np.isfinite(reg) or reg < 0:
+        raise ValueError(f"reg must be a finite non-negative number; got {reg}")
+    y = y_train if isinstance(y_train, da.Array) else da.from_array(_to_numpy(y_train))
+    if y.shape[0] != n:
+        raise ValueError(f"y_train has {y.shape[0]} rows but k_train is {n} x {n}")
+    # dask's blocked Cholesky needs equal square chunks: pad K to a multiple of the chunk
+    # with an identity block, [[K + reg I, 0], [0, I]], and y with zeros; alpha[:N] is exact
+    c = int(k.chunks[0][0])
+    pad = (-n) % c
+    a = k + reg * da.eye(n, chunks=c, dtype=k.dtype) if reg else k
+    yy = y
+    if pad:
+        zeros = da.zeros((n, pad), chunks=c, dtype=k.dtype)
+        a = da.block([[a, zeros], [zeros.T, da.eye(pad, chunks=c, dtype=k.dtype)]])
+        yy = da.concatenate([y, da.zeros((pad, *y.shape[1:]), dtype=y.dtype)], axis=0)
+    a = a.rechunk((c, c))
+    yy = yy.rechunk((c, *yy.shape[1:]))
+    lower = da.linalg.cholesky(a, lower=True)
+    if compute:
+        lower = lower.persist()  # factor once for both triangular solves
+    z = da.linalg.solve_triangular(lower, yy, lower=True)
+    alpha = da.linalg.solve_triangular(lower.T, z, lower=False)[:n]
+    if compute:
+        try:
+            alpha_np = np.asarray(alpha.compute())
+        except np.linalg.LinAlgError as exc:  # a block factorisation failed on a worker
+            raise NotPositiveDefiniteError(
+                f"k_train (+ reg={reg:g} I) is not positive definite (blocked Cholesky: "
+                f"{exc}); increase reg"
+            ) from exc
+        if not np.all(np.isfinite(alpha_np)):
+            raise NotPositiveDefiniteError(
+                f"k_train (+ reg={reg:g} I) is not numerically positive definite (the blocked "
+                "Cholesky factor has non-finite entries); increase reg"
+            )
+        if k_test_train is None:
+            return alpha_np
+        if isinstance(k_test_train, da.Array):
+            return np.asarray((k_test_train @ alpha_np).compute())
+        return _to_numpy(k_test_train) @ alpha_np
+    if k_test_train is None:
+        return alpha
+    kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
+        _to_numpy(k_test_train))
+    return kt @ alpha

@@ -1,0 +1,264 @@
+"""ntkcore.distributed on a 2-process LocalCluster: ntk_dask == ntk, Zarr round-trip and resume,
+blocked Cholesky and CG on dask kernels, and a worker killed mid-run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("dask")
+pytest.importorskip("distributed")
+pytest.importorskip("zarr")
+
+import cloudpickle
+import dask.array as da
+from distributed import Client, LocalCluster
+
+import ntkcore
+import ntkcore.distributed as nd
+from ntkcore.models import MLP
+from ntkcore.providers import register_provider
+
+# test-only models and providers travel to the worker processes by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                           memory_limit="1GiB", dashboard_address=None,
+                           silence_logs=logging.ERROR)
+    c = Client(cluster)
+    yield c
+    c.close()
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def net():
+    return MLP.random((3, 16, 16, 2), xp=np, seed=0, activation="tanh")
+
+
+def dense_reference(net, x1, x2, mode):
+    """Independent float64 reference: dense Jacobians and einsum."""
+    d1 = net.jacobian(x1).to_dense()
+    d2 = d1 if x2 is None else net.jacobian(x2).to_dense()
+    full = np.einsum("nop,mqp->nmoq", d1, d2)
+    if mode == "full":
+        return full
+    if mode == "trace":
+        return np.einsum("nmoo->nm", full)
+    return np.einsum("nmoo->nmo", full)
+
+
+@pytest.mark.parametrize("mode", ["trace", "full", "diagonal"])
+@pytest.mark.parametrize("with_x2", [False, True])
+def test_ntk_dask_matches_dense(client, net, mode, with_x2):
+    rng = np.random.default_rng(1)
+    x1 = rng.standard_normal((23, 3))
+    x2 = rng.standard_normal((10, 3)) if with_x2 else None
+    k = nd.ntk_dask(net, x1, x2, mode=mode, chunk=7, client=client)  # 7 does not divide 23
+    assert isinstance(k, da.Array)
+    assert k.chunks[0] == (7, 7, 7, 2)
+    got = k.compute()
+    ref = dense_reference(net, x1, x2, mode)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, np.asarray(ntkcore.ntk(net, x1, x2, mode=mode)),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_symmetric_kernel_computes_each_tile_once(client, net):
+    x = np.random.default_rng(2).standard_normal((20, 3))
+    k = nd.ntk_dask(net, x, chunk=5, client=client)
+    names = [key[0] if isinstance(key, tuple) else key for key in dict(k.__dask_graph__())]
+    n_tiles = sum(1 for name in names if str(name).startswith("_tile_task"))
+    n_jac = sum(1 for name in names if str(name).startswith("_remote_jacobian_task"))
+    assert n_tiles == 4 * 5 // 2  # upper triangle of a 4 x 4 tile grid
+    assert n_jac == 4
+    got = k.compute()
+    np.testing.assert_array_equal(got, got.T)
+
+
+def test_torch_model(client):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = model.double()
+    x = torch.randn(13, 3, dtype=torch.float64)
+    k = nd.ntk_dask(model, x, chunk=6, client=client).compute()
+    # independent reference: autograd Jacobian rows
+    params = list(model.parameters())
+    rows = []
+    for n in range(13):
+        for o in range(2):
+            grads = torch.autograd.grad(model(x[n:n + 1])[0, o], params)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    jd = torch.stack(rows).reshape(13, 2, -1).numpy()
+    np.testing.assert_allclose(k, np.einsum("nop,mop->nm", jd, jd), rtol=1e-10, atol=1e-12)
+
+
+def test_chunk_too_big_for_worker(client, net):
+    x = np.zeros((100_000, 3))
+    with pytest.raises(ValueError, match=r"chunk=50000 needs about .* use chunk <="):
+        nd.ntk_dask(net, x, chunk=50_000, client=client)
+
+
+def test_bad_arguments(client, net):
+    x = np.zeros((5, 3))
+    with pytest.raises(ValueError, match="mode"):
+        nd.ntk_dask(net, x, mode="pseudo", client=client)
+    with pytest.raises(ValueError, match="chunk"):
+        nd.ntk_dask(net, x, chunk=0, client=client)
+    with pytest.raises(ValueError, match="x2 samples have"):
+        nd.ntk_dask(net, x, np.zeros((5, 4)), client=client)
+    with pytest.raises(TypeError, match="client"):
+        nd.get_client(3)
+    with pytest.raises(TypeError, match="no Jacobian provider"):
+        nd.ntk_dask(object(), x, client=client)
+
+
+def test_zarr_round_trip_and_resume(client, net, tmp_path):
+    x = np.random.default_rng(3).standard_normal((22, 3))
+    store = tmp_path / "k.zarr"
+    ref = dense_reference(net, x, None, "trace")
+    k = nd.ntk_dask(net, x, chunk=6, client=client)  # 4 x 4 tiles, last ones partial
+    seen = []
+    status = nd.to_zarr(k, store, client=client, key="mlp-x3",
+                        progress=lambda d, t: seen.append((d, t)))
+    assert status.complete and status.tiles_total == 16
+    assert seen[-1] == (16, 16)
+    back = nd.read_zarr(store)
+    assert back.chunks == k.chunks
+    np.testing.assert_allclose(back.compute(), ref, rtol=1e-12, atol=1e-12)
+
+    # simulate an interrupted run: unmark 3 tiles and scribble over them
+    import zarr
+
+    done = zarr.open_array(store=str(store), path="done", mode="r+")
+    kern = zarr.open_array(store=str(store), path="kernel", mode="r+")
+    for i, j in [(0, 0), (1, 3), (3, 2)]:
+        done[i, j] = 0
+        kern[i * 6:(i + 1) * 6, j * 6:(j + 1) * 6] = -1.0
+    status = nd.zarr_status(store)
+    assert (status.tiles_done, status.complete) == (13, False)
+    with pytest.raises(ValueError, match="incomplete"):
+        nd.read_zarr(store)
+    # a finished tile that is NOT marked missing must not be recomputed: poison one
+    kern[6:12, 0:6] = 7.0
+    seen.clear()
+    status = nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="mlp-x3",
+                            progress=lambda d, t: seen.append((d, t)))
+    assert status.complete
+    assert seen[-1] == (3, 3)  # only the three missing tiles were computed
+    got = nd.read_zarr(store).compute()
+    np.testing.assert_array_equal(got[6:12, 0:6], 7.0)  # untouched
+    mask = np.ones_like(ref, dtype=bool)
+    mask[6:12, 0:6] = False
+    np.testing.assert_allclose(got[mask], ref[mask], rtol=1e-12, atol=1e-12)
+
+    with pytest.raises(ValueError, match="different kernel"):
+        nd.ntk_to_zarr(net, x, store=store, chunk=5, client=client, key="mlp-x3")
+    with pytest.raises(ValueError, match="different kernel"):
+        nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="other")
+    status = nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="other",
+                            overwrite=True)
+    np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(FileNotFoundError):
+        nd.zarr_status(tmp_path / "missing.zarr")
+
+
+def regression_problem(net, n=30, m=5, seed=4):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n + m, 3))
+    k_all = dense_reference(net, x, None, "trace")
+    y = rng.standard_normal((n, 2))
+    return x[:n], x[n:], k_all[:n, :n], k_all[n:, :n], y
+
+
+def test_blocked_cholesky_regression(client, net):
+    xtr, xte, k, ks, y = regression_problem(net)
+    reg = 1e-3
+    ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)
+    kd = nd.ntk_dask(net, xtr, chunk=8, client=client)
+    kt = nd.ntk_dask(net, xte, xtr, chunk=8, client=client)
+    pred = nd.cholesky_regression(kd, y, kt, reg=reg)
+    np.testing.assert_allclose(pred, ref, rtol=1e-7, atol=1e-9)
+    alpha = nd.cholesky_regression(kd, y[:, 0], reg=reg)
+    np.testing.assert_allclose(alpha, np.linalg.solve(k + reg * np.eye(len(k)), y[:, 0]),
+                               rtol=1e-7, atol=1e-7)
+    lazy = nd.cholesky_regression(kd, y, kt, reg=reg, compute=False)
+    assert isinstance(lazy, da.Array)
+    # indefinite matrix: clear error
+    bad = da.from_array(-np.eye(12), chunks=4)
+    with pytest.raises(ntkcore.NotPositiveDefiniteError):
+        nd.cholesky_regression(bad, np.ones(12))
+
+
+def test_cg_on_dask_kernel(client, net, tmp_path):
+    # every CG product is one Dask computation: keep the iteration count tiny
+    xtr, xte, k, ks, y = regression_problem(net, n=16, m=3)
+    reg = 0.1
+    ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)
+    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunk=8, client=client)
+    kd = nd.read_zarr(tmp_path / "k.zarr")
+    kt = nd.ntk_dask(net, xte, xtr, chunk=8, client=client)
+    for pc, rank in (("nystrom", 16), ("pivoted_cholesky", 6)):
+        pred = ntkcore.kernel_regression(kd, y, kt, reg=reg, solver="cg", tol=1e-10,
+                                         rank=rank, preconditioner=pc)
+        assert isinstance(pred, da.Array)  # a dask k_test_train gives a lazy result
+        np.testing.assert_allclose(pred.compute(), ref, rtol=1e-6, atol=1e-8)
+    torch = pytest.importorskip("torch")
+    alpha_t, report = ntkcore.cg_solve(kd, da.from_array(torch.tensor(y).numpy(), chunks=8),
+                                       reg=reg, tol=1e-10, rank=16)
+    assert report.converged and isinstance(alpha_t, np.ndarray)
+    alpha_t, _ = ntkcore.cg_solve(kd, torch.tensor(y), reg=reg, tol=1e-10, rank=16)
+    assert isinstance(alpha_t, torch.Tensor)
+    np.testing.assert_allclose(alpha_t.numpy(), np.linalg.solve(k + reg * np.eye(16), y),
+                               rtol=1e-7, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# faults: a worker process killed while tiles are being computed
+# ---------------------------------------------------------------------------------------------
+class SlowModel:
+    """An MLP whose Jacobian takes a while, so that a worker can be killed mid-task."""
+
+    def __init__(self, net, delay):
+        self.net = net
+        self.delay = delay
+
+
+def slow_jacobian(model, x, *, params=None, **_):
+    time.sleep(model.delay)
+    return model.net.jacobian(x)
+
+
+register_provider("slow-test-model", lambda m: type(m).__name__ == "SlowModel",
+                  lambda: slow_jacobian, first=True)
+
+
+def test_worker_killed_mid_run(client, net):
+    x = np.random.default_rng(5).standard_normal((24, 3))
+    ref = dense_reference(net, x, None, "trace")
+    k = nd.ntk_dask(SlowModel(net, 0.4), x, chunk=4, client=client)  # 6 Jacobian tasks
+    pids = client.run(os.getpid)
+    future = client.compute(k)
+    # wait until the cluster is busy computing, then kill one worker process outright
+    deadline = time.time() + 20
+    while time.time() < deadline and not any(client.processing().values()):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    _addr, victim_pid = sorted(pids.items())[0]
+    os.kill(victim_pid, signal.SIGKILL)
+    got = future.result(timeout=60)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert not future.cancelled()
+    # the killed process is gone (its nanny starts a fresh one)
+    assert victim_pid not in client.run(os.getpid).values()
