@@ -54,6 +54,21 @@ _TRIANGULAR = {
 }
 _DIFF = {"torch": "differentiable (autograd)", "jax": "differentiable (jax.grad)"}
 
+_CHOLESKY_SOLVE = {
+    "numpy": "scipy.linalg.cho_solve",
+    "torch": "torch.cholesky_solve",
+    "cupy": "cupyx.scipy.linalg (triangular solves)",
+    "jax": "jax.scipy.linalg (triangular solves)",
+    "array_api_strict": "xp.linalg.solve (generic)",
+}
+_GENERATOR = {
+    "numpy": "numpy PCG64",
+    "torch": "torch.Generator on the tensor's device",
+    "cupy": "cupy.random on the device",
+    "jax": "jax.random",
+    "array_api_strict": "host numpy PCG64 (generic)",
+}
+
 SUPPORT: dict[str, dict[str, Support]] = {
     "kernel_regression": _all(_TRIANGULAR, _DIFF),
     "KernelRidge": _all(_TRIANGULAR, _DIFF),
@@ -89,6 +104,25 @@ SUPPORT: dict[str, dict[str, Support]] = {
     "analysis.kernel_spectrum": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
     "analysis.effective_rank": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
     "analysis.trace_share": _all(),
+    # sketches and SMW (ntkcore/sketch.py, ntkcore/solve.py): pure array API; random numbers
+    # from backend.generator; Cholesky of the small system through the backend.
+    "smw_solve": _all(fast=_CHOLESKY_SOLVE,
+                      note={"numpy": "U^T U through BLAS syrk (matmul detects it)"}),
+    "natural_gradient": _all(fast=_CHOLESKY_SOLVE),
+    "sketch.uniform": _all(fast=_GENERATOR),
+    "sketch.leverage": _all(fast=_GENERATOR,
+                            note={b: "without replacement: systematic PPS (unbiased)"
+                                  for b in BACKENDS}),
+    "sketch.gaussian": _all(fast=_GENERATOR),
+    "sketch.sparse_sign": _all(fast=_GENERATOR,
+                               note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS}),
+    "sketch.sketch_jacobian": _all(fast=_GENERATOR),
+    "sketch.low_rank": _all(fast={b: "xp.linalg.qr + xp.linalg.svd" for b in BACKENDS}),
+    # SENG optimizer (backends/torch_seng.py): torch only.
+    "backends.torch.SENG": _all(
+        fast={"torch": "hooks (Linear/Conv) + torch.func for the rest; torch.distributed"},
+        note={"torch": "CPU and CUDA"},
+        missing=("numpy", "cupy", "jax", "array_api_strict")),
 }
 
 
