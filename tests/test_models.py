@@ -317,6 +317,42 @@ def test_registered_provider(rng):
     assert ntkcore.models.MLP is MLP
 
 
+@pytest.mark.parametrize("case", ["numpy", "torch", "array_api_strict"])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_ntk_and_pseudo_ntk_accept_the_mlp(case, mode, rng):
+    """ntk()/pseudo_ntk() on the MLP (jax arrays are covered by the Jacobian test above and
+    by tests/test_jax_provider.py; the gram engine's own tests cover every backend)."""
+    from conftest import make_case
+
+    backend = make_case(case)
+    widths = (3, 6, 5, 2)
+    ws, bs = _np_weights(widths, rng)
+    x1, x2 = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
+    _, j1 = _torch_reference_jacobian(widths, ws, bs, x1, "tanh", "ntk")
+    _, j2 = _torch_reference_jacobian(widths, ws, bs, x2, "tanh", "ntk")
+    full = np.einsum("nop,mqp->nmoq", j1, j2)
+    ref = {"full": full, "trace": np.einsum("nmoo->nm", full),
+           "diagonal": np.einsum("nmoo->nmo", full)}[mode]
+    net = MLP([backend.asarray(w) for w in ws], [backend.asarray(b) for b in bs],
+              activation="tanh")
+    K = ntkcore.ntk(net, backend.asarray(x1), backend.asarray(x2), mode=mode)
+    assert backend.is_native(K)
+    np.testing.assert_allclose(backend.to_numpy(K), ref, rtol=1e-11, atol=1e-12)
+    if mode == "full":
+        Kp = ntkcore.pseudo_ntk(net, backend.asarray(x1), backend.asarray(x2))
+        np.testing.assert_allclose(backend.to_numpy(Kp), full.sum(axis=(2, 3)) / 2,
+                                   rtol=1e-11, atol=1e-12)
+        Kl = ntkcore.ntk(net, backend.asarray(x1), layerwise=True, mode="trace")
+        assert Kl.shape == (3, 5, 5)
+        _, j11 = _torch_reference_jacobian(widths, ws, bs, x1, "tanh", "ntk")
+        starts = np.cumsum([0, *net.block_sizes])
+        for l in range(3):
+            jl = j11[:, :, starts[l]:starts[l + 1]]
+            np.testing.assert_allclose(backend.to_numpy(Kl)[l],
+                                       np.einsum("nop,mop->nm", jl, jl), rtol=1e-11,
+                                       atol=1e-12)
+
+
 def test_errors(rng):
     ws, bs = _np_weights((3, 4, 2), rng)
     with pytest.raises(ValueError, match="activation"):
