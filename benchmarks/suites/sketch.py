@@ -1,0 +1,117 @@
+r"""Sketched against exact: ``gram(sketch_jacobian(J, q))`` vs ``gram(J)``, and sketched SMW.
+
+Cases
+-----
+``gram dense N=<n> P=<p>``
+    One DenseBlock (N, 1, P).  Baseline: the exact ``ntkcore.gram(J)``.  Each impl
+    ``<method> q=P/<k>`` times ``sketch_jacobian`` + ``gram`` together; ``error`` is the relative
+    Frobenius error of the sketched Gram.  Target for q <= P/20: speedup >= 3.
+``gram kronecker N=<n> S=<s> d=<d>``
+    One KroneckerBlock with d_in = d_out = d at S positions (S = 1: a dense layer, S > 1: a
+    convolution); the sketch is :math:`\Omega_A\otimes\Omega_G` and the result stays a
+    Kronecker block.
+``smw sketched P=<p> rho=<r>``
+    ``smw_solve(U, g, damping, sketch=(method, q))`` against the exact smw_solve (baseline);
+    ``error`` = relative error of the direction, against q.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from benchmarks._harness import Config, asarray, row, to_numpy
+
+SUITE = "sketch"
+METHODS = ("uniform", "leverage")
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _gram_rows(cfg: Config, backend: str, case_name: str, jac: Any, params: dict[str, Any],
+               fractions: tuple[int, ...]) -> list[dict[str, Any]]:
+    import ntkcore
+    from ntkcore.sketch import sketch_jacobian
+
+    rows = []
+    exact = to_numpy(ntkcore.gram(jac)).astype(np.float64)
+    p = jac.num_params
+    rows.append(row(SUITE, case_name, "exact gram", backend=backend, device=cfg.device,
+                    dtype=cfg.dtype, timing=cfg.time(lambda: ntkcore.gram(jac), backend),
+                    params={**params, "P": p}, error=0.0))
+    for method in METHODS:
+        for k in fractions:
+            q = max(1, p // k)
+
+            def fn(method: str = method, q: int = q) -> Any:
+                return ntkcore.gram(sketch_jacobian(jac, q, method=method, seed=0))
+
+            err = _rel(to_numpy(fn()).astype(np.float64), exact)
+            rows.append(row(
+                SUITE, case_name, f"{method} q=P/{k}", backend=backend, device=cfg.device,
+                dtype=cfg.dtype, timing=cfg.time(fn, backend),
+                params={**params, "P": p, "q": q}, baseline="exact gram", error=err,
+                target="speedup >= 3" if k >= 20 else None,
+                note="sketch_jacobian + gram; error = relative Frobenius error of one draw",
+            ))
+    return rows
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+
+    rows: list[dict[str, Any]] = []
+    backends = [b for b in cfg.backends if b in ("numpy", "torch")]
+    rng = np.random.default_rng(0)
+    fractions = cfg.pick((20,), (100, 50, 20, 10))
+    n, p = cfg.pick((32, 2048), (256, 32768))
+    dense_np = rng.standard_normal((n, 1, p))
+    dense_np[:, :, : p // 50] *= 10.0  # a few heavy parameters (where leverage helps)
+    n_k, d = cfg.pick((32, 256), (512, 1024))
+    kron_cases = [(n_k, 1, d), (cfg.pick(16, 128), cfg.pick(4, 16), d)]
+    kron_np = [(rng.standard_normal((nn, s, d)), rng.standard_normal((nn, s, 1, d)))
+               for nn, s, _ in kron_cases]
+    for backend in backends:
+        jac = Jacobian([DenseBlock(asarray(dense_np, backend, cfg.device, cfg.dtype))])
+        rows += _gram_rows(cfg, backend, f"gram dense N={n} P={p}", jac, {"N": n}, fractions)
+        for (nn, s, dd), (a, g) in zip(kron_cases, kron_np, strict=True):
+            jac = Jacobian([KroneckerBlock(asarray(a, backend, cfg.device, cfg.dtype),
+                                           asarray(g, backend, cfg.device, cfg.dtype))])
+            rows += _gram_rows(cfg, backend, f"gram kronecker N={nn} S={s} d={dd}", jac,
+                               {"N": nn, "S": s, "d": dd}, fractions)
+        rows += _smw_rows(cfg, backend, rng)
+    return rows
+
+
+def _smw_rows(cfg: Config, backend: str, rng: np.random.Generator) -> list[dict[str, Any]]:
+    import ntkcore
+
+    p, rho = cfg.pick((4000, 16), (200_000, 64))
+    u_np = rng.standard_normal((p, rho)) * np.linspace(0.1, 3.0, p)[:, None] / np.sqrt(p)
+    g_np = u_np @ rng.standard_normal(rho) + 0.01 * rng.standard_normal(p)
+    u = asarray(u_np, backend, cfg.device, cfg.dtype)
+    g = asarray(g_np, backend, cfg.device, cfg.dtype)
+    lam = 1e-3
+    case = f"smw sketched P={p} rho={rho}"
+    exact = to_numpy(ntkcore.smw_solve(u, g, lam)).astype(np.float64)
+    rows = [row(SUITE, case, "exact", backend=backend, device=cfg.device, dtype=cfg.dtype,
+                timing=cfg.time(lambda: ntkcore.smw_solve(u, g, lam), backend),
+                params={"N": p, "P": p, "rho": rho, "damping": lam}, error=0.0)]
+    for method in METHODS:
+        for k in cfg.pick((20,), (200, 50, 20, 5)):
+            q = max(rho, p // k)
+
+            def fn(method: str = method, q: int = q) -> Any:
+                return ntkcore.smw_solve(u, g, lam, sketch=(method, q, 0))
+
+            rows.append(row(
+                SUITE, case, f"{method} q=P/{k}", backend=backend, device=cfg.device,
+                dtype=cfg.dtype, timing=cfg.time(fn, backend),
+                params={"N": p, "P": p, "rho": rho, "q": q, "damping": lam}, baseline="exact",
+                error=_rel(to_numpy(fn()).astype(np.float64), exact),
+                note="error of the sketched SENG direction against the exact SMW solve",
+            ))
+    return rows

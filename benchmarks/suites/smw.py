@@ -1,0 +1,147 @@
+r"""SMW solves: ``ntkcore.smw_solve`` against dense P x P solves, and at sizes where dense is
+impossible.
+
+Cases
+-----
+``vs dense P=<p> rho=<r>``
+    :math:`(\lambda I + U U^\top) d = g` with U (P, rho), g (P,), :math:`\lambda = 0.1`:
+    ntkcore.smw_solve (a rho x rho Cholesky) against a Cholesky of the P x P matrix (the
+    baseline: scipy ``cho_factor`` on numpy, ``torch.linalg.cholesky`` on torch).  ``error`` is
+    the relative error of d against a float64 dense solve.
+``large P=<p> rho=<r>``
+    Only smw_solve (a dense P x P matrix would need P^2 floats).  Flops are those of the work
+    done with the Gram's symmetry used, :math:`P\rho(\rho+1) + 4P\rho` (syrk + U^T g + U b),
+    so the renderer's GEMM fraction is the fraction of measured GEMM throughput reached.
+    ``error`` is the relative residual :math:`\|(\lambda I + UU^\top)d - g\| / \|g\|`.
+    Target at P = 4e6, rho = 256, float32: under 2 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks._harness import Config, row
+
+SUITE = "smw"
+LAM = 0.1
+DENSE_BASELINE = {"numpy": "scipy.cho_factor (P x P)", "torch": "torch.linalg.cholesky (P x P)"}
+
+
+def _inputs(backend: str, device: str, dtype: str, p: int, rho: int, seed: int = 0) -> Any:
+    """U (P, rho) scaled to unit-order Gram entries, g (P,): made directly in ``dtype``."""
+    scale = 1.0 / np.sqrt(p)
+    if backend == "torch":
+        import torch
+
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dt = getattr(torch, dtype)
+        u = torch.randn(p, rho, generator=gen, device=device, dtype=dt) * scale
+        g = torch.randn(p, generator=gen, device=device, dtype=dt)
+        return u, g
+    if backend == "numpy":
+        rng = np.random.default_rng(seed)
+        u = rng.standard_normal((p, rho), dtype=np.float32 if dtype == "float32" else np.float64)
+        u *= scale
+        g = rng.standard_normal(p).astype(dtype)
+        return u, g
+    raise ValueError(f"smw suite has no inputs for backend {backend!r}")
+
+
+def _to64(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def case(impl: str, backend: str, device: str, dtype: str, p: int, rho: int
+         ) -> tuple[Callable[[], Any], Any, Any]:
+    u, g = _inputs(backend, device, dtype, p, rho)
+    if impl == "ntkcore":
+        import ntkcore
+
+        return (lambda: ntkcore.smw_solve(u, g, LAM)), u, g
+    if impl.startswith("scipy"):
+        import scipy.linalg
+
+        eye = np.eye(p, dtype=u.dtype)
+
+        def dense_np() -> Any:
+            c = scipy.linalg.cho_factor(LAM * eye + u @ u.T, lower=True, check_finite=False)
+            return scipy.linalg.cho_solve(c, g, check_finite=False)
+
+        return dense_np, u, g
+    if impl.startswith("torch"):
+        import torch
+
+        eye = torch.eye(p, dtype=u.dtype, device=u.device)
+
+        def dense_torch() -> Any:
+            l = torch.linalg.cholesky(LAM * eye + u @ u.T)
+            return torch.cholesky_solve(g[:, None], l)[:, 0]
+
+        return dense_torch, u, g
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def _flops(impl: str, p: int, rho: int) -> float:
+    if impl == "ntkcore":
+        return p * rho * (rho + 1.0) + 4.0 * p * rho + rho**3 / 3.0
+    return 2.0 * p * p * rho + p**3 / 3.0 + 2.0 * p * p
+
+
+def _residual(d: Any, u: Any, g: Any) -> float:
+    """Relative residual in float64, computed in column chunks to bound memory."""
+    d64, g64 = _to64(d), _to64(g)
+    utd = np.zeros(u.shape[1])
+    step = 1 << 18
+    for s in range(0, u.shape[0], step):
+        utd += _to64(u[s:s + step]).T @ d64[s:s + step]
+    res2 = 0.0
+    for s in range(0, u.shape[0], step):
+        r = LAM * d64[s:s + step] + _to64(u[s:s + step]) @ utd - g64[s:s + step]
+        res2 += float(r @ r)
+    return float(np.sqrt(res2) / np.linalg.norm(g64))
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    backends = [b for b in cfg.backends if b in ("numpy", "torch")]
+    for p in cfg.pick([300], [1000, 4000, 8000]):
+        rho = cfg.pick(16, 64)
+        for backend in backends:
+            ref = None
+            for impl in ("ntkcore", DENSE_BASELINE[backend]):
+                fn, u, g = case(impl, backend, cfg.device, cfg.dtype, p, rho)
+                if ref is None:
+                    u64, g64 = _to64(u), _to64(g)
+                    ref = np.linalg.solve(LAM * np.eye(p) + u64 @ u64.T, g64)
+                d = _to64(fn())
+                rows.append(row(
+                    SUITE, f"vs dense P={p} rho={rho}", impl, backend=backend,
+                    device=cfg.device, dtype=cfg.dtype, timing=cfg.time(fn, backend),
+                    params={"N": p, "P": p, "rho": rho, "damping": LAM},
+                    flops=_flops(impl, p, rho),
+                    baseline=None if impl != "ntkcore" else DENSE_BASELINE[backend],
+                    error=float(np.linalg.norm(d - ref) / np.linalg.norm(ref)),
+                ))
+                del fn, u, g
+    sizes = cfg.pick([(20_000, 32)], [(1_000_000, 64), (1_000_000, 256), (1_000_000, 512),
+                                      (4_000_000, 64), (4_000_000, 256)])
+    for p, rho in sizes:
+        for backend in backends:
+            fn, u, g = case("ntkcore", backend, cfg.device, cfg.dtype, p, rho)
+            d = fn()
+            target = ("time_s <= 2" if (p, rho) == (4_000_000, 256) and cfg.dtype == "float32"
+                      else None)
+            rows.append(row(
+                SUITE, f"large P={p} rho={rho}", "ntkcore", backend=backend, device=cfg.device,
+                dtype=cfg.dtype, timing=cfg.time(fn, backend),
+                params={"N": p, "P": p, "rho": rho, "damping": LAM},
+                flops=_flops("ntkcore", p, rho), error=_residual(d, u, g), target=target,
+                note="dense P x P infeasible; error = relative residual",
+            ))
+            del fn, u, g, d
+    return rows
