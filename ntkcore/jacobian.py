@@ -173,10 +173,15 @@ class KroneckerBlock:
         return (self.a, self.g)
 
     def per_sample_weights(self) -> Array:
-        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in)."""
+        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in).
+
+        One batched product over samples, ``(N, O d_out, S) @ (N, S, d_in)``, so no factor is
+        broadcast (and copied) over the outputs.
+        """
         xp = array_api_compat.array_namespace(self.a, self.g)
-        gt = xp.permute_dims(self.g, (0, 2, 3, 1))  # (N, O, d_out, S)
-        return gt @ self.a[:, None, :, :]
+        n, s, o, dout = self.g.shape
+        gt = xp.permute_dims(xp.reshape(self.g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
+        return xp.reshape(gt @ self.a, (n, o, dout, self.d_in))
 
     def to_dense(self) -> Array:
         """The block's Jacobian, shape (N, O, d_out * d_in)."""

@@ -1,0 +1,264 @@
+"""Tests of the structured Jacobian (ntkcore/jacobian.py) against dense float64 references.
+
+The reference Jacobian of a Kronecker block is built here with an einsum of its factors,
+``J[n, o, i * d_in + j] = sum_s g[n, s, o, i] a[n, s, j]`` (row-major weight (d_out, d_in)),
+independently of ``to_dense``; for one case it is also checked against torch autograd of the
+layer itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ntkcore
+
+
+def fixture_settings(max_examples: int) -> settings:
+    return settings(max_examples=min(max_examples, settings.default.max_examples),
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow], deadline=None)
+
+
+@st.composite
+def jacobian_specs(draw):
+    """(N, O, blocks) with blocks ("dense", P) or ("kron", S, d_in, d_out); N, S, O may be 1."""
+    blocks = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()):
+            blocks.append(("dense", draw(st.integers(1, 6))))
+        else:
+            blocks.append(("kron", draw(st.integers(1, 4)), draw(st.integers(1, 4)),
+                           draw(st.integers(1, 4))))
+    return draw(st.integers(1, 5)), draw(st.integers(1, 3)), blocks
+
+
+def np_factors(spec, rng):
+    n, o, blocks = spec
+    out = []
+    for b in blocks:
+        if b[0] == "dense":
+            out.append(("dense", rng.standard_normal((n, o, b[1]))))
+        else:
+            out.append(("kron", rng.standard_normal((n, b[1], b[2])),
+                        rng.standard_normal((n, b[1], o, b[3]))))
+    return out
+
+
+def np_dense(factors):
+    parts = []
+    for f in factors:
+        if f[0] == "dense":
+            parts.append(f[1])
+        else:
+            n, _, o, _ = f[2].shape
+            parts.append(np.einsum("nsoi,nsj->noij", f[2], f[1]).reshape(n, o, -1))
+    return np.concatenate(parts, axis=2)
+
+
+def build(backend, factors, names=None):
+    blocks = []
+    for i, f in enumerate(factors):
+        name = None if names is None else names[i]
+        if f[0] == "dense":
+            blocks.append(ntkcore.DenseBlock(backend.asarray(f[1]), name=name))
+        else:
+            blocks.append(ntkcore.KroneckerBlock(backend.asarray(f[1]), backend.asarray(f[2]),
+                                                 name=name))
+    return ntkcore.Jacobian(blocks)
+
+
+def skip_jax(backend):
+    if backend.name == "jax":
+        pytest.skip("jax compiles every new shape; covered by the fixed-shape tests")
+
+
+# ---------------------------------------------------------------------------------------------
+# dense form and products
+# ---------------------------------------------------------------------------------------------
+@fixture_settings(15)
+@given(spec=jacobian_specs(), seed=st.integers(0, 2**31 - 1))
+def test_dense_jvp_vjp_match_reference(backend, spec, seed):
+    skip_jax(backend)
+    rng = np.random.default_rng(seed)
+    f = np_factors(spec, rng)
+    j = build(backend, f)
+    dense = np_dense(f)
+    n, o, p = dense.shape
+    assert (j.num_samples, j.num_outputs, j.num_params) == (n, o, p)
+    assert sum(j.block_sizes) == p
+    np.testing.assert_allclose(backend.to_numpy(j.to_dense()), dense, rtol=1e-12, atol=1e-12)
+    v = rng.standard_normal(p)
+    jv = j.jvp(backend.asarray(v))
+    assert backend.is_native(jv)
+    np.testing.assert_allclose(backend.to_numpy(jv), dense @ v, rtol=1e-10, atol=1e-10)
+    c = rng.standard_normal((n, o))
+    jtc = j.vjp(backend.asarray(c))
+    assert backend.is_native(jtc)
+    np.testing.assert_allclose(backend.to_numpy(jtc), np.einsum("nop,no->p", dense, c),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_fixed_shapes_all_backends(backend, rng):
+    """One mixed Jacobian on every backend (jax included)."""
+    f = np_factors((4, 3, [("kron", 1, 3, 2), ("kron", 3, 2, 4), ("dense", 5)]), rng)
+    j = build(backend, f)
+    dense = np_dense(f)
+    np.testing.assert_allclose(backend.to_numpy(j.to_dense()), dense, rtol=1e-12)
+    v, c = rng.standard_normal(dense.shape[2]), rng.standard_normal((4, 3))
+    np.testing.assert_allclose(backend.to_numpy(j.jvp(backend.asarray(v))), dense @ v,
+                               rtol=1e-10)
+    np.testing.assert_allclose(backend.to_numpy(j.vjp(backend.asarray(c))),
+                               np.einsum("nop,no->p", dense, c), rtol=1e-10)
+    sel = j.select([3, 1])
+    np.testing.assert_allclose(backend.to_numpy(sel.to_dense()), dense[[3, 1]], rtol=1e-12)
+    cat = ntkcore.Jacobian.concatenate([j[0:2], j[2:4]])
+    np.testing.assert_allclose(backend.to_numpy(cat.to_dense()), dense, rtol=1e-12)
+
+
+def test_kronecker_matches_torch_autograd_of_a_linear_layer(rng):
+    """The factor convention (row-major (d_out, d_in), bias as a ones column) equals autograd."""
+    torch = pytest.importorskip("torch")
+    n, s, din, dout = 3, 4, 5, 2
+    x = torch.tensor(rng.standard_normal((n, s, din)))
+    w = torch.tensor(rng.standard_normal((dout, din)))
+    bias = torch.tensor(rng.standard_normal(dout))
+    head = torch.tensor(rng.standard_normal((dout, s, 2)))  # f_o = sum_{s,i} y[s,i] h[i,s,o]
+
+    def f(w_, b_, xi):
+        y = xi @ w_.T + b_  # (S, d_out)
+        return torch.einsum("si,iso->o", torch.tanh(y), head)
+
+    jw, jb = torch.func.vmap(torch.func.jacrev(f, argnums=(0, 1)), in_dims=(None, None, 0))(
+        w, bias, x)  # (N, O, d_out, d_in), (N, O, d_out)
+    ref = torch.cat([jw, jb[..., None]], dim=3).reshape(n, 2, -1).numpy()
+    y = x @ w.T + bias
+    g = torch.einsum("nsi,iso->nsoi", 1 - torch.tanh(y) ** 2, head)  # df_o / dy_s
+    a = torch.cat([x, torch.ones(n, s, 1, dtype=x.dtype)], dim=2)
+    block = ntkcore.KroneckerBlock(a, g)
+    np.testing.assert_allclose(block.to_dense().numpy(), ref, rtol=1e-12, atol=1e-12)
+    assert block.num_params == dout * (din + 1)
+
+
+def test_per_sample_weights(backend, rng):
+    skip_jax(backend)
+    a, g = rng.standard_normal((3, 4, 2)), rng.standard_normal((3, 4, 2, 5))
+    blk = ntkcore.KroneckerBlock(backend.asarray(a), backend.asarray(g))
+    np.testing.assert_allclose(backend.to_numpy(blk.per_sample_weights()),
+                               np.einsum("nsoi,nsj->noij", g, a), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection, concatenation, output contraction, names
+# ---------------------------------------------------------------------------------------------
+def test_select_and_concatenate(backend, rng):
+    skip_jax(backend)
+    f = np_factors((6, 2, [("kron", 2, 3, 2), ("dense", 4)]), rng)
+    j = build(backend, f, names=["conv", "head"])
+    dense = np_dense(f)
+    np.testing.assert_allclose(backend.to_numpy(j[1:4].to_dense()), dense[1:4], rtol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(j.select(2).to_dense()), dense[[2]],
+                               rtol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(j.select([5, 0, 0]).to_dense()),
+                               dense[[5, 0, 0]], rtol=1e-12)
+    parts = [j[0:1], j[1:5], j[5:6]]
+    cat = ntkcore.Jacobian.concatenate(parts)
+    assert cat.names == ("conv", "head") and cat.num_samples == 6
+    np.testing.assert_allclose(backend.to_numpy(cat.to_dense()), dense, rtol=1e-12)
+
+
+def test_concatenate_rejects_different_blocks(rng):
+    f = np_factors((3, 1, [("dense", 2)]), rng)
+    from tests.conftest import make_case
+
+    npc = make_case("numpy")
+    with pytest.raises(ValueError, match="same blocks"):
+        ntkcore.Jacobian.concatenate([build(npc, f, ["a"]), build(npc, f, ["b"])])
+    with pytest.raises(ValueError, match="at least one"):
+        ntkcore.Jacobian.concatenate([])
+
+
+def test_contract_outputs_and_pseudo(backend, rng):
+    skip_jax(backend)
+    f = np_factors((4, 3, [("kron", 2, 3, 2), ("dense", 4)]), rng)
+    j = build(backend, f)
+    dense = np_dense(f)
+    w = rng.standard_normal(3)
+    jc = j.contract_outputs(backend.asarray(w))
+    assert jc.num_outputs == 1
+    np.testing.assert_allclose(backend.to_numpy(jc.to_dense()),
+                               np.einsum("nop,o->np", dense, w)[:, None, :], rtol=1e-12)
+    jp = j.pseudo()
+    np.testing.assert_allclose(backend.to_numpy(jp.to_dense()),
+                               dense.sum(axis=1, keepdims=True) / np.sqrt(3), rtol=1e-12)
+
+
+def test_names_default_and_custom(rng):
+    f = np_factors((2, 1, [("dense", 2), ("kron", 1, 2, 2), ("dense", 1)]), rng)
+    from tests.conftest import make_case
+
+    j = build(make_case("numpy"), f, names=["fc1", None, "out"])
+    assert j.names == ("fc1", "block1", "out")
+    assert len(j) == 3 and [b.name for b in j] == list(j.names)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+def test_block_validation(rng):
+    a, g = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 5, 6))
+    with pytest.raises(ValueError, match=r"KroneckerBlock conv1: a has N=3 samples but g has N=2"):
+        ntkcore.KroneckerBlock(a, g[:2], name="conv1")
+    with pytest.raises(ValueError, match="S=2 positions but g has S=1"):
+        ntkcore.KroneckerBlock(a, g[:, :1], name="conv1")
+    with pytest.raises(ValueError, match=r"conv1 factor a must have shape \(N, S, d_in\)"):
+        ntkcore.KroneckerBlock(a[:, 0], g, name="conv1")
+    with pytest.raises(ValueError, match=r"factor g must have shape \(N, S, O, d_out\)"):
+        ntkcore.KroneckerBlock(a, g[..., 0])
+    with pytest.raises(ValueError, match=r"DenseBlock fc jac must have shape \(N, O, P_b\)"):
+        ntkcore.DenseBlock(a[..., 0], name="fc")
+    with pytest.raises(TypeError, match="real floating"):
+        ntkcore.DenseBlock(np.ones((2, 2, 2), dtype=np.int64))
+    with pytest.raises(TypeError, match="must be an array"):
+        ntkcore.DenseBlock([[[1.0]]])
+    torch = pytest.importorskip("torch")
+    with pytest.raises((ValueError, TypeError), match=r"different array libraries|array"):
+        ntkcore.KroneckerBlock(a, torch.as_tensor(g))
+
+
+def test_jacobian_validation(rng):
+    torch = pytest.importorskip("torch")
+    d = ntkcore.DenseBlock(rng.standard_normal((3, 2, 4)), name="fc")
+    with pytest.raises(ValueError, match="at least one block"):
+        ntkcore.Jacobian([])
+    with pytest.raises(TypeError, match="block 0 must be a DenseBlock or KroneckerBlock"):
+        ntkcore.Jacobian([np.ones((3, 2, 4))])
+    with pytest.raises(ValueError, match=r"block 'b' has N=4 samples but block 'fc' has N=3"):
+        ntkcore.Jacobian([d, ntkcore.DenseBlock(np.ones((4, 2, 1)), name="b")])
+    with pytest.raises(ValueError, match=r"block 'b' has O=1 outputs"):
+        ntkcore.Jacobian([d, ntkcore.DenseBlock(np.ones((3, 1, 1)), name="b")])
+    with pytest.raises(ValueError, match=r"block 't' uses a different array library"):
+        ntkcore.Jacobian([d, ntkcore.DenseBlock(torch.ones((3, 2, 1), dtype=torch.float64),
+                                                name="t")])
+    j = ntkcore.Jacobian([d])
+    with pytest.raises(ValueError, match=r"v must have shape \(4,\)"):
+        j.jvp(np.ones(7))
+    with pytest.raises(ValueError, match=r"c must have shape \(3, 2\)"):
+        j.vjp(np.ones((2, 3)))
+
+
+def test_inputs_not_mutated(rng):
+    f = np_factors((3, 2, [("kron", 2, 3, 2), ("dense", 4)]), rng)
+    copies = [[x.copy() for x in b[1:]] for b in f]
+    from tests.conftest import make_case
+
+    j = build(make_case("numpy"), f)
+    j.jvp(np.ones(j.num_params))
+    j.vjp(np.ones((3, 2)))
+    j.to_dense()
+    j.pseudo()
+    for b, c in zip(f, copies, strict=True):
+        for x, y in zip(b[1:], c, strict=True):
+            np.testing.assert_array_equal(x, y)
