@@ -123,6 +123,23 @@ SUPPORT: dict[str, dict[str, Support]] = {
         fast={"torch": "hooks (Linear/Conv) + torch.func for the rest; torch.distributed"},
         note={"torch": "CPU and CUDA"},
         missing=("numpy", "cupy", "jax", "array_api_strict")),
+    # conjugate gradients and the implicit kernel operator (ntkcore/cg.py, operators.py):
+    # pure array API; triangular solves / Cholesky / RNG of the preconditioners from the
+    # backend; dask kernels through ntkcore.distributed.DaskMatrixOperator (host namespaces).
+    "cg_solve": _all(fast=_GENERATOR, note={
+        "numpy": "k may also be a dask array or a linear operator",
+        "jax": "works; slow in eager mode (one dispatch per operation per iteration)"}),
+    "kernel_regression(solver='cg')": _all(fast=_GENERATOR),
+    "KernelOperator": _all(note={"jax": "tiles via gram (concatenation)"}),
+    # ntkcore.distributed (Dask + Zarr): tiles leave the workers as host numpy arrays.
+    "distributed.ntk_dask": _all(
+        note={"numpy": "models.MLP", "torch": "torch.nn.Module (tiles copied to host)",
+              "jax": "(apply_fn, params)", "cupy": "tiles copied to host"},
+        missing=("array_api_strict",)),
+    "distributed.ntk_to_zarr": _all(missing=("array_api_strict",)),
+    "distributed.cholesky_regression": _all(
+        fast={"numpy": "dask.array.linalg.cholesky"},
+        missing=("torch", "cupy", "jax", "array_api_strict")),
 }
 
 

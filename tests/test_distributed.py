@@ -86,6 +86,7 @@ def test_symmetric_kernel_computes_each_tile_once(client, net):
     np.testing.assert_array_equal(got, got.T)
 
 
+@pytest.mark.slow
 def test_torch_model(client):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
