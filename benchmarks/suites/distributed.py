@@ -13,8 +13,9 @@ Cases (``n`` = N samples, ``w`` = workers)
     store per iteration), Nystrom preconditioner of rank 200, ``reg = 1e-2 mean(diag K)``,
     tol 1e-4; the CG iteration count and the relative residual are reported.
 
-``--quick``: N = 2,000, chunk 500, one worker count (seconds).  Full run (the issue's target,
-run by the lead on a quiet machine): N = 40,000 (6.4 GB kernel in float32), chunk 4,000,
+``--quick``: N = 1,000, chunk 500, 2 workers only (tens of seconds, mostly cluster start-up
+and per-product Dask overhead).  Full run (the issue's target, run by the lead on a quiet
+machine): N = 40,000 (6.4 GB kernel in float32), chunk 4,000,
 1 and 2 workers with 3 GiB memory limits each (``-x n=40000 -x chunk=4000`` override).
 Expected on 2 cores: about 1-3 min for the kernel per worker setting and 2-6 min of CG
 (each iteration streams 6.4 GB from the page cache or disk), so roughly 10-20 min in all.
@@ -83,11 +84,11 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     import ntkcore.distributed as nd
     from ntkcore.models import MLP
 
-    n = int(cfg.extra.get("n", 2000 if cfg.quick else 40000))
+    n = int(cfg.extra.get("n", 1000 if cfg.quick else 40000))
     chunk = int(cfg.extra.get("chunk", 500 if cfg.quick else 4000))
     worker_counts = (2,) if cfg.quick else (1, 2)
     mem = str(cfg.extra.get("memory_limit", "3GiB"))
-    rank = int(cfg.extra.get("rank", 50 if cfg.quick else 200))
+    rank = int(cfg.extra.get("rank", 100 if cfg.quick else 200))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, WIDTHS[0])).astype(np.float32)
     y = np.tanh(x[:, :4].sum(axis=1, keepdims=True)).astype(np.float32)
