@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ntkcore
 
 project = "ntkcore"
@@ -31,3 +33,24 @@ html_theme = "alabaster"
 html_static_path: list[str] = []
 suppress_warnings = ["myst.header"]
 nitpicky = False
+
+
+# Pages written by other tools that may be absent from a checkout: docs/benchmarks.md (rendered
+# by `python -m benchmarks --render`) and docs/distributed.md.  Their toctree entries are
+# dropped when the file is missing, so that `sphinx-build -W` does not fail on a fresh clone.
+OPTIONAL_PAGES = ("benchmarks", "distributed")
+_HERE = Path(__file__).resolve().parent
+
+
+def _drop_missing_pages(app, docname, source):
+    if docname != "index":
+        return
+    missing = {p for p in OPTIONAL_PAGES if not (_HERE / f"{p}.md").is_file()}
+    if missing:
+        lines = source[0].splitlines()
+        source[0] = "\n".join(ln for ln in lines if ln.strip() not in missing) + "\n"
+
+
+def setup(app):
+    app.connect("source-read", _drop_missing_pages)
+    return {"parallel_read_safe": True}

@@ -753,7 +753,7 @@ Which public function runs on which array backend, as declared once in `ntkcore/
 disagree).
 
 - **numpy**: NumPy arrays; SciPy's LAPACK for triangular and Cholesky solves.
-- **torch**: `torch.Tensor` on CPU or CUDA; everything stays differentiable under autograd.
+- **torch**: `torch.Tensor` on CPU or CUDA; autograd flows through the linear algebra.
 - **cupy**: CuPy arrays on CUDA; `cupyx.scipy.linalg`.
 - **jax**: `jax.Array` on CPU or GPU; differentiable under `jax.grad`.
 - **array_api_strict**: stands for any other array-API namespace, served by the generic backend
