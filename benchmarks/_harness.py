@@ -85,13 +85,19 @@ class Config:
         """Whether ``backend`` was selected (and so is importable on this device)."""
         return backend in self.backends
 
-    def time(self, fn: Callable[[], Any], backend: str | None = None) -> dict[str, float]:
+    def time(
+        self, fn: Callable[[], Any], backend: str | None = None, *, warm: bool = False
+    ) -> dict[str, float]:
         """:func:`measure` ``fn`` with this configuration's repeats, warm-up, budget and the
-        device synchronisation of ``backend`` on ``self.device``."""
+        device synchronisation of ``backend`` on ``self.device``.
+
+        ``warm=True``: the caller has just called ``fn`` (e.g. to check its result), which
+        served as the warm-up, so none is added.
+        """
         return measure(
             fn,
             repeat=self.reps,
-            warmup=0 if self.quick else self.warmup,
+            warmup=0 if (self.quick or warm) else self.warmup,
             sync=sync_fn(backend, self.device) if backend else None,
             budget_s=None if self.quick else self.budget_s,
         )
@@ -352,19 +358,26 @@ def _load(target: str) -> Callable[..., Callable[[], Any]]:
 
 
 def _cupy_peak(thunk: Callable[[], Any]) -> int:
-    import cupy
+    """Peak growth of the bytes CuPy's memory pool hands out while ``thunk()`` runs.
 
-    pool = cupy.get_default_memory_pool()
+    A memory hook counts the rounded size of every block taken from the pool
+    (``malloc_postprocess``) and given back (``free_postprocess``).
+    """
+    import cupy
 
     class _Peak(cupy.cuda.MemoryHook):
         name = "ntkcore_bench_peak"
 
         def __init__(self) -> None:
-            self.base = pool.used_bytes()
-            self.peak = self.base
+            self.current = 0
+            self.peak = 0
 
         def malloc_postprocess(self, **kwargs: Any) -> None:
-            self.peak = max(self.peak, pool.used_bytes())
+            self.current += int(kwargs.get("mem_size", 0))
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kwargs: Any) -> None:
+            self.current -= int(kwargs.get("mem_size", 0))
 
     cupy.cuda.Device().synchronize()
     hook = _Peak()
@@ -372,7 +385,7 @@ def _cupy_peak(thunk: Callable[[], Any]) -> int:
         out = thunk()
         cupy.cuda.Device().synchronize()
     del out
-    return int(hook.peak - hook.base)
+    return int(hook.peak)
 
 
 def _measure_in_process(

@@ -115,6 +115,7 @@ say "benchmarks --device cuda --backend $backends --suite $selected (budget ${bu
 if [[ -n "$selected" && $budget -gt 30 ]]; then
     timeout "$budget" "$PY" -m benchmarks --device cuda --backend "$backends" \
         --suite "$selected" --repeat 5 --budget 5 --suite-timeout "$SUITE_TIMEOUT" \
+        --total-budget $(( budget - 45 )) \
         --blas-env clean --out "$OUT/bench-cuda.json" > "$OUT/bench-cuda.log" 2>&1
     rc=$?
     say "benchmarks exit $rc ($(grep -c ': ok,' "$OUT/bench-cuda.log") suites ok)"

@@ -373,7 +373,7 @@ edit the renderer, not this file.*
 ## Reproducing
 
 ```bash
-python -m benchmarks --render                      # all suites, all CPU backends (~{minutes})
+python -m benchmarks --render                      # all suites, all CPU backends ({minutes})
 python -m benchmarks --suite regression,peers --backend numpy,torch
 python -m benchmarks --quick --out /tmp/smoke.json # seconds-long smoke run (used by the tests)
 bash benchmarks/peers/make_venv.sh                 # once: neural-tangents in .venv-nt/
@@ -401,14 +401,36 @@ bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDI
   old OpenBLAS builds; they slow a current one down. Timing runs of `python -m benchmarks`
   re-execute themselves without both variables (only that command; tests and CI keep them)
   and record the BLAS kernel threadpoolctl reports.
-- The machine that produced the CPU tables is shared: treat differences under ~20% as noise.
+- The machine that produced the CPU tables is shared: treat differences under ~20% as noise,
+  and check the load average recorded with each run.
+
+## Peers and baselines
+
+- **neural-tangents** (suite `peers`): version 0.6.5 needs jax 0.4.23–0.4.25 and numpy < 2,
+  so it lives in its own virtual environment, `.venv-nt/`, made by
+  `bash benchmarks/peers/make_venv.sh` (pins in `benchmarks/peers/requirements-nt.lock`:
+  jax/jaxlib 0.4.25, numpy 1.26.4; pip also pulls in TensorFlow through tf2jax). The suite
+  writes the MLP's weights and inputs to an `.npz` file and runs
+  `benchmarks/peers/nt_runner.py` in that venv, one process per implementation (1: Jacobian
+  contraction, 2: NTK-vector products, 3: structured derivatives). The model is written with
+  `lax.dot_general(x, W)` and the kernel function is built with `vmap_axes=0`, so that the
+  structured rules apply; the first (compiling) call is excluded from the timing. The runner
+  replaces `neural_tangents.experimental` (the TensorFlow bridge, unused here) by an empty
+  module so that TensorFlow is not imported (it costs ~15 s per process). Without the venv the
+  suite still runs ntkcore and says in its notes why neural-tangents was not run.
+- **PyTorch** (suite `ntk`): `torch.func` Jacobian contraction (`vmap(jacrev)` + one GEMM)
+  and NTK-vector products, on the same `torch.nn` models.
+- **Regression** (suite `regression`): scipy `cho_factor`/`cho_solve`, a dense LU solve, and
+  autograd through `torch.linalg.solve` for the backward pass.
 """
 
 
 GPU_NONE = """## GPU
 
 No GPU results yet. `benchmarks/gpu.sh OUTDIR` is ready for a machine with one NVIDIA GPU and
-no network (it installs wheels carried in `./.whl`, runs `pytest -m gpu` for the torch-CUDA
+no network (it installs the wheels carried in `./.whl`, which `bash benchmarks/gpu.sh
+--fetch-wheels` downloads on a machine with network, since array-api-compat is not on such
+machines; it then runs `pytest -m gpu` for the torch-CUDA
 and CuPy backends with TF32 disabled, then the GPU benchmark selection with
 `--device cuda`, recording whether TF32 was on, and writes JSON and logs to OUTDIR), but it
 has not been run: the task that built this benchmark had no GPU machine. Copy the JSON it
@@ -439,8 +461,8 @@ def _expected_minutes(docs: list[dict[str, Any]]) -> str:
     cpu = [d for d in docs if d.get("config", {}).get("device") == "cpu"
            and not d.get("config", {}).get("quick")]
     if cpu:
-        return f"{cpu[-1].get('wall_s', 0) / 60:.0f} min on the machine below"
-    return "see the tables below for the wall time"
+        return f"took {cpu[-1].get('wall_s', 0) / 60:.0f} min on the machine below"
+    return "capped at 25 min by --total-budget"
 
 
 def render(files: list[Path] | None = None, docs: Path = ROOT / "docs") -> Path:
@@ -452,7 +474,9 @@ def render(files: list[Path] | None = None, docs: Path = ROOT / "docs") -> Path:
     if not any(d.get("config", {}).get("device") == "cuda" for d in loaded):
         parts.append(GPU_NONE)
     if not loaded:
-        parts.append("\nNo result files yet: run `python -m benchmarks --render`.\n")
+        parts.append("\n## CPU results\n\nNo full run has been recorded yet. The CPU tables are "
+                     "produced on a quiet machine by `python -m benchmarks --render`, which writes "
+                     "`benchmarks/results/<machine>-cpu-<date>.json` and regenerates this page.\n")
     for f, d in zip(files, loaded, strict=True):
         parts.append(f"\n<!-- from {Path(f).name} -->\n")
         parts.append(render_doc(d, img_dir, "img"))

@@ -48,8 +48,9 @@ PREFERRED_ORDER = ("gram", "ntk", "providers", "regression", "smw", "sketch", "s
 ROW_KEYS = ("suite", "case", "impl", "backend", "device", "dtype", "params", "note")
 
 
-class SuiteTimeout(Exception):
-    """Raised inside a suite when it runs past ``--suite-timeout``."""
+class SuiteTimeout(BaseException):
+    """Raised inside a suite when it runs past ``--suite-timeout`` (a BaseException, so that
+    a suite's own ``except Exception`` cannot swallow it)."""
 
 
 def discover() -> dict[str, str]:
@@ -100,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true", help="skip peak-memory measurements")
     p.add_argument("--suite-timeout", type=float, default=420.0,
                    help="seconds before a suite is abandoned (default 420; 0: none)")
+    p.add_argument("--total-budget", type=float, default=1500.0,
+                   help="seconds for all suites together (default 1500 = 25 min; 0: none): "
+                        "each suite's timeout is cut so that every suite still to run keeps "
+                        "at least 60 s")
     p.add_argument("--blas-env", choices=("auto", "clean", "keep"), default="auto",
                    help="unset OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for this run "
                         "(auto: clean unless --quick)")
@@ -181,6 +186,19 @@ def measure_gemm(cfg: Config) -> list[dict[str, Any]]:
                 out.append({"backend": b, "device": cfg.device, "dtype": dt, "n": n,
                             "error": repr(exc)})
     return out
+
+
+def _suite_timeout(args: argparse.Namespace, elapsed: float, left: int) -> float | None:
+    """Timeout of the next suite: ``--suite-timeout``, cut so that the ``left - 1`` suites
+    after it keep 60 s each within ``--total-budget``; None in quick runs or with both off."""
+    if args.quick:
+        return None
+    limits = []
+    if args.suite_timeout > 0:
+        limits.append(args.suite_timeout)
+    if args.total_budget > 0:
+        limits.append(max(60.0, args.total_budget - elapsed - 60.0 * (left - 1)))
+    return min(limits) if limits else None
 
 
 def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dict[str, Any]:
@@ -349,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
     _harness._ON_MEASURE = tick
     try:
-        for name in names:
+        for i, name in enumerate(names):
             bar.set_description(name)
             counter["n"] = 0
-            timeout = None if args.quick or args.suite_timeout <= 0 else args.suite_timeout
+            timeout = _suite_timeout(args, time.perf_counter() - t_start, len(names) - i)
             info = run_suite(name, known[name], cfg, timeout)
             suite_rows = info.pop("rows")
             rows.extend(suite_rows)

@@ -261,3 +261,14 @@ def test_peers_reference_matches_autodiff() -> None:
     j = torch.cat([t.reshape(x.shape[0], -1) for t in jac], dim=1).numpy()
     ref = suite.reference_ntk(p)
     assert suite._rel(j @ j.T, ref) < 1e-12
+
+
+def test_suite_timeouts_respect_the_total_budget() -> None:
+    args = runner.parse_args(["--suite-timeout", "420", "--total-budget", "1500"])
+    assert runner._suite_timeout(args, 0.0, 8) == 420  # plenty left
+    assert runner._suite_timeout(args, 1000.0, 3) == pytest.approx(380.0)  # 1500-1000-2*60
+    assert runner._suite_timeout(args, 1490.0, 2) == 60.0  # every suite keeps a minute
+    quick = runner.parse_args(["--quick"])
+    assert runner._suite_timeout(quick, 0.0, 8) is None
+    off = runner.parse_args(["--suite-timeout", "0", "--total-budget", "0"])
+    assert runner._suite_timeout(off, 0.0, 8) is None

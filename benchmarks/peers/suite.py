@@ -12,7 +12,10 @@ with :math:`W_l, b_l \sim \mathcal N(0, 1)` drawn once in float64 NumPy, and the
 - ``neural-tangents impl 1/2/3``: ``nt.empirical_ntk_fn(f, trace_axes=(-1,), vmap_axes=0,
   implementation=k)`` under ``jax.jit`` in the peer venv (``nt.py``), the model written with
   ``lax.dot_general`` so that implementation 3's structured rules apply.  JIT compilation is
-  excluded from the timing (it is the first call; its time is given in the note).
+  excluded from the timing (it is the first call, which doubles as the warm-up; its time is
+  given in the note).  Implementations 1 and 2 are skipped, with the reason in the table,
+  where their N x O x P Jacobian or their ~2 N^2 O^2 P flops would not fit the suite's
+  memory or time budget (the 8 x 1000 MLP).
 
 The baseline is neural-tangents' structured derivatives (implementation 3); target for
 ntkcore: >= 1.5x faster.  ``error``: relative Frobenius error against an independent float64
@@ -36,13 +39,18 @@ HERE = "benchmarks.peers.suite"
 BASELINE = "neural-tangents impl 3"
 
 # name -> (widths, N); quick runs use the "tiny" case only
+# (the same architectures and N as the ``ntk`` suite's torch.nn models: 256 inputs, 1 output)
 CASES = {
-    "MLP 6x512 tanh": ((32, 512, 512, 512, 512, 512, 512, 1), 384),
-    "MLP-h 8x1000 tanh": ((32, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1), 256),
+    "MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384),
+    "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512),
 }
 QUICK_CASES = {"MLP tiny tanh": ((8, 16, 16, 1), 8)}
 # neural-tangents impl 1 materialises the N x O x P Jacobian: skip it above this many bytes
 JACOBIAN_LIMIT = 3 * 2**30
+# ... and impls 1 and 2 above this many flops per call (minutes per case on 2 cores)
+FLOP_LIMIT = 6e11
+# seconds of timed calls per neural-tangents implementation (its calls take up to ~10 s)
+NT_BUDGET_S = 10.0
 
 
 def problem(case: str, seed: int = 0) -> dict[str, Any]:
@@ -138,19 +146,27 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         if not nt_ok:
             continue
         impls = [1, 2, 3]
-        jac_bytes = p["n"] * params["O"] * params["P"] * np.dtype(cfg.dtype).itemsize
-        if jac_bytes > JACOBIAN_LIMIT:
-            impls.remove(1)
-            rows.append(row(
-                SUITE, case, "neural-tangents impl 1", backend="jax", device="cpu",
-                dtype=cfg.dtype, params=params,
-                note=f"not run: its N x O x P Jacobian alone is {jac_bytes / 2**30:.1f} GiB",
-            ))
+        n, o, n_par = p["n"], params["O"], params["P"]
+        jac_bytes = n * o * n_par * np.dtype(cfg.dtype).itemsize
+        flops = 2.0 * n * n * o * o * n_par  # J J^T, also the order of impl 2's work
+        for impl, why in (
+            (1, jac_bytes > JACOBIAN_LIMIT
+             and f"its N x O x P Jacobian alone is {jac_bytes / 2**30:.1f} GiB"),
+            (1, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (2 N^2 O^2 P)"),
+            (2, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (N^2 O^2 P order)"),
+        ):
+            if why and impl in impls:
+                impls.remove(impl)
+                rows.append(row(
+                    SUITE, case, f"neural-tangents impl {impl}", backend="jax", device="cpu",
+                    dtype=cfg.dtype, params=params,
+                    note=f"{nt.IMPL_NAMES[impl]}: not run: {why}",
+                ))
         results, kernels, versions = nt.run(
             p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
             activation="tanh", impls=tuple(impls), mode="trace", dtype=cfg.dtype,
-            repeat=cfg.reps, warmup=0 if cfg.quick else cfg.warmup,
-            budget_s=None if cfg.quick else cfg.budget_s,
+            repeat=cfg.reps, warmup=0,  # the first (compiling) call is the warm-up
+            budget_s=None if cfg.quick else min(cfg.budget_s or NT_BUDGET_S, NT_BUDGET_S),
             memory=cfg.memory and not cfg.quick, separate=not cfg.quick,
         )
         vers = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "devices")
