@@ -35,6 +35,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import array_api_compat
+
 from ._validation import check_array, namespace_of
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 
@@ -68,6 +70,11 @@ def _center(xp: Any, k: Array) -> Array:
             + xp.mean(k))
 
 
+def _scalar(xp: Any, x: Array) -> Array:
+    """A 0-d array (NumPy reductions return NumPy scalars)."""
+    return xp.asarray(x) if array_api_compat.is_numpy_namespace(xp) else x
+
+
 def _frob_inner(xp: Any, a: Array, b: Array) -> Array:
     return xp.sum(a * b)
 
@@ -96,7 +103,7 @@ def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
     if centered:
         a, b = _center(xp, a), _center(xp, b)
     num = _frob_inner(xp, a, b)
-    return num / (xp.sqrt(_frob_inner(xp, a, a)) * xp.sqrt(_frob_inner(xp, b, b)))
+    return _scalar(xp, num / (xp.sqrt(_frob_inner(xp, a, a)) * xp.sqrt(_frob_inner(xp, b, b))))
 
 
 def centered_kernel_alignment(k1: Array, k2: Array) -> Array:
@@ -124,7 +131,7 @@ def relative_kernel_distance(k: Array, k_ref: Array) -> Array:
         raise ValueError(f"k and k_ref must have the same shape; got {tuple(k.shape)} and "
                          f"{tuple(k_ref.shape)}")
     d = k - k_ref
-    return xp.sqrt(xp.sum(d * d)) / xp.sqrt(xp.sum(k_ref * k_ref))
+    return _scalar(xp, xp.sqrt(xp.sum(d * d)) / xp.sqrt(xp.sum(k_ref * k_ref)))
 
 
 def kernel_spectrum(k: Array) -> Array:
@@ -173,10 +180,10 @@ def effective_rank(k: Array, *, method: str = "entropy") -> Array:
     lam = xp.clip(ev, min=0.0)
     total = xp.sum(lam)
     if method == "participation":
-        return total * total / xp.sum(lam * lam)
+        return _scalar(xp, total * total / xp.sum(lam * lam))
     p = lam / total
     safe = xp.where(p > 0, p, xp.ones_like(p))
-    return xp.exp(-xp.sum(p * xp.log(safe)))
+    return _scalar(xp, xp.exp(-xp.sum(p * xp.log(safe))))
 
 
 def layer_traces(J: Jacobian) -> Array:
