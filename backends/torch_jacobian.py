@@ -264,10 +264,11 @@ def _graph_uses(out: torch.Tensor) -> tuple[set[Any], dict[int, int]]:
 # --------------------------------------------------------------------------------------------
 # factors
 # --------------------------------------------------------------------------------------------
-def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
-    """Unfolded input patches (N, L, C_in * prod(k)) in the weight's (C_in, k1, k2, ...) order."""
+def _conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
+    """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
+    order, with a trailing ones column if ``ones``; written with a single copy."""
     nd = len(mod.kernel_size)
-    pads: list[int] = []
+    pads: list[tuple[int, int]] = []
     for i in range(nd):
         k, d = mod.kernel_size[i], mod.dilation[i]
         if isinstance(mod.padding, str):
@@ -290,49 +291,49 @@ def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
         if d > 1:
             a = a[..., ::d]
     n, c = a.shape[0], a.shape[1]
-    # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd)
-    perm = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
-    a = a.permute(perm)
-    return a.reshape(n, -1, c * math.prod(mod.kernel_size))
+    lens = tuple(a.shape[2:2 + nd])
+    # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd), a strided view
+    view = a.permute([0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)])
+    dk = c * math.prod(mod.kernel_size)
+    out = a.new_empty((n, math.prod(lens), dk + int(ones)))
+    if ones:
+        out[..., dk] = 1
+    out[..., :dk].unflatten(2, (c, *mod.kernel_size)).unflatten(1, lens).copy_(view)
+    return out
 
 
 def _with_ones(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
 
 
-def _unit_block(unit: _Unit, calls: list[_Call], grads: list[torch.Tensor], n: int,
-                o: int, detach: bool) -> DenseBlock | KroneckerBlock:
+def _unit_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
+                detach: bool) -> DenseBlock | KroneckerBlock:
     """The block of one structured module from its hooked calls and output gradients
-    ``grads[i]`` (O, *y_i.shape)."""
+    ``gs[i]`` (N, S_i, O, d_out) (see :func:`_output_grads`)."""
     mod = unit.module
-    a_parts, g_parts = [], []
-    for call, gy in zip(calls, grads, strict=True):
+    groups = getattr(mod, "groups", 1)
+    ones = unit.has_bias and unit.has_weight and groups == 1
+    a_parts = []
+    for call, g_c in zip(calls, gs, strict=True):
+        s_c = g_c.shape[1]
+        if not unit.has_weight:  # bias only: the ones column is the whole input
+            a_parts.append(g_c.new_ones((n, s_c, 1)))
+            continue
         a_in = call.a.detach() if detach else call.a
         if isinstance(mod, nn.Linear):
             a_c = a_in.reshape(n, -1, mod.in_features)
-            g_c = gy.reshape(o, n, -1, mod.out_features).permute(1, 2, 0, 3)
+            a_parts.append(_with_ones(a_c) if ones else a_c)
         elif isinstance(mod, nn.Embedding):
-            idx = a_in.reshape(n, -1)
-            a_c = F.one_hot(idx, mod.num_embeddings).to(gy.dtype)
+            a_c = F.one_hot(a_in.reshape(n, -1), mod.num_embeddings).to(g_c.dtype)
             if mod.padding_idx is not None:
                 a_c[..., mod.padding_idx] = 0
-            g_c = gy.reshape(o, n, -1, mod.embedding_dim).permute(1, 2, 0, 3)
+            a_parts.append(a_c)
         else:
-            a_c = _conv_patches(mod, a_in)
-            cout = mod.out_channels
-            g_c = gy.reshape(o, n, cout, -1).permute(1, 3, 0, 2)  # (N, L, O, C_out)
-        a_parts.append(a_c)
-        g_parts.append(g_c)
+            a_parts.append(_conv_patches(mod, a_in, ones))
     a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
-    g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, dim=1)
-    g = g.contiguous()
-    groups = getattr(mod, "groups", 1)
+    g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
     if groups > 1:
         return _grouped_conv_block(unit, a, g, groups)
-    if not unit.has_weight:  # bias only: the ones column is the whole input
-        a = a.new_ones((*a.shape[:-1], 1))
-    elif unit.has_bias:
-        a = _with_ones(a)
     return KroneckerBlock(a.contiguous(), g, unit.path)
 
 
@@ -346,6 +347,8 @@ def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
     :math:`\sum_{(G,L)} g' a'^\top` is the (C_out, C_in/G*k) weight gradient exactly.
     """
     n, s, o, cout = g.shape
+    if not unit.has_weight:  # bias only: the groups do not matter
+        return KroneckerBlock(a, g, unit.path)
     cg_in = a.shape[2] // groups
     cg_out = cout // groups
     a4 = a.reshape(n, s, groups, cg_in)
@@ -375,40 +378,66 @@ def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
     return DenseBlock(jac, unit.path)
 
 
-def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], pseudo: bool,
-                  create_graph: bool, batched: bool) -> list[torch.Tensor]:
+def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
+                  pseudo: bool, create_graph: bool, batched: bool) -> list[torch.Tensor]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
-    as (O, *ys[i].shape) (O = 1 for the pseudo-NTK).
+    as g (N, S, O, d_out) (O = 1 for the pseudo-NTK).
+
+    ``ys[i]`` is (N, *mid, d_out) for a Linear / Embedding output and (N, C_out, *L) for a
+    convolution (``convs[i]``); for a convolution g is a view of an (N, O, C_out, S) array, the
+    layout in which the per-sample weight gradient ``g^T a`` is a plain batched GEMM.
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
     passes are either one ``is_grads_batched`` pass (vmap over the O one-hot cotangents: one
-    big GEMM per layer) or a loop of O passes; the loop is used when ``batched`` is False
-    (convolutions, whose vmapped backward is slower than O plain ones) and when an op has no
-    batching rule.  Either way no weight gradient is computed: only the ``ys`` are inputs.
+    big GEMM per layer) or a loop of O passes writing into preallocated arrays; the loop is
+    used when ``batched`` is False (convolutions, whose vmapped backward is slower than O plain
+    ones) and when an op has no batching rule.  Either way no weight gradient is computed:
+    only the ``ys`` are inputs.
     """
     n, o = out2.shape
+
+    def shaped(gr: torch.Tensor, conv: bool, lead: int) -> torch.Tensor:
+        # gr: (lead, *y.shape) -> (N, S, lead, d) with at most one copy (none when lead == 1)
+        if conv:
+            g4 = gr.reshape(lead, n, gr.shape[2], -1).transpose(0, 1)  # (N, lead, C, S)
+            return (g4 if lead == 1 else g4.contiguous()).permute(0, 3, 1, 2)
+        g4 = gr.reshape(lead, n, -1, gr.shape[-1]).permute(1, 2, 0, 3)  # (N, S, lead, d)
+        return g4 if lead == 1 else g4.contiguous()
+
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                     allow_unused=True, materialize_grads=True)
-        return [gr[None] for gr in grads]
+        return [shaped(gr[None], cv, 1) for gr, cv in zip(grads, convs, strict=True)]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
     if batched:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return list(torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
-                                                retain_graph=True, allow_unused=True,
-                                                materialize_grads=True,
-                                                is_grads_batched=True))
+                grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
+                                            retain_graph=True, allow_unused=True,
+                                            materialize_grads=True, is_grads_batched=True)
+            return [shaped(gr, cv, o) for gr, cv in zip(grads, convs, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    per_o = [torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
-                                 retain_graph=create_graph or k < o - 1, allow_unused=True,
-                                 materialize_grads=True) for k in range(o)]
-    return [torch.stack([p[i] for p in per_o]) for i in range(len(ys))]
+    bufs = []
+    for y, cv in zip(ys, convs, strict=True):
+        if cv:
+            bufs.append(y.new_empty((n, o, y.shape[1], y[0, 0].numel())))
+        else:
+            bufs.append(y.new_empty((n, y[0].numel() // y.shape[-1], o, y.shape[-1])))
+    for k in range(o):
+        grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
+                                    retain_graph=create_graph or k < o - 1, allow_unused=True,
+                                    materialize_grads=True)
+        for buf, gr, cv in zip(bufs, grads, convs, strict=True):
+            if cv:
+                buf[:, k].copy_(gr.reshape(n, gr.shape[1], -1))
+            else:
+                buf[:, :, k].copy_(gr.reshape(n, -1, gr.shape[-1]))
+    return [buf.permute(0, 3, 1, 2) if cv else buf for buf, cv in zip(bufs, convs, strict=True)]
 
 
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
@@ -562,12 +591,12 @@ def jacobian(
             batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
         else:
             batched = backward == "batched"
-        grads = _output_grads(out2, ys, pseudo, create_graph, batched)
-        og = 1 if pseudo else o
+        convs = [isinstance(kron[p][0].module, _CONV) for p in paths for _ in kron[p][1]]
+        gs = _output_grads(out2, ys, convs, pseudo, create_graph, batched)
         k = 0
         for p in paths:
             unit, used = kron[p]
-            blocks[p] = _unit_block(unit, used, grads[k:k + len(used)], n, og, detach)
+            blocks[p] = _unit_block(unit, used, gs[k:k + len(used)], n, detach)
             k += len(used)
     del out, out2, units
     if dense_groups:

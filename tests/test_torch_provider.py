@@ -266,6 +266,24 @@ def test_weight_used_outside_its_module_falls_back_to_dense():
     assert j.blocks[1].d_in == 1
 
 
+class MHA(nn.Module):
+    """nn.MultiheadAttention calls F.multi_head_attention_forward with out_proj's weight, so
+    out_proj's forward (and hook) never runs: it must come out dense, not be skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.l(self.att(x, x, x, need_weights=False)[0]).mean(1)
+
+
+def test_multihead_attention_out_proj_is_dense():
+    j = check_model(MHA(), torch.randn(2, 3, 4, dtype=DT), kinds="DDK")
+    assert j.names == ("att", "att.out_proj", "l")
+
+
 def test_inplace_activation_after_linear():
     m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
     check_model(m, torch.randn(5, 3, dtype=DT), kinds="KK")
