@@ -3,10 +3,11 @@ r"""The PyTorch Jacobian provider: a ``torch.nn.Module`` and inputs -> :class:`n
 What is structured
 ------------------
 One forward pass with forward hooks records, for every *structured* module, its inputs and
-outputs; one backward pass batched over the O outputs (``torch.autograd.grad`` with
-``is_grads_batched=True``; a single pass for O = 1 and for the pseudo-NTK) gives the gradients
-of every output with respect to those layer outputs.  No weight gradient is ever formed and
-there is no loop over samples.
+outputs; backward passes over all samples at once, one per output (batched into a single
+``torch.autograd.grad(..., is_grads_batched=True)`` call, or a loop of O calls for
+convolutional nets; a single pass for O = 1 and for the pseudo-NTK), give the gradients of
+every output with respect to those layer outputs.  No weight gradient is ever formed and there
+is no loop over samples.
 
 =====================  ===================================================================
 module                 block
@@ -15,11 +16,14 @@ module                 block
                        S = prod(mid) positions (S = 1 on (N, d_in), S = T on (N, T, d)).
 ``nn.Conv1d/2d/3d``    KroneckerBlock on unfolded patches: a (N, L, C_in*k), L the number of
                        output positions; stride, dilation, padding (ints, ``'same'``,
-                       ``'valid'``) and every ``padding_mode``.  ``groups > 1``: the G groups
-                       are put on the position axis (a (N, G*L, C_in/G*k), g zero outside the
-                       output channels of each group), which represents the (C_out, C_in/G*k)
-                       weight exactly; when that is larger than the per-sample gradient itself
-                       (many groups, e.g. depthwise), a DenseBlock is built from the same factors
+                       ``'valid'``) and every ``padding_mode``.  Its g (N, L, O, C_out) is a
+                       strided view of an (N, O, C_out, L) array (the layout of the
+                       per-sample weight gradient :math:`g^\top a` as one batched GEMM).
+                       ``groups > 1``: the G groups are put on the position axis
+                       (a (N, G*L, C_in/G*k), g zero outside the output channels of each
+                       group), which represents the (C_out, C_in/G*k) weight exactly; when that
+                       is larger than the per-sample gradient itself (many groups, e.g.
+                       depthwise), a DenseBlock is built from the same factors
                        instead (no extra pass).
 ``nn.Embedding``       KroneckerBlock with one-hot inputs a (N, T, V) and weight
                        :math:`W^\top` (D, V) (so its parameters are the *transposed* table);
