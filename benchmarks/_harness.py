@@ -5,6 +5,19 @@ returning rows built with :func:`row`.  Timings come from :func:`measure` (warm-
 repetitions, median/min/max, device synchronisation); the runner adds machine facts and the
 measured GEMM throughput (:func:`gemm_throughput`).
 
+Writing a suite
+---------------
+- sizes from ``cfg.pick(quick, full)``; a ``--quick`` run must take seconds;
+- time with ``cfg.time(fn, backend)`` (``warm=True`` when ``fn`` was just called, e.g. to check
+  its result, so that call is the warm-up); memory with ``cfg.peak_memory("pkg.mod:case",
+  **kwargs)`` and ``row(..., mem_method=cfg.mem_method)``; pass ``backend="cupy"`` in the
+  kwargs for CuPy cases so the GPU measurement reads CuPy's pool;
+- ``row(...)`` per measurement: ``baseline`` (impl name of the same case), ``flops`` (for the
+  GEMM fraction), ``error`` (relative, against an independent float64 reference), ``target``
+  (checked by the renderer), ``params["N"]`` (x axis of the plots; rows whose case names differ
+  only in N form one line, or set ``params["family"]``);
+- a suite that raises or runs past its timeout keeps the rows it had built with ``row``.
+
 Peak memory
 -----------
 :func:`peak_memory` runs one case in a *fresh* Python process (CPU) and reports the growth of
@@ -252,10 +265,12 @@ def to_numpy(x: Any) -> Any:
     return np.asarray(x)
 
 
-def available_backends(device: str) -> tuple[str, ...]:
-    """Backends that import and have ``device`` on this machine."""
+def available_backends(
+    device: str, only: tuple[str, ...] | list[str] | None = None
+) -> tuple[str, ...]:
+    """Backends (of ``only``, default all) that import and have ``device`` on this machine."""
     out = []
-    for name in BACKENDS:
+    for name in BACKENDS if only is None else [b for b in BACKENDS if b in only]:
         try:
             if name == "numpy":
                 ok = device == "cpu"

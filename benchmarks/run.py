@@ -158,12 +158,12 @@ def _apply_tf32(mode: str, device: str) -> None:
 
 def _backends(args: argparse.Namespace) -> tuple[str, ...]:
     wanted = _split(args.backend) or ["all"]
-    available = _harness.available_backends(args.device)
     if "all" in wanted:
-        return available
+        return _harness.available_backends(args.device)
     for b in wanted:
         if b not in BACKENDS:
             raise SystemExit(f"--backend: unknown backend {b!r}; choose from {BACKENDS} or all")
+    available = _harness.available_backends(args.device, wanted)
     missing = [b for b in wanted if b not in available]
     if missing:
         print(f"[benchmarks] not available on {args.device}: {', '.join(missing)} (skipped)",
