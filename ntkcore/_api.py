@@ -108,10 +108,18 @@ def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
     return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts)
 
 
+def _requires_grad(x: Any) -> bool:
+    """Whether ``x`` asks for gradients (torch's ``requires_grad``; duck-typed, no import)."""
+    return bool(getattr(x, "requires_grad", False))
+
+
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
-            params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any) -> Array:
+            params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
+            checkpoint: Any = "auto") -> Array:
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    if checkpoint not in (True, False, "auto"):
+        raise ValueError(f"checkpoint must be True, False or 'auto'; got {checkpoint!r}")
     if not isinstance(layerwise, bool):
         raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
@@ -133,8 +141,26 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
 
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
+    one_grad = x2 is not None and _requires_grad(x1) != _requires_grad(x2)
+    if checkpoint is True and x2 is not None and _requires_grad(x1) and _requires_grad(x2):
+        raise ValueError("checkpoint=True needs exactly one of x1, x2 to require grad (the "
+                         "support set); both do")
+    if checkpoint is True and one_grad and provider.name != "torch":
+        raise ValueError(f"checkpoint=True is implemented for torch.nn.Module models; this "
+                         f"model uses the {provider.name!r} provider")
     probe = call(x1[0:min(n1, _PROBE), ...])
     per_sample = _jac_bytes(probe) / probe.num_samples
+    if one_grad and provider.name == "torch" and (checkpoint is True or (
+            checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
+            > budget / 4)):
+        # One side requires grad and the other is large: checkpointed target factors
+        # (ntkcore.backends.torch_kip), imported lazily like every provider module.
+        from importlib import import_module
+
+        kip = import_module("ntkcore.backends.torch_kip")
+        return kip.checkpointed_ntk(model, x1, x2, mode=mode, layerwise=layerwise,
+                                    pseudo=pseudo, params=params, max_memory=budget,
+                                    dtype=dtype, batch_size=batch_size)
     batch = batch_size or _batch_size(per_sample, budget / 2)
     total_factors = per_sample * (n1 + (0 if x2 is None else n2))
     if total_factors <= budget / 2:
@@ -196,7 +222,8 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
 
 def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         layerwise: bool = False, max_memory: Any = None, params: Any = None,
-        progress: Any = None, dtype: Any = None, batch_size: int | None = None) -> Array:
+        progress: Any = None, dtype: Any = None, batch_size: int | None = None,
+        checkpoint: bool | str = "auto") -> Array:
     r"""The empirical neural tangent kernel of a model.
 
     .. math:: \Theta[n, m, o, p] = \sum_k J[n, o, k]\, J'[m, p, k],
@@ -233,6 +260,20 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         Accumulation and result dtype (default: the Jacobian's).
     batch_size : int, optional
         Samples per provider call (default: from the memory budget).
+    checkpoint : {"auto", True, False}
+        Gradients with respect to the inputs (torch autograd): when ``x1`` or ``x2`` requires
+        grad, the provider builds the factors with ``create_graph`` and the kernel carries a
+        graph to them (exact for every block kind).  For KIP-style dataset distillation, where
+        exactly one side requires grad (the support set) and the other is large (the
+        targets), the plain graph would keep every target's factors until the backward pass.
+        The checkpointed path (:func:`ntkcore.backends.torch_kip.checkpointed_ntk`) instead
+        recomputes the targets' factors chunk by chunk in the backward pass, so its memory
+        does not grow with the number of targets.  ``"auto"`` takes it for a
+        ``torch.nn.Module`` when exactly one of ``x1``, ``x2`` requires grad and the other
+        side's factors (estimated from the first samples of ``x1``) would take more than a
+        quarter of ``max_memory``; ``True`` takes it whenever exactly one side requires grad;
+        ``False`` never (needed for double backward: the checkpointed backward is
+        once-differentiable).  ``batch_size`` is then the target chunk size.
 
     Returns
     -------
@@ -242,12 +283,13 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
     """
     return _kernel(model, x1, x2, mode=mode, layerwise=layerwise, max_memory=max_memory,
                    params=params, progress=progress, dtype=dtype, pseudo=False,
-                   batch_size=batch_size)
+                   batch_size=batch_size, checkpoint=checkpoint)
 
 
 def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: bool = False,
                max_memory: Any = None, params: Any = None, progress: Any = None,
-               dtype: Any = None, batch_size: int | None = None) -> Array:
+               dtype: Any = None, batch_size: int | None = None,
+               checkpoint: bool | str = "auto") -> Array:
     r"""The pseudo-NTK: the kernel of :math:`\bar f = \sum_o f_o / \sqrt{O}`.
 
     .. math:: \hat\Theta[n, m] = \langle \nabla_\theta \bar f(x_n), \nabla_\theta \bar f(x'_m)
@@ -258,8 +300,8 @@ def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: boo
 
     Parameters
     ----------
-    model, x1, x2, layerwise, max_memory, params, progress, dtype, batch_size
-        As for :func:`ntk`.
+    model, x1, x2, layerwise, max_memory, params, progress, dtype, batch_size, checkpoint
+        As for :func:`ntk` (differentiable in the inputs, with the same checkpointed path).
 
     Returns
     -------
@@ -268,4 +310,4 @@ def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: boo
     """
     return _kernel(model, x1, x2, mode="trace", layerwise=layerwise, max_memory=max_memory,
                    params=params, progress=progress, dtype=dtype, pseudo=True,
-                   batch_size=batch_size)
+                   batch_size=batch_size, checkpoint=checkpoint)

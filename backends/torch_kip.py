@@ -1,0 +1,675 @@
+r"""Differentiable eNTK for dataset distillation (KIP) with a memory-bounded backward pass.
+
+The setting
+-----------
+Kernel inducing points (KIP) treat a small *support* set :math:`X_s` (M samples, e.g. 100
+images) as trainable parameters: the empirical NTK of a fixed network between a large *target*
+set :math:`X_t` (N samples, e.g. 60,000) and the support set, :math:`K_{ts} = J_t J_s^\top`,
+feeds a kernel regression whose loss is back-propagated into :math:`X_s`.
+
+With plain autograd the backward of :math:`K_{ts}` keeps, for every target sample, what the
+contraction saved in the forward pass (target factors or per-sample weights): memory grows
+linearly in N (88 GB in float32 for a 1->64->64 conv net on 60,000 MNIST-sized images).
+
+Checkpointing at the level of Jacobian factors
+----------------------------------------------
+:func:`checkpointed_ntk` computes :math:`K_{ts}` with a custom autograd Function:
+
+* **support side, once, with a graph.**  The provider builds the support Jacobian with
+  ``create_graph=True``.  Kronecker blocks whose contraction is cheaper on per-sample weights
+  (weight sharing, see *Strategy* below) are materialised,
+  :math:`W_s[m, o] = \sum_t g_s[m,t,o]\, a_s[m,t]^\top` (M, O, d_out d_in), still on the graph.
+  These support arrays (dense blocks, kept Kronecker factors, materialised weights) are the
+  Function's inputs.
+* **forward.**  Targets are processed in chunks of C samples: the provider computes the
+  chunk's factors without a graph, the same blocks are materialised, :func:`ntkcore.gram`
+  contracts them with the (detached) support arrays, the chunk's rows of K are written and the
+  chunk's factors are dropped.  Nothing of the targets is saved for backward.
+* **backward.**  Given :math:`\bar K = \partial L / \partial K` (N, M, ...), each target chunk's
+  factors are *recomputed* without a graph and the gradient with respect to the support arrays
+  is accumulated,
+
+  .. math::
+
+      \frac{\partial L}{\partial F_s} \mathrel{+}= \Big(\frac{\partial K_{c}}{\partial F_s}
+      \Big)^{\!\top} \bar K_c ,
+
+  by running autograd through that chunk's :func:`~ntkcore.gram` alone (so every block kind
+  and every mode is exact).  For a dense layer in trace mode,
+  :math:`K_c = (G_c G_s^\top) \odot (A_c A_s^\top)` and these are the GEMMs
+  :math:`\bar A_s = (\bar K_c \odot G_c G_s^\top)^\top A_c`,
+  :math:`\bar G_s = (\bar K_c \odot A_c A_s^\top)^\top G_c`; for a materialised block
+  (trace) :math:`\bar W_s = \bar K_c^\top W_c`.  After the last chunk the accumulated
+  gradients are returned to autograd, which back-propagates *once* through the support
+  factors' graph into :math:`X_s`.
+
+Peak memory is the support side's graph plus one chunk's factors, whatever N is; the price is
+one more evaluation of the target factors in the backward pass.  The backward is
+``once_differentiable`` (no double backward; use ``checkpoint=False`` for higher derivatives).
+
+Chunk size
+----------
+With the budget ``B`` (``max_memory``, default a quarter of the free memory) and a probe of 8
+target samples giving the factor bytes per sample ``f`` and the materialised-weight bytes per
+sample ``w``: :math:`C = \lfloor (B/2) / (3 f + 2 w) \rfloor` (``3 f``: factors, activations
+and output gradients of a provider call), at least 1; :func:`ntkcore.gram` gets ``B/4`` for
+each chunk's contraction.  ``batch_size`` overrides C.
+
+Strategy
+--------
+A Kronecker block with weight sharing (S > 1 positions) is materialised when, per target
+sample against M support samples,
+:math:`2 S O P_b + 2 M O^k P_b < 2 M S T (d_{in} + O d_{out})` (``k = 2`` for ``full``, else
+1; ``T`` the support's positions), and the support's weights (M O P_b elements) take at most
+``B/4``.  Unlike :func:`ntkcore.gram`, which may materialise per tile, the support side's
+weights are computed once here, so only the target side's cost counts per sample.  Dense
+layers (S = T = 1) stay Kronecker.
+
+Model parameters
+----------------
+The provider keeps the graph to the model's parameters too, so gradients also reach
+``param.grad`` through the support side (as with ``checkpoint=False``).  They are not
+gradients of the loss with respect to the parameters (the target side is not tracked); KIP
+keeps the network fixed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ntkcore._memory import resolve_budget
+from ntkcore.gram import gram
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+from .torch import TorchBackend
+from .torch_jacobian import jacobian
+
+__all__ = ["checkpointed_ntk", "kip_loss"]
+
+_MODES = ("full", "trace", "diagonal")
+_PROBE = 8
+_OVERHEAD = 3  # transient bytes of a provider call per byte of factors it returns
+
+
+# --------------------------------------------------------------------------------------------
+# block layout of the support side
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """How each block of the Jacobian is represented on both sides.
+
+    ``kinds[i]``: ``"dense"`` (DenseBlock, one array), ``"kron"`` (KroneckerBlock, arrays
+    ``a``, ``g``) or ``"mat"`` (KroneckerBlock materialised into a DenseBlock of per-sample
+    weights, one array).
+    """
+
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+
+    def support_arrays(self, j: Jacobian) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for b, kind in zip(j.blocks, self.kinds, strict=True):
+            if kind == "kron":
+                out += [b.a, b.g]
+            elif kind == "mat":
+                out.append(b.to_dense())
+            else:
+                out.append(b.jac)
+        return out
+
+    def from_arrays(self, arrays: Sequence[torch.Tensor]) -> Jacobian:
+        blocks: list[DenseBlock | KroneckerBlock] = []
+        i = 0
+        for name, kind in zip(self.names, self.kinds, strict=True):
+            if kind == "kron":
+                blocks.append(KroneckerBlock(arrays[i], arrays[i + 1], name))
+                i += 2
+            else:
+                blocks.append(DenseBlock(arrays[i], name))
+                i += 1
+        return Jacobian(blocks)
+
+    def convert(self, j: Jacobian) -> Jacobian:
+        """Materialise the ``"mat"`` blocks of a (target) Jacobian."""
+        blocks: list[DenseBlock | KroneckerBlock] = []
+        for b, kind in zip(j.blocks, self.kinds, strict=True):
+            blocks.append(DenseBlock(b.to_dense(), b.name) if kind == "mat" else b)
+        return Jacobian(blocks)
+
+
+def _target_jacobian(model: nn.Module, x: torch.Tensor, params: Any,
+                     pseudo: bool) -> Jacobian:
+    """Detached factors of ``x`` (which does not require grad).  The provider needs grad mode
+    for its own forward/backward pass, and autograd Functions run without it."""
+    with torch.enable_grad():
+        return jacobian(model, x, params=params, pseudo=pseudo, create_graph=False)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
+                   itemsize: int) -> _Layout:
+    """Kronecker blocks to materialise (see *Strategy* in the module docstring)."""
+    if jt.names != js.names or [type(b) for b in jt] != [type(b) for b in js]:
+        raise ValueError(f"the provider returned different blocks for the two inputs "
+                         f"({jt.names} vs {js.names}); they must have the same structure")
+    m = js.num_samples
+    kinds = []
+    spent = 0
+    for bt, bs in zip(jt.blocks, js.blocks, strict=True):
+        if isinstance(bs, DenseBlock):
+            kinds.append("dense")
+            continue
+        s, t = bt.num_positions, bs.num_positions
+        if s == 1 and t == 1:
+            kinds.append("kron")
+            continue
+        o, pb = bs.num_outputs, bs.num_params
+        ok = o * o if mode == "full" else o
+        materialise = 2 * s * o * pb + 2 * m * ok * pb
+        positions = 2 * m * s * t * (bs.d_in + o * bs.d_out)
+        w_bytes = m * o * pb * itemsize
+        if materialise < positions and spent + w_bytes <= budget // 4:
+            kinds.append("mat")
+            spent += w_bytes
+        else:
+            kinds.append("kron")
+    return _Layout(tuple(jt.names), tuple(kinds))
+
+
+# --------------------------------------------------------------------------------------------
+# shared set-up
+# --------------------------------------------------------------------------------------------
+class _Timer:
+    """Adds wall-clock seconds per phase into a user's dict (``timings=``), or does nothing."""
+
+    def __init__(self, out: dict[str, float] | None) -> None:
+        self.out = out
+
+    def add(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        if self.out is not None:
+            self.out[phase] = self.out.get(phase, 0.0) + (now - t0)
+        return now
+
+
+@dataclass
+class _Spec:
+    """Everything the Functions need besides the support arrays."""
+
+    model: nn.Module
+    x_target: torch.Tensor  # detached
+    chunks: list[tuple[int, int]]
+    layout: _Layout
+    mode: str
+    layerwise: bool
+    pseudo: bool
+    params: Any
+    dtype: Any
+    gram_budget: int
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    timer: _Timer
+
+    def target(self, start: int, stop: int) -> Jacobian:
+        """Factors of target samples ``start:stop``, no graph, ``"mat"`` blocks materialised."""
+        t0 = time.perf_counter()
+        j = _target_jacobian(self.model, self.x_target[start:stop], self.params, self.pseudo)
+        with torch.no_grad():
+            j = self.layout.convert(j)
+        self.timer.add("target_factors_s", t0)
+        return j
+
+    def contract(self, jt: Jacobian, js: Jacobian) -> torch.Tensor:
+        return gram(jt, js, mode=self.mode, layerwise=self.layerwise,
+                    max_memory=self.gram_budget, dtype=self.dtype)
+
+    def rows(self, start: int, stop: int) -> tuple[slice, ...]:
+        """Index of target rows ``start:stop`` in the output (after a layerwise axis)."""
+        lead = (slice(None),) if self.layerwise else ()
+        return (*lead, slice(start, stop))
+
+    def support_grads(self, jt: Jacobian, leaves: list[torch.Tensor],
+                      wanted: list[torch.Tensor], grad_k: Any) -> tuple[torch.Tensor, tuple]:
+        """The chunk's kernel ``k`` and the gradient of ``<grad_k, k>`` with respect to the
+        ``wanted`` support leaves (``grad_k``: a tensor, or a function of the detached ``k``
+        returning it)."""
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            k = self.contract(jt, self.layout.from_arrays(leaves))
+            t0 = self.timer.add("contract_s", t0)
+            gk = grad_k(k.detach()) if callable(grad_k) else grad_k
+            grads = torch.autograd.grad(k, wanted, gk, allow_unused=True)
+        self.timer.add("support_grad_s", t0)
+        return k.detach(), grads
+
+
+def _check(model: Any, x1: Any, x2: Any, mode: Any, layerwise: Any, pseudo: bool,
+           batch_size: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    for name, x in (("x1", x1), ("x2", x2)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (N, ...); got {type(x).__name__}")
+        if x.ndim < 1 or x.shape[0] == 0:
+            raise ValueError(f"{name} must lead with a non-empty sample axis N; got shape "
+                             f"{tuple(x.shape)}")
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    if pseudo and mode != "trace":
+        raise ValueError(f"pseudo=True gives a single-output kernel: mode must be 'trace'; "
+                         f"got {mode!r}")
+    if not isinstance(layerwise, bool):
+        raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be None or a positive integer; got {batch_size!r}")
+
+
+def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
+             layerwise: bool, pseudo: bool, params: Any, max_memory: Any, dtype: Any,
+             batch_size: int | None,
+             timings: dict[str, float] | None) -> tuple[_Spec, list[torch.Tensor]]:
+    """Support arrays (with their graph) and the chunk plan for targets ``xt``."""
+    timer = _Timer(timings)
+    t0 = time.perf_counter()
+    xt = xt.detach()
+    n, m = int(xt.shape[0]), int(xs.shape[0])
+    budget = resolve_budget(max_memory, TorchBackend(torch), xt.device)
+    probe = _target_jacobian(model, xt[:min(n, _PROBE)], params, pseudo)
+    js = jacobian(model, xs, params=params, pseudo=pseudo)
+    out_dtype = dtype if dtype is not None else torch.promote_types(probe.dtype, js.dtype)
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    layout = _choose_layout(probe, js, mode, budget, itemsize)
+    per_sample = _jac_bytes(probe) / probe.num_samples
+    mat_bytes = sum(b.num_outputs * b.num_params * itemsize
+                    for b, kind in zip(probe.blocks, layout.kinds, strict=True) if kind == "mat")
+    o = probe.num_outputs
+    del probe
+    chunk = batch_size or max(1, int((budget / 2) // max(1.0, _OVERHEAD * per_sample
+                                                           + 2 * mat_bytes)))
+    chunk = min(chunk, n)
+    support = layout.support_arrays(js)
+    del js
+    tail = {"trace": (), "diagonal": (o,), "full": (o, o)}[mode]
+    lead = (len(layout.names),) if layerwise else ()
+    spec = _Spec(model=model, x_target=xt, chunks=[(i, min(n, i + chunk))
+                                                   for i in range(0, n, chunk)],
+                 layout=layout, mode=mode, layerwise=layerwise, pseudo=pseudo, params=params,
+                 dtype=dtype, gram_budget=max(1, budget // 4),
+                 out_shape=(*lead, n, m, *tail), out_dtype=out_dtype, timer=timer)
+    timer.add("support_s", t0)
+    if timings is not None:
+        timings["chunk_size"] = float(chunk)
+        timings["num_chunks"] = float(len(spec.chunks))
+    return spec, support
+
+
+def _leaves(support: Sequence[torch.Tensor],
+            need: Sequence[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    leaves = [s.detach().requires_grad_(bool(q)) for s, q in zip(support, need, strict=True)]
+    return leaves, [leaf for leaf, q in zip(leaves, need, strict=True) if q]
+
+
+def _accumulate(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    for i, g in enumerate(grads):
+        if g is not None:
+            acc[i] = g if acc[i] is None else acc[i] + g
+
+
+def _expand(acc: list[torch.Tensor | None], leaves: Sequence[torch.Tensor],
+            need: Sequence[bool], scale: Any = None) -> list[torch.Tensor | None]:
+    """Per support input: its accumulated gradient (zeros if unused), or None if not needed."""
+    it = iter(acc)
+    out: list[torch.Tensor | None] = []
+    for leaf, q in zip(leaves, need, strict=True):
+        if not q:
+            out.append(None)
+            continue
+        g = next(it)
+        g = torch.zeros_like(leaf) if g is None else g
+        out.append(g if scale is None else g * scale)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the checkpointed kernel
+# --------------------------------------------------------------------------------------------
+class _CheckpointedKernel(torch.autograd.Function):
+    """``K[n, m, ...] = gram(J_t, J_s)`` with targets recomputed in chunks in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, *support: torch.Tensor) -> torch.Tensor:
+        js = spec.layout.from_arrays([s.detach() for s in support])
+        out = torch.empty(spec.out_shape, dtype=spec.out_dtype, device=support[0].device)
+        for start, stop in spec.chunks:
+            jt = spec.target(start, stop)
+            t0 = time.perf_counter()
+            out[spec.rows(start, stop)] = spec.contract(jt, js)
+            spec.timer.add("contract_s", t0)
+            del jt
+        ctx.spec = spec
+        ctx.save_for_backward(*support)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        spec: _Spec = ctx.spec
+        need = list(ctx.needs_input_grad[1:])
+        leaves, wanted = _leaves(ctx.saved_tensors, need)
+        acc: list[torch.Tensor | None] = [None] * len(wanted)
+        if wanted:
+            for start, stop in spec.chunks:
+                jt = spec.target(start, stop)
+                _, grads = spec.support_grads(jt, leaves, wanted,
+                                              grad_out[spec.rows(start, stop)])
+                del jt
+                _accumulate(acc, grads)
+        return (None, *_expand(acc, leaves, need))
+
+
+def _swap(mode: str, lead: int) -> tuple[int, ...]:
+    """Axes permutation transposing a kernel: Theta[m,n,p,o] = Theta[n,m,o,p]."""
+    tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
+    return tuple(range(lead)) + tuple(a + lead for a in (1, 0, *tail))
+
+
+def _jac_bytes(j: Jacobian) -> int:
+    return sum(_nbytes(arr) for b in j.blocks for arr in b.arrays())
+
+
+def checkpointed_ntk(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    *,
+    mode: str = "trace",
+    layerwise: bool = False,
+    pseudo: bool = False,
+    params: Any = None,
+    max_memory: Any = None,
+    dtype: Any = None,
+    batch_size: int | None = None,
+    timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    r"""The eNTK between a support set that requires grad and a large target set, with a
+    backward pass whose memory does not grow with the number of targets.
+
+    Exactly one of ``x1``, ``x2`` is the *support* set (``requires_grad=True``); the other is
+    the *target* set, processed in chunks whose Jacobian factors are recomputed in the
+    backward pass instead of being kept (see the module docstring for the math).  The value
+    and the gradient are those of ``ntkcore.ntk(model, x1, x2, ...)`` up to rounding.
+
+    :func:`ntkcore.ntk` and :func:`ntkcore.pseudo_ntk` call this function themselves when one
+    input requires grad and the other is large (``checkpoint="auto"``), or always with
+    ``checkpoint=True``.  For the KIP loss itself, :func:`kip_loss` avoids the second pass
+    over the targets altogether.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network (eval mode if it has BatchNorm or Dropout), parameters fixed.
+    x1 : torch.Tensor, shape (N1, ...)
+    x2 : torch.Tensor, shape (N2, ...)
+        Inputs; one of them requires grad.  If neither does, the kernel is computed in the
+        same chunks without a graph.
+    mode : {"full", "trace", "diagonal"}
+        As for :func:`ntkcore.ntk` (default ``"trace"``, the usual KIP kernel).
+    layerwise : bool
+        One kernel per parameter block on a leading axis.
+    pseudo : bool
+        The pseudo-NTK (Jacobian of :math:`\sum_o f_o/\sqrt{O}`); ``mode`` must be "trace".
+    params : optional
+        Parameter subset (names or tensors), as for the torch provider.
+    max_memory : int, float or str, optional
+        Working-memory budget ``B`` for the target chunks (default: a quarter of the free
+        memory of the device); the support side's graph is not counted.
+    dtype : torch.dtype, optional
+        Accumulation and result dtype (default: the factors').
+    batch_size : int, optional
+        Target samples per chunk (default: from ``B``, see the module docstring).
+    timings : dict, optional
+        If given, wall-clock seconds are added per phase: ``support_s`` (support factors with
+        their graph, probe, plan), ``target_factors_s`` (target factors, forward and
+        backward), ``contract_s`` (contractions), ``support_grad_s`` (gradient GEMMs), and
+        ``chunk_size``, ``num_chunks``.
+
+    Returns
+    -------
+    torch.Tensor
+        (N1, N2), (N1, N2, O) or (N1, N2, O, O) by ``mode``, with a leading (B,) axis when
+        ``layerwise``; differentiable with respect to the support input (once).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a ``torch.nn.Module`` or an input is not a tensor.
+    ValueError
+        Both inputs require grad, an unknown ``mode``, ``pseudo`` with a mode other than
+        trace, empty inputs or a bad ``batch_size``.
+    """
+    _check(model, x1, x2, mode, layerwise, pseudo, batch_size)
+    if x1.requires_grad and x2.requires_grad:
+        raise ValueError("checkpointed_ntk bounds the backward when exactly one of x1, x2 "
+                         "requires grad (the support set); both do. Use ntkcore.ntk(..., "
+                         "checkpoint=False) to differentiate with respect to both")
+    support_first = bool(x1.requires_grad)
+    xs, xt = (x1, x2) if support_first else (x2, x1)
+    spec, support = _prepare(model, xs, xt, mode=mode, layerwise=layerwise, pseudo=pseudo,
+                             params=params, max_memory=max_memory, dtype=dtype,
+                             batch_size=batch_size, timings=timings)
+    k = _CheckpointedKernel.apply(spec, *support)
+    if support_first:
+        k = k.permute(_swap(mode, 1 if layerwise else 0))
+    return k
+
+
+# --------------------------------------------------------------------------------------------
+# the fused KIP loss
+# --------------------------------------------------------------------------------------------
+def _flat(k: torch.Tensor, mode: str) -> torch.Tensor:
+    """trace: K (c, M) as is; full: K[n,m,o,p] -> (c O, M O) with rows (n, o), cols (m, p)."""
+    if mode == "trace":
+        return k
+    c, m, o, _ = k.shape
+    return k.permute(0, 2, 1, 3).reshape(c * o, m * o)
+
+
+def _unflat(kf: torch.Tensor, mode: str, o: int) -> torch.Tensor:
+    if mode == "trace":
+        return kf
+    return kf.reshape(kf.shape[0] // o, o, kf.shape[1] // o, o).permute(0, 2, 1, 3)
+
+
+class _FusedKipLoss(torch.autograd.Function):
+    r""":math:`L = \frac1{R}\sum (K_{ts}\alpha - Y_t)^2` in one pass over the target chunks.
+
+    Inputs: ``alpha`` (M', C') and the support arrays; ``spec.y_target`` (rows, C') is a
+    constant.  Per chunk: :math:`r = K_c \alpha - Y_c`, :math:`\bar K_c = (2/R)\, r
+    \alpha^\top`, :math:`\bar\alpha \mathrel{+}= K_c^\top (2/R)\, r` and the support gradient
+    of :math:`\langle \bar K_c, K_c\rangle`; all are kept for the backward pass, which only
+    scales them by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, y_target: torch.Tensor, alpha: torch.Tensor,
+                *support: torch.Tensor) -> torch.Tensor:
+        need = list(ctx.needs_input_grad[3:])
+        grad_alpha = bool(ctx.needs_input_grad[2])
+        any_grad = grad_alpha or any(need)
+        mode, o = spec.mode, (spec.out_shape[-1] if spec.mode == "full" else 1)
+        a = alpha.detach()
+        rows_total = y_target.numel()
+        leaves, wanted = _leaves(support, need if any_grad else [False] * len(need))
+        js = spec.layout.from_arrays(leaves)
+        acc: list[torch.Tensor | None] = [None] * len(wanted)
+        g_alpha = torch.zeros_like(a)
+        sq = torch.zeros((), dtype=spec.out_dtype, device=a.device)
+        for start, stop in spec.chunks:
+            jt = spec.target(start, stop)
+            yc = y_target[start * o:stop * o]
+            state: dict[str, torch.Tensor] = {}
+
+            def grad_k(k: torch.Tensor, yc: torch.Tensor = yc,
+                       state: dict[str, torch.Tensor] = state) -> torch.Tensor:
+                kf = _flat(k, mode)
+                res = kf @ a - yc  # (rows, C') residual of the chunk
+                state["kf"], state["res"] = kf, res
+                return _unflat((2.0 / rows_total) * (res @ a.T), mode, o)
+
+            if wanted:
+                _, grads = spec.support_grads(jt, leaves, wanted, grad_k)
+                _accumulate(acc, grads)
+            else:
+                t0 = time.perf_counter()
+                grad_k(spec.contract(jt, js))
+                spec.timer.add("contract_s", t0)
+            kf, res = state["kf"], state["res"]
+            sq = sq + torch.sum(res * res)
+            if grad_alpha:
+                g_alpha = g_alpha + (2.0 / rows_total) * (kf.T @ res)
+            del jt, kf, res, state
+        ctx.grads = (g_alpha if grad_alpha else None, _expand(acc, leaves, need))
+        return sq / rows_total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+        g_alpha, g_support = ctx.grads
+        del ctx.grads
+        ga = None if g_alpha is None else g_alpha * grad_loss
+        return (None, None, ga, *[None if g is None else g * grad_loss for g in g_support])
+
+
+def kip_loss(
+    model: nn.Module,
+    x_support: torch.Tensor,
+    y_support: torch.Tensor,
+    x_target: torch.Tensor,
+    y_target: torch.Tensor,
+    *,
+    reg: float = 1e-6,
+    mode: str = "trace",
+    pseudo: bool = False,
+    params: Any = None,
+    max_memory: Any = None,
+    batch_size: int | None = None,
+    fused: bool = True,
+    timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    r"""The KIP loss: kernel regression from the support set, mean squared error on targets.
+
+    .. math::
+
+        \hat Y_t = K_{ts} (K_{ss} + \lambda I)^{-1} Y_s, \qquad
+        L = \frac{1}{N C} \sum_{n, c} (\hat Y_t - Y_t)_{nc}^2,
+        \qquad \lambda = \texttt{reg} \cdot \operatorname{mean}(\operatorname{diag} K_{ss}),
+
+    with :math:`K` the eNTK of ``model``: ``mode="trace"`` (or ``pseudo=True``) is one scalar
+    kernel shared by the C label columns; ``mode="full"`` uses the (N O, M O) kernel with
+    labels (N, O).  :math:`K_{ss}` (M x M, with its autograd graph) is factorised by Cholesky
+    (:class:`ntkcore.KernelRidge`, no LU); :math:`\lambda` is a constant (no gradient flows
+    through it).  Gradients flow to ``x_support`` and ``y_support`` when they require grad.
+
+    ``fused=True`` (default) makes **one** pass over the target chunks: the residual of a
+    chunk only needs :math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s`, which is known before
+    the targets are visited, so each chunk's contribution to the loss, to
+    :math:`\partial L/\partial\alpha = \frac{2}{NC} K_{ts}^\top (\hat Y_t - Y_t)` and to the
+    support factors' gradient (through :math:`\bar K_{ts} = \frac{2}{NC}(\hat Y_t - Y_t)
+    \alpha^\top`) is formed right away and the chunk's factors are dropped.  Memory is bounded
+    as for :func:`checkpointed_ntk` and the targets' factors are computed once instead of
+    twice.  ``fused=False`` computes the same loss from :func:`ntkcore.ntk` (with
+    ``checkpoint=True``: the targets' factors are recomputed in the backward pass) and
+    :func:`ntkcore.kernel_regression`; it is the reference the fused path is tested against.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    x_support : torch.Tensor, shape (M, ...)
+        The support inputs (usually ``requires_grad=True``).
+    y_support : torch.Tensor, shape (M, C)
+        Support labels (may require grad too: "label learning").
+    x_target : torch.Tensor, shape (N, ...)
+        Target inputs (no gradient is taken with respect to them).
+    y_target : torch.Tensor, shape (N, C)
+        Target labels (constants).
+    reg : float
+        Relative ridge (see above), ``>= 0``.
+    mode : {"trace", "full"}
+    pseudo : bool
+        Use the pseudo-NTK (mode "trace").
+    params, max_memory, batch_size
+        As for :func:`checkpointed_ntk` (``batch_size``: target chunk size).
+    fused : bool
+        One pass over the targets (default) or the unfused reference.
+    timings : dict, optional
+        Filled with seconds per phase as for :func:`checkpointed_ntk`, plus ``solve_s``.
+
+    Returns
+    -------
+    torch.Tensor, shape ()
+        Differentiable (once) with respect to ``x_support`` and ``y_support``.
+    """
+    import ntkcore
+
+    if mode not in ("trace", "full"):
+        raise ValueError(f"mode must be 'trace' or 'full'; got {mode!r}")
+    _check(model, x_support, x_target, mode, False, pseudo, batch_size)
+    reg = float(reg)
+    if not math.isfinite(reg) or reg < 0:
+        raise ValueError(f"reg must be a finite non-negative number; got {reg!r}")
+    for name, y, x in (("y_support", y_support, x_support), ("y_target", y_target, x_target)):
+        if not isinstance(y, torch.Tensor) or y.ndim != 2 or y.shape[0] != x.shape[0]:
+            shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"{name} must be a tensor (N, C) with one row per input sample "
+                             f"({x.shape[0]}); got {shape}")
+    if y_support.shape[1] != y_target.shape[1]:
+        raise ValueError(f"y_support has {y_support.shape[1]} columns but y_target has "
+                         f"{y_target.shape[1]}")
+    if x_target.requires_grad:
+        raise ValueError("x_target requires grad: kip_loss differentiates with respect to the "
+                         "support set only; pass x_target.detach()")
+    timer = _Timer(timings)
+    kw: dict[str, Any] = {"params": params, "max_memory": max_memory,
+                          "batch_size": batch_size}
+    t0 = time.perf_counter()
+    if pseudo:
+        k_ss = ntkcore.pseudo_ntk(model, x_support, checkpoint=False, **kw)
+    else:
+        k_ss = ntkcore.ntk(model, x_support, mode=mode, checkpoint=False, **kw)
+    ys, yt = y_support, y_target.detach()
+    m = int(x_support.shape[0])
+    if mode == "full":
+        o = int(k_ss.shape[2])
+        if ys.shape[1] != o:
+            raise ValueError(f"mode='full' needs labels with O={o} columns; got {ys.shape[1]}")
+        k_ss = k_ss.permute(0, 2, 1, 3).reshape(m * o, m * o)
+        ys, yt = ys.reshape(-1, 1), yt.reshape(-1, 1)
+    lam = reg * float(torch.diagonal(k_ss).detach().mean())
+    t0 = timer.add("support_kernel_s", t0)
+    if not fused:
+        k_ts = (ntkcore.pseudo_ntk(model, x_target, x_support, checkpoint=True, **kw) if pseudo
+                else ntkcore.ntk(model, x_target, x_support, mode=mode, checkpoint=True, **kw))
+        t0 = timer.add("target_kernel_s", t0)
+        k_ts = _flat(k_ts, mode)
+        pred = ntkcore.kernel_regression(k_ss, ys, k_ts, reg=lam)
+        timer.add("solve_s", t0)
+        return torch.mean((pred - yt) ** 2)
+    alpha = ntkcore.KernelRidge(reg=lam).fit(k_ss, ys).alpha_
+    t0 = timer.add("solve_s", t0)
+    spec, support = _prepare(model, x_support, x_target, mode=mode, layerwise=False,
+                             pseudo=pseudo, params=params, max_memory=max_memory,
+                             dtype=None, batch_size=batch_size, timings=timings)
+    yt = yt.to(spec.out_dtype)
+    return _FusedKipLoss.apply(spec, yt, alpha, *support)
