@@ -64,8 +64,7 @@ CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
 QUICK_CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
     "MLP tiny N=16": ("mlp_tiny", 16, "trace", ("ntkcore", BASELINE, "torch.func ntk-vp"),
                       None, None),
-    "CNN tiny N=8 full": ("cnn_tiny", 8, "full", ("ntkcore", BASELINE, "torch.func ntk-vp"),
-                          None, None),
+    "CNN tiny N=8 full": ("cnn_tiny", 8, "full", ("ntkcore", BASELINE), None, None),
     "Transformer tiny N=8": ("transformer_tiny", 8, "trace", ("ntkcore", BASELINE), None,
                              "64MB"),
 }
