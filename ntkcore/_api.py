@@ -98,7 +98,14 @@ def _batch_size(per_sample: float, budget: float) -> int:
 
 def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
                batch: int, first: Jacobian | None = None) -> Jacobian:
-    """The Jacobian of samples ``start:stop`` from provider calls of ``batch`` samples."""
+    """The Jacobian of samples ``start:stop`` from provider calls of ``batch`` samples.
+
+    ``first`` (the probe's Jacobian of the leading samples) is reused only when more than one
+    call is needed anyway: a single call keeps the provider's own factor layouts (e.g. a
+    convolution's g as a view of an (N, O, C, S) array), which concatenation would not.
+    """
+    if first is not None and stop - start <= batch and first.num_samples < stop - start:
+        first = None
     parts = [] if first is None else [first]
     pos = start if first is None else start + first.num_samples
     while pos < stop:
