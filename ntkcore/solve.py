@@ -46,6 +46,8 @@ Array = Any
 
 __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 
+_NONFINITE_U = ("U contains NaN or Inf (or entries so large that their squares overflow "
+                "the dtype)")
 _SYRK_BLOCK = 128  # column-block width of the blocked symmetric Gram
 
 
@@ -202,16 +204,18 @@ class SMWSolver:
         if isinstance(U, Jacobian):
             xp = U.xp
             namespace_of(U=U.blocks[0].arrays()[0])
+            # finiteness is checked on the Gram's diagonal and the result (O(rho) + O(P)),
+            # not by an extra pass over U
             for blk in U.blocks:
                 for arr in blk.arrays():
                     check_array(xp, arr, f"U (Jacobian block {blk.name!r})", (arr.ndim,),
-                                "a block array")
+                                "a block array", finite=False)
             self.op: Any = _JacobianOp(U)
             self.dtype = U.dtype
             self.device = U.device
         else:
             xp, _ = namespace_of(U=U)
-            check_array(xp, U, "U", (2,), "(P, rho)")
+            check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
             self.op = _ArrayOp(xp, U)
             self.dtype = U.dtype
             self.device = array_api_compat.device(U)
@@ -266,6 +270,9 @@ class SMWSolver:
             else:
                 gram = op.gram()
             self._gram = xp.astype(gram, self.wide)
+            # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
+            if not bool(xp.all(xp.isfinite(xp.linalg.diagonal(self._gram)))):
+                raise ValueError(_NONFINITE_U)
         rho = int(self._gram.shape[0])
         eye = xp.eye(rho, dtype=self.wide, device=self.device)
         c = self.damping * eye + self.scale * self._gram
@@ -304,7 +311,12 @@ class SMWSolver:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
         b = self.coefficients(g)
         ub = self.op.mul(xp.astype(b, self.dtype))
-        return xp.astype((g - ub) / self.damping, g.dtype)
+        d = xp.astype((g - ub) / self.damping, g.dtype)
+        if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
+            # rows outside the sketch never reach the Gram; a NaN there shows up in U b
+            if bool(xp.all(xp.isfinite(g))):
+                raise ValueError(_NONFINITE_U)
+        return d
 
 
 # -- public functions -------------------------------------------------------------------------
@@ -340,7 +352,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
         p = U.num_params
     else:
         xp, _ = namespace_of(U=U, g=g)
-        check_array(xp, U, "U", (2,), "(P, rho)")
+        check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
         p = int(U.shape[0])
     check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
     if g.shape[0] != p:
@@ -386,7 +398,7 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
         n, p = J.num_samples, J.num_params
     else:
         xp, _ = namespace_of(J=J, g=g)
-        check_array(xp, J, "J", (2,), "(N, P)")
+        check_array(xp, J, "J", (2,), "(N, P)", finite=False)
         n, p = int(J.shape[0]), int(J.shape[1])
     check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
     if g.shape[0] != p:

@@ -168,6 +168,12 @@ def test_bad_inputs(rng):
     bad[2, 1] = np.nan
     with pytest.raises(ValueError, match="U contains NaN"):
         ntkcore.smw_solve(bad, g, 1.0)
+    for spec in (("uniform", 2, 0), ("leverage", 3, 1)):  # NaN row outside or inside the sketch
+        with pytest.raises(ValueError, match="U contains NaN"):
+            ntkcore.smw_solve(bad, g, 1.0, sketch=spec)
+    bad_j = Jacobian([DenseBlock(bad.T[:, None, :])])
+    with pytest.raises(ValueError, match="U contains NaN"):
+        ntkcore.smw_solve(bad_j, g, 1.0)
     with pytest.raises(ValueError, match="g contains NaN"):
         ntkcore.smw_solve(u, np.full(10, np.inf), 1.0)
     with pytest.raises(ValueError, match="g must have"):
