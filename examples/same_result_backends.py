@@ -1,0 +1,239 @@
+"""One eNTK kernel regression, many array libraries: the same numbers everywhere.
+
+The same fully-connected ReLU network (64-128-128-10, float64, fixed weights) is written five
+ways, and each computes the trace eNTK of scikit-learn's digits and a Cholesky kernel
+regression with ntkcore:
+
+* ``ntkcore.models.MLP`` (hand-written Kronecker Jacobian) on NumPy, PyTorch, JAX and
+  ``array_api_strict`` arrays (whatever is installed);
+* a ``torch.nn.Sequential`` through the PyTorch provider (hooks on ``nn.Linear``);
+* a JAX ``(apply_fn, params)`` pair through the JAX provider (dense layers found in the jaxpr).
+
+Every result comes back in its own library, and every one agrees with the NumPy MLP to float64
+rounding (the script exits with status 1 if any relative difference exceeds 1e-9, or if any
+predicted label differs).
+
+    python examples/same_result_backends.py             # 1257 train / 540 test images
+    python examples/same_result_backends.py --quick     # 250 / 150 images
+    python examples/same_result_backends.py --out /tmp/backends.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import ntkcore
+from ntkcore.models import MLP
+
+TOLERANCE = 1e-9  # relative, on kernels and predictions
+WIDTHS = (64, 128, 128, 10)
+
+
+def load(n_train: int | None, n_test: int | None) -> tuple[np.ndarray, ...]:
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.3, random_state=0,
+                                              stratify=y)
+    return x_tr[:n_train], x_te[:n_test], y_tr[:n_train], y_te[:n_test]
+
+
+def parameters(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """He-scaled weights (d_out, d_in) and small biases, float64, as in ``nn.Linear``."""
+    rng = np.random.default_rng(seed)
+    ws, bs = [], []
+    for d_in, d_out in itertools.pairwise(WIDTHS):
+        ws.append(rng.standard_normal((d_out, d_in)) * np.sqrt(2.0 / d_in))
+        bs.append(0.1 * rng.standard_normal(d_out))
+    return ws, bs
+
+
+# --------------------------------------------------------------------------------------------
+# One entry per way of writing the network: name -> (convert arrays in, run, convert back).
+
+
+def mlp_case(xp: Any, asarray: Callable[[np.ndarray], Any]) -> Callable[..., tuple[Any, ...]]:
+    """The array-API MLP with weights in namespace ``xp``."""
+
+    def run(ws, bs, x_tr, x_te, y_tr, reg):
+        net = MLP([asarray(w) for w in ws], [asarray(b) for b in bs], activation="relu",
+                  parameterization="standard")
+        xtr, xte, ytr = asarray(x_tr), asarray(x_te), asarray(y_tr)
+        k = ntkcore.ntk(net, xtr, mode="trace")
+        ks = ntkcore.ntk(net, xte, xtr, mode="trace")
+        return k, ks, ntkcore.kernel_regression(k, ytr, ks, reg=reg)
+
+    return run
+
+
+def torch_module_case():
+    import torch
+
+    def run(ws, bs, x_tr, x_te, y_tr, reg):
+        layers: list[torch.nn.Module] = []
+        for i, (w, b) in enumerate(zip(ws, bs, strict=True)):
+            lin = torch.nn.Linear(w.shape[1], w.shape[0]).double()
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w))
+                lin.bias.copy_(torch.from_numpy(b))
+            layers.append(lin)
+            if i < len(ws) - 1:
+                layers.append(torch.nn.ReLU())
+        net = torch.nn.Sequential(*layers)
+        xtr, xte = torch.from_numpy(x_tr), torch.from_numpy(x_te)
+        k = ntkcore.ntk(net, xtr, mode="trace")
+        ks = ntkcore.ntk(net, xte, xtr, mode="trace")
+        return k, ks, ntkcore.kernel_regression(k, torch.from_numpy(y_tr), ks, reg=reg)
+
+    return run
+
+
+def jax_pair_case():
+    import jax
+    import jax.numpy as jnp
+
+    def apply_fn(params, x):
+        for i, (w, b) in enumerate(params):
+            x = x @ w.T + b
+            if i < len(params) - 1:
+                x = jax.nn.relu(x)
+        return x
+
+    def run(ws, bs, x_tr, x_te, y_tr, reg):
+        params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in zip(ws, bs, strict=True)]
+        xtr, xte = jnp.asarray(x_tr), jnp.asarray(x_te)
+        k = ntkcore.ntk((apply_fn, params), xtr, mode="trace")
+        ks = ntkcore.ntk((apply_fn, params), xte, xtr, mode="trace")
+        return k, ks, ntkcore.kernel_regression(k, jnp.asarray(y_tr), ks, reg=reg)
+
+    return run
+
+
+def cases() -> dict[str, Callable[..., tuple[Any, ...]]]:
+    out: dict[str, Callable[..., tuple[Any, ...]]] = {"numpy MLP": mlp_case(np, np.asarray)}
+    have = {m: importlib.util.find_spec(m) is not None
+            for m in ("torch", "jax", "array_api_strict")}
+    if have["torch"]:
+        import torch
+
+        out["torch MLP"] = mlp_case(torch, torch.from_numpy)
+        out["torch nn.Module"] = torch_module_case()
+    if have["jax"]:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+
+        out["jax MLP"] = mlp_case(jnp, jnp.asarray)
+        out["jax (apply_fn, params)"] = jax_pair_case()
+    if have["array_api_strict"]:
+        import array_api_strict as xps
+
+        out["array_api_strict MLP"] = mlp_case(xps, xps.asarray)
+    return out
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    if type(a).__module__.startswith("array_api_strict"):
+        import array_api_strict as xps
+
+        return np.asarray(xps.asarray(a, copy=True)._array)
+    return np.asarray(a)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="250 train / 150 test images")
+    p.add_argument("--out", type=Path,
+                   default=Path(tempfile.gettempdir()) / "same_result_backends.png",
+                   help="plot file (default: in the temporary directory)")
+    p.add_argument("--reg", type=float, default=1e-4, help="ridge, relative to mean(diag K)")
+    args = p.parse_args(argv)
+
+    n_train, n_test = (250, 150) if args.quick else (None, None)
+    x_tr, x_te, y_tr, y_te = load(n_train, n_test)
+    y_onehot = np.eye(10)[y_tr]
+    ws, bs = parameters()
+    print(f"digits: {len(y_tr)} train / {len(y_te)} test images; network "
+          f"{'-'.join(map(str, WIDTHS))} ReLU, float64")
+
+    # the ridge is fixed from the NumPy kernel so that every case solves the same system
+    ref_net = MLP(ws, bs, activation="relu", parameterization="standard")
+    reg = args.reg * float(np.mean(ntkcore.ntk(ref_net, x_tr[:100], mode="diagonal").sum(-1)
+                                   .diagonal()))
+
+    rows, ref = [], None
+    for name, run in cases().items():
+        t = time.perf_counter()
+        k, ks, pred = run(ws, bs, x_tr, x_te, y_onehot, reg)
+        seconds = time.perf_counter() - t
+        kind = f"{type(pred).__module__.split('.')[0]}.{type(pred).__name__}"
+        k, ks, pred = to_numpy(k), to_numpy(ks), to_numpy(pred)
+        if ref is None:
+            ref = (k, ks, pred)
+        rows.append({
+            "name": name, "type": kind, "seconds": seconds,
+            "kernel": max(rel(k, ref[0]), rel(ks, ref[1])), "pred": rel(pred, ref[2]),
+            "labels": int(np.sum(pred.argmax(1) != ref[2].argmax(1))),
+            "accuracy": float(np.mean(pred.argmax(1) == y_te)),
+        })
+
+    print(f"\n{'implementation':<24} {'result type':<28} {'time':>7}  {'kernel rel.diff':>15}"
+          f"  {'pred rel.diff':>13}  {'labels differ':>13}  accuracy")
+    for r in rows:
+        print(f"{r['name']:<24} {r['type']:<28} {r['seconds']:6.2f}s  {r['kernel']:15.1e}"
+              f"  {r['pred']:13.1e}  {r['labels']:13d}  {100 * r['accuracy']:.2f}%")
+    worst = max(max(r["kernel"], r["pred"]) for r in rows)
+    ok = worst <= TOLERANCE and all(r["labels"] == 0 for r in rows)
+    print(f"\nlargest relative difference from the NumPy MLP: {worst:.1e} "
+          f"({'within' if ok else 'ABOVE'} the tolerance {TOLERANCE:g})")
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+    else:
+        fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+        floor = 1e-18
+        vals = [max(r["kernel"], r["pred"], floor) for r in rows]
+        ax.barh([r["name"] for r in rows], vals, color="tab:blue")
+        for i, r in enumerate(rows):
+            if max(r["kernel"], r["pred"]) == 0.0:
+                ax.text(floor * 3, i, "identical" if i else "reference", va="center")
+        ax.axvline(TOLERANCE, color="tab:red", ls="--", label=f"tolerance {TOLERANCE:g}")
+        ax.set_xscale("log")
+        ax.set_xlim(floor, 1)
+        ax.invert_yaxis()
+        ax.set_xlabel("largest relative difference from the NumPy MLP (kernels, predictions)")
+        ax.set_title(f"same eNTK regression, {len(rows)} implementations: test accuracy "
+                     f"{100 * rows[0]['accuracy']:.1f}% for all")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.out, dpi=100)
+        plt.close(fig)
+        print(f"plot: {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
