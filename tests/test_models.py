@@ -296,6 +296,11 @@ def test_params_subset(rng):
     np.testing.assert_allclose(sub.to_dense(), full[:, :, 20:], rtol=1e-14)
     with pytest.raises(ValueError, match="params"):
         net.jacobian(x, params=["conv0"])
+    # through ntk(): the kernel of the selected layers only (independent torch reference)
+    _, ref = _torch_reference_jacobian(widths, ws, bs, x, "relu", "ntk")
+    jl = ref[:, :, 20:]
+    np.testing.assert_allclose(ntkcore.ntk(net, x, params=["layer1", "layer2"], mode="trace"),
+                               np.einsum("nop,mop->nm", jl, jl), rtol=1e-12, atol=1e-13)
 
 
 def test_does_not_mutate_inputs(rng):
