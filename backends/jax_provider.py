@@ -410,7 +410,8 @@ def jacobian(
             ones = jnp.ones((a.shape[0], a.shape[1], 1), dtype=a.dtype)
             blocks[ly.b_leaf] = KroneckerBlock(ones, g, names[ly.b_leaf])
 
-    if layers and not plan.verified:
+    tracing = any(isinstance(t, jax.core.Tracer) for t in (x, *leaves))
+    if layers and not plan.verified and not tracing:  # (values are unknown under tracing)
         bad = _verify(blocks, parts[0], nd, layers, leaves, plan.f_flat, x[0], pseudo, o)
         if bad is not None:
             _PLANS.pop(key, None)
