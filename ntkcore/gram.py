@@ -285,8 +285,8 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     if symmetric:
         r = min(tile, n1)
         per_entry = sum(_cost(s, p, mode, o, r, r)[1] for s, p in zip(chosen, pairs,
-                                                                       strict=True))
-        per_entry /= r * r * _q(mode, o)
+                                                                       strict=True)) \
+            / (r * r * _q(mode, o))
         if per_entry >= SYMMETRIC_SPLIT_FLOPS_PER_ENTRY:
             floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
             r = min(r, max(floor, math.ceil(n1 / 4)))
@@ -469,7 +469,7 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
         if type(b1) is not type(b2):
             raise ValueError(f"{label} is a {type(b1).__name__} in J1 but a "
                              f"{type(b2).__name__} in J2")
-        if isinstance(b1, KroneckerBlock):
+        if isinstance(b1, KroneckerBlock) and isinstance(b2, KroneckerBlock):
             if (b1.d_in, b1.d_out) != (b2.d_in, b2.d_out):
                 raise ValueError(f"{label} has (d_in, d_out) = ({b1.d_in}, {b1.d_out}) in J1 "
                                  f"but ({b2.d_in}, {b2.d_out}) in J2")

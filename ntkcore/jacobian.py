@@ -259,7 +259,8 @@ class Jacobian:
                 raise TypeError(f"block {i} must be a DenseBlock or KroneckerBlock; got "
                                 f"{type(b).__name__}")
             if b.name is None:
-                b = type(b)(*b.arrays(), name=f"block{i}")  # type: ignore[arg-type]
+                b = (DenseBlock(b.jac, name=f"block{i}") if isinstance(b, DenseBlock)
+                     else KroneckerBlock(b.a, b.g, name=f"block{i}"))
             named.append(b)
         first = named[0]
         xp = array_api_compat.array_namespace(*first.arrays())
@@ -400,8 +401,10 @@ class Jacobian:
         for i, b in enumerate(first.blocks):
             parts = [j.blocks[i] for j in jacobians]
             if isinstance(b, DenseBlock):
-                blocks.append(DenseBlock(xp.concat([p.jac for p in parts], axis=0), b.name))
+                dense = [p for p in parts if isinstance(p, DenseBlock)]
+                blocks.append(DenseBlock(xp.concat([p.jac for p in dense], axis=0), b.name))
             else:
-                blocks.append(KroneckerBlock(xp.concat([p.a for p in parts], axis=0),
-                                             xp.concat([p.g for p in parts], axis=0), b.name))
+                kron = [p for p in parts if isinstance(p, KroneckerBlock)]
+                blocks.append(KroneckerBlock(xp.concat([p.a for p in kron], axis=0),
+                                             xp.concat([p.g for p in kron], axis=0), b.name))
         return Jacobian(blocks)
