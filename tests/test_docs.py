@@ -54,6 +54,6 @@ def test_sphinx_build_without_warnings(tmp_path):
         assert (out / f"{page}.html").is_file(), page
     api = (out / "api.html").read_text(encoding="utf-8")
     for name in ("ntkcore.ntk", "ntkcore.kernel_regression", "ntkcore.smw_solve",
-                 "ntkcore.Jacobian", "ntkcore.gram.gram", "SENG"):
+                 "ntkcore.Jacobian", "ntkcore.gram", "ntkcore.trace_share", "SENG"):
         assert name in api, name
     assert 'class="math' in (out / "math.html").read_text(encoding="utf-8")
