@@ -122,6 +122,34 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p) if p.grad is None else p.grad.detach()
 
 
+def _patches(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Input patches of a groups=1 ConvNd, (N, L, C_in * prod(kernel)), in the weight's
+    (C_in, k_1, ..., k_d) order, so that ``y[n, :, l] = W.reshape(C_out, -1) @ a[n, l]``."""
+    import torch.nn.functional as F
+
+    dims = len(conv.kernel_size)
+    widths = []  # (before, after) padding per spatial axis
+    for i in range(dims):
+        span = conv.dilation[i] * (conv.kernel_size[i] - 1)
+        if conv.padding == "valid":
+            widths.append((0, 0))
+        elif conv.padding == "same":  # torch puts the odd element at the end
+            widths.append((span // 2, span - span // 2))
+        else:
+            widths.append((conv.padding[i], conv.padding[i]))
+    pad = [w for pair in reversed(widths) for w in pair]  # F.pad: last axis first
+    if any(pad):
+        x = F.pad(x, pad, mode="constant" if conv.padding_mode == "zeros"
+                  else conv.padding_mode)
+    for i in range(dims):
+        span = conv.dilation[i] * (conv.kernel_size[i] - 1) + 1
+        x = x.unfold(2 + i, span, conv.stride[i])[..., ::conv.dilation[i]]
+    n, c = x.shape[0], x.shape[1]
+    # (N, C, L_1..L_d, k_1..k_d) -> (N, L_1..L_d, C, k_1..k_d)
+    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
+    return x.permute(order).reshape(n, -1, c * math.prod(conv.kernel_size))
+
+
 def _inside_functorch(x: torch.Tensor) -> bool:
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return bool(check(x)) if check is not None else False
@@ -349,9 +377,7 @@ class SENG(torch.optim.Optimizer):
                 a = x.reshape(n, -1, x.shape[-1])
                 g = gy.reshape(n, -1, gy.shape[-1])
             else:
-                from .torch_jacobian import _conv_patches
-
-                a = _conv_patches(mod, x)  # (N, L, C_in * prod(k))
+                a = _patches(mod, x)  # (N, L, C_in * prod(k))
                 g = gy.reshape(n, gy.shape[1], -1).transpose(1, 2)  # (N, L, C_out)
             if unit.bias is not None:
                 a = torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
