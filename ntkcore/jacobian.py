@@ -32,6 +32,11 @@ Array = Any
 __all__ = ["DenseBlock", "Jacobian", "KroneckerBlock"]
 
 
+def _same_device(d1: Any, d2: Any) -> bool:
+    """Devices agree; ``None`` (a traced JAX array has no device) agrees with anything."""
+    return d1 is None or d2 is None or d1 == d2
+
+
 def _check_block_array(x: Array, what: str, ndim: int, shape: str) -> Any:
     try:
         xp = array_api_compat.array_namespace(x)
@@ -130,7 +135,7 @@ class KroneckerBlock:
         xg = _check_block_array(self.g, f"{label} factor g", 4, "(N, S, O, d_out)")
         if xa is not xg:
             raise ValueError(f"{label}: factors a and g come from different array libraries")
-        if array_api_compat.device(self.a) != array_api_compat.device(self.g):
+        if not _same_device(array_api_compat.device(self.a), array_api_compat.device(self.g)):
             raise ValueError(f"{label}: factors a and g are on different devices")
         if self.a.shape[0] != self.g.shape[0]:
             raise ValueError(
@@ -273,7 +278,7 @@ class Jacobian:
             if bxp is not xp:
                 raise ValueError(f"block {b.name!r} uses a different array library than "
                                  f"block {first.name!r}")
-            if array_api_compat.device(b.arrays()[0]) != dev:
+            if not _same_device(array_api_compat.device(b.arrays()[0]), dev):
                 raise ValueError(f"block {b.name!r} is on a different device than "
                                  f"block {first.name!r}")
             if b.num_samples != first.num_samples:
@@ -293,7 +298,14 @@ class Jacobian:
 
     @property
     def device(self) -> Any:
-        return array_api_compat.device(self.blocks[0].arrays()[0])
+        """The device of the blocks' arrays (``None`` only if all are traced, e.g. under
+        ``jax.jit``)."""
+        for b in self.blocks:
+            for x in b.arrays():
+                dev = array_api_compat.device(x)
+                if dev is not None:
+                    return dev
+        return None
 
     @property
     def dtype(self) -> Any:

@@ -479,3 +479,22 @@ def test_default_budget():
     assert default_budget(Known(), None) == int(8 * 2**30 * DEFAULT_FRACTION)
     assert default_budget(Unknown(), None) == 1 << 30
     assert default_budget(Known(), None, fraction=0.5) == 4 * 2**30
+
+
+def test_jax_grad_and_jit_through_gram(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    a = jnp.asarray(rng.standard_normal((5, 3, 4)))
+    g = jnp.asarray(rng.standard_normal((5, 3, 2, 3)))
+
+    def loss(a_, g_):  # only a_ is traced under grad: g_ stays a concrete array
+        j = ntkcore.Jacobian([ntkcore.KroneckerBlock(a_, g_)])
+        return jnp.sum(ntkcore.gram(j, mode="full", max_memory=3_000) ** 2)
+
+    def dense_loss(a_, g_):
+        d = jnp.einsum("nsoi,nsj->noij", g_, a_).reshape(5, 2, -1)
+        return jnp.sum(jnp.einsum("nok,mpk->nmop", d, d) ** 2)
+
+    grad = jax.jit(jax.grad(loss))(a, g)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jax.grad(dense_loss)(a, g)),
+                               rtol=1e-10)
