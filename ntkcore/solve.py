@@ -79,31 +79,13 @@ def sym_gram(xp: Any, u: Array) -> Array:
 
 
 def _jacobian_gram(J: Jacobian) -> Array:
-    """(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o)."""
+    """(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o), from the gram engine."""
+    from .gram import gram
+
     xp = J.xp
     n, o = J.num_samples, J.num_outputs
-    try:
-        from .gram import gram
-    except ImportError:  # the gram engine is not available: per-block fallback
-        gram = None
-    if gram is not None:
-        k = gram(J, mode="full")  # (N, N, O, O)
-        return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
-    total = None
-    for b in J.blocks:
-        if isinstance(b, KroneckerBlock) and b.num_positions == 1:
-            gg = xp.reshape(b.g[:, 0, :, :], (n * o, b.d_out))
-            aa = b.a[:, 0, :]
-            ka = aa @ xp.matrix_transpose(aa)  # (N, N)
-            kg = gg @ xp.matrix_transpose(gg)  # (N*O, N*O)
-            ka_rep = xp.reshape(
-                xp.broadcast_to(ka[:, None, :, None], (n, o, n, o)), (n * o, n * o))
-            part = kg * ka_rep
-        else:
-            flat = xp.reshape(b.to_dense(), (n * o, b.num_params))
-            part = flat @ xp.matrix_transpose(flat)
-        total = part if total is None else total + part
-    return total
+    k = gram(J, mode="full")  # (N, N, O, O)
+    return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
 
 
 # -- operators standing for U ----------------------------------------------------------------
