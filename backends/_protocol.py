@@ -67,10 +67,12 @@ class Backend:
         self.xp = xp
 
     # -- linear algebra -------------------------------------------------------------------
-    def cholesky(self, a: Array) -> Array | None:
-        """Lower Cholesky factor ``L`` of the symmetric matrix ``a`` (..., n, n), or ``None``.
+    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
+        """Lower Cholesky factor ``L`` of ``a + shift * I`` for symmetric ``a`` (n, n), or ``None``.
 
-        ``None`` means the factorisation failed (``a`` not numerically positive definite).
+        ``None`` means the factorisation failed (not numerically positive definite).  Only the
+        lower triangle of ``a`` is read and ``a`` is never modified; backends add ``shift`` to
+        the diagonal of the one copy they factorise in place, where the framework allows it.
         The factor must stay differentiable under the framework's autograd.
         """
         raise NotImplementedError

@@ -20,8 +20,11 @@ class CupyBackend(Backend):
 
     name = "cupy"
 
-    def cholesky(self, a: Array) -> Array | None:
+    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
         # cupy.linalg.cholesky reports failure as NaNs (or raises, when debug checks are on).
+        if shift:
+            a = a.copy()
+            a[cupy.diag_indices(a.shape[0])] += shift
         try:
             l = cupy.linalg.cholesky(a)
         except cupy.linalg.LinAlgError:

@@ -22,7 +22,9 @@ class JaxBackend(Backend):
 
     name = "jax"
 
-    def cholesky(self, a: Array) -> Array | None:
+    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
+        if shift:
+            a = a + shift * jnp.eye(a.shape[0], dtype=a.dtype)
         l = jnp.linalg.cholesky(a)
         if isinstance(l, jax.core.Tracer):  # under jit/grad tracing we cannot inspect values
             return l

@@ -23,7 +23,10 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def cholesky(self, a: Array) -> Array | None:
+    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
+        if shift:
+            a = a.clone()  # a fresh tensor: the in-place diagonal update stays differentiable
+            a.diagonal().add_(shift)
         l, info = torch.linalg.cholesky_ex(a)
         if bool(torch.any(info != 0)):
             return None

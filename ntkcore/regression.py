@@ -98,9 +98,7 @@ def cholesky_with_jitter(
         Absolute jitter added beyond ``reg`` (0.0 when none was needed).
     """
     n = k.shape[0]
-    eye = _eye(xp, n, k)
-    base = k + reg * eye if reg else k
-    l = backend.cholesky(base)
+    l = backend.cholesky(k, shift=reg)
     if l is not None:
         return l, 0.0
     cap = _jitter_cap(jitter)
@@ -110,7 +108,7 @@ def cholesky_with_jitter(
         rel = _JITTER_START
         while rel <= cap * (1 + 1e-12):
             eps = rel * scale
-            l = backend.cholesky(base + eps * eye)
+            l = backend.cholesky(k, shift=reg + eps)
             if l is not None:
                 warnings.warn(
                     f"{name} was not numerically positive definite; added jitter {eps:.3g} "
