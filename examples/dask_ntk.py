@@ -1,7 +1,8 @@
 """Scale-out eNTK demo: kernel tiles on a Dask LocalCluster, stored in Zarr, solved with CG.
 
-    python examples/dask_ntk.py                 # N = 4,000 (about a minute on 2 cores)
-    python examples/dask_ntk.py 40000 4000      # the 6.4 GB kernel of the benchmark
+    python examples/dask_ntk.py                       # N = 4,000 (about a minute on 2 cores)
+    python examples/dask_ntk.py --n 40000 --chunk 4000 --store big.zarr   # the 6.4 GB kernel
+    python examples/dask_ntk.py --quick               # N = 600, seconds (used by the tests)
 
 Interrupt it during the kernel step and run it again: finished tiles are not recomputed.
 For a multi-node cluster, pass its scheduler address: see docs/distributed.md.
@@ -9,8 +10,10 @@ For a multi-node cluster, pass its scheduler address: see docs/distributed.md.
 
 from __future__ import annotations
 
+import argparse
 import logging
-import sys
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -53,5 +56,14 @@ def main(n: int = 4000, chunk: int = 1000, store: str = "ntk_demo.zarr") -> None
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:3]]
-    main(*args)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=4000, help="number of training inputs")
+    parser.add_argument("--chunk", type=int, default=1000, help="samples per kernel tile side")
+    parser.add_argument("--store", default=None,
+                        help="Zarr store path (default: a fresh temporary directory)")
+    parser.add_argument("--quick", action="store_true", help="N = 600, chunk 300")
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.chunk = 600, 300
+    with tempfile.TemporaryDirectory() as tmp:
+        main(args.n, args.chunk, args.store or os.path.join(tmp, "ntk_demo.zarr"))
