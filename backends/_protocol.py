@@ -96,6 +96,10 @@ class Backend:
         """A 0-d array as a Python float (outside any autograd graph; syncs the device)."""
         return float(x)
 
+    # Optional: ``erf(x)``, the error function elementwise.  The standard has none; backends
+    # that define it give ntkcore.models an exact, fast erf/gelu (the fallback is a pure
+    # array-API series accurate to float64 rounding).
+
     # -- random numbers -------------------------------------------------------------------
     def generator(self, seed: int | None, device: Device) -> Generator:
         """A :class:`Generator` seeded with ``seed`` (``None``: fresh entropy) on ``device``."""

@@ -40,6 +40,11 @@ class CupyBackend(Backend):
             a, b, lower=lower, trans="T" if transpose else "N", check_finite=False
         )
 
+    def erf(self, x: Array) -> Array:
+        import cupyx.scipy.special
+
+        return cupyx.scipy.special.erf(x)
+
     def generator(self, seed: int | None, device: Device) -> CupyGenerator:
         return CupyGenerator(seed, device)
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
+import jax.scipy.special
 
 from ._host import host_free_memory
 from ._protocol import Array, Backend, Device
@@ -39,6 +40,9 @@ class JaxBackend(Backend):
 
     def cho_solve(self, l: Array, b: Array) -> Array:
         return jax.scipy.linalg.cho_solve((l, True), b)
+
+    def erf(self, x: Array) -> Array:
+        return jax.scipy.special.erf(x)
 
     def generator(self, seed: int | None, device: Device) -> JaxGenerator:
         return JaxGenerator(seed, device)

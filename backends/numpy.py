@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.linalg
+import scipy.special
 
 from ._host import host_free_memory
 from ._protocol import Array, Device
@@ -41,6 +42,9 @@ class NumpyBackend(GenericBackend):
 
     def cho_solve(self, l: Array, b: Array) -> Array:
         return scipy.linalg.cho_solve((l, True), b, check_finite=False)
+
+    def erf(self, x: Array) -> Array:
+        return scipy.special.erf(x)
 
     def generator(self, seed: int | None, device: Device) -> _HostGenerator:
         return _HostGenerator(self.xp, np.random.default_rng(seed), None)

@@ -49,6 +49,9 @@ class TorchBackend(Backend):
         x = torch.cholesky_solve(b[:, None] if vector else b, l, upper=False)
         return x[:, 0] if vector else x
 
+    def erf(self, x: Array) -> Array:
+        return torch.special.erf(x)
+
     def scalar(self, x: Array) -> float:
         return float(x.detach())
 
