@@ -504,11 +504,20 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     q = _check_size(q, "q")
     if not replace and q > n:
         raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    dev = array_api_compat.device(U)
-    p = row_norms_squared(U)
-    p = _normalise(xp, xp.astype(p, _wide_float(xp, dev)), "U")
-    sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="leverage", probabilities=p)
-    return sk.bind(U)
+    return _leverage_from_weights(row_norms_squared(U), q, _check_seed(seed), replace, "U")
+
+
+def _leverage_from_weights(w: Array, q: int, seed: int | None, replace: bool,
+                           what: str) -> RowSketch:
+    """Leverage sketch with probabilities proportional to the squared norms ``w`` (n,)."""
+    xp = array_api_compat.array_namespace(w)
+    dev = array_api_compat.device(w)
+    n = int(w.shape[0])
+    if not replace and q > n:
+        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
+    p = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
+    sk = RowSketch(n, q, seed, replace=replace, kind="leverage", probabilities=p)
+    return sk.bind(w)
 
 
 def row_norms_squared(U: Array) -> Array:
@@ -666,7 +675,7 @@ def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | Non
         return None
     if method == "leverage":
         assert weights is not None
-        return leverage(weights, q, seed=seed, replace=replace)
+        return _leverage_from_weights(weights, q, seed, replace, "the Jacobian")
     if method == "uniform":
         return uniform(axis_len, q, seed=seed, replace=replace, like=x)
     if method == "gaussian":
@@ -736,9 +745,11 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
                 blocks.append(block)
                 sketches.append(None)
                 continue
-            jt = xp.permute_dims(block.jac, (2, 0, 1))  # (P_b, N, O): rows = parameters
-            sk = _factor_sketch(method, jt, block.num_params, q_b, _sub_seed(seed, b, 0),
-                                replace, jt if method == "leverage" else None)
+            # leverage: p_j ~ sum_{n,o} J[n,o,j]^2 (no transposed copy of the block)
+            w = (xp.sum(block.jac * block.jac, axis=(0, 1)) if method == "leverage"
+                 else None)
+            sk = _factor_sketch(method, block.jac, block.num_params, q_b,
+                                _sub_seed(seed, b, 0), replace, w)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
             sketches.append(sk)
         else:
@@ -749,9 +760,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
                 continue
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
             wa = wg = None
-            if method == "leverage":
-                wa = xp.permute_dims(block.a, (2, 0, 1))  # (d_in, N, S)
-                wg = xp.permute_dims(block.g, (3, 0, 1, 2))  # (d_out, N, S, O)
+            if method == "leverage":  # marginal factor norms
+                wa = xp.sum(block.a * block.a, axis=(0, 1))  # (d_in,)
+                wg = xp.sum(block.g * block.g, axis=(0, 1, 2))  # (d_out,)
             sk_a = _factor_sketch(method, block.a, block.d_in, q_a, _sub_seed(seed, b, 1),
                                   replace, wa)
             sk_g = _factor_sketch(method, block.g, block.d_out, q_g, _sub_seed(seed, b, 2),
