@@ -334,7 +334,9 @@ class _Ops:
     def nt(self, x: Array, y: Array) -> Array:
         """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c)."""
         if x is y and self.copy_self:
-            return x @ self.xp.asarray(x.T, copy=True)
+            # a row-major copy of x.T: reshaping a transposed view to 1-D copies in C order
+            xt = self.xp.reshape(self.xp.reshape(x.T, (-1,)), (x.shape[1], x.shape[0]))
+            return x @ xt
         return x @ y.T
 
 
