@@ -450,6 +450,8 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     """DenseBlocks by torch.func: vmap over samples of jacrev w.r.t. the listed parameters."""
     from torch.func import functional_call, jacrev, vmap
 
+    if create_graph:
+        return _dense_blocks_graph(model, x, groups, o, pseudo)
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
     pdict = {k: (named[k] if create_graph else named[k].detach()) for k in names}
@@ -475,6 +477,38 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
         cols = [torch.cat(pieces[k], dim=0) if len(pieces[k]) > 1 else pieces[k][0] for k in ns]
         jac = cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
         blocks[bname] = DenseBlock(jac, bname)
+    return blocks
+
+
+def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
+                        o: int, pseudo: bool) -> dict[str, DenseBlock]:
+    """DenseBlocks that stay differentiable in ``x``: one plain backward per sample and output.
+
+    ``torch.func``'s ``vmap`` (also the one inside ``jacrev``/``jacfwd``) composed with an
+    outer autograd graph gives wrong gradients with respect to ``x`` for some ops (LayerNorm
+    in torch 2.13: the input gradient of its weight-gradient formula), so the graph-keeping
+    path uses ordinary ``autograd.grad(..., create_graph=True)``: N * O passes (N * 1 for the
+    pseudo-NTK), meant for the small support sets that require grad.
+    """
+    named = dict(model.named_parameters())
+    names = [n for _, ns in groups for n in ns]
+    ps = [named[k] for k in names]
+    scale = 1.0 / math.sqrt(o)
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    with torch.enable_grad():
+        for i in range(x.shape[0]):
+            out = model(x[i:i + 1]).reshape(-1)
+            if pseudo:
+                out = (out.sum() * scale).reshape(1)
+            per_o = [torch.autograd.grad(out[k], ps, create_graph=True, retain_graph=True,
+                                         allow_unused=True, materialize_grads=True)
+                     for k in range(out.shape[0])]
+            for j, k in enumerate(names):
+                rows[k].append(torch.stack([g[j].reshape(-1) for g in per_o]))
+    blocks = {}
+    for bname, ns in groups:
+        cols = [torch.stack(rows[k]) for k in ns]  # (N, O, P_k)
+        blocks[bname] = DenseBlock(cols[0] if len(cols) == 1 else torch.cat(cols, dim=2), bname)
     return blocks
 
 
