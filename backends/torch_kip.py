@@ -45,7 +45,7 @@ Checkpointing at the level of Jacobian factors
 
 Peak memory is the support side's graph plus one chunk's factors, whatever N is; the price is
 one more evaluation of the target factors in the backward pass.  The backward is
-``once_differentiable`` (no double backward; use ``checkpoint=False`` for higher derivatives).
+first-order only (a double backward raises; use ``checkpoint=False`` for higher derivatives).
 
 Chunk size
 ----------
@@ -83,7 +83,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ntkcore._memory import resolve_budget
 from ntkcore.gram import gram
@@ -315,6 +314,17 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
     return spec, support
 
 
+def _first_order_only() -> None:
+    """The backward passes here are first-order only.  Autograd runs a backward with grad mode
+    on exactly when a graph of the gradient is requested (``create_graph=True``); refuse it
+    rather than return a gradient whose own graph would silently miss this Function."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("the checkpointed eNTK / fused KIP loss supports first-order "
+                           "gradients only (create_graph=True was requested); build the "
+                           "kernels with ntkcore.ntk(..., checkpoint=False) for higher "
+                           "derivatives")
+
+
 def _leaves(support: Sequence[torch.Tensor],
             need: Sequence[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     leaves = [s.detach().requires_grad_(bool(q)) for s, q in zip(support, need, strict=True)]
@@ -363,8 +373,8 @@ class _CheckpointedKernel(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        _first_order_only()
         spec: _Spec = ctx.spec
         need = list(ctx.needs_input_grad[1:])
         leaves, wanted = _leaves(ctx.saved_tensors, need)
@@ -544,10 +554,9 @@ class _FusedKipLoss(torch.autograd.Function):
         return sq / rows_total
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
+        _first_order_only()
         g_alpha, g_support = ctx.grads
-        del ctx.grads
         ga = None if g_alpha is None else g_alpha * grad_loss
         return (None, None, ga, *[None if g is None else g * grad_loss for g in g_support])
 
@@ -579,8 +588,9 @@ def kip_loss(
     with :math:`K` the eNTK of ``model``: ``mode="trace"`` (or ``pseudo=True``) is one scalar
     kernel shared by the C label columns; ``mode="full"`` uses the (N O, M O) kernel with
     labels (N, O).  :math:`K_{ss}` (M x M, with its autograd graph) is factorised by Cholesky
-    (:class:`ntkcore.KernelRidge`, no LU); :math:`\lambda` is a constant (no gradient flows
-    through it).  Gradients flow to ``x_support`` and ``y_support`` when they require grad.
+    (:class:`ntkcore.KernelRidge`, no LU); :math:`\lambda` is part of the graph (the gradient
+    includes its dependence on the support set).  Gradients flow to ``x_support`` and
+    ``y_support`` when they require grad.
 
     ``fused=True`` (default) makes **one** pass over the target chunks: the residual of a
     chunk only needs :math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s`, which is known before
@@ -656,17 +666,20 @@ def kip_loss(
             raise ValueError(f"mode='full' needs labels with O={o} columns; got {ys.shape[1]}")
         k_ss = k_ss.permute(0, 2, 1, 3).reshape(m * o, m * o)
         ys, yt = ys.reshape(-1, 1), yt.reshape(-1, 1)
-    lam = reg * float(torch.diagonal(k_ss).detach().mean())
+    # lambda = reg * mean(diag K_ss) stays on the graph: the loss is a function of x_support
+    # through the ridge too, and its gradient is exact.
+    k_reg = k_ss + (reg * torch.diagonal(k_ss).mean()) * torch.eye(
+        k_ss.shape[0], dtype=k_ss.dtype, device=k_ss.device)
     t0 = timer.add("support_kernel_s", t0)
     if not fused:
         k_ts = (ntkcore.pseudo_ntk(model, x_target, x_support, checkpoint=True, **kw) if pseudo
                 else ntkcore.ntk(model, x_target, x_support, mode=mode, checkpoint=True, **kw))
         t0 = timer.add("target_kernel_s", t0)
         k_ts = _flat(k_ts, mode)
-        pred = ntkcore.kernel_regression(k_ss, ys, k_ts, reg=lam)
+        pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
         timer.add("solve_s", t0)
         return torch.mean((pred - yt) ** 2)
-    alpha = ntkcore.KernelRidge(reg=lam).fit(k_ss, ys).alpha_
+    alpha = ntkcore.KernelRidge().fit(k_reg, ys).alpha_
     t0 = timer.add("solve_s", t0)
     spec, support = _prepare(model, x_support, x_target, mode=mode, layerwise=False,
                              pseudo=pseudo, params=params, max_memory=max_memory,
