@@ -132,4 +132,8 @@ def __getattr__(name: str) -> Any:
         from .torch_seng import SENG
 
         return SENG
+    if name in ("checkpointed_ntk", "kip_loss"):  # KIP: ntkcore.backends.torch_kip
+        from . import torch_kip
+
+        return getattr(torch_kip, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

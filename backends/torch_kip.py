@@ -653,11 +653,17 @@ def kip_loss(
     timer = _Timer(timings)
     kw: dict[str, Any] = {"params": params, "max_memory": max_memory,
                           "batch_size": batch_size}
-    t0 = time.perf_counter()
-    if pseudo:
-        k_ss = ntkcore.pseudo_ntk(model, x_support, checkpoint=False, **kw)
+    if fused:  # the support side once: its arrays give K_ss and enter the target pass
+        spec, support = _prepare(model, x_support, x_target, mode=mode, layerwise=False,
+                                 pseudo=pseudo, params=params, max_memory=max_memory,
+                                 dtype=None, batch_size=batch_size, timings=timings)
+        t0 = time.perf_counter()
+        k_ss = gram(spec.layout.from_arrays(support), None, mode=mode,
+                    max_memory=spec.gram_budget)
     else:
-        k_ss = ntkcore.ntk(model, x_support, mode=mode, checkpoint=False, **kw)
+        t0 = time.perf_counter()
+        k_ss = (ntkcore.pseudo_ntk(model, x_support, checkpoint=False, **kw) if pseudo
+                else ntkcore.ntk(model, x_support, mode=mode, checkpoint=False, **kw))
     ys, yt = y_support, y_target.detach()
     m = int(x_support.shape[0])
     if mode == "full":
@@ -680,9 +686,6 @@ def kip_loss(
         timer.add("solve_s", t0)
         return torch.mean((pred - yt) ** 2)
     alpha = ntkcore.KernelRidge().fit(k_reg, ys).alpha_
-    t0 = timer.add("solve_s", t0)
-    spec, support = _prepare(model, x_support, x_target, mode=mode, layerwise=False,
-                             pseudo=pseudo, params=params, max_memory=max_memory,
-                             dtype=None, batch_size=batch_size, timings=timings)
+    timer.add("solve_s", t0)
     yt = yt.to(spec.out_dtype)
     return _FusedKipLoss.apply(spec, yt, alpha, *support)

@@ -93,6 +93,16 @@ SUPPORT: dict[str, dict[str, Support]] = {
         fast={"torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
         note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
         missing=("numpy", "cupy", "jax", "array_api_strict")),
+    # KIP (backends/torch_kip.py): checkpointed eNTK (targets' factors recomputed per chunk in
+    # the backward pass) and the fused one-pass KIP loss; torch.nn.Module models only.
+    "backends.torch.checkpointed_ntk": _all(
+        fast={"torch": "custom autograd Function, target chunks recomputed in backward"},
+        note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
+        missing=("numpy", "cupy", "jax", "array_api_strict")),
+    "backends.torch.kip_loss": _all(
+        fast={"torch": "one pass over target chunks, Cholesky regression"},
+        note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
+        missing=("numpy", "cupy", "jax", "array_api_strict")),
     # gram engine (ntkcore/gram.py): pure array API; tiles written in place where the
     # namespace allows item assignment, concatenated otherwise (JAX).
     "gram": _all(note={"torch": "differentiable (autograd)",

@@ -25,8 +25,11 @@ Implementations (``impl``):
 
 Cases.  Full run: the seed scenario with ``kip_loss fused`` (``--set kip_targets=N`` changes
 N, ``--set kip_unfused=1`` adds ``ntk checkpointed``; target: whole-process peak RSS under
-6 GB), and the same model at N = 500 with all three implementations (memory against N and the
-price of recomputation).  ``--quick``: a 1->4->4 conv net on 8x8 inputs, M = 4, N = 32.
+6 GB), and the same model at N = 500 (``--set kip_small_targets=N``) with all three
+implementations (memory against N and the price of recomputation).  The seed case runs for
+most of an hour on 2 cores, past the runner's default suite timeout: run it as
+``python -m benchmarks --suite kip --backend torch --suite-timeout 0 --total-budget 0``.
+``--quick``: a 1->4->4 conv net on 8x8 inputs, M = 4, N = 32.
 ``max_memory`` is 2 GB (``--set kip_max_memory=...``).
 
 Measurement.  Each full-run case runs once, in a fresh process (``python -m
@@ -95,7 +98,7 @@ def build(model: str, n_support: int, n_target: int, dtype: str, device: str) ->
     gen = torch.Generator().manual_seed(1)
 
     def data(n: int) -> tuple[Any, Any]:
-        x = torch.randn((n, *shape), generator=gen, dtype=tdtype)
+        x = torch.randn((n, *shape), generator=gen, dtype=torch.float64).to(tdtype)
         labels = torch.randint(0, 10, (n,), generator=gen)
         y = torch.nn.functional.one_hot(labels, 10).to(tdtype)
         return x.to(device), y.to(device)
@@ -255,11 +258,12 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     base = {"model": "seed", "n_support": 100, "dtype": cfg.dtype, "device": cfg.device,
             "max_memory": max_memory, "grad_values": 20000}
     # N = 500: all three, against the plain graph
-    small = {impl: _fresh({**base, "impl": impl, "n_target": 500})
+    ns = int(cfg.extra.get("kip_small_targets", 500))
+    small = {impl: _fresh({**base, "impl": impl, "n_target": ns})
              for impl in ("plain", "checkpointed", "fused")}
     ref = small["plain"]["grad"] if small["plain"] else []
     for impl, res in small.items():
-        rows.append(_seed_row("seed model M=100 N=500", impl, res, cfg, 500, 100, max_memory,
+        rows.append(_seed_row(f"seed model M=100 N={ns}", impl, res, cfg, ns, 100, max_memory,
                               None, _rel(res["grad"], ref) if res and impl != "plain" else None,
                               IMPLS["plain"] if impl != "plain" else None))
     n = int(cfg.extra.get("kip_targets", SEED_TARGETS))
