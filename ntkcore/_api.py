@@ -18,6 +18,15 @@ and :func:`~ntkcore.gram` gets the rest of the budget.  Otherwise the kernel is 
 are computed once, the column blocks' are recomputed per row block (for ``x2=None`` only blocks
 on and above the diagonal, the others are transposes).  The kernel itself is not counted.
 
+Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
+grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
+graph (every block kind, every mode).  If exactly one side requires grad and the other side's
+factors exceed ``M / 4`` (``b`` times its sample count), ``checkpoint="auto"`` hands the call
+to :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, whose backward pass recomputes the
+large side's factors chunk by chunk instead of keeping them (memory independent of its size);
+``checkpoint=True`` forces that path, ``False`` forbids it.  The module is imported lazily by
+name, like the providers.
+
 Pure array API: nothing here imports a framework.
 """
 
