@@ -47,6 +47,18 @@ Peak memory is the support side's graph plus one chunk's factors, whatever N is;
 one more evaluation of the target factors in the backward pass.  The backward is
 first-order only (a double backward raises; use ``checkpoint=False`` for higher derivatives).
 
+The fused KIP loss
+------------------
+For the usual KIP loss :math:`L = \operatorname{mean}((K_{ts}\alpha - Y_t)^2)` with
+:math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s`, the backward of :math:`K_{ts}` only needs
+:math:`\bar K_{ts} = \frac{2}{NC}(K_{ts}\alpha - Y_t)\alpha^\top`, whose rows for a chunk are
+known as soon as that chunk's rows of :math:`K_{ts}` are, because :math:`\alpha` depends on the
+support set alone.  :func:`kip_loss` therefore makes a single pass over the targets: per chunk
+it forms the kernel rows, the residual, the support gradient (as in the backward above) and
+:math:`\bar\alpha \mathrel{+}= K_c^\top \frac{2}{NC} r_c`, then drops the chunk.  The backward
+pass only scales these by the incoming gradient and continues through the Cholesky solve and
+the support graph: the targets' factors are computed once instead of twice.
+
 Chunk size
 ----------
 With the budget ``B`` (``max_memory``, default a quarter of the free memory) and a probe of 8
