@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.linalg
-
 from ntkcore.backends import get_backend, namespace_and_backend
 
 
@@ -58,7 +57,7 @@ def test_cholesky_failure_returns_none(backend):
 
 def test_generator_seeded_and_on_device(backend):
     x = backend.asarray(np.ones(3))
-    xp, bk = namespace_and_backend(x)
+    _, bk = namespace_and_backend(x)
     import array_api_compat
 
     dev = array_api_compat.device(x)
