@@ -81,7 +81,7 @@ import array_api_compat
 
 from ._memory import resolve_budget
 from ._validation import namespace_of
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 
 Array = Any
 
@@ -445,13 +445,6 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
 # ---------------------------------------------------------------------------------------------
 # The public function
 # ---------------------------------------------------------------------------------------------
-def _as_jacobian(j: Any, name: str) -> Jacobian:
-    if isinstance(j, Jacobian):
-        return j
-    if isinstance(j, DenseBlock | KroneckerBlock):
-        return Jacobian([j])
-    raise TypeError(f"{name} must be an ntkcore.Jacobian (or a single DenseBlock / "
-                    f"KroneckerBlock); got {type(j).__name__}")
 
 
 def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
@@ -561,8 +554,8 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
         raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"strategy must be None or one of {STRATEGIES}; got {strategy!r}")
-    j1 = _as_jacobian(J1, "J1")
-    j2 = None if J2 is None else _as_jacobian(J2, "J2")
+    j1 = as_jacobian(J1, "J1")
+    j2 = None if J2 is None else as_jacobian(J2, "J2")
     xp, backend = namespace_of(J1=j1.blocks[0].arrays()[0],
                                J2=None if j2 is None else j2.blocks[0].arrays()[0])
     pairs = _pairs(j1, j2)

@@ -420,3 +420,13 @@ class Jacobian:
                 blocks.append(KroneckerBlock(xp.concat([p.a for p in kron], axis=0),
                                              xp.concat([p.g for p in kron], axis=0), b.name))
         return Jacobian(blocks)
+
+
+def as_jacobian(j: Any, name: str) -> Jacobian:
+    """``j`` as a :class:`Jacobian` (a single block is wrapped); TypeError naming ``name``."""
+    if isinstance(j, Jacobian):
+        return j
+    if isinstance(j, DenseBlock | KroneckerBlock):
+        return Jacobian([j])
+    raise TypeError(f"{name} must be an ntkcore.Jacobian (or a single DenseBlock / "
+                    f"KroneckerBlock); got {type(j).__name__}")

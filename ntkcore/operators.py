@@ -30,7 +30,7 @@ from typing import Any
 import array_api_compat
 
 from .cg import LinearOperator
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 
 Array = Any
 
@@ -47,13 +47,6 @@ def _gram(*args: Any, **kwargs: Any) -> Array:
     return gram(*args, **kwargs)
 
 
-def _as_jacobian(j: Any, name: str) -> Jacobian:
-    if isinstance(j, Jacobian):
-        return j
-    if isinstance(j, DenseBlock | KroneckerBlock):
-        return Jacobian([j])
-    raise TypeError(f"{name} must be an ntkcore.Jacobian (or a single block); got "
-                    f"{type(j).__name__}")
 
 
 class KernelOperator(LinearOperator):
@@ -104,8 +97,8 @@ class KernelOperator(LinearOperator):
         max_memory: Any = None,
         dtype: Any = None,
     ) -> None:
-        self.J1 = _as_jacobian(J1, "J1")
-        self.J2 = None if J2 is None else _as_jacobian(J2, "J2")
+        self.J1 = as_jacobian(J1, "J1")
+        self.J2 = None if J2 is None else as_jacobian(J2, "J2")
         if self.J2 is not None:
             if self.J2.xp is not self.J1.xp:
                 raise TypeError("J1 and J2 must hold arrays of one library")

@@ -147,6 +147,17 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
     return make_case(request.param)
 
 
+def _eager_cases() -> list[Any]:
+    """The libraries without jax: for Monte-Carlo loops that jax would run op by op."""
+    return [c for c in _cases() if c.values[0] not in ("jax", "cupy")]
+
+
+@pytest.fixture(params=_eager_cases())
+def backend_eager(request: pytest.FixtureRequest) -> BackendCase:
+    """numpy, torch, array_api_strict (and torch-cuda with a GPU): no jax, no cupy."""
+    return make_case(request.param)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)

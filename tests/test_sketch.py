@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import _cuda_available, make_case
 
 import ntkcore.sketch as sk
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
 
-# The issue's scope is numpy, torch and array_api_strict (plus torch on CUDA where present);
-# jax runs these ops eagerly op by op and is far too slow for Monte-Carlo loops.
-_CASES = ["numpy", "torch", "array_api_strict",
-          pytest.param("torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-              not _cuda_available(), reason="no CUDA GPU")])]
 
-
-@pytest.fixture(params=_CASES)
-def backend(request):
-    return make_case(request.param)
+@pytest.fixture
+def backend(backend_eager):
+    """numpy, torch, array_api_strict: jax would run these Monte-Carlo loops op by op."""
+    return backend_eager
 
 Z = 5.0  # standard errors allowed per entry; with ~100 entries a false alarm has p < 1e-4
 
