@@ -92,6 +92,14 @@ class Backend:
         y = self.solve_triangular(l, b, lower=True, transpose=False)
         return self.solve_triangular(l, y, lower=True, transpose=True)
 
+    def stop_gradient(self, x: Array) -> Array:
+        """``x`` cut from the autograd graph (identity for libraries without autograd)."""
+        return x
+
+    def tracks_gradient(self, *xs: Array) -> bool:
+        """Whether any of ``xs`` is being differentiated (an autograd graph or a tracer)."""
+        return False
+
     def scalar(self, x: Array) -> float:
         """A 0-d array as a Python float (outside any autograd graph; syncs the device)."""
         return float(x)

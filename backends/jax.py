@@ -41,6 +41,12 @@ class JaxBackend(Backend):
     def cho_solve(self, l: Array, b: Array) -> Array:
         return jax.scipy.linalg.cho_solve((l, True), b)
 
+    def stop_gradient(self, x: Array) -> Array:
+        return jax.lax.stop_gradient(x)
+
+    def tracks_gradient(self, *xs: Array) -> bool:
+        return any(isinstance(x, jax.core.Tracer) for x in xs)
+
     def erf(self, x: Array) -> Array:
         return jax.scipy.special.erf(x)
 

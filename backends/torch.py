@@ -52,6 +52,12 @@ class TorchBackend(Backend):
     def erf(self, x: Array) -> Array:
         return torch.special.erf(x)
 
+    def stop_gradient(self, x: Array) -> Array:
+        return x.detach()
+
+    def tracks_gradient(self, *xs: Array) -> bool:
+        return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
     def scalar(self, x: Array) -> float:
         return float(x.detach())
 

@@ -183,9 +183,25 @@ class KernelRidge:
         """Factorise ``k_train`` (N, N) and solve for ``y_train`` (N,) or (N, K)."""
         xp, backend = namespace_of(k_train=k_train, y_train=y_train)
         _check_regression_inputs(xp, k_train, y_train, None)
-        l, eps = cholesky_with_jitter(xp, backend, k_train, reg=self.reg, jitter=self.jitter)
+        differentiate = backend.tracks_gradient(k_train, y_train)
+        k0 = backend.stop_gradient(k_train) if differentiate else k_train
+        y0 = backend.stop_gradient(y_train) if differentiate else y_train
+        l, eps = cholesky_with_jitter(xp, backend, k0, reg=self.reg, jitter=self.jitter)
+        alpha = backend.cho_solve(l, y0)
+        if differentiate:
+            # One step of iterative refinement, alpha <- alpha - A^{-1}(A alpha - y) with
+            # A = K + (reg + eps) I, differentiated through the residual only (the factor is a
+            # constant): its value is the solve (refined), and its first derivative is the exact
+            # adjoint  d alpha = A^{-1}(dy - dA alpha),  i.e.  grad_y = A^{-1} g,
+            # grad_K = -(A^{-1} g) alpha^T, at O(N^2) per backward instead of the O(N^3)
+            # backward of a differentiated Cholesky factor.
+            shift = self.reg + eps
+            resid = k_train @ alpha - y_train
+            if shift:
+                resid = resid + shift * alpha
+            alpha = alpha - backend.cho_solve(l, resid)
         self.chol_ = l
-        self.alpha_ = backend.cho_solve(l, y_train)
+        self.alpha_ = alpha
         self.jitter_ = eps
         self._xp, self._backend = xp, backend
         return self
