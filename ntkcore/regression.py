@@ -258,6 +258,13 @@ def kernel_regression(
     array, shape (M,) or (M, K)
         Predictions in the inputs' namespace, device and dtype; differentiable with respect
         to all three arrays under torch/jax autograd (Cholesky solver).
+
+    Notes
+    -----
+    Under autograd the factor is computed outside the graph and the solve is differentiated
+    through one refinement step (see :meth:`KernelRidge.fit`): first derivatives are exact and
+    cost :math:`O(N^2)` per backward pass (no differentiated Cholesky, no LU); second
+    derivatives treat the factor as a constant and are not exact.
     """
     if solver == "cg":
         from .cg import cg_kernel_regression
