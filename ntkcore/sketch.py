@@ -586,16 +586,21 @@ class SketchSpec:
 def make_sketch(kind: str, operand: Array, q: int, *, seed: int | None = None,
                 replace: bool = True) -> Sketch:
     """A sketch of ``kind`` for the rows (axis 0) of ``operand``, drawn on its device."""
-    n = int(operand.shape[0])
     if kind == "leverage":
         return leverage(operand, q, seed=seed, replace=replace)
+    return _oblivious_sketch(kind, int(operand.shape[0]), q, seed, replace, operand, "sketch kind")
+
+
+def _oblivious_sketch(kind: str, n: int, q: int, seed: int | None, replace: bool, like: Array,
+                      what: str) -> Sketch:
+    """A data-independent sketch of ``n`` rows (every kind but leverage)."""
     if kind == "uniform":
-        return uniform(n, q, seed=seed, replace=replace, like=operand)
+        return uniform(n, q, seed=seed, replace=replace, like=like)
     if kind == "gaussian":
-        return gaussian(n, q, seed=seed, like=operand)
+        return gaussian(n, q, seed=seed, like=like)
     if kind == "sparse_sign":
-        return sparse_sign(n, q, seed=seed, like=operand)
-    raise ValueError(f"sketch kind must be one of {KINDS}; got {kind!r}")
+        return sparse_sign(n, q, seed=seed, like=like)
+    raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
 
 
 # -- Jacobians -----------------------------------------------------------------------------
@@ -676,13 +681,7 @@ def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | Non
     if method == "leverage":
         assert weights is not None
         return _leverage_from_weights(weights, q, seed, replace, "the Jacobian")
-    if method == "uniform":
-        return uniform(axis_len, q, seed=seed, replace=replace, like=x)
-    if method == "gaussian":
-        return gaussian(axis_len, q, seed=seed, like=x)
-    if method == "sparse_sign":
-        return sparse_sign(axis_len, q, seed=seed, like=x)
-    raise ValueError(f"method must be one of {KINDS}; got {method!r}")
+    return _oblivious_sketch(method, axis_len, q, seed, replace, x, "method")
 
 
 def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
