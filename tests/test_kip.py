@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd import gradcheck
 
 import ntkcore
+from tests.references import autograd_jacobian_graph
 
 DT = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,19 +48,7 @@ def inputs(kind: str, n: int, seed: int, grad: bool = False) -> torch.Tensor:
     return torch.randn(n, *SHAPES[kind], generator=gen, dtype=DT).requires_grad_(grad)
 
 
-def ref_jac(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """(N, O, P), differentiable in ``x``: plain autograd per sample and output with
-    ``create_graph``.  (Not ``torch.func``: its vmap under an outer autograd graph gives wrong
-    input gradients through LayerNorm in torch 2.13.)"""
-    ps = list(model.parameters())
-    rows = []
-    for i in range(x.shape[0]):
-        out = model(x[i:i + 1]).reshape(-1)
-        rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                out[k], ps, create_graph=True, retain_graph=True)])
-            for k in range(out.shape[0])]))
-    return torch.stack(rows)
+ref_jac = autograd_jacobian_graph
 
 
 def test_reference_matches_finite_differences():

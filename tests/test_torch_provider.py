@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+from tests.references import autograd_jacobian_graph
 
 DT = torch.float64
 
@@ -330,19 +331,7 @@ def test_differentiable_in_x():
     assert all(not arr.requires_grad for b in j.blocks for arr in b.arrays())
 
 
-def dense_reference_graph(m, x):
-    """(N, O, P) differentiable in x, by plain autograd per sample and output.  (Not
-    torch.func: its vmap under an outer autograd graph gives wrong input gradients through
-    LayerNorm in torch 2.13.)"""
-    ps = list(m.parameters())
-    rows = []
-    for i in range(x.shape[0]):
-        out = m(x[i:i + 1]).reshape(-1)
-        rows.append(torch.stack([
-            torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-                out[k], ps, create_graph=True, retain_graph=True)])
-            for k in range(out.shape[0])]))
-    return torch.stack(rows)
+dense_reference_graph = autograd_jacobian_graph
 
 
 def test_chunked_dense_blocks_and_output_shapes():
