@@ -16,7 +16,16 @@ Writing a suite
   GEMM fraction), ``error`` (relative, against an independent float64 reference), ``target``
   (checked by the renderer), ``params["N"]`` (x axis of the plots; rows whose case names differ
   only in N form one line, or set ``params["family"]``);
-- a suite that raises or runs past its timeout keeps the rows it had built with ``row``.
+- iterate over ``cfg.select(CASES)`` (not ``CASES``): it applies ``--case`` and tells the
+  runner which cases were planned, so that a suite stopped early lists the ones not run;
+- a suite that raises or runs past its timeout keeps the rows it had built with ``row``: the
+  runner writes every row to the result file as soon as ``row`` builds it, so even a run
+  killed from outside keeps its finished cases;
+- long calls (torch.func baselines take seconds to minutes): pass the duration of a call just
+  made as ``cfg.time(fn, backend, first_s=...)``; a call longer than ``cfg.long_call_s`` is
+  then its own timing (no second call), and :func:`measure` never starts a repetition that
+  would overrun the budget.  ``cfg.peak_memory(..., child_warmup=False)`` skips the fresh
+  process's warm-up call for such cases (one-time initialisation is negligible next to them).
 
 Peak memory
 -----------
@@ -59,6 +68,10 @@ BACKENDS = ("numpy", "torch", "jax", "cupy")
 # raises or times out) and a callback the runner sets to advance its progress bar.
 _EMITTED: list[dict[str, Any]] = []
 _ON_MEASURE: Callable[[], None] | None = None
+# called with each row as soon as ``row`` builds it (the runner saves it to the result file)
+_ON_ROW: Callable[[dict[str, Any]], None] | None = None
+# case names the current suite planned to run (set by ``Config.select``)
+_PLANNED: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,9 @@ class Config:
         (at least one timed call always runs); ``None`` for no limit.
     memory : whether suites should measure peak memory (fresh subprocess per case on CPU).
     extra : free-form options (``--set key=value`` on the command line).
+    cases : run only the cases whose name contains one of these substrings (case-insensitive;
+        ``--case`` on the command line); empty: all.  Applied by :meth:`select`.
+    long_call_s : a call at least this long is timed once (see :meth:`time`).
     """
 
     quick: bool = False
@@ -85,6 +101,34 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
     budget_s: float | None = 20.0
     memory: bool = True
+    cases: tuple[str, ...] = ()
+    long_call_s: float = 10.0
+
+    def select(self, cases: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``cases`` (name -> spec) selected by ``self.cases``, in order.
+
+        Records the selected names for the runner (cases planned but without rows when a
+        suite stops are listed as not run).
+        """
+        wanted = [c.lower() for c in self.cases]
+        out = {k: v for k, v in cases.items()
+               if not wanted or any(w in str(k).lower() for w in wanted)}
+        _PLANNED.extend(str(k) for k in out if str(k) not in _PLANNED)
+        return out
+
+    def flag(self, key: str, default: bool) -> bool:
+        """Boolean ``--set key=...`` option (1/0, true/false, yes/no, on/off)."""
+        v = self.extra.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool):
+            return v
+        s = str(v).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"--set {key}={v!r}: expected 1/0, true/false, yes/no or on/off")
 
     @property
     def reps(self) -> int:
@@ -99,32 +143,46 @@ class Config:
         return backend in self.backends
 
     def time(
-        self, fn: Callable[[], Any], backend: str | None = None, *, warm: bool = False
+        self,
+        fn: Callable[[], Any],
+        backend: str | None = None,
+        *,
+        warm: bool = False,
+        first_s: float | None = None,
     ) -> dict[str, float]:
         """:func:`measure` ``fn`` with this configuration's repeats, warm-up, budget and the
         device synchronisation of ``backend`` on ``self.device``.
 
         ``warm=True``: the caller has just called ``fn`` (e.g. to check its result), which
-        served as the warm-up, so none is added.
+        served as the warm-up, so none is added.  ``first_s``: that call's duration (implies
+        ``warm``); when it is at least ``long_call_s`` it is the timing itself (one call,
+        ``"timed_calls": "first"`` in the result) instead of warming up for more calls of
+        the same length.
         """
+        if first_s is not None and not self.quick and first_s >= self.long_call_s:
+            return {"median_s": float(first_s), "min_s": float(first_s),
+                    "max_s": float(first_s), "repeats": 1, "timed_calls": "first"}
         return measure(
             fn,
             repeat=self.reps,
-            warmup=0 if (self.quick or warm) else self.warmup,
+            warmup=0 if (self.quick or warm or first_s is not None) else self.warmup,
             sync=sync_fn(backend, self.device) if backend else None,
             budget_s=None if self.quick else self.budget_s,
         )
 
-    def peak_memory(self, target: str, **kwargs: Any) -> int | None:
+    def peak_memory(self, target: str, *, child_warmup: bool = True,
+                    **kwargs: Any) -> int | None:
         """Peak working memory of ``target(**kwargs)()`` (see :func:`peak_memory`).
 
         ``None`` when ``memory`` is off.  Quick runs measure in-process (no subprocess start-up
-        cost); full runs use a fresh process on CPU.
+        cost); full runs use a fresh process on CPU.  ``child_warmup=False``: no warm-up call
+        before the measured one (for cases whose one call takes long).
         """
         if not self.memory:
             return None
         fresh = (not self.quick) and self.device == "cpu"
-        return peak_memory(target, kwargs, device=self.device, fresh=fresh)
+        return peak_memory(target, kwargs, device=self.device, fresh=fresh,
+                           warmup=child_warmup)
 
     @property
     def mem_method(self) -> str | None:
@@ -162,9 +220,9 @@ def measure(
 
     ``sync`` (e.g. ``torch.cuda.synchronize``) is called before starting and after each call
     so that asynchronous devices are timed honestly; JAX results are waited for with
-    ``block_until_ready``.  With ``budget_s``, repetitions stop once the timed calls have taken
-    that long (at least one always runs).  Returns median/min/max in seconds and the number of
-    timed calls.
+    ``block_until_ready``.  With ``budget_s``, no repetition starts that would take the timed
+    calls past the budget, judging by the last call; at least one always runs.
+    Returns median/min/max in seconds and the number of timed calls.
     """
     for _ in range(warmup):
         _block(fn())
@@ -177,7 +235,7 @@ def measure(
         if sync:
             sync()
         times.append(time.perf_counter() - t0)
-        if budget_s is not None and sum(times) > budget_s:
+        if budget_s is not None and sum(times) + times[-1] > budget_s:
             break
     if _ON_MEASURE is not None:
         _ON_MEASURE()
@@ -404,7 +462,7 @@ def _cupy_peak(thunk: Callable[[], Any]) -> int:
 
 
 def _measure_in_process(
-    thunk: Callable[[], Any], device: str, backend: str | None = None
+    thunk: Callable[[], Any], device: str, backend: str | None = None, warmup: bool = True
 ) -> tuple[int, str]:
     """Peak bytes allocated while ``thunk()`` runs, and how it was measured."""
     if device != "cpu":
@@ -422,7 +480,8 @@ def _measure_in_process(
         peak = torch.cuda.max_memory_allocated() - base
         del out
         return int(peak), "torch.cuda.max_memory_allocated"
-    _block(thunk())  # warm-up: one-time initialisation is not the case's working memory
+    if warmup:  # one-time initialisation is not the case's working memory
+        _block(thunk())
     gc.collect()
     base = current_rss()
     if _reset_hwm():
@@ -444,6 +503,7 @@ def peak_memory(
     device: str = "cpu",
     fresh: bool | None = None,
     timeout: float = 900.0,
+    warmup: bool = True,
 ) -> int | None:
     """Peak working memory in bytes of running ``target(**kwargs)()`` once.
 
@@ -461,6 +521,9 @@ def peak_memory(
         Run in a new Python process (default: True on CPU, False on CUDA).
     timeout : float
         Seconds before the child is killed (then ``None`` is returned).
+    warmup : bool
+        Call the case once before the measured call (CPU only); off for cases so long that
+        their one-time initialisation does not matter.
 
     Returns
     -------
@@ -472,7 +535,7 @@ def peak_memory(
     if not fresh:
         try:
             thunk = _load(target)(**kwargs)
-            return _measure_in_process(thunk, device, kwargs.get("backend"))[0]
+            return _measure_in_process(thunk, device, kwargs.get("backend"), warmup)[0]
         except Exception as exc:
             print(f"[peak_memory] {target} failed in-process: {exc!r}", file=sys.stderr)
             return None
@@ -482,7 +545,8 @@ def peak_memory(
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
     )
-    spec = json.dumps({"target": target, "kwargs": kwargs, "device": device})
+    spec = json.dumps({"target": target, "kwargs": kwargs, "device": device,
+                       "warmup": warmup})
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks._harness", "--peak-child", spec],
@@ -516,7 +580,8 @@ def alloc_case(nbytes: int) -> Callable[[], Any]:
 def _peak_child(spec_json: str) -> None:
     spec = json.loads(spec_json)
     thunk = _load(spec["target"])(**spec["kwargs"])
-    peak, method = _measure_in_process(thunk, spec["device"], spec["kwargs"].get("backend"))
+    peak, method = _measure_in_process(thunk, spec["device"], spec["kwargs"].get("backend"),
+                                       spec.get("warmup", True))
     print(json.dumps({"peak_bytes": peak, "method": method}), flush=True)
 
 
@@ -577,6 +642,8 @@ def row(
     if target is not None:
         out["target"] = target
     _EMITTED.append(out)
+    if _ON_ROW is not None:
+        _ON_ROW(out)
     return out
 
 

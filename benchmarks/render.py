@@ -280,6 +280,40 @@ def _machine_section(doc: dict[str, Any]) -> str:
     return _table(["fact", "value"], facts)
 
 
+_STATUS_TEXT = {
+    "timeout": "TIMED OUT",
+    "running": "STOPPED (run killed)",
+    "killed": "STOPPED (SIGTERM)",
+    "interrupted": "STOPPED (Ctrl-C)",
+}
+
+
+def _status_text(info: dict[str, Any]) -> str:
+    st = str(info.get("status"))
+    text = _STATUS_TEXT.get(st, st)
+    if st != "ok" and info.get("cases_planned"):
+        done = len(info["cases_planned"]) - len(info.get("cases_not_run") or [])
+        text += f" ({done}/{len(info['cases_planned'])} cases)"
+    return text
+
+
+def _stopped_note(info: dict[str, Any] | None) -> str:
+    """A warning line above a suite's table when the suite did not finish."""
+    if not info or info.get("status") == "ok":
+        return ""
+    st = str(info.get("status"))
+    why = {"timeout": f"ran past its time limit ({info.get('timeout_s') or 0:.0f} s)",
+           "running": "was still running when the run was killed",
+           "killed": "was stopped by SIGTERM", "interrupted": "was interrupted (Ctrl-C)",
+           "error": "raised an error"}.get(st, f"ended with status {st}")
+    note = f"**This suite {why} after {info.get('wall_s', 0):.0f} s; the rows below are " \
+           "the cases it finished.**"
+    missing = info.get("cases_not_run")
+    if missing:
+        note += " Cases not run (or not finished): " + ", ".join(f"`{c}`" for c in missing) + "."
+    return note
+
+
 def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     """Markdown section for one result file; writes its plots into ``img_dir``."""
     cfg = doc.get("config", {})
@@ -307,7 +341,7 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     srows = []
     for name, info in doc.get("suites", {}).items():
         err = (info.get("error") or "").strip().splitlines()
-        srows.append([name, info.get("status"), info.get("n_rows", 0),
+        srows.append([name, _status_text(info), info.get("n_rows", 0),
                       f"{info.get('wall_s', 0):.1f} s", err[-1][:160] if err else ""])
     out.append(_table(["suite", "status", "rows", "wall time", "problem"], srows))
 
@@ -329,8 +363,12 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_suite[r["suite"]].append(r)
+    suites_info = doc.get("suites", {})
     for suite, rs in by_suite.items():
         out.append(f"\n### {suite}\n")
+        stopped = _stopped_note(suites_info.get(suite))
+        if stopped:
+            out.append(stopped + "\n")
         rs.sort(key=_sort_key)
         table = []
         for r in rs:
@@ -439,22 +477,49 @@ tables here.
 """
 
 
+def _suites_with_rows(doc: dict[str, Any]) -> set[str]:
+    return {r.get("suite") for r in doc.get("rows", [])} - {None}
+
+
 def default_files() -> list[Path]:
-    """Newest non-quick result of each (machine, device) in benchmarks/results/."""
-    newest: dict[tuple[str, str], tuple[str, Path]] = {}
+    """Non-quick results in benchmarks/results/ that hold the newest rows of some suite on
+    their (machine, device): e.g. a main run plus later runs of single suites."""
+    docs = []
     for p in sorted(RESULTS.glob("*.json")):
         try:
             doc = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        cfg = doc.get("config", {})
-        if cfg.get("quick"):
+        if doc.get("config", {}).get("quick"):
             continue
-        key = (doc.get("machine_slug", p.stem), cfg.get("device", "cpu"))
+        docs.append((p, doc))
+    keep = _newest_per_suite(docs)
+    return [p for p, _ in docs if keep.get(str(p))]
+
+
+def _newest_per_suite(docs: list[tuple[Path, dict[str, Any]]]) -> dict[str, set[str]]:
+    """File -> the suites whose rows it should contribute: for each (machine, device, suite),
+    the newest file (by ``created``) with rows of that suite."""
+    best: dict[tuple[str, str, str], tuple[str, str]] = {}
+    for p, doc in docs:
+        key0 = (doc.get("machine_slug", Path(p).stem), doc.get("config", {}).get("device", "cpu"))
         created = doc.get("created", "")
-        if key not in newest or created >= newest[key][0]:
-            newest[key] = (created, p)
-    return [p for _, p in sorted(newest.values(), key=lambda cp: str(cp[1]))]
+        for suite in _suites_with_rows(doc):
+            key = (*key0, suite)
+            if key not in best or created >= best[key][0]:
+                best[key] = (created, str(p))
+    out: dict[str, set[str]] = {}
+    for (_, _, suite), (_, p) in best.items():
+        out.setdefault(p, set()).add(suite)
+    return out
+
+
+def _only_suites(doc: dict[str, Any], suites: set[str]) -> dict[str, Any]:
+    """``doc`` restricted to ``suites`` (rows and suite statuses)."""
+    out = dict(doc)
+    out["rows"] = [r for r in doc.get("rows", []) if r.get("suite") in suites]
+    out["suites"] = {k: v for k, v in doc.get("suites", {}).items() if k in suites}
+    return out
 
 
 def _expected_minutes(docs: list[dict[str, Any]]) -> str:
@@ -467,8 +532,13 @@ def _expected_minutes(docs: list[dict[str, Any]]) -> str:
 
 def render(files: list[Path] | None = None, docs: Path = ROOT / "docs") -> Path:
     """Write ``docs/benchmarks.md`` (and ``docs/img/*.png``) from result files."""
+    auto = files is None
     files = default_files() if files is None else [Path(f) for f in files]
     loaded = [json.loads(Path(f).read_text()) for f in files]
+    if auto:  # each suite once per machine and device: from the newest file that ran it
+        keep = _newest_per_suite(list(zip(files, loaded, strict=True)))
+        loaded = [_only_suites(d, keep.get(str(f), set()))
+                  for f, d in zip(files, loaded, strict=True)]
     img_dir = docs / "img"
     parts = [INTRO.replace("{minutes}", _expected_minutes(loaded))]
     if not any(d.get("config", {}).get("device") == "cuda" for d in loaded):

@@ -4,6 +4,15 @@ Named suites are the modules ``benchmarks/suites/<name>.py`` (each defines
 ``run(cfg) -> list[dict]``) plus ``peers`` (neural-tangents, ``benchmarks/peers/suite.py``).
 A suite that fails to import, raises or runs past ``--suite-timeout`` is reported in the JSON
 (``suites[<name>]["status"]``) and skipped; the rows it produced before failing are kept.
+Every row is written to the result file as soon as the suite builds it (the running suite has
+status ``"running"`` there), so a run killed from outside keeps its finished cases; SIGTERM
+and Ctrl-C stop the current suite with status ``"killed"`` / ``"interrupted"`` and still write
+the file.  A stopped suite lists its planned cases that produced no row
+(``suites[<name>]["cases_not_run"]``, for suites that iterate over ``cfg.select(CASES)``).
+
+``--case SUBSTRING`` (repeatable) runs only the matching cases of the selected suites
+(``--set cases=A,B`` is the same); suites document their own ``--set`` options (e.g. the
+``ntk`` suite's baseline switches).
 
 Timing runs re-execute the runner once in a subprocess whose environment lacks
 ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (set on some machines to protect old OpenBLAS
@@ -51,6 +60,10 @@ ROW_KEYS = ("suite", "case", "impl", "backend", "device", "dtype", "params", "no
 class SuiteTimeout(BaseException):
     """Raised inside a suite when it runs past ``--suite-timeout`` (a BaseException, so that
     a suite's own ``except Exception`` cannot swallow it)."""
+
+
+class RunKilled(BaseException):
+    """Raised inside a suite when the runner receives SIGTERM."""
 
 
 def discover() -> dict[str, str]:
@@ -112,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TF32 for float32 GEMMs on the GPU (default: the libraries' defaults)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra option passed to suites in cfg.extra")
+    p.add_argument("--case", action="append", metavar="SUBSTRING",
+                   help="run only the cases whose name contains SUBSTRING (case-insensitive; "
+                        "repeatable or comma-separated; same as --set cases=...)")
+    p.add_argument("--long-call", type=float, default=10.0, metavar="SECONDS",
+                   help="a case whose checked first call took this long is timed by that "
+                        "call alone where the suite supports it (default 10)")
     p.add_argument("--machine-name", help="machine part of the default output name")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("--print-env", action="store_true",
@@ -202,8 +221,14 @@ def _suite_timeout(args: argparse.Namespace, elapsed: float, left: int) -> float
 
 
 def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dict[str, Any]:
-    """Import and run one suite; never raises (failures are reported in the result)."""
+    """Import and run one suite; never raises (failures are reported in the result).
+
+    Statuses: ``ok``, ``import-error``, ``error``, ``timeout``, ``killed`` (SIGTERM),
+    ``interrupted`` (Ctrl-C).  ``cases_not_run``: cases the suite planned
+    (``cfg.select``) that have no row, when it did not finish.
+    """
     _harness._EMITTED.clear()
+    _harness._PLANNED.clear()
     t0 = time.perf_counter()
     info: dict[str, Any] = {"module": module}
     try:
@@ -219,8 +244,16 @@ def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dic
     def _alarm(signum: int, frame: Any) -> None:
         raise SuiteTimeout(f"suite {name!r} ran past {timeout:.0f} s")
 
+    def _term(signum: int, frame: Any) -> None:
+        raise RunKilled(f"suite {name!r} stopped by SIGTERM")
+
     use_alarm = bool(timeout) and hasattr(signal, "SIGALRM")
     old = signal.signal(signal.SIGALRM, _alarm) if use_alarm else None
+    old_term = None
+    try:
+        old_term = signal.signal(signal.SIGTERM, _term)
+    except ValueError:  # not the main thread
+        pass
     if use_alarm:
         signal.setitimer(signal.ITIMER_REAL, float(timeout))  # type: ignore[arg-type]
     try:
@@ -230,6 +263,11 @@ def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dic
         info.update(status="ok", rows=list(rows))
     except SuiteTimeout as exc:
         info.update(status="timeout", error=str(exc), rows=list(_harness._EMITTED))
+    except RunKilled as exc:
+        info.update(status="killed", error=str(exc), rows=list(_harness._EMITTED))
+    except KeyboardInterrupt:
+        info.update(status="interrupted", error=f"suite {name!r} interrupted (Ctrl-C)",
+                    rows=list(_harness._EMITTED))
     except Exception:
         info.update(status="error", error=traceback.format_exc(limit=8),
                     rows=list(_harness._EMITTED))
@@ -237,6 +275,14 @@ def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dic
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0.0)
             signal.signal(signal.SIGALRM, old)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    info["timeout_s"] = timeout
+    if _harness._PLANNED:
+        info["cases_planned"] = list(_harness._PLANNED)
+        if info["status"] != "ok":
+            done = {r.get("case") for r in info["rows"] if isinstance(r, dict)}
+            info["cases_not_run"] = [c for c in _harness._PLANNED if c not in done]
     bad = [r for r in info["rows"] if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS)]
     if bad:
         info["rows"] = [r for r in info["rows"] if r not in bad]
@@ -290,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     for kv in args.set:
         k, _, v = kv.partition("=")
         extra[k] = v
+    case_filter = tuple(_split(args.case) + _split([extra["cases"]] if "cases" in extra else []))
     cfg = Config(
         quick=args.quick,
         backends=_backends(args),
@@ -300,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         extra=extra,
         budget_s=args.budget if args.budget > 0 else None,
         memory=not args.no_memory,
+        cases=case_filter,
+        long_call_s=args.long_call,
     )
     if not cfg.backends:
         raise SystemExit(f"no selected backend is available on {args.device}")
@@ -332,10 +381,26 @@ def main(argv: list[str] | None = None) -> int:
         "tf32": args.tf32,
         "suites": names,
         "extra": extra,
+        "cases": list(case_filter),
+        "long_call_s": cfg.long_call_s,
     }
 
-    def write(complete: bool) -> None:
-        """Write the result file; also after each suite, so a killed run keeps its rows."""
+    def write(complete: bool, running: tuple[str, float] | None = None) -> None:
+        """Write the result file; also after each row and suite, so a killed run keeps its
+        rows (``running``: the suite in progress and when it started, its rows so far)."""
+        suites, all_rows = results, rows
+        if running is not None:
+            rname, rstart = running
+            cur = list(_harness._EMITTED)
+            suites = {**results, rname: {
+                "module": known[rname], "status": "running", "n_rows": len(cur),
+                "wall_s": time.perf_counter() - rstart,
+                "error": "still running when this file was written (if the run is over, it "
+                         "was killed)",
+                "cases_planned": list(_harness._PLANNED),
+                "cases_not_run": [c for c in _harness._PLANNED
+                                  if c not in {r.get("case") for r in cur}]}}
+            all_rows = rows + cur
         doc = {
             "schema_version": SCHEMA_VERSION,
             "created": started.isoformat(timespec="seconds"),
@@ -347,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": facts,
             "config": config,
             "gemm": gemm,
-            "suites": results,
-            "rows": rows,
+            "suites": suites,
+            "rows": all_rows,
         }
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_path.with_name(out_path.name + ".tmp")
@@ -366,11 +431,21 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"{counter['n']} cases", refresh=True)
 
     _harness._ON_MEASURE = tick
+    current: dict[str, Any] = {}
+
+    def on_row(r: dict[str, Any]) -> None:
+        try:
+            write(complete=False, running=(current["name"], current["t0"]))
+        except Exception as exc:  # never let saving break the suite
+            print(f"[benchmarks] could not save partial results: {exc!r}", file=sys.stderr)
+
+    _harness._ON_ROW = on_row
     try:
         for i, name in enumerate(names):
             bar.set_description(name)
             counter["n"] = 0
             timeout = _suite_timeout(args, time.perf_counter() - t_start, len(names) - i)
+            current.update(name=name, t0=time.perf_counter())
             info = run_suite(name, known[name], cfg, timeout)
             suite_rows = info.pop("rows")
             rows.extend(suite_rows)
@@ -381,11 +456,20 @@ def main(argv: list[str] | None = None) -> int:
             if info["status"] != "ok":
                 last = (info.get("error") or "").strip().splitlines()[-1:] or [""]
                 msg += f" ({last[0]})"
+            if info.get("cases_not_run"):
+                msg += f"; cases not run: {', '.join(info['cases_not_run'])}"
             bar.write(msg, file=sys.stderr)
             bar.update(1)
             write(complete=False)
+            if info["status"] in ("killed", "interrupted"):
+                for later in names[i + 1:]:
+                    results[later] = {"module": known[later], "status": "not-run",
+                                      "n_rows": 0, "wall_s": 0.0,
+                                      "error": f"not run: the run was {info['status']}"}
+                break
     finally:
         _harness._ON_MEASURE = None
+        _harness._ON_ROW = None
         bar.close()
 
     # the libraries the suites imported are now loaded: record their BLAS/threads too

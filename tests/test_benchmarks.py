@@ -16,6 +16,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,3 +273,166 @@ def test_suite_timeouts_respect_the_total_budget() -> None:
     assert runner._suite_timeout(quick, 0.0, 8) is None
     off = runner.parse_args(["--suite-timeout", "0", "--total-budget", "0"])
     assert runner._suite_timeout(off, 0.0, 8) is None
+
+
+# --------------------------------------------------------------------------------------------
+# results survive a stopped suite; case selection; long calls
+
+
+def _fake_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run_fn, *extra: str) -> dict:
+    """Run ``runner.main`` on one in-memory suite ``fake`` (no GEMM measurement)."""
+    monkeypatch.setitem(sys.modules, "fake_suite_mod", types.SimpleNamespace(run=run_fn))
+    monkeypatch.setattr(runner, "discover", lambda: {"fake": "fake_suite_mod"})
+    monkeypatch.setattr(runner, "measure_gemm", lambda cfg: [])
+    out = tmp_path / "fake.json"
+    rc = runner.main(["--suite", "fake", "--backend", "numpy", "--blas-env", "keep",
+                      "--no-memory", "--out", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def _fake_row(case: str) -> dict:
+    return _harness.row("fake", case, "impl", backend="numpy", device="cpu", dtype="float32",
+                        timing={"median_s": 1.0, "min_s": 1.0, "max_s": 1.0, "repeats": 1})
+
+
+def test_rows_reach_the_file_as_soon_as_built(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    seen: dict = {}
+
+    def suite(cfg: _harness.Config) -> list:
+        rows = []
+        for name in cfg.select({"case a": 1, "case b": 2, "case c": 3}):
+            rows.append(_fake_row(name))
+            if name == "case a":
+                # what a run killed right now (SIGKILL) would leave behind
+                seen.update(json.loads((tmp_path / "fake.json").read_text()))
+        return rows
+
+    doc = _fake_main(monkeypatch, tmp_path, suite)
+    assert [r["case"] for r in seen["rows"]] == ["case a"]
+    assert seen["complete"] is False
+    info = seen["suites"]["fake"]
+    assert info["status"] == "running" and info["cases_not_run"] == ["case b", "case c"]
+    # the finished run: all rows, status ok, nothing listed as not run
+    assert [r["case"] for r in doc["rows"]] == ["case a", "case b", "case c"]
+    assert doc["suites"]["fake"]["status"] == "ok" and doc["complete"] is True
+    assert "cases_not_run" not in doc["suites"]["fake"]
+
+
+def test_timed_out_suite_keeps_finished_cases_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def suite(cfg: _harness.Config) -> list:
+        for name in cfg.select({"fast": 1, "slow": 2, "never": 3}):
+            if name == "slow":
+                time.sleep(30)
+            _fake_row(name)
+        return []
+
+    doc = _fake_main(monkeypatch, tmp_path, suite, "--suite-timeout", "0.5")
+    info = doc["suites"]["fake"]
+    assert info["status"] == "timeout" and info["cases_not_run"] == ["slow", "never"]
+    assert [r["case"] for r in doc["rows"]] == ["fast"]
+    text = render.render_doc(doc, tmp_path / "img", "img")
+    assert "TIMED OUT (1/3 cases)" in text
+    assert "ran past its time limit" in text and "`slow`, `never`" in text
+
+
+def test_case_selection(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def suite(cfg: _harness.Config) -> list:
+        return [_fake_row(n) for n in cfg.select({"MLP 6x512": 1, "CNN N=128": 2,
+                                                  "MLP 784 full": 3})]
+
+    doc = _fake_main(monkeypatch, tmp_path, suite, "--quick", "--case", "mlp")
+    assert [r["case"] for r in doc["rows"]] == ["MLP 6x512", "MLP 784 full"]
+    doc = _fake_main(monkeypatch, tmp_path, suite, "--quick", "--set", "cases=784,cnn")
+    assert [r["case"] for r in doc["rows"]] == ["CNN N=128", "MLP 784 full"]
+    assert doc["config"]["cases"] == ["784", "cnn"]
+
+
+def test_config_flag() -> None:
+    cfg = _harness.Config(extra={"a": "0", "b": "yes"})
+    assert cfg.flag("a", True) is False and cfg.flag("b", False) is True
+    assert cfg.flag("missing", True) is True
+    with pytest.raises(ValueError, match="--set a="):
+        _harness.Config(extra={"a": "maybe"}).flag("a", True)
+
+
+class _Clock:
+    """A fake ``time`` module: each call of the measured function takes ``step`` seconds."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step, self.calls = 0.0, step, 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def fn(self) -> None:
+        self.calls += 1
+        self.now += self.step
+
+
+def test_no_repetition_overruns_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(6.0)
+    monkeypatch.setattr(_harness, "time", clock)
+    t = _harness.measure(clock.fn, repeat=5, warmup=1, budget_s=20.0)
+    # warm-up + 6 s, 12 s, 18 s timed; a 4th would end at 24 s > 20 s
+    assert t["repeats"] == 3 and clock.calls == 4
+    clock = _Clock(60.0)
+    monkeypatch.setattr(_harness, "time", clock)
+    t = _harness.measure(clock.fn, repeat=5, warmup=1, budget_s=20.0)
+    assert t["repeats"] == 1 and clock.calls == 2
+
+
+def test_a_long_first_call_is_its_own_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _harness.Config(quick=False, budget_s=20.0, long_call_s=10.0)
+    clock = _Clock(60.0)
+    monkeypatch.setattr(_harness, "time", clock)
+    t = cfg.time(clock.fn, None, first_s=61.0)
+    assert clock.calls == 0 and t["median_s"] == 61.0 and t["repeats"] == 1
+    assert t["timed_calls"] == "first"
+    # a short first call only replaces the warm-up
+    clock = _Clock(2.0)
+    monkeypatch.setattr(_harness, "time", clock)
+    t = cfg.time(clock.fn, None, first_s=2.5)
+    assert clock.calls == 5 and t["repeats"] == 5 and "timed_calls" not in t
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_peak_memory_without_warmup(fresh: bool) -> None:
+    nbytes = 64 * 2**20
+    got = _harness.peak_memory("benchmarks._harness:alloc_case", {"nbytes": nbytes},
+                               fresh=fresh, warmup=False)
+    assert got is not None
+    assert 0.9 * nbytes <= got <= 1.25 * nbytes + 16 * 2**20
+
+
+def test_peers_full_mode_reference_matches_autodiff() -> None:
+    """The full-mode (N, N, O, O) relu reference of the peers suite against torch autograd."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.peers import suite
+
+    p = suite.problem("MLP tiny relu full")
+    assert p["mode"] == "full" and p["activation"] == "relu"
+    params = [torch.tensor(a) for pair in zip(p["weights"], p["biases"], strict=True)
+              for a in pair]
+    x = torch.tensor(p["x"])
+    n_layers = len(params) // 2
+
+    def f(*flat: torch.Tensor) -> torch.Tensor:
+        z = x
+        for l in range(n_layers):
+            y = p["scales"][l] * z @ flat[2 * l].T + p["beta"] * flat[2 * l + 1]
+            z = torch.relu(y) if l < n_layers - 1 else y
+        return z
+
+    jac = torch.autograd.functional.jacobian(f, tuple(params))
+    n, o = x.shape[0], p["widths"][-1]
+    j = torch.cat([t.reshape(n, o, -1) for t in jac], dim=2).numpy()
+    expected = np.einsum("nop,mqp->nmoq", j, j)
+    ref = suite.reference_ntk(p)
+    assert ref.shape == (n, n, o, o)
+    assert suite._rel(ref, expected) < 1e-12
+    # the crop used for large N keeps the leading block
+    big = dict(p, n=100)
+    assert suite._crop(np.zeros((100, 100, o, o)), big).shape == (suite.N_REF, suite.N_REF, o, o)

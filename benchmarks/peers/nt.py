@@ -79,10 +79,13 @@ def run(
     memory: bool = True,
     separate: bool = True,
     timeout: float = 600.0,
+    kernel_rows: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray], dict[str, Any]]:
     """Time ``nt.empirical_ntk_fn`` on the MLP ``weights``/``biases`` (ntkcore layout).
 
-    ``separate``: one process per implementation (fair peak-memory figures).  Returns
+    ``separate``: one process per implementation (fair peak-memory figures).
+    ``kernel_rows``: return only the kernel's leading ``[:r, :r]`` block (the rest of a large
+    full-mode kernel is not written to disk).  Returns
     (per-implementation results, kernels by ``"impl<k>"``, versions).  A result carries
     ``error`` instead of timings when that implementation failed (e.g. out of memory).
     """
@@ -106,6 +109,7 @@ def run(
                 "warmup": warmup, "budget_s": budget_s, "memory": memory,
                 "out": str(Path(tmp) / f"out{tag}.json"),
                 "kernel_out": str(Path(tmp) / f"k{tag}.npz"),
+                "kernel_rows": kernel_rows,
             }
             spec_path = Path(tmp) / f"spec{tag}.json"
             spec_path.write_text(json.dumps(spec))

@@ -16,7 +16,7 @@ with ``W_l`` of shape (d_out, d_in) as in ntkcore.models.MLP (NTK parameterisati
 Spec keys: input (npz with W0.., b0.., x), n_layers, activation, scales (c_l list), beta,
 impls (list of 1/2/3), mode ("trace" or "full"), dtype, repeat, warmup, budget_s, memory
 (bool: measure the resident-set growth of one timed call), out (JSON path), kernel_out (npz
-path or null).
+path or null), kernel_rows (int or null: keep only the kernel's leading [:r, :r] block).
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main(spec_path):
             # the first call above already was a warm-up; further ones only if asked
             for _ in range(int(spec["warmup"])):
                 fn(x, None, params).block_until_ready()
-            kernels[f"impl{impl}"] = np.asarray(k)
+            r = spec.get("kernel_rows")
+            kernels[f"impl{impl}"] = np.asarray(k if r is None else k[:r, :r])
             del k
             # peak memory from the first timed call: RSS growth over the resident set before it
             # (outputs count as working memory; inputs, params and the host copy do not)

@@ -1,25 +1,45 @@
 r"""Suite ``peers``: ntkcore against neural-tangents' empirical NTK on the same MLP weights.
 
-For each case, one tanh MLP in the NTK parameterisation
+For each case, one MLP in the NTK parameterisation
 
-.. math:: y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l,\quad z_l = \tanh(y_l),\quad f = y_L,
+.. math:: y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l,\quad z_l = \phi(y_l),\quad f = y_L,
 
-with :math:`W_l, b_l \sim \mathcal N(0, 1)` drawn once in float64 NumPy, and the trace eNTK
-:math:`\Theta(X, X) \in \mathbb R^{N\times N}` of N Gaussian inputs:
+with :math:`W_l, b_l \sim \mathcal N(0, 1)` drawn once in float64 NumPy, and the eNTK of N
+Gaussian inputs, in the case's mode: ``trace``, :math:`\Theta(X, X) \in \mathbb R^{N\times N}`
+(:math:`\sum_o`), or ``full``, :math:`\Theta(X, X) \in \mathbb R^{N\times N\times O\times O}`:
+
+=========================================  ===================  ======  =====  ====
+case                                       widths               phi     N      mode
+=========================================  ===================  ======  =====  ====
+``MLP 6x512 tanh N=384``                   256-6x512-1          tanh    384    trace
+``MLP 8x1000 tanh N=512``                  256-8x1000-1         tanh    512    trace
+``MLP 784-512-512-10 relu N=1024 full``    784-512-512-10       relu    1024   full
+=========================================  ===================  ======  =====  ====
 
 - ``ntkcore`` (each selected backend): ``ntkcore.ntk(ntkcore.models.MLP(...), x,
-  mode="trace")`` (Kronecker blocks, per layer :math:`(G G^\top)\odot(A A^\top)`);
-- ``neural-tangents impl 1/2/3``: ``nt.empirical_ntk_fn(f, trace_axes=(-1,), vmap_axes=0,
-  implementation=k)`` under ``jax.jit`` in the peer venv (``nt.py``), the model written with
+  mode=...)`` (Kronecker blocks, per layer :math:`(G G^\top)\odot(A A^\top)`);
+- ``neural-tangents impl 1/2/3``: ``nt.empirical_ntk_fn(f, trace_axes=(-1,) or (),
+  vmap_axes=0, implementation=k)`` under ``jax.jit`` in the peer venv (``nt.py``), the model
+  written with
   ``lax.dot_general`` so that implementation 3's structured rules apply.  JIT compilation is
   excluded from the timing (it is the first call, which doubles as the warm-up; its time is
   given in the note).  Implementations 1 and 2 are skipped, with the reason in the table,
   where their N x O x P Jacobian or their ~2 N^2 O^2 P flops would not fit the suite's
-  memory or time budget (the 8 x 1000 MLP).
+  memory or time budget (the 8 x 1000 MLP; the 784-512-512-10 MLP at N = 1024, whose
+  Jacobian is 27 GB in float32).
 
 The baseline is neural-tangents' structured derivatives (implementation 3); target for
 ntkcore: >= 1.5x faster.  ``error``: relative Frobenius error against an independent float64
-NumPy evaluation of the same per-layer formula written out in this file.
+NumPy evaluation of the same per-layer formula written out in this file, on all N samples
+for the trace cases and on the leading (32, 32, O, O) block for the full-mode case (the
+peer's kernel is cropped to that block inside its process, so the 0.4 GB kernel is not
+copied back).
+
+Duration (2 shared AMD cores, float32, numpy/torch/jax, ``--no-memory`` off): the two trace
+cases take about 2 min together (neural-tangents' JIT compilation and its impl 1/2 on the
+6x512 MLP included); the full-mode case adds about 1-2 min (see ``docs/benchmarks.md`` for
+the measured wall time of the suite).  ``--case`` selects cases, e.g.
+``python -m benchmarks --suite peers --case "784-512"``.
 """
 
 from __future__ import annotations
@@ -38,13 +58,19 @@ SUITE = "peers"
 HERE = "benchmarks.peers.suite"
 BASELINE = "neural-tangents impl 3"
 
-# name -> (widths, N); quick runs use the "tiny" case only
-# (the same architectures and N as the ``ntk`` suite's torch.nn models: 256 inputs, 1 output)
+# name -> (widths, N, activation, mode); quick runs use the "tiny" cases only
+# (the same architectures and N as the ``ntk`` suite's torch.nn models)
 CASES = {
-    "MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384),
-    "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512),
+    "MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384, "tanh", "trace"),
+    "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512, "tanh", "trace"),
+    "MLP 784-512-512-10 relu N=1024 full": ((784, 512, 512, 10), 1024, "relu", "full"),
 }
-QUICK_CASES = {"MLP tiny tanh": ((8, 16, 16, 1), 8)}
+QUICK_CASES = {
+    "MLP tiny tanh": ((8, 16, 16, 1), 8, "tanh", "trace"),
+    "MLP tiny relu full": ((8, 16, 16, 3), 8, "relu", "full"),
+}
+# full-mode errors are taken on the leading (N_REF, N_REF, O, O) block
+N_REF = 32
 # neural-tangents impl 1 materialises the N x O x P Jacobian: skip it above this many bytes
 JACOBIAN_LIMIT = 3 * 2**30
 # ... and impls 1 and 2 above this many flops per call (minutes per case on 2 cores)
@@ -54,43 +80,64 @@ NT_BUDGET_S = 10.0
 
 
 def problem(case: str, seed: int = 0) -> dict[str, Any]:
-    widths, n = {**CASES, **QUICK_CASES}[case]
+    widths, n, activation, mode = {**CASES, **QUICK_CASES}[case]
     rng = np.random.default_rng(seed)
     weights = [rng.standard_normal((o, i)) for i, o in pairwise(widths)]
     biases = [rng.standard_normal(o) for o in widths[1:]]
     x = rng.standard_normal((n, widths[0]))
     scales = [1.0 / math.sqrt(i) for i in widths[:-1]]
     return {"weights": weights, "biases": biases, "x": x, "scales": scales, "beta": 1.0,
-            "widths": widths, "n": n}
+            "widths": widths, "n": n, "activation": activation, "mode": mode}
+
+
+def _act(name: str, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """phi(y) and phi'(y) for the suite's activations."""
+    if name == "tanh":
+        t = np.tanh(y)
+        return t, 1.0 - t**2
+    if name == "relu":
+        return np.maximum(y, 0.0), (y > 0).astype(y.dtype)
+    raise ValueError(f"unknown activation {name!r}")
 
 
 def reference_ntk(p: dict[str, Any]) -> np.ndarray:
-    """Trace eNTK in float64 from the per-layer formula (independent of ntkcore).
+    """eNTK in float64 from the per-layer formula (independent of ntkcore).
 
-    Forward :math:`y_l = c_l W_l z_{l-1} + \\beta b_l`; backward
-    :math:`g_L = I_O`, :math:`g_{l-1} = (g_l c_l W_l) \\odot \\tanh'(y_{l-1})`; layer l adds
-    :math:`\\sum_o \\langle g_l[n,o], g_l[m,o]\\rangle \\langle a_n, a_m\\rangle` with
-    :math:`a = [c_l z_{l-1}, \\beta]`.
+    Forward :math:`y_l = c_l W_l z_{l-1} + \\beta b_l`, :math:`z_l = \\phi(y_l)`; backward
+    :math:`g_L = I_O`, :math:`g_{l-1} = (g_l c_l W_l) \\odot \\phi'(y_{l-1})`; layer l adds
+    :math:`\\langle g_l[n,o], g_l[m,p]\\rangle \\langle a_n, a_m\\rangle` with
+    :math:`a = [c_l z_{l-1}, \\beta]` to :math:`\\Theta[n, m, o, p]`.
+
+    Returns (N, N) summed over o = p in ``trace`` mode (all N samples) and
+    (m, m, O, O) with m = min(N, N_REF) (the leading samples) in ``full`` mode.
     """
     ws, bs, x, cs, beta = p["weights"], p["biases"], p["x"], p["scales"], p["beta"]
-    zs, ys = [x], []
+    full = p.get("mode", "trace") == "full"
+    if full:
+        x = x[:N_REF]
+    zs, dphi = [x], []
     for l, (w, b) in enumerate(zip(ws, bs, strict=True)):
         y = cs[l] * zs[-1] @ w.T + beta * b
-        ys.append(y)
-        zs.append(np.tanh(y) if l < len(ws) - 1 else y)
+        if l < len(ws) - 1:
+            z, d = _act(p.get("activation", "tanh"), y)
+            zs.append(z)
+            dphi.append(d)
     n, o = x.shape[0], ws[-1].shape[0]
     g = np.broadcast_to(np.eye(o), (n, o, o)).copy()  # d f_o / d y_L
-    k = np.zeros((n, n))
+    k = np.zeros((n, n, o, o) if full else (n, n))
     for l in reversed(range(len(ws))):
         a = np.concatenate([cs[l] * zs[l], np.full((n, 1), beta)], axis=1)
-        k += np.einsum("nok,mok->nm", g, g) * (a @ a.T)
+        if full:
+            k += np.einsum("nok,mpk->nmop", g, g) * (a @ a.T)[:, :, None, None]
+        else:
+            k += np.einsum("nok,mok->nm", g, g) * (a @ a.T)
         if l > 0:
-            g = (g @ (cs[l] * ws[l])) * (1.0 - np.tanh(ys[l - 1]) ** 2)[:, None, :]
+            g = (g @ (cs[l] * ws[l])) * dphi[l - 1][:, None, :]
     return k
 
 
 def ntkcore_case(backend: str, device: str, dtype: str, case: str) -> Callable[[], Any]:
-    """Inputs in ``backend``; returns the call computing ntkcore's trace eNTK."""
+    """Inputs in ``backend``; returns the call computing ntkcore's eNTK in the case's mode."""
     import ntkcore
     from ntkcore.models import MLP
 
@@ -98,8 +145,9 @@ def ntkcore_case(backend: str, device: str, dtype: str, case: str) -> Callable[[
     ws = [asarray(w, backend, device, dtype) for w in p["weights"]]
     bs = [asarray(b, backend, device, dtype) for b in p["biases"]]
     x = asarray(p["x"], backend, device, dtype)
-    net = MLP(ws, bs, activation="tanh", parameterization="ntk", weight_std=1.0, bias_std=1.0)
-    return lambda: ntkcore.ntk(net, x, mode="trace")
+    net = MLP(ws, bs, activation=p["activation"], parameterization="ntk", weight_std=1.0,
+              bias_std=1.0)
+    return lambda: ntkcore.ntk(net, x, mode=p["mode"])
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,7 +158,23 @@ def _params(p: dict[str, Any]) -> dict[str, Any]:
     widths = p["widths"]
     n_params = sum((i + 1) * o for i, o in pairwise(widths))
     return {"N": p["n"], "O": widths[-1], "P": n_params, "widths": list(widths),
+            "activation": p["activation"], "mode": p["mode"],
             "family": "MLP " + "-".join(map(str, widths[1:-1]))}
+
+
+def _crop(k: Any, p: dict[str, Any]) -> np.ndarray:
+    """The part of a kernel that :func:`reference_ntk` computes, as float64 NumPy."""
+    k = to_numpy(k)
+    if p["mode"] == "full":
+        m = min(p["n"], N_REF)
+        k = k[:m, :m]
+    return np.asarray(k, dtype=np.float64)
+
+
+def _err_note(p: dict[str, Any]) -> str:
+    if p["mode"] == "full" and p["n"] > N_REF:
+        return f" (error on the leading {N_REF} samples)"
+    return ""
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -122,7 +186,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         nt_ok, nt_info = False, "skipped in --quick runs (add --set peers_nt=1)"
     else:
         nt_ok, nt_info = nt.status()
-    cases = cfg.pick(QUICK_CASES, CASES)
+    cases = cfg.select(cfg.pick(QUICK_CASES, CASES))
     for case in cases:
         p = problem(case)
         ref = reference_ntk(p)
@@ -132,8 +196,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             if backend not in ("numpy", "torch", "jax", "cupy"):
                 continue
             fn = ntkcore_case(backend, cfg.device, cfg.dtype, case)
-            err = _rel(to_numpy(fn()), ref)
-            timing = cfg.time(fn, backend)
+            err = _rel(_crop(fn(), p), ref)
+            timing = cfg.time(fn, backend, warm=True)  # the checked call was the warm-up
             mem = cfg.peak_memory(f"{HERE}:ntkcore_case", backend=backend, device=cfg.device,
                                   dtype=cfg.dtype, case=case)
             rows.append(row(
@@ -141,7 +205,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 timing=timing, params=params, peak_mem_bytes=mem, mem_method=cfg.mem_method,
                 baseline=BASELINE if nt_ok else None, error=err,
                 target="speedup >= 1.5" if nt_ok else None,
-                note="trace eNTK" + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),
+                note=f"{p['mode']} eNTK" + _err_note(p)
+                + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),
             ))
         if not nt_ok:
             continue
@@ -164,10 +229,11 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 ))
         results, kernels, versions = nt.run(
             p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
-            activation="tanh", impls=tuple(impls), mode="trace", dtype=cfg.dtype,
+            activation=p["activation"], impls=tuple(impls), mode=p["mode"], dtype=cfg.dtype,
             repeat=cfg.reps, warmup=0,  # the first (compiling) call is the warm-up
             budget_s=None if cfg.quick else min(cfg.budget_s or NT_BUDGET_S, NT_BUDGET_S),
             memory=cfg.memory and not cfg.quick, separate=not cfg.quick,
+            kernel_rows=min(p["n"], N_REF) if p["mode"] == "full" else None,
         )
         vers = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "devices")
         for res in results:
@@ -184,7 +250,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 params=params, peak_mem_bytes=res.get("peak_mem_bytes"),
                 mem_method="RSS growth (fresh process)" if "peak_mem_bytes" in res else None,
                 baseline=None if impl == BASELINE else BASELINE,
-                error=None if k is None else _rel(np.asarray(k, dtype=np.float64), ref),
-                note=f"{name}; jit first call {res.get('compile_s', float('nan')):.2g} s; {vers}",
+                error=None if k is None else _rel(_crop(k, p), ref),
+                note=f"{name}; {p['mode']} eNTK{_err_note(p)}; jit first call "
+                     f"{res.get('compile_s', float('nan')):.2g} s; {vers}",
             ))
     return rows

@@ -172,30 +172,67 @@ def _flops(kind: str, impl: str, n: int, mode: str, o: int, p: int) -> float | N
     return None
 
 
+def _impls(cfg: Config, impls: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The implementations to run (``--set ntk_impls=...``, ``--set ntk_baselines=0``) and,
+    for the others, why not."""
+    wanted = [w.strip().lower() for w in str(cfg.extra.get("ntk_impls", "")).split(",")
+              if w.strip()]
+    baselines = cfg.flag("ntk_baselines", True)
+    run_, skipped = [], {}
+    for impl in impls:
+        if impl != "ntkcore" and not baselines:
+            skipped[impl] = "baselines switched off (--set ntk_baselines=0)"
+        elif wanted and not any(w in impl.lower() for w in wanted):
+            skipped[impl] = f"not selected (--set ntk_impls={cfg.extra['ntk_impls']})"
+        else:
+            run_.append(impl)
+    return tuple(run_), skipped
+
+
 def run(cfg: Config) -> list[dict[str, Any]]:
+    import time
+
     from benchmarks.baselines.torch_func import kernel_error
 
     if not cfg.has("torch"):
         return []
     rows: list[dict[str, Any]] = []
-    cases = cfg.pick(QUICK_CASES, CASES)
-    for name, (kind, n, mode, impls, target, max_memory) in cases.items():
+    cases = cfg.select(cfg.pick(QUICK_CASES, CASES))
+    baseline_memory = cfg.flag("baseline_memory", True)
+    for name, (kind, n, mode, all_impls, target, max_memory) in cases.items():
+        impls, _ = _impls(cfg, all_impls)
+        if not impls:
+            continue
         ref = reference(kind, n, mode, cfg.device)
         model, _ = build(kind, 1, cfg.dtype, cfg.device)
         p = _params(model)
         o = 10 if kind in ("mlp784", "cnn", "cnn_tiny", "transformer") else (
             3 if kind == "transformer_tiny" else 1)
+        # speed-ups need the baseline in the same run
         base = BASELINE if BASELINE in impls else None
         for impl in impls:
             fn = case(impl, kind, n, mode, cfg.dtype, cfg.device, max_memory)
+            t0 = time.perf_counter()
             k = fn()
+            first_s = time.perf_counter() - t0
             m = min(n, N_REF)
             err = kernel_error(k[:m, :m].cpu(), ref)
             del k
-            timing = cfg.time(fn, "torch")
+            # the checked call is the warm-up; a call longer than cfg.long_call_s (only the
+            # torch.func baselines) is its own timing instead of being repeated
+            timing = cfg.time(fn, "torch", first_s=first_s)
             del fn
-            mem = cfg.peak_memory(f"{HERE}:case", impl=impl, kind=kind, n=n, mode=mode,
-                                  dtype=cfg.dtype, device=cfg.device, max_memory=max_memory)
+            long_call = first_s >= cfg.long_call_s
+            mem = None
+            if impl == "ntkcore" or baseline_memory:
+                mem = cfg.peak_memory(f"{HERE}:case", child_warmup=not long_call, impl=impl,
+                                      kind=kind, n=n, mode=mode, dtype=cfg.dtype,
+                                      device=cfg.device, max_memory=max_memory)
+            note = f"error vs float64 torch.func on the first {m} samples"
+            if timing.get("timed_calls") == "first":
+                note += "; one call (its first, which took over --long-call s)"
+            if impl != "ntkcore" and not baseline_memory:
+                note += "; memory not measured (--set baseline_memory=0)"
             rows.append(row(
                 SUITE, name, impl, backend="torch", device=cfg.device, dtype=cfg.dtype,
                 timing=timing, params={"N": n, "O": o, "P": p, "mode": mode,
@@ -204,6 +241,6 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 flops=_flops(kind, impl, n, mode, o, p),
                 baseline=base if impl != base else None, error=err,
                 target=target if impl == "ntkcore" else None,
-                note=f"error vs float64 torch.func on the first {m} samples",
+                note=note,
             ))
     return rows
