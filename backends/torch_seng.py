@@ -51,7 +51,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.sketch import SketchSpec, _sub_seed
 from ntkcore.sketch import low_rank as _low_rank
-from ntkcore.solve import SMWSolver
+from ntkcore.solve import _NONFINITE_U, SMWSolver
 
 __all__ = ["SENG"]
 
@@ -162,6 +162,78 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+class _Thin:
+    r""":math:`U^\top v` and :math:`U c` for one block, with the factors cached as 2-D tensors.
+
+    ``U = J_b^\top`` for a one-block Jacobian with O = 1 (per-sample loss gradients):
+
+    * Kronecker block, a (N, S, d_in), g (N, S, 1, d_out), :math:`V` = v as (d_out, d_in):
+      :math:`(U^\top v)_n = \sum_s g_{n,s}^\top V a_{n,s}` and
+      :math:`U c = \operatorname{vec}\bigl(\sum_{n,s} c_n\, g_{n,s} a_{n,s}^\top\bigr)`
+      (the same products as ``KroneckerBlock.jvp`` / ``vjp``, without their checks);
+    * dense block (N, 1, P_b): :math:`U^\top v = J v`, :math:`U c = J^\top c`.
+    """
+
+    def __init__(self, jac: Jacobian) -> None:
+        (block,) = jac.blocks
+        self.n = jac.num_samples
+        if isinstance(block, KroneckerBlock):
+            s = block.num_positions
+            self.kron = True
+            self.s = s
+            self.shape = (block.d_out, block.d_in)
+            self.a = block.a.reshape(self.n * s, block.d_in)
+            self.g = block.g.reshape(self.n * s, block.d_out)
+            self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
+        else:
+            self.kron = False
+            self.jac = block.jac.reshape(self.n, block.num_params)
+
+    def t_mul(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
+        if not self.kron:
+            return self.jac @ v
+        y = torch.mm(self.a, v.reshape(self.shape).t())  # rows a_{n,s}^T V^T, (N S, d_out)
+        r = torch.linalg.vecdot(y, self.g)  # g_{n,s} . V a_{n,s}
+        return r if self.s == 1 else r.reshape(self.n, self.s).sum(1)
+
+    def mul(self, c: torch.Tensor) -> torch.Tensor:  # (N,) -> (P_b,)
+        if not self.kron:
+            return c @ self.jac
+        cs = c if self.s == 1 else c.repeat_interleave(self.s)
+        return torch.mm(self.gt * cs, self.a).reshape(-1)
+
+
+class _Direction:
+    r"""The SMW direction of one block for new gradients, from a prepared :class:`SMWSolver`.
+
+    Computes :meth:`SMWSolver.solve` for a 1-D gradient (the same operations up to the
+    order of float32 sums), with the factors reshaped once at the refresh:
+    :math:`b = L^{-\top} L^{-1} (s\,\Xi^\top \Omega g)` in float64 (:math:`L` the solver's
+    Cholesky factor, :math:`\Xi = \Omega U`), :math:`d = (g - U b)/\lambda` in g's dtype.
+    """
+
+    def __init__(self, solver: SMWSolver, jac: Jacobian) -> None:
+        self.solver = solver
+        self.full = _Thin(jac)
+        if solver.sketch_vec is None:
+            self.sketched = self.full
+        else:
+            self.sketched = _Thin(solver.sketch_op.J)
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        sv = self.solver
+        sg = g if sv.sketch_vec is None else sv.sketch_vec(g)
+        rhs = (self.sketched.t_mul(sg).to(sv.wide) * sv.scale)[:, None]
+        chol = sv.cholesky_factor  # b = L^-T L^-1 rhs: two triangular solves
+        b = torch.linalg.solve_triangular(
+            chol.mT, torch.linalg.solve_triangular(chol, rhs, upper=False), upper=True)[:, 0]
+        d = torch.sub(g, self.full.mul(b.to(sv.dtype))).div_(sv.damping).to(g.dtype)
+        if sv.sketch_vec is not None and not bool(torch.isfinite(d).all()):
+            if bool(torch.isfinite(g).all()):  # as SMWSolver.solve: NaN outside the sketch
+                raise ValueError(_NONFINITE_U)
+        return d
+
+
 class SENG(torch.optim.Optimizer):
     r"""Sketchy empirical natural gradient (layer-wise SMW with Cholesky), one backward per step.
 
@@ -265,12 +337,15 @@ class SENG(torch.optim.Optimizer):
         self._step = 0
         self._refreshes = 0
         self._solvers: dict[str, SMWSolver] = {}
+        self._directions: dict[str, _Direction] = {}
         self._curvature: dict[str, Jacobian] = {}
         self._sketch_seeds: dict[str, int | None] = {}
         self._root_calls: list[dict[str, Any]] = []
         self._suspended = False
+        self._handles: list[Any] = []
+        self._hooks_wanted = True
         self._build_units()
-        self._install_hooks()
+        self._sync_hooks()
 
     # -- structure ------------------------------------------------------------------------
     def _group_of(self) -> dict[int, dict[str, Any]]:
@@ -311,11 +386,32 @@ class SENG(torch.optim.Optimizer):
         for unit in self.units:
             self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit)))
 
-    def remove_hooks(self) -> None:
-        """Detach the optimizer's hooks from the model."""
+    def _drop_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def _sync_hooks(self) -> None:
+        """Hooks are attached only while the next step refreshes the curvature.
+
+        Between refreshes the model runs without them (no Python hook calls, PyTorch's fast
+        module-call path); they are attached again at the end of the step before a refresh.
+        """
+        if not self._hooks_wanted:
+            return
+        due = self._refresh_due()
+        if due and not self._handles:
+            self._install_hooks()
+        elif not due and self._handles:
+            self._drop_hooks()
+
+    def remove_hooks(self) -> None:
+        """Detach the optimizer's hooks from the model (for good: refreshes then fail)."""
+        self._hooks_wanted = False
+        self._drop_hooks()
+
+    def _refresh_due(self) -> bool:
+        return self._step % self.update_freq == 0 or not self._solvers
 
     def _capturing(self, x: Any = None) -> bool:
         # (a deep copy of a hooked model carries hooks bound to a stripped optimizer copy)
@@ -323,7 +419,7 @@ class SENG(torch.optim.Optimizer):
             return False
         if isinstance(x, torch.Tensor) and _inside_functorch(x):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
-        return self._step % self.update_freq == 0 or not self._solvers
+        return self._refresh_due()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._capturing(args[0] if args else None):
@@ -434,13 +530,16 @@ class SENG(torch.optim.Optimizer):
             return value
         return float(group["damping"])
 
-    def _build_solver(self, name: str, block: Any, damping: float) -> SMWSolver:
+    def _build_solver(self, name: str, block: Any, damping: float) -> None:
+        """Factor block ``name``'s system into ``_solvers`` and its ``_directions`` entry."""
         jac = Jacobian([block])
         spec = None
         if self.sketch is not None and jac.num_params > self.sketch_size:
             spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
-        return SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
-                         gram_dtype="wide")
+        solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
+                           gram_dtype="wide")
+        self._solvers[name] = solver
+        self._directions[name] = _Direction(solver, jac)
 
     def _refresh(self) -> None:
         groups = self._group_of()
@@ -459,11 +558,11 @@ class SENG(torch.optim.Optimizer):
             self._suspended = False
         for grp, block in zip(self.dense, dense_blocks, strict=True):
             blocks.append(("dense:" + grp.name, block, groups[id(grp.params[0])]))
-        self._solvers = {}
+        self._solvers, self._directions = {}, {}
         for i, (name, block, group) in enumerate(blocks):
             self._curvature[name] = block
             self._sketch_seeds[name] = _sub_seed(self.seed, self._refreshes, i)
-            self._solvers[name] = self._build_solver(name, block, self._damping(group))
+            self._build_solver(name, block, self._damping(group))
         for unit in self.units:
             unit.calls = []
         self._root_calls = []
@@ -486,7 +585,7 @@ class SENG(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._step % self.update_freq == 0 or not self._solvers:
+        if self._refresh_due():
             self._refresh()
         groups = self._group_of()
         owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
@@ -494,16 +593,17 @@ class SENG(torch.optim.Optimizer):
         directions: list[torch.Tensor] = []
         for name, owner in owners:
             group = groups[id(owner.params[0])]
-            solver = self._solvers[name]
-            solver.set_damping(self._damping(group))
-            g = owner.flat_grad(group["weight_decay"])
-            directions.append(solver.solve(g))
+            self._solvers[name].set_damping(self._damping(group))
+            directions.append(self._directions[name](owner.flat_grad(group["weight_decay"])))
         world = self._world()
         if world > 1:
             flat = torch.cat(directions)
             torch.distributed.all_reduce(flat)
             flat /= world
             directions = list(torch.split(flat, [d.numel() for d in directions]))
+        # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
+        # (lr, momentum) with the foreach kernels of torch.optim
+        batches: dict[tuple[float, float], tuple[list[Any], list[Any]]] = {}
         for (_name, owner), d in zip(owners, directions, strict=True):
             for p, dp in zip(owner.params, owner.split(d), strict=True):
                 group = groups[id(p)]
@@ -512,12 +612,31 @@ class SENG(torch.optim.Optimizer):
                     state = self.state[p]
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        buf = state["momentum_buffer"] = dp.clone()
+                        state["momentum_buffer"] = dp.clone()
+                        dp = state["momentum_buffer"]
                     else:
-                        buf.mul_(mu).add_(dp)
-                    dp = buf
-                p.add_(dp.to(p.dtype), alpha=-group["lr"])
+                        # m <- mu m + d for all buffers of the batch below
+                        batches.setdefault((group["lr"], mu), ([], []))
+                        ps, ds = batches[(group["lr"], mu)]
+                        ps.append((p, buf))
+                        ds.append(dp)
+                        continue
+                batches.setdefault((group["lr"], 0.0), ([], []))
+                ps, ds = batches[(group["lr"], 0.0)]
+                ps.append((p, None))
+                ds.append(dp)
+        for (lr, mu), (pairs, ds) in batches.items():
+            params = [p for p, _ in pairs]
+            if mu:
+                bufs = [b for _, b in pairs]
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, ds)
+                ds = bufs
+            ds = [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, ds,
+                                                                            strict=True)]
+            torch._foreach_add_(params, ds, alpha=-lr)
         self._step += 1
+        self._sync_hooks()
         return loss
 
     # -- state ------------------------------------------------------------------------------
@@ -544,7 +663,7 @@ class SENG(torch.optim.Optimizer):
         groups = self._group_of()
         dev_of = {u.name: u.weight for u in self.units}
         dev_of.update({"dense:" + g.name: g.params[0] for g in self.dense})
-        self._curvature, self._solvers = {}, {}
+        self._curvature, self._solvers, self._directions = {}, {}, {}
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]
             if "jac" in arrays:
@@ -553,4 +672,5 @@ class SENG(torch.optim.Optimizer):
                 block = KroneckerBlock(arrays["a"].to(like.device), arrays["g"].to(like.device),
                                        name)
             self._curvature[name] = block
-            self._solvers[name] = self._build_solver(name, block, self._damping(groups[id(like)]))
+            self._build_solver(name, block, self._damping(groups[id(like)]))
+        self._sync_hooks()

@@ -300,3 +300,40 @@ def test_distributed_directions_are_averaged(tmp_path):
         for r in range(2):
             torch.testing.assert_close(_flat(got[r], names, kron), expected, rtol=1e-9,
                                        atol=1e-10)
+
+
+@pytest.mark.parametrize("sketch", [None, "leverage", "gaussian"])
+def test_cached_direction_equals_smw_solver(sketch):
+    # the per-step fast path (factors cached at the refresh) == the generic SMWSolver.solve,
+    # for Kronecker (S = 16 and S = 1) and dense blocks, sketched or not
+    x, y = _data()
+    model = _model()
+    opt = SENG(model, lr=LR, damping=LAM, sketch=sketch, sketch_size=20, seed=1)
+    _loss_backward(model, x, y)
+    opt.step()
+    gen = torch.Generator().manual_seed(5)
+    assert set(opt._directions) == set(opt._solvers) and len(opt._solvers) == 3
+    for name, solver in opt._solvers.items():
+        g = torch.randn(solver.op.num_rows, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(opt._directions[name](g), solver.solve(g), rtol=1e-10,
+                                   atol=1e-12)
+
+
+def test_hooks_attached_only_before_refresh_steps():
+    model = _model()
+    x, y = _data()
+    opt = SENG(model, lr=LR, damping=LAM, update_freq=3)
+
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    attached = []
+    for _ in range(7):
+        attached.append(hooks() > 0)
+        opt.zero_grad()
+        _loss_backward(model, x, y)
+        opt.step()
+    assert attached == [True, False, False, True, False, False, True]
+    assert opt._refreshes == 3
+    opt.remove_hooks()
+    assert hooks() == 0
