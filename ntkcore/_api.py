@@ -9,14 +9,16 @@ The model is turned into a structured :class:`~ntkcore.Jacobian` by the provider
 its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params)``,
 :class:`ntkcore.models.MLP`, ...), and the kernel is contracted by :func:`ntkcore.gram`.
 
-Memory.  With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
-batches.  A first small batch measures the factor bytes per sample ``b``; a provider call on
+Memory. With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
+batches. A first small batch measures the factor bytes per sample ``b``; a provider call on
 ``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
-gradients).  If the factors of all samples fit in ``M / 2`` they are computed once (in batches)
-and :func:`~ntkcore.gram` gets the rest of the budget.  Otherwise the kernel is computed in
-(row, column) sample blocks whose factors each take at most ``M / 4``: the row block's factors
-are computed once, the column blocks' are recomputed per row block (for ``x2=None`` only blocks
-on and above the diagonal, the others are transposes).  The kernel itself is not counted.
+gradients); ``b`` is remembered per model and input signature (:class:`_ProbeCache`), so
+repeated calls skip the measuring call. If the factors of all samples fit in ``M / 2`` they are
+computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget. Otherwise the
+kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
+the row block's factors are computed once, the column blocks' are recomputed per row block (for
+``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
+itself is not counted.
 
 Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
 grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
@@ -33,6 +35,7 @@ Pure array API: nothing here imports a framework.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +104,74 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
     return xp, backend
 
 
+class _ProbeCache:
+    """Factor bytes per sample, remembered per model (weakly) and input signature.
+
+    Sizing the sample batches needs the bytes of one sample's Jacobian factors, which only a
+    provider call reveals (the "probe" on the first :data:`_PROBE` samples).  For a model
+    called repeatedly (a training or distillation loop, a benchmark) the probe's fixed cost
+    (a forward and a backward pass with hooks, several milliseconds for a small MLP) is paid
+    once per model, input shape, dtype, device, parameter selection and parameter shapes.
+    The value only sizes batches: a stale one (a module changed in place without changing
+    any parameter shape) can misjudge memory, never the kernel.  Entries die with the model.
+    """
+
+    def __init__(self) -> None:
+        self._store: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], float]] = \
+            weakref.WeakKeyDictionary()
+
+    def get(self, key: tuple[Any, tuple[Any, ...]]) -> float | None:
+        model, rest = key
+        try:
+            return self._store.get(model, {}).get(rest)
+        except TypeError:  # not weak-referenceable or not hashable
+            return None
+
+    def put(self, key: tuple[Any, tuple[Any, ...]], value: float) -> None:
+        model, rest = key
+        try:
+            self._store.setdefault(model, {})[rest] = value
+        except TypeError:
+            pass
+
+    def clear(self) -> None:
+        self._store.clear()
+
+
+_PER_SAMPLE = _ProbeCache()
+
+
+def _shape_signature(model: Any) -> Any:
+    """Parameter shapes of ``model`` when it lists them (duck-typed: ``parameters()``)."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    try:
+        return tuple(tuple(getattr(p, "shape", ())) for p in parameters())
+    except Exception:
+        return None
+
+
+def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
+               params: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """Cache key of the probe for this call, or ``None`` when it cannot be cached."""
+    if params is None:
+        pkey: Any = None
+    elif isinstance(params, str):
+        pkey = params
+    else:
+        try:
+            pkey = tuple(p if isinstance(p, str | int) else id(p) for p in params)
+        except TypeError:
+            return None
+    try:
+        weakref.ref(model)
+    except TypeError:
+        return None
+    return model, (provider, tuple(x.shape[1:]), str(x.dtype),
+                   str(array_api_compat.device(x)), pseudo, pkey, _shape_signature(model))
+
+
 def _batch_size(per_sample: float, budget: float) -> int:
     return max(1, int(budget // max(1.0, _OVERHEAD * per_sample)))
 
@@ -164,8 +235,14 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     if checkpoint is True and one_grad and provider.name != "torch":
         raise ValueError(f"checkpoint=True is implemented for torch.nn.Module models; this "
                          f"model uses the {provider.name!r} provider")
-    probe = call(x1[0:min(n1, _PROBE), ...])
-    per_sample = _jac_bytes(probe) / probe.num_samples
+    key = _probe_key(provider.name, model, x1, pseudo, params)
+    probe = None
+    per_sample = _PER_SAMPLE.get(key) if key is not None else None
+    if per_sample is None:
+        probe = call(x1[0:min(n1, _PROBE), ...])
+        per_sample = _jac_bytes(probe) / probe.num_samples
+        if key is not None:
+            _PER_SAMPLE.put(key, per_sample)
     if one_grad and provider.name == "torch" and (checkpoint is True or (
             checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
             > budget / 4)):
@@ -191,7 +268,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
 
 
 def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
-              probe: Jacobian, per_sample: float, budget: int, batch_size: Any, mode: str,
+              probe: Jacobian | None, per_sample: float, budget: int, batch_size: Any, mode: str,
               layerwise: bool, dtype: Any, progress: Any, xp: Any) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
@@ -209,7 +286,8 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
     rest = max(budget // 2, 1)
     try:
         for i, (r0, r1) in enumerate(rows):
-            first = probe if r0 == 0 and probe.num_samples <= r1 - r0 else None
+            first = probe if probe is not None and r0 == 0 and \
+                probe.num_samples <= r1 - r0 else None
             ji = _jacobians(call, x1, r0, r1, batch, first)
             for j, (c0, c1) in enumerate(cols):
                 if symmetric and j < i:

@@ -181,6 +181,8 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     """Largest ``x`` in ``[lo, hi]`` with ``fits(x)`` (monotone), or ``lo - 1`` if none."""
     if not fits(lo):
         return lo - 1
+    if fits(hi):  # the common case: everything fits in one tile
+        return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

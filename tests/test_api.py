@@ -230,3 +230,42 @@ def test_ntk_differentiable_in_inputs():
     ref = torch.einsum("nok,mok->nm", jac(xt), jac(x0)).pow(2).sum()
     (grad_ref,) = torch.autograd.grad(ref, x0)
     assert rel(grad, grad_ref) < 1e-10
+
+
+def test_probe_is_cached_per_model_and_input_signature(monkeypatch):
+    """The measuring call on the first samples runs once per model and input signature; the
+    kernel is unchanged by the cache."""
+    from ntkcore import providers
+
+    calls = []
+
+    class Counted:
+        def __init__(self, mlp):
+            self.mlp = mlp
+
+        def parameters(self):
+            return self.mlp.parameters()
+
+    def jac(model, x, **kw):
+        calls.append(int(x.shape[0]))
+        return model.mlp.jacobian(x, **kw)
+
+    monkeypatch.setattr(providers, "_REGISTRY", list(providers._REGISTRY))
+    providers.register_provider("counted", lambda m: isinstance(m, Counted), lambda: jac,
+                                first=True)
+    mlp = ntkcore.models.MLP.random((3, 5, 2), seed=0, xp=np, dtype=np.float64)
+    model = Counted(mlp)
+    x = np.random.default_rng(0).standard_normal((20, 3))
+    ref = mlp.jacobian(x)
+    ref_k = ntkcore.gram(ref, mode="trace")
+    k1 = ntkcore.ntk(model, x, mode="trace")
+    assert calls == [8, 20]  # probe, then all samples at once
+    k2 = ntkcore.ntk(model, x, mode="trace")
+    assert calls == [8, 20, 20]  # probe skipped
+    np.testing.assert_allclose(k1, ref_k, rtol=1e-12)
+    np.testing.assert_allclose(k2, ref_k, rtol=1e-12)
+    ntkcore.ntk(model, x[:, :3].astype(np.float32), mode="trace")  # new dtype: probes again
+    assert calls[3:] == [8, 20]
+    # another model object of the same architecture has its own entry
+    ntkcore.ntk(Counted(mlp), x, mode="trace")
+    assert calls[5:] == [8, 20]
