@@ -309,8 +309,10 @@ def _stopped_note(info: dict[str, Any] | None) -> str:
     note = f"**This suite {why} after {info.get('wall_s', 0):.0f} s; the rows below are " \
            "the cases it finished.**"
     missing = info.get("cases_not_run")
+    if info.get("last_case"):
+        note += f" The last case, `{info['last_case']}`, may lack some implementations."
     if missing:
-        note += " Cases not run (or not finished): " + ", ".join(f"`{c}`" for c in missing) + "."
+        note += " Cases not run: " + ", ".join(f"`{c}`" for c in missing) + "."
     return note
 
 

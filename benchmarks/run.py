@@ -283,6 +283,9 @@ def run_suite(name: str, module: str, cfg: Config, timeout: float | None) -> dic
         if info["status"] != "ok":
             done = {r.get("case") for r in info["rows"] if isinstance(r, dict)}
             info["cases_not_run"] = [c for c in _harness._PLANNED if c not in done]
+            if info["rows"] and isinstance(info["rows"][-1], dict):
+                # the case of the last row may have been cut short
+                info["last_case"] = info["rows"][-1].get("case")
     bad = [r for r in info["rows"] if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS)]
     if bad:
         info["rows"] = [r for r in info["rows"] if r not in bad]
@@ -399,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                          "was killed)",
                 "cases_planned": list(_harness._PLANNED),
                 "cases_not_run": [c for c in _harness._PLANNED
-                                  if c not in {r.get("case") for r in cur}]}}
+                                  if c not in {r.get("case") for r in cur}],
+                "last_case": cur[-1].get("case") if cur else None}}
             all_rows = rows + cur
         doc = {
             "schema_version": SCHEMA_VERSION,

@@ -335,7 +335,8 @@ def test_timed_out_suite_keeps_finished_cases_and_says_so(
     assert [r["case"] for r in doc["rows"]] == ["fast"]
     text = render.render_doc(doc, tmp_path / "img", "img")
     assert "TIMED OUT (1/3 cases)" in text
-    assert "ran past its time limit" in text and "`slow`, `never`" in text
+    assert "ran past its time limit" in text and "Cases not run: `slow`, `never`" in text
+    assert info["last_case"] == "fast"
 
 
 def test_case_selection(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -35,16 +35,21 @@ for the trace cases and on the leading (32, 32, O, O) block for the full-mode ca
 peer's kernel is cropped to that block inside its process, so the 0.4 GB kernel is not
 copied back).
 
-Duration (2 shared AMD cores, float32, numpy/torch/jax, ``--no-memory`` off): the two trace
-cases take about 2 min together (neural-tangents' JIT compilation and its impl 1/2 on the
-6x512 MLP included); the full-mode case adds about 1-2 min (see ``docs/benchmarks.md`` for
-the measured wall time of the suite).  ``--case`` selects cases, e.g.
+Duration (2 shared AMD cores, float32, numpy/torch/jax, memory on): the two trace cases
+took 108 s together in the last full run (neural-tangents' JIT compilation and its impls 1/2
+on the 6x512 MLP included).  The full-mode case is heavier: its kernel has 105 M entries
+(0.4 GB); one ntkcore call took 30 s (numpy) and 45 s (torch) on the machine loaded ~4x, so
+~10 s quiet, and each backend costs a checked call, up to two timed calls and a memory run:
+~3 min for the three backends plus neural-tangents impl 3 (compilation, calls and memory in
+its own process, ~1-2 min): ~6 min for the suite.  Run it with ``--suite-timeout 900`` (the
+default 420 s stops it).  ``--case`` selects cases, e.g.
 ``python -m benchmarks --suite peers --case "784-512"``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -196,10 +201,16 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             if backend not in ("numpy", "torch", "jax", "cupy"):
                 continue
             fn = ntkcore_case(backend, cfg.device, cfg.dtype, case)
-            err = _rel(_crop(fn(), p), ref)
-            timing = cfg.time(fn, backend, warm=True)  # the checked call was the warm-up
-            mem = cfg.peak_memory(f"{HERE}:ntkcore_case", backend=backend, device=cfg.device,
-                                  dtype=cfg.dtype, case=case)
+            t0 = time.perf_counter()
+            k = fn()
+            first_s = time.perf_counter() - t0
+            err = _rel(_crop(k, p), ref)
+            del k
+            # the checked call is the warm-up (or the timing, when over cfg.long_call_s)
+            timing = cfg.time(fn, backend, first_s=first_s)
+            del fn
+            mem = cfg.peak_memory(f"{HERE}:ntkcore_case", child_warmup=first_s < cfg.long_call_s,
+                                  backend=backend, device=cfg.device, dtype=cfg.dtype, case=case)
             rows.append(row(
                 SUITE, case, "ntkcore", backend=backend, device=cfg.device, dtype=cfg.dtype,
                 timing=timing, params=params, peak_mem_bytes=mem, mem_method=cfg.mem_method,

@@ -3,32 +3,85 @@ r"""Suite ``ntk``: ``ntkcore.ntk()`` on PyTorch models against torch.func baseli
 Models (PyTorch default initialisation, ``torch.manual_seed(0)``, eval mode), inputs standard
 normal (seed 1):
 
-=====================  ==========================================================  ======
-case                   model                                                       O
-=====================  ==========================================================  ======
-``MLP 6x512 tanh``     256 -> 6 x [Linear 512, tanh] -> Linear 1, N = 384, trace   1
-``MLP 8x1000 tanh``    256 -> 8 x [Linear 1000, tanh] -> Linear 1, N = 512, trace  1
-``MLP 784-512-512-10`` relu, full mode; ntkcore at N = 1024, both at N = 128       10
-``CNN``                Conv2d 3->32 k3 p1, tanh, Conv2d 32->64 k3 s2 p1, tanh,     10
-                       Linear 64*16*16 -> 10 on 32x32 inputs; full N = 128 and
-                       trace N = 256
-``Transformer block``  (N, T=16, d=64): single-head attention (q, k, v, o Linear),  10
-                       LayerNorm, MLP 64-128-64, LayerNorm, mean over T, Linear 10;
-                       trace, N = 128
-``MLP 6x512 N=4096``   trace kernel with ``max_memory="1GB"`` (ntkcore only)        1
-=====================  ==========================================================  ======
+=================================  =====================================================  ==
+case                               model, N, mode, implementations                        O
+=================================  =====================================================  ==
+``MLP 6x512 tanh N=384``           256 -> 6 x [Linear 512, tanh] -> Linear 1; trace;      1
+                                   ntkcore, jacobian, ntk-vp
+``MLP 8x1000 tanh N=128``          256 -> 8 x [Linear 1000, tanh] -> Linear 1; trace;     1
+                                   ntkcore, jacobian (baseline N reduced, see below)
+``MLP 8x1000 tanh N=512``          the same at the peers suite's N; ntkcore only          1
+``MLP 784-512-512-10 relu N=128``  full; ntkcore, jacobian                                10
+``... N=1024 full``                full; ntkcore only (the peers suite compares it with   10
+                                   neural-tangents)
+``CNN N=16 full``                  Conv2d 3->32 k3 p1, tanh, Conv2d 32->64 k3 s2 p1,      10
+                                   tanh, Linear 64*16*16 -> 10 on 32x32 inputs; full;
+                                   ntkcore, jacobian, ntk-vp
+``CNN N=128 full``                 the same CNN; ntkcore, jacobian                        10
+``CNN N=256 trace``                the same CNN; trace; ntkcore, jacobian                 10
+``Transformer block N=16 trace``   (N, T=16, d=64): single-head attention (q, k, v, o     10
+                                   Linear), LayerNorm, MLP 64-128-64, LayerNorm, mean
+                                   over T, Linear 10; ntkcore, jacobian, ntk-vp
+``Transformer block N=128 trace``  the same; ntkcore, jacobian                            10
+``MLP 6x512 tanh N=4096 ... 1GB``  trace with ``max_memory="1GB"``; ntkcore only          1
+=================================  =====================================================  ==
 
 Implementations (``benchmarks/baselines/torch_func.py``):
 
 - ``ntkcore``: ``ntkcore.ntk(model, x, mode=...)`` (torch provider: Kronecker blocks from one
   forward and one output-batched backward pass, then :func:`ntkcore.gram`);
-- ``torch.func jacobian`` (the baseline): ``vmap(jacrev)`` per-sample Jacobian, one GEMM;
-- ``torch.func ntk-vp``: columns of the kernel from vmapped vjp + jvp (only where it finishes
-  in seconds: the 6x512 MLP, the CNN at N = 128 and the transformer).
+- ``torch.func jacobian`` (the baseline): ``vmap(jacrev)`` per-sample Jacobian, one GEMM
+  (Jacobians over 4 GB are built in sample blocks, some recomputed);
+- ``torch.func ntk-vp``: columns of the kernel from vmapped vjp + jvp.  Its cost grows as
+  N^2 O (N O columns, each a pass over all N samples), so it runs at small N only.
 
 Targets: >= 100x the baseline on the 6x512 MLP, >= 3x on the CNN; the N = 4096 trace kernel
 within 1 GB of working memory.  ``error``: relative Frobenius error of the kernel's leading
 (32, 32) block against a float64 ``torch.func`` Jacobian contraction on those 32 samples.
+
+Options (``--set KEY=VALUE``): ``ntk_baselines=0`` runs ntkcore only; ``ntk_impls=a,b`` runs
+the implementations whose names contain one of the substrings (``ntkcore``, ``jacobian``,
+``ntk-vp``); ``baseline_memory=0`` skips the baselines' peak-memory runs (each is a fresh
+process repeating one call).  ``--case SUBSTRING`` selects cases.  A baseline's checked
+first call is its timing when it took over ``--long-call`` seconds (default 10): it is not
+repeated, and its memory run has no warm-up call.
+
+Expected duration
+-----------------
+Per call of the baselines, float32 on the 2 shared AMD cores.  Measured with the machine
+loaded 3-4x (load average 5-9 on 2 cores, other sessions' jobs) and divided by that factor;
+the 6x512 Jacobian contraction was 6 s per call on a quieter machine (18-27 s loaded).
+Loaded measurements behind the table: 6x512 N=384 jacobian 18-27 s, ntk-vp 64-114 s;
+784 full jacobian 5 / 21 / 48 s at N = 16 / 32 / 64; CNN full jacobian 3.7 / 4.9 / 17 s at
+N = 16 / 32 / 64, ntk-vp 9.9 / 44 s at N = 8 / 16; transformer jacobian 5.7 s at N = 128,
+ntk-vp 4.4 / 14 s at N = 8 / 16; 8x1000 jacobian at N = 512: no call finished in 400 s;
+ntkcore 784 N = 1024 full (peers suite, same sizes): 30 s numpy, 45 s torch per call.
+
+====================================  ==============  ==============  ===========
+case                                  jacobian        ntk-vp          case total
+====================================  ==============  ==============  ===========
+MLP 6x512 tanh N=384                  ~6 s            ~25 s           ~1.5 min
+MLP 8x1000 tanh N=128                 ~7 s            -               ~0.5 min
+MLP 8x1000 tanh N=512 (ntkcore only)  -               -               ~0.3 min
+MLP 784 N=128 full                    ~25 s           -               ~1 min
+MLP 784 N=1024 full (ntkcore only)    -               -               ~1 min
+CNN N=16 full                         ~1 s            ~12 s           ~0.5 min
+CNN N=128 full                        ~15 s           -               ~0.7 min
+CNN N=256 trace                       ~25 s           -               ~1 min
+Transformer N=16 trace                ~1 s            ~4 s            ~0.3 min
+Transformer N=128 trace               ~2 s            -               ~0.3 min
+MLP 6x512 N=4096 1GB (ntkcore only)   -               -               ~0.5 min
+====================================  ==============  ==============  ===========
+
+A case total is: the float64 reference on 32 samples, then for each implementation one
+checked call, the timed calls (one for calls over ``--long-call``, else up to 5 within the
+20 s budget) and one fresh-process memory run (process start + inputs + one call).  About
+8-9 min for the whole suite on a quiet machine (``--set baseline_memory=0`` saves ~1.5 min;
+run with ``--suite-timeout 900`` or more: the default 420 s cuts it short).
+Sizes reduced for the baselines so that the suite fits: the 8x1000 MLP's Jacobian contraction
+at N = 128 (at N = 512 its 15 GB of Jacobians are rebuilt in blocks: ~2 min per call),
+ntk-vp on the CNN and the transformer at N = 16 (~N^2: at N = 128 several minutes per call).
+The 6x512 MLP keeps the issue's N = 384 for all three implementations.
 """
 
 from __future__ import annotations
@@ -46,18 +99,22 @@ BASELINE = "torch.func jacobian"
 N_REF = 32
 
 # name -> (model kind, N, mode, impls, target of ntkcore, max_memory)
+VP = "torch.func ntk-vp"
 CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
-    "MLP 6x512 tanh N=384": ("mlp6x512", 384, "trace",
-                             ("ntkcore", BASELINE, "torch.func ntk-vp"), "speedup >= 100", None),
-    "MLP 8x1000 tanh N=512": ("mlp8x1000", 512, "trace", ("ntkcore", BASELINE), None, None),
+    "MLP 6x512 tanh N=384": ("mlp6x512", 384, "trace", ("ntkcore", BASELINE, VP),
+                             "speedup >= 100", None),
+    "MLP 8x1000 tanh N=128": ("mlp8x1000", 128, "trace", ("ntkcore", BASELINE), None, None),
+    "MLP 8x1000 tanh N=512": ("mlp8x1000", 512, "trace", ("ntkcore",), None, None),
     "MLP 784-512-512-10 relu N=128 full": ("mlp784", 128, "full", ("ntkcore", BASELINE), None,
                                            None),
     "MLP 784-512-512-10 relu N=1024 full": ("mlp784", 1024, "full", ("ntkcore",), None, None),
-    "CNN N=128 full": ("cnn", 128, "full", ("ntkcore", BASELINE, "torch.func ntk-vp"),
-                       "speedup >= 3", None),
+    "CNN N=16 full": ("cnn", 16, "full", ("ntkcore", BASELINE, VP), None, None),
+    "CNN N=128 full": ("cnn", 128, "full", ("ntkcore", BASELINE), "speedup >= 3", None),
     "CNN N=256 trace": ("cnn", 256, "trace", ("ntkcore", BASELINE), "speedup >= 3", None),
-    "Transformer block N=128 trace": ("transformer", 128, "trace",
-                                      ("ntkcore", BASELINE, "torch.func ntk-vp"), None, None),
+    "Transformer block N=16 trace": ("transformer", 16, "trace", ("ntkcore", BASELINE, VP),
+                                     None, None),
+    "Transformer block N=128 trace": ("transformer", 128, "trace", ("ntkcore", BASELINE), None,
+                                      None),
     "MLP 6x512 tanh N=4096 trace 1GB": ("mlp6x512", 4096, "trace", ("ntkcore",),
                                         "peak_mem_bytes <= 1e9", "1GB"),
 }
