@@ -53,7 +53,7 @@ loaded 3-4x (load average 5-9 on 2 cores, other sessions' jobs) and divided by t
 the 6x512 Jacobian contraction was 6 s per call on a quieter machine (18-27 s loaded).
 Loaded measurements behind the table: 6x512 N=384 jacobian 18-27 s, ntk-vp 64-114 s;
 784 full jacobian 5 / 21 / 48 s at N = 16 / 32 / 64; CNN full jacobian 3.7 / 4.9 / 17 s at
-N = 16 / 32 / 64, ntk-vp 9.9 / 44 s at N = 8 / 16; transformer jacobian 5.7 s at N = 128,
+N = 16 / 32 / 64, ntk-vp 9.9 / 44-102 s at N = 8 / 16; transformer jacobian 5.7 s at N = 128,
 ntk-vp 4.4 / 14 s at N = 8 / 16; 8x1000 jacobian at N = 512: no call finished in 400 s;
 ntkcore 784 N = 1024 full (peers suite, same sizes): 30 s numpy, 45 s torch per call.
 
@@ -65,7 +65,7 @@ MLP 8x1000 tanh N=128                 ~7 s            -               ~0.5 min
 MLP 8x1000 tanh N=512 (ntkcore only)  -               -               ~0.3 min
 MLP 784 N=128 full                    ~25 s           -               ~1 min
 MLP 784 N=1024 full (ntkcore only)    -               -               ~1 min
-CNN N=16 full                         ~1 s            ~12 s           ~0.5 min
+CNN N=16 full                         ~1-3 s          ~12-25 s        ~1 min
 CNN N=128 full                        ~15 s           -               ~0.7 min
 CNN N=256 trace                       ~25 s           -               ~1 min
 Transformer N=16 trace                ~1 s            ~4 s            ~0.3 min
