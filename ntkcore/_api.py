@@ -142,7 +142,15 @@ _PER_SAMPLE = _ProbeCache()
 
 
 def _shape_signature(model: Any) -> Any:
-    """Parameter shapes of ``model`` when it lists them (duck-typed: ``parameters()``)."""
+    """Parameter sizes of ``model`` when it tells them cheaply (duck-typed: a
+    ``block_sizes`` attribute, as :class:`ntkcore.models.MLP` has, or the shapes of
+    ``parameters()``, as a ``torch.nn.Module`` lists them without copying)."""
+    sizes = getattr(model, "block_sizes", None)
+    if sizes is not None:
+        try:
+            return tuple(sizes)
+        except TypeError:
+            return None
     parameters = getattr(model, "parameters", None)
     if not callable(parameters):
         return None

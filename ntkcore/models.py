@@ -594,11 +594,15 @@ class MLP:
             g_list[L - 2] = g
             for l in range(L - 3, lowest - 1, -1):
                 c, _ = self._scales(l + 1)
-                w_eff = ws[l + 1] * c if c != 1.0 else ws[l + 1]  # (d_{l+2}, d_{l+1})
-                d_next = int(w_eff.shape[0])
-                g = xp.reshape(xp.reshape(g, (n * n_out, d_next)) @ w_eff,
-                               (n, n_out, int(w_eff.shape[1])))
-                g = g * dphi[l][:, None, :]
+                w = ws[l + 1]  # (d_{l+2}, d_{l+1})
+                d_next, d_here = int(w.shape[0]), int(w.shape[1])
+                # the scale c goes on the smaller operand: W (d_{l+2} x d_{l+1}) or the
+                # derivative (N x d_{l+1}); same product either way
+                scale_w = c != 1.0 and d_next < n
+                g = xp.reshape(xp.reshape(g, (n * n_out, d_next)) @ (w * c if scale_w else w),
+                               (n, n_out, d_here))
+                d = dphi[l] * c if c != 1.0 and not scale_w else dphi[l]
+                g = g * d[:, None, :]
                 g_list[l] = g
 
         names = self.block_names
