@@ -268,6 +268,7 @@ class RowSketch(Sketch):
         self.probabilities = probabilities
         self._indices: Array = None
         self._scale: Array = None
+        self._const_scale: float | None = None  # uniform: every row scaled by sqrt(n/q)
 
     @property
     def indices(self) -> Array:
@@ -280,6 +281,9 @@ class RowSketch(Sketch):
         return self._scale
 
     def _draw(self) -> None:
+        # The rows of Omega are stored in increasing order of their index: a row permutation
+        # of Omega leaves Omega^T Omega (and every sketched Gram) unchanged, and a sorted
+        # gather reads the operand front to back (several times faster on wide operands).
         xp, dev = self._xp, self._device
         wide = _wide_float(xp, dev)
         gen = get_backend(xp).generator(self.seed, dev)
@@ -290,20 +294,28 @@ class RowSketch(Sketch):
                 idx = gen.integers(0, n, (q,))
             else:
                 idx = gen.choice(n, q, replace=False)
-            scale = xp.full((q,), math.sqrt(n / q), dtype=wide, device=dev)
+            idx = xp.sort(xp.astype(idx, xp.int64))
+            self._const_scale = math.sqrt(n / q)
+            scale = xp.full((q,), self._const_scale, dtype=wide, device=dev)
         elif self.replace:
             # with replacement: E[Omega^T Omega]_jj = q * p_j / (q p_j) = 1
-            idx = gen.choice(n, q, p=p, replace=True)
+            idx = xp.sort(xp.astype(gen.choice(n, q, p=p, replace=True), xp.int64))
             scale = 1.0 / xp.sqrt(q * xp.take(p, idx))
         else:
             idx, scale = _systematic_pps(xp, gen, p, q)
+            order = xp.argsort(idx)
+            idx, scale = xp.take(idx, order), xp.take(scale, order)
         self._indices = xp.astype(idx, xp.int64)
         self._scale = xp.astype(scale, wide)
 
     def apply(self, x: Array, axis: int = 0) -> Array:
         xp = self._check_operand(x, axis)
         axis = axis % x.ndim
-        out = xp.take(x, self._indices, axis=axis)
+        out = _gather(xp, x, self._indices, axis)
+        if self._const_scale is not None:  # uniform: one scalar sqrt(n/q)
+            if not xp.isdtype(out.dtype, "real floating"):
+                out = xp.astype(out, _float_dtype(xp, x))
+            return out * self._const_scale
         shape = [1] * x.ndim
         shape[axis] = self.q
         scale = xp.reshape(xp.astype(self._scale, _float_dtype(xp, x)), tuple(shape))
@@ -316,6 +328,24 @@ class RowSketch(Sketch):
         cols = xp.arange(self.n, dtype=xp.int64, device=dev)
         onehot = xp.astype(self._indices[:, None] == cols[None, :], dtype)
         return onehot * xp.astype(self._scale, dtype)[:, None]
+
+
+def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
+    """``take(x, idx, axis)``; a leading or trailing axis of an N-d array through a 2-D view.
+
+    PyTorch's ``index_select`` on the last axis of a 3-D/4-D tensor is several times slower
+    than on the (rows, n) view of the same memory; for contiguous arrays the reshapes are
+    free.
+    """
+    if x.ndim > 2 and axis == x.ndim - 1:
+        lead = tuple(x.shape[:-1])
+        out = xp.take(xp.reshape(x, (-1, int(x.shape[-1]))), idx, axis=1)
+        return xp.reshape(out, (*lead, int(idx.shape[0])))
+    if x.ndim > 2 and axis == 0:
+        rest = tuple(x.shape[1:])
+        out = xp.take(xp.reshape(x, (int(x.shape[0]), -1)), idx, axis=0)
+        return xp.reshape(out, (int(idx.shape[0]), *rest))
+    return xp.take(x, idx, axis=axis)
 
 
 def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
@@ -521,10 +551,41 @@ def _leverage_from_weights(w: Array, q: int, seed: int | None, replace: bool,
 
 
 def row_norms_squared(U: Array) -> Array:
-    """:math:`\\|U_{j,\\cdot}\\|^2` for rows on axis 0, shape (n,)."""
+    """:math:`\\|U_{j,\\cdot}\\|^2` for rows on axis 0, shape (n,), in one pass over U.
+
+    NumPy: ``vecdot`` of each row with itself (no temporary of U's size); other namespaces:
+    ``vector_norm(axis=1)**2`` (PyTorch reduces contiguous rows without a temporary, while its
+    ``vecdot`` would square U into a full-size temporary first).
+    """
     xp = array_api_compat.array_namespace(U)
     flat = xp.reshape(U, (U.shape[0], -1))
-    return xp.sum(flat * flat, axis=1)
+    if array_api_compat.is_numpy_namespace(xp):
+        return xp.vecdot(flat, flat, axis=1)
+    norms = xp.linalg.vector_norm(flat, axis=1)
+    return norms * norms
+
+
+_SQ_CHUNK_BYTES = 1 << 21  # rows per chunk of column_norms_squared: ~2 MiB float32 temporary
+
+
+def column_norms_squared(x: Array) -> Array:
+    r"""Squared norms of the columns of ``x`` (m, n) summed over its rows: shape (n,).
+
+    :math:`w_j = \sum_i x_{ij}^2`, accumulated over blocks of rows so the squared temporary
+    stays around 2 MiB (cache-resident): one pass over ``x`` instead of writing and re-reading
+    an ``x``-sized ``x*x`` (and no strided reduction).  Used for leverage weights of dense
+    Jacobian blocks (rows = (sample, output)) and of Kronecker factors (rows = (sample,
+    position[, output])).
+    """
+    xp = array_api_compat.array_namespace(x)
+    m, n = int(x.shape[0]), int(x.shape[1])
+    rows = max(1, _SQ_CHUNK_BYTES // (4 * max(1, n)))
+    total = None
+    for start in range(0, m, rows):
+        part = x[start:min(m, start + rows), :]  # (array API: no out-of-bounds stops)
+        s = xp.sum(part * part, axis=0)
+        total = s if total is None else total + s
+    return total
 
 
 def _normalise(xp: Any, w: Array, what: str) -> Array:
@@ -744,9 +805,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
                 blocks.append(block)
                 sketches.append(None)
                 continue
-            # leverage: p_j ~ sum_{n,o} J[n,o,j]^2 (no transposed copy of the block)
-            w = (xp.sum(block.jac * block.jac, axis=(0, 1)) if method == "leverage"
-                 else None)
+            # leverage: p_j ~ sum_{n,o} J[n,o,j]^2 (one pass over the block)
+            w = (column_norms_squared(xp.reshape(block.jac, (-1, block.num_params)))
+                 if method == "leverage" else None)
             sk = _factor_sketch(method, block.jac, block.num_params, q_b,
                                 _sub_seed(seed, b, 0), replace, w)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
@@ -759,9 +820,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
                 continue
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
             wa = wg = None
-            if method == "leverage":  # marginal factor norms
-                wa = xp.sum(block.a * block.a, axis=(0, 1))  # (d_in,)
-                wg = xp.sum(block.g * block.g, axis=(0, 1, 2))  # (d_out,)
+            if method == "leverage":  # marginal factor norms, one pass over each factor
+                wa = column_norms_squared(xp.reshape(block.a, (-1, block.d_in)))  # (d_in,)
+                wg = column_norms_squared(xp.reshape(block.g, (-1, block.d_out)))  # (d_out,)
             sk_a = _factor_sketch(method, block.a, block.d_in, q_a, _sub_seed(seed, b, 1),
                                   replace, wa)
             sk_g = _factor_sketch(method, block.g, block.d_out, q_g, _sub_seed(seed, b, 2),

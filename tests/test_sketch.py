@@ -276,3 +276,41 @@ def test_low_rank_rejects_multiple_outputs(rng):
     block = KroneckerBlock(rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 4, 2, 3)))
     with pytest.raises(ValueError, match="O = 1"):
         sk.low_rank(block, 2)
+
+
+def test_one_pass_leverage_weights(backend, rng, monkeypatch):
+    # chunked column norms (several chunks, a ragged last one) and row norms vs einsum
+    monkeypatch.setattr(sk, "_SQ_CHUNK_BYTES", 4 * 7 * 3)  # 3 rows of 7 columns per chunk
+    x = rng.standard_normal((11, 7))
+    x[2] *= 40.0
+    xs = backend.asarray(x, "float64")
+    np.testing.assert_allclose(backend.to_numpy(sk.column_norms_squared(xs)),
+                               np.einsum("ij,ij->j", x, x), rtol=1e-12)
+    u = rng.standard_normal((9, 2, 3))
+    np.testing.assert_allclose(backend.to_numpy(sk.row_norms_squared(backend.asarray(u,
+                                                                                     "float64"))),
+                               np.einsum("ijk,ijk->i", u, u), rtol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["uniform", "leverage"])
+@pytest.mark.parametrize("replace", [True, False])
+def test_row_sketch_indices_sorted_and_apply_on_any_axis(backend, rng, method, replace):
+    # rows of Omega are stored by increasing index; apply on the first, a middle and the last
+    # axis of a 3-D operand agrees with the dense (q, n) matrix
+    n, q = 12, 5
+    w = rng.standard_normal((n, 3))
+    s = (sk.uniform(n, q, seed=3, replace=replace, like=backend.asarray(w, "float64"))
+         if method == "uniform" else sk.leverage(backend.asarray(w, "float64"), q, seed=3,
+                                                  replace=replace))
+    idx = backend.to_numpy(s.indices)
+    assert np.all(np.diff(idx) >= 0)
+    omega = backend.to_numpy(s.matrix())
+    x = rng.standard_normal((n, 4, n))
+    xs = backend.asarray(x, "float64")
+    np.testing.assert_allclose(backend.to_numpy(s.apply(xs, axis=0)),
+                               np.einsum("qn,nab->qab", omega, x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(s.apply(xs, axis=2)),
+                               np.einsum("qn,abn->abq", omega, x), rtol=1e-12, atol=1e-12)
+    y = rng.standard_normal((4, n, 2))
+    np.testing.assert_allclose(backend.to_numpy(s.apply(backend.asarray(y, "float64"), axis=1)),
+                               np.einsum("qn,anb->aqb", omega, y), rtol=1e-12, atol=1e-12)
