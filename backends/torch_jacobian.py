@@ -28,10 +28,14 @@ module                 block
 ``nn.Embedding``       KroneckerBlock with one-hot inputs a (N, T, V) and weight
                        :math:`W^\top` (D, V) (so its parameters are the *transposed* table);
                        ``padding_idx`` rows get zero gradient as in torch.
+``nn.LayerNorm``       over the last axis: a DenseBlock (N, O, 2 d) assembled from the same
+                       hooks and output gradients, :math:`\sum_s g \odot \hat x` and
+                       :math:`\sum_s g` (no torch.func pass; see :func:`_layer_norm_block`).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
-                       ``chunk_size`` samples (LayerNorm, BatchNorm in eval mode, custom modules,
-                       bare ``nn.Parameter``, subclasses overriding ``forward``).
+                       ``chunk_size`` samples (LayerNorm over several axes, BatchNorm in eval
+                       mode, custom modules, bare ``nn.Parameter``, subclasses overriding
+                       ``forward``).
 =====================  ===================================================================
 
 A module called several times (tied weights) gets one block whose positions are the
@@ -85,11 +89,11 @@ from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 __all__ = ["from_block_order", "jacobian", "to_block_order"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_STRUCTURED = (nn.Linear, *_CONV, nn.Embedding)
+_STRUCTURED = (nn.Linear, *_CONV, nn.Embedding, nn.LayerNorm)
 # Structured only when the class keeps torch's own forward (a subclass may compute anything).
 _FORWARD = {nn.Linear: nn.Linear.forward, nn.Conv1d: nn.Conv1d.forward,
             nn.Conv2d: nn.Conv2d.forward, nn.Conv3d: nn.Conv3d.forward,
-            nn.Embedding: nn.Embedding.forward}
+            nn.Embedding: nn.Embedding.forward, nn.LayerNorm: nn.LayerNorm.forward}
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +192,8 @@ def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]
         base = next((c for c in _STRUCTURED if isinstance(mod, c)), None)
         if base is None or cls.forward is not _FORWARD[base]:
             continue
+        if base is nn.LayerNorm and len(mod.normalized_shape) != 1:
+            continue  # normalised over several axes: torch.func (dense) instead
         if any(registrations[id(named[n])] > 1 for n in names):
             continue
         locals_ = {owners[n][1] for n in names}
@@ -315,6 +321,8 @@ def _unit_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
     """The block of one structured module from its hooked calls and output gradients
     ``gs[i]`` (N, S_i, O, d_out) (see :func:`_output_grads`)."""
     mod = unit.module
+    if isinstance(mod, nn.LayerNorm):
+        return _layer_norm_block(unit, calls, gs, n, detach)
     groups = getattr(mod, "groups", 1)
     ones = unit.has_bias and unit.has_weight and groups == 1
     a_parts = []
@@ -339,6 +347,38 @@ def _unit_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
     if groups > 1:
         return _grouped_conv_block(unit, a, g, groups)
     return KroneckerBlock(a.contiguous(), g, unit.path)
+
+
+def _layer_norm_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
+                      detach: bool) -> DenseBlock:
+    r"""The DenseBlock (N, O, 2 d) of a LayerNorm over the last axis, from its hooked calls.
+
+    The module computes :math:`y = \hat x \odot \gamma + \beta` with
+    :math:`\hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}` per position, so with the output
+    gradients g (N, S, O, d) taken at y,
+
+    .. math:: J_\gamma[n, o, :] = \sum_s g[n, s, o, :] \odot \hat x[n, s, :], \qquad
+              J_\beta[n, o, :] = \sum_s g[n, s, o, :],
+
+    summed over every call (tied modules).  :math:`\hat x` is recomputed from the recorded
+    input (differentiably when the Jacobian must be).  Cost O(N S O d): no torch.func pass.
+    """
+    mod = unit.module
+    d = int(mod.normalized_shape[0])
+    jw: torch.Tensor | None = None
+    jb: torch.Tensor | None = None
+    for call, g_c in zip(calls, gs, strict=True):
+        if unit.has_weight:
+            a_in = call.a.detach() if detach else call.a
+            xhat = F.layer_norm(a_in, (d,), None, None, mod.eps).reshape(n, -1, d)
+            w_c = torch.einsum("nsod,nsd->nod", g_c, xhat.to(g_c.dtype))
+            jw = w_c if jw is None else jw + w_c
+        if unit.has_bias:
+            b_c = g_c.sum(dim=1)
+            jb = b_c if jb is None else jb + b_c
+    pieces = [p for p in (jw, jb) if p is not None]  # DenseBlock layout: [weight, bias]
+    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    return DenseBlock(jac, unit.path)
 
 
 def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,

@@ -380,3 +380,56 @@ def test_backward_strategies_agree(model):
         assert rel(torch.einsum("nok,mpk->nmop", jd, jd), kr) < 1e-12
     with pytest.raises(ValueError, match="backward"):
         jacobian(m, x, backward="fast")
+
+
+class TwoLN(nn.Module):
+    """One LayerNorm applied twice (tied), one without bias, one over two axes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.ln = nn.LayerNorm(4)
+        self.ln_nobias = nn.LayerNorm(4, bias=False)
+        self.ln2d = nn.LayerNorm((3, 4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):  # x (N, 3, 4)
+        h = self.ln(torch.tanh(self.lin(x)))
+        h = self.ln(torch.tanh(self.lin(h)) * 1.5)
+        h = self.ln2d(self.ln_nobias(h))
+        return self.out(h).mean(1)
+
+
+def test_layernorm_blocks_come_from_the_hooks(monkeypatch):
+    """LayerNorm over the last axis is assembled from the hooked inputs and output gradients
+    (torch.func is not called for it), tied calls summed; over two axes it stays torch.func."""
+    import ntkcore.backends.torch_jacobian as tj
+
+    seen = []
+    real = tj._dense_blocks
+
+    def spy(model, x, groups, *args, **kwargs):
+        seen.extend(name for name, _ in groups)
+        return real(model, x, groups, *args, **kwargs)
+
+    monkeypatch.setattr(tj, "_dense_blocks", spy)
+    x = torch.randn(5, 3, 4, dtype=DT)
+    j = check_model(TwoLN(), x, kinds="KDDDK")
+    assert seen == ["ln2d"]
+    # parameter subsets: weight only / bias only of the tied LayerNorm
+    seen.clear()
+    check_model(TwoLN(), x, params=["ln.weight", "out.bias"], kinds="DK")
+    check_model(TwoLN(), x, params=["ln.bias"], kinds="D")
+    assert seen == []
+    assert j.names == ("lin", "ln", "ln_nobias", "ln2d", "out")
+
+
+def test_layernorm_block_differentiable_in_x():
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(3, 2, 3, dtype=DT, requires_grad=True)
+
+    def kernel_of(xx):
+        jd = jacobian(m, xx).blocks[2].to_dense()  # the LayerNorm block (N, O, 8)
+        return (jd * jd).sum()
+
+    assert torch.autograd.gradcheck(kernel_of, (x,))
