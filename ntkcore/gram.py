@@ -351,10 +351,10 @@ def _dense_tile(ops: _Ops, j1: Array, j2: Array, mode: str) -> Array:
     if mode == "trace":  # sum_{o,k} J[n,o,k] J'[m,o,k]: one GEMM with K = O P
         x1 = xp.reshape(j1, (r, o * p))
         return ops.nt(x1, x1 if same else xp.reshape(j2, (c, o * p)))
-    if mode == "full":  # (r O, P) @ (P, c O) -> (r, O, c, O) -> (r, c, O, O)
+    if mode == "full":  # (r O, P) @ (P, c O) -> (r, O, c, O), the GEMM layout
         x1 = xp.reshape(j1, (r * o, p))
         k = ops.nt(x1, x1 if same else xp.reshape(j2, (c * o, p)))
-        return xp.permute_dims(xp.reshape(k, (r, o, c, o)), (0, 2, 1, 3))
+        return xp.reshape(k, (r, o, c, o))
     # diagonal: O batched GEMMs (O, r, P) @ (O, P, c) -> (O, r, c) -> (r, c, O)
     k = xp.permute_dims(j1, (1, 0, 2)) @ xp.permute_dims(j2, (1, 2, 0))
     return xp.permute_dims(k, (1, 2, 0))
@@ -372,11 +372,10 @@ def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
         y1 = xp.reshape(g1, (r, o * dout))
         return ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout))) * aa
-    if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, c, O, O)
+    if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, O, c, O), the GEMM layout
         y1 = xp.reshape(g1, (r * o, dout))
         gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout)))
-        gg = xp.permute_dims(xp.reshape(gg, (r, o, c, o)), (0, 2, 1, 3))
-        return gg * aa[:, :, None, None]
+        return xp.reshape(gg, (r, o, c, o)) * aa[:, None, :, None]
     # diagonal: (O, r, d_out) @ (O, d_out, c) -> (O, r, c) -> (r, c, O)
     gg = xp.permute_dims(xp.reshape(g1, (r, o, dout)), (1, 0, 2)) @ \
         xp.permute_dims(xp.reshape(g2, (c, o, dout)), (1, 2, 0))
@@ -406,7 +405,7 @@ def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode:
         yp = xp.reshape(yp, (c, r * o, t * dout))
         g2p = xp.reshape(xp.permute_dims(g2, (0, 2, 1, 3)), (c, o, t * dout))
         k = yp @ xp.permute_dims(g2p, (0, 2, 1))  # (c, r O, O)
-        return xp.permute_dims(xp.reshape(k, (c, r, o, o)), (1, 0, 2, 3))
+        return xp.permute_dims(xp.reshape(k, (c, r, o, o)), (1, 2, 0, 3))  # (r, O, c, O)
     # diagonal: Theta[n,m,o] = sum_{t,k} Y[n,m,t,o,k] g'[m,t,o,k]
     y5 = xp.reshape(y, (r, c, t, o, dout))
     return xp.sum(xp.vecdot(y5, g2[None, ...], axis=-1), axis=2)
@@ -422,7 +421,12 @@ def _per_sample_weights(xp: Any, a: Array, g: Array) -> Array:
 
 def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
                 same: bool, dtype: Any, mode: str) -> Array:
-    """One block's contribution to the tile (rows, cols)."""
+    """One block's contribution to the tile (rows, cols).
+
+    In ``full`` mode the tile comes in the layout of the GEMMs that produce it, (r, O, c, O):
+    blocks are summed in that layout and :func:`_execute` permutes the sum to (r, c, O, O)
+    once per tile (one strided pass over the tile instead of one per block).
+    """
     xp = ops.xp
 
     def take(x: Array, sl: slice) -> Array:
@@ -678,6 +682,10 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     grid: dict[tuple[int, int], Array] = {}
     swap1 = _swap(mode, 0)
     swapl = _swap(mode, 1)
+
+    def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
+        return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t
+
     try:
         for done, (i, j) in enumerate(todo, start=1):
             rs, cs = row_sl[i], col_sl[j]
@@ -687,6 +695,7 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
                 t = _block_tile(st.ops, strat, pair, rs, cs, same, st.dtype, mode)
                 if layerwise:
+                    t = fix(t)
                     if writable:
                         out[(b, rs, cs, ...)] = t  # type: ignore[index]
                         if symmetric and i != j:
@@ -698,6 +707,7 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                 del t  # free the block tile before the next block's working set is allocated
             if not layerwise:
                 assert acc is not None
+                acc = fix(acc)
                 if writable:
                     out[(rs, cs, ...)] = acc  # type: ignore[index]
                     if symmetric and i != j:
