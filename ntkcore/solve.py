@@ -280,15 +280,16 @@ class SMWSolver:
                 gram = sym_gram(xp, xp.astype(op.u, self.wide))
             else:
                 gram = op.gram()
-            self._gram = xp.astype(gram, self.wide)
+            gram = xp.astype(gram, self.wide)
+            self._gram = (gram + xp.matrix_transpose(gram)) / 2  # exact symmetry, once
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
             if not bool(xp.all(xp.isfinite(xp.linalg.diagonal(self._gram)))):
                 raise ValueError(_NONFINITE_U)
         rho = int(self._gram.shape[0])
-        eye = xp.eye(rho, dtype=self.wide, device=self.device)
-        c = self.damping * eye + self.scale * self._gram
-        c = (c + xp.matrix_transpose(c)) / 2  # exact symmetry for the factorisation
-        l = self.backend.cholesky(c)
+        # C = damping I + scale Xi^T Xi: the damping goes in as the factorisation's diagonal
+        # shift (no identity temporary)
+        c = self._gram if self.scale == 1.0 else self.scale * self._gram
+        l = self.backend.cholesky(c, shift=self.damping)
         if l is None:
             raise NotPositiveDefiniteError(
                 f"damping*I + scale*U^T U (rho={rho}) is not numerically positive definite; "
