@@ -13,6 +13,29 @@ Cases
 ``smw sketched P=<p> rho=<r>``
     ``smw_solve(U, g, damping, sketch=(method, q))`` against the exact smw_solve (baseline);
     ``error`` = relative error of the direction, against q.
+
+Where the 3x target cannot be met, and why
+------------------------------------------
+* ``gram kronecker S=1`` at q = P/20.  The exact Gram of a one-position Kronecker block is
+  itself cheap: :math:`(GG^\top)\odot(AA^\top)` costs :math:`N^2(d_A+d_G)/2` multiply-adds
+  (two SYRKs; 268 M for N=512, d=1024).  The sketch keeps :math:`q_A=q_G=\sqrt{P/20}=229`
+  columns of each factor, so the products shrink by :math:`(d_A+d_G)/(q_A+q_G)=4.5` at most,
+  while the rest of ``gram`` (the N x N Hadamard product and output, planning: about 1 ms)
+  does not shrink at all.  Measured single-threaded on the (loaded) development machine:
+  exact gram 11.9 ms; ``sketch_jacobian`` 0.5 ms (uniform); gram of the sketched block 4.7 ms
+  of which the two products are 2.4 ms -> about 2.3x.  At q = P/100 (q_A = q_G = 102, 10x
+  fewer flops) the target is within reach.  Leverage adds one pass over each factor (column
+  norms, 2 MiB each here).
+* ``gram dense`` leverage at q = P/20.  The probabilities need one pass over the block (column
+  norms, 32 MiB: a few ms, memory bound) and the gather of q random columns touches about
+  :math:`1-(1-1/20)^{16}=56\%` of the block's cache lines, so the sketch costs about one
+  and a half reads of the block, against an exact Gram of :math:`N^2 P/2` multiply-adds
+  (~30 ms on two cores): about 3x, not more.  Uniform sampling skips the norm pass.
+* ``smw sketched`` leverage.  The probabilities need one pass over U (row norms, P x rho),
+  and the direction :math:`d = (g - Ub)/\lambda` needs another whatever the sketch; the exact
+  solve makes these two passes plus the SYRK :math:`P\rho^2/2`.  The speed-up of leverage is
+  therefore bounded by about (2 passes + SYRK) / (2 passes), 1.5-2x at rho = 64; uniform
+  sampling saves the norm pass and reaches 4-5x.
 """
 
 from __future__ import annotations
