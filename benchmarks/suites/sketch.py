@@ -20,11 +20,12 @@ Where the 3x target cannot be met, and why
   itself cheap: :math:`(GG^\top)\odot(AA^\top)` costs :math:`N^2(d_A+d_G)/2` multiply-adds
   (two SYRKs; 268 M for N=512, d=1024).  The sketch keeps :math:`q_A=q_G=\sqrt{P/20}=229`
   columns of each factor, so the products shrink by :math:`(d_A+d_G)/(q_A+q_G)=4.5` at most,
-  while the rest of ``gram`` (the N x N Hadamard product and output, planning: about 1 ms)
-  does not shrink at all.  Measured single-threaded on the (loaded) development machine:
-  exact gram 11.9 ms; ``sketch_jacobian`` 0.5 ms (uniform); gram of the sketched block 4.7 ms
-  of which the two products are 2.4 ms -> about 2.3x.  At q = P/100 (q_A = q_G = 102, 10x
-  fewer flops) the target is within reach.  Leverage adds one pass over each factor (column
+  while the rest of ``gram`` (the N x N Hadamard product and output, planning) does not
+  shrink at all: ``gram`` of the same N = 512 block with d = 8 takes 1.75 ms.  Measured
+  single-threaded (CPU time, minimum of 60) on the loaded development machine: exact gram
+  12-16 ms; ``sketch_jacobian`` 0.5-1.0 ms (uniform); gram of the sketched block 4.8 ms, of
+  which the two products are 2.4 ms -> 2.3-2.7x.  At q = P/100 (q_A = q_G = 102, 10x fewer
+  flops): 0.7 + 3.5 ms -> about 3.5x.  Leverage adds one pass over each factor (column
   norms, 2 MiB each here).
 * ``gram dense`` leverage at q = P/20.  The probabilities need one pass over the block (column
   norms, 32 MiB: a few ms, memory bound) and the gather of q random columns touches about
