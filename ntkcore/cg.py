@@ -112,6 +112,15 @@ class LinearOperator:
     def __matmul__(self, v: Array) -> Array:
         return self.matvec(v) if v.ndim == 1 else self.matmat(v)
 
+    def sketch(self, v: Array) -> Array:
+        """:math:`K V` for building a preconditioner (N, r) -> (N, r).
+
+        A preconditioner only has to be approximate, so an operator may compute this product
+        faster and less precisely than :meth:`matmat` (for example in the dtype of a float32
+        stored kernel); the default is :meth:`matmat`.
+        """
+        return self.matmat(v)
+
     def columns(self, idx: list[int], like: Array) -> Array:
         """Columns ``K[:, idx]`` (N, len(idx)) in the namespace/device/dtype of ``like``."""
         xp = array_api_compat.array_namespace(like)
@@ -152,6 +161,11 @@ class _DuckOperator(LinearOperator):
         if hasattr(self.op, "matvec"):
             return self.op.matvec(v)
         return self.op.matmat(v[:, None])[:, 0]
+
+    def sketch(self, v: Array) -> Array:
+        if hasattr(self.op, "sketch"):
+            return self.op.sketch(v)
+        return self.matmat(v)
 
     def columns(self, idx: list[int], like: Array) -> Array:
         if hasattr(self.op, "columns"):
@@ -338,7 +352,7 @@ def nystrom_preconditioner(
     dev = array_api_compat.device(like)
     omega = backend.generator(seed, dev).normal((n, r), dtype)
     omega, _ = xp.linalg.qr(omega)  # orthonormal columns, (N, r)
-    y = op.matmat(omega)  # K Omega, (N, r)
+    y = xp.astype(op.sketch(omega), dtype)  # K Omega, (N, r) (may be lower precision)
     eps = float(xp.finfo(dtype).eps)
     nu = math.sqrt(n) * eps * float(xp.linalg.vector_norm(y))
     nu = nu if nu > 0 else eps

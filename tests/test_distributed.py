@@ -263,3 +263,97 @@ def test_worker_killed_mid_run(client, net):
     assert not future.cancelled()
     # the killed process is gone (its nanny starts a fresh one)
     assert victim_pid not in client.run(os.getpid).values()
+
+
+# ---------------------------------------------------------------------------------------------
+# products with a stored kernel: ZarrMatrixOperator (memory-mapped tiles, upper triangle)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def net32():
+    return MLP.random((3, 16, 16, 2), xp=np, seed=3, activation="tanh", dtype=np.float32)
+
+
+def test_zarr_operator_products(client, net32, tmp_path):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((23, 3)).astype(np.float32)
+    nd.ntk_to_zarr(net32, x, store=tmp_path / "k.zarr", chunk=7, client=client)  # ragged
+    stored = np.asarray(nd.read_zarr(tmp_path / "k.zarr").compute())
+    assert stored.dtype == np.float32
+    # the stored kernel is the eNTK (float32 accuracy against a float64 dense reference)
+    ref = dense_reference(net32, x.astype(np.float64), None, "trace")
+    np.testing.assert_allclose(stored, ref, rtol=1e-4, atol=1e-4)
+    k64 = stored.astype(np.float64)
+    v = rng.standard_normal((23, 3))
+    sym = nd.ZarrMatrixOperator(tmp_path / "k.zarr", client=client)
+    assert sym.symmetric and sym.raw  # recorded by ntk_to_zarr; uncompressed store
+    full = nd.ZarrMatrixOperator(tmp_path / "k.zarr", client=client, symmetric=False)
+    for op in (sym, full):
+        # float64 vectors: exact float64 products of the stored float32 values
+        np.testing.assert_allclose(op.matmat(v), k64 @ v, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(op.matvec(v[:, 0]), k64 @ v[:, 0], rtol=1e-12, atol=1e-12)
+        sk = op.sketch(v)
+        assert sk.dtype == np.float64
+        np.testing.assert_allclose(sk, k64 @ v, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(op.diagonal(v[:, 0]), np.diag(k64))
+        np.testing.assert_array_equal(op.columns([0, 8, 22, 8], v), k64[:, [0, 8, 22, 8]])
+    assert sym.products == 3 and full.products == 3
+    torch = pytest.importorskip("torch")
+    got = sym.matmat(torch.tensor(v))
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
+    np.testing.assert_allclose(got.numpy(), k64 @ v, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="shape"):
+        sym.matmat(np.ones((5, 1)))
+    with pytest.raises(IndexError):
+        sym.columns([23], v)
+
+
+def test_zarr_operator_compressed_store_and_missing_tiles(client, tmp_path):
+    import zarr
+
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((10, 10))
+    k = a @ a.T
+    k[:5, 5:] = 0.0  # a whole tile equal to the fill value: Zarr writes no chunk file
+    k[5:, :5] = 0.0
+    kd = da.from_array(k, chunks=5)
+    nd.to_zarr(kd, tmp_path / "raw.zarr", client=client, symmetric=True)
+    assert not os.path.exists(tmp_path / "raw.zarr" / "kernel" / "c" / "0" / "1")
+    nd.to_zarr(kd, tmp_path / "zstd.zarr", client=client,
+               compressors=zarr.codecs.ZstdCodec(level=1))
+    v = rng.standard_normal((10, 2))
+    for name, raw, sym in (("raw.zarr", True, True), ("zstd.zarr", False, False)):
+        op = nd.ZarrMatrixOperator(tmp_path / name, client=client)
+        assert op.raw is raw and op.symmetric is sym
+        np.testing.assert_allclose(op.matmat(v), k @ v, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(op.columns([1, 7], v), k[:, [1, 7]])
+        np.testing.assert_array_equal(op.diagonal(v[:, 0]), np.diag(k))
+    with pytest.raises(ValueError, match="square tiles"):
+        nd.to_zarr(da.from_array(k, chunks=(5, 10)), tmp_path / "rect.zarr", client=client)
+        nd.ZarrMatrixOperator(tmp_path / "rect.zarr", client=client, symmetric=True)
+
+
+def test_cg_on_read_zarr_uses_store_operator(client, net, tmp_path):
+    xtr, _xte, k, _ks, y = regression_problem(net, n=20, m=3)
+    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunk=6, client=client)
+    kd = nd.read_zarr(tmp_path / "k.zarr")
+    op = ntkcore.cg.aslinearoperator(kd)
+    assert isinstance(op, nd.DaskMatrixOperator) and op.zarr is not None and op.zarr.symmetric
+    assert ntkcore.cg.aslinearoperator(kd * 1.0).zarr is None  # an expression: generic path
+    reg = 0.05
+    alpha, report = ntkcore.cg_solve(kd, y, reg=reg, tol=1e-10, rank=8)
+    assert report.converged
+    np.testing.assert_allclose(alpha, np.linalg.solve(k + reg * np.eye(20), y), rtol=1e-7,
+                               atol=1e-8)
+
+
+def test_dask_operator_mixed_dtypes(client):
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((13, 13)).astype(np.float32)
+    k32 = a @ a.T
+    op = nd.DaskMatrixOperator(da.from_array(k32, chunks=5))
+    assert op.zarr is None
+    v = rng.standard_normal((13, 2))
+    got = op.matmat(v)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, k32.astype(np.float64) @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(op.sketch(v), k32.astype(np.float64) @ v, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,9 @@ kernel tile contracts two such chunks with :func:`ntkcore.gram`.
 * :func:`cholesky_regression` -- blocked Cholesky (``dask.array.linalg``) on a dask kernel.
 * :class:`DaskMatrixOperator` -- lets :func:`ntkcore.cg_solve` and
   ``kernel_regression(..., solver="cg")`` use a dask kernel through products only.
+* :class:`ZarrMatrixOperator` -- products with a kernel stored in Zarr, a few tasks per
+  worker reading each tile once (the upper triangle of a symmetric kernel); used
+  automatically for an array from :func:`read_zarr`.
 * :func:`get_client` -- the client used when none is given (a ``LocalCluster`` is started on
   first use).
 
@@ -37,9 +40,11 @@ from ._cluster import get_client
 from ._ntk import ntk_dask
 from ._solve import DaskMatrixOperator, cholesky_regression, to_local
 from ._zarr import ZarrStatus, ntk_to_zarr, read_zarr, to_zarr, zarr_status
+from ._zarrop import ZarrMatrixOperator
 
 __all__ = [
     "DaskMatrixOperator",
+    "ZarrMatrixOperator",
     "ZarrStatus",
     "cholesky_regression",
     "get_client",

@@ -22,6 +22,7 @@ import numpy as np
 from ..cg import LinearOperator
 from ..errors import NotPositiveDefiniteError
 from ._ntk import _to_numpy
+from ._zarrop import ZarrMatrixOperator, _accumulate
 
 
 def to_local(x: Any) -> np.ndarray:
@@ -35,12 +36,28 @@ def _back(xp: Any, host: np.ndarray, like: Any) -> Any:
     return xp.asarray(host, dtype=like.dtype, device=array_api_compat.device(like))
 
 
+def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
+    """One tile's share ``t @ v`` (rows, 1, k) in ``dtype`` (tile upcast in row blocks)."""
+    dt = np.dtype(dtype)
+    out = np.zeros((t.shape[0], v.shape[1]), dtype=dt)
+    vv = v if v.dtype == dt else v.astype(dt)
+    _accumulate(np.asarray(t), vv, out, (0, t.shape[0]), (0, t.shape[1]), False, dt)
+    return out[:, None, :]
+
+
 class DaskMatrixOperator(LinearOperator):
     """A square dask array as a linear operator for :func:`ntkcore.cg_solve`.
 
-    Each product ``K @ V`` is one Dask computation (tiles read from Zarr, or recomputed from
-    the graph, or taken from worker memory after ``persist``); ``V`` and the result are small
-    (N, k) host arrays converted to and from the namespace of ``V``.
+    Each product ``K @ V`` is one Dask computation (tiles recomputed from the graph, read
+    from storage, or taken from worker memory after ``persist``); ``V`` and the result are
+    small (N, k) host arrays converted to and from the namespace of ``V``.  A float32 kernel
+    times float64 vectors is computed in float64 with each tile upcast in cache-sized row
+    blocks (never as a mixed-dtype NumPy product, which does not use BLAS and is tens of
+    times slower); :meth:`sketch` multiplies in the kernel's dtype.
+
+    A dask array returned by :func:`read_zarr` (unmodified) is multiplied through
+    :class:`ZarrMatrixOperator` instead: a few tasks per worker reading tiles straight from
+    the store, the upper triangle only for a symmetric kernel.
 
     Parameters
     ----------
@@ -52,26 +69,51 @@ class DaskMatrixOperator(LinearOperator):
     def __init__(self, k: da.Array, *, persist: bool = False) -> None:
         if k.ndim != 2:
             raise ValueError(f"k must have shape (N, N); got shape {tuple(k.shape)}")
+        store = getattr(k, "_ntkcore_zarr_store", None)
+        self.zarr: ZarrMatrixOperator | None = None
+        if store is not None and not persist:
+            self.zarr = ZarrMatrixOperator(store)
         self.k = k.persist() if persist else k
         self.shape = (int(k.shape[0]), int(k.shape[1]))
         self.dtype = k.dtype
 
-    def matmat(self, v: Any) -> Any:
+    def _product(self, v: Any, dtype: np.dtype) -> Any:
         xp = array_api_compat.array_namespace(v)
         host = _to_numpy(v)
-        vd = da.from_array(host, chunks=(self.k.chunks[1], host.shape[1]))
-        out = np.asarray((self.k @ vd).compute())
+        vd = da.from_array(np.ascontiguousarray(host.astype(dtype, copy=False)),
+                           chunks=(self.k.chunks[1], host.shape[1]))
+        # partial products per tile (i, j): (rows_i, 1, k); summed over j
+        parts = da.blockwise(_tile_product, "ijk", self.k, "ij", vd, "jk", dtype.str,
+                             None, dtype=dtype, adjust_chunks={"j": 1}, concatenate=False,
+                             meta=np.empty((0, 0, 0), dtype=dtype))
+        out = np.asarray(parts.sum(axis=1).compute())
         return _back(xp, out.astype(host.dtype, copy=False), v)
+
+    def matmat(self, v: Any) -> Any:
+        if self.zarr is not None:
+            return self.zarr.matmat(v)
+        dt = np.promote_types(self.dtype, _to_numpy(v[:1]).dtype)
+        return self._product(v, dt)
 
     def matvec(self, v: Any) -> Any:
         return self.matmat(v[:, None])[:, 0]
 
+    def sketch(self, v: Any) -> Any:
+        """:math:`K V` in the kernel's dtype (for building preconditioners)."""
+        if self.zarr is not None:
+            return self.zarr.sketch(v)
+        return self._product(v, np.dtype(self.dtype))
+
     def columns(self, idx: list[int], like: Any) -> Any:
+        if self.zarr is not None:
+            return self.zarr.columns(idx, like)
         xp = array_api_compat.array_namespace(like)
         out = np.asarray(self.k[:, list(idx)].compute()).astype(_to_numpy(like).dtype)
         return _back(xp, out, like)
 
     def diagonal(self, like: Any) -> Any:
+        if self.zarr is not None:
+            return self.zarr.diagonal(like)
         xp = array_api_compat.array_namespace(like)
         out = np.asarray(da.diagonal(self.k).compute()).astype(_to_numpy(like).dtype)
         return _back(xp, out, like)

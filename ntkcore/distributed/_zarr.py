@@ -108,6 +108,7 @@ def to_zarr(
     client: Any = None,
     progress: Any = None,
     compressors: Any = None,
+    symmetric: bool = False,
 ) -> ZarrStatus:
     """Write a dask kernel to a Zarr store tile by tile, skipping tiles already written.
 
@@ -129,7 +130,14 @@ def to_zarr(
         See :func:`get_client`; ``progress`` is ``True`` (Dask's bar) or ``progress(done,
         total)`` over the tiles computed in this call.
     compressors
-        Zarr compressors (default ``None``: uncompressed).
+        Zarr compressors (default ``None``: uncompressed).  Keep the default for kernels that
+        CG will multiply many times: :class:`ZarrMatrixOperator` then reads every tile as one
+        plain file read (from the OS page cache when the kernel fits the machine's RAM), while
+        a compressed store is decoded tile by tile on every product (several times slower).
+    symmetric : bool, default False
+        Record that the kernel is symmetric (square tiles, ``K = K^T``), so that
+        products with the stored kernel read only tiles on and above the diagonal.
+        :func:`ntk_to_zarr` sets it for ``x2=None`` in ``"trace"`` mode.
 
     Returns
     -------
@@ -142,7 +150,7 @@ def to_zarr(
     shape = tuple(int(s) for s in kernel.shape)
     grid = tuple(len(c) for c in kernel.chunks)
     meta = {"shape": list(shape), "chunks": list(chunks), "dtype": str(kernel.dtype),
-            "key": key, "complete": False}
+            "key": key, "complete": False, "symmetric": bool(symmetric)}
     exists = os.path.exists(path) and os.listdir(path)
     if exists and not overwrite:
         status = zarr_status(path)
@@ -209,18 +217,24 @@ def ntk_to_zarr(
     """:func:`ntk_dask` followed by :func:`to_zarr` (one call; resumable).
 
     Only the tiles missing from ``store`` are computed (and only the Jacobian chunks they
-    need).
+    need).  The store is uncompressed; a symmetric trace kernel (``x2=None``) is recorded as
+    symmetric (see :func:`to_zarr`).
     """
     from ._ntk import ntk_dask
 
     kernel = ntk_dask(model, x1, x2, mode=mode, chunk=chunk, client=client, params=params,
                       **ntk_options)
     return to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
-                   progress=progress)
+                   progress=progress, symmetric=x2 is None and mode == "trace")
 
 
 def read_zarr(store: Any, *, require_complete: bool = True) -> da.Array:
     """The kernel in ``store`` as a dask array (chunks = the stored tiles).
+
+    The returned array remembers its store: :func:`ntkcore.cg_solve` and
+    ``kernel_regression(..., solver="cg")`` given it directly (not a slice or other
+    expression of it) multiply through :class:`ZarrMatrixOperator`, which reads each tile
+    once per product on the workers.
 
     Raises
     ------
@@ -236,4 +250,6 @@ def read_zarr(store: Any, *, require_complete: bool = True) -> da.Array:
             "tiles written); finish it with ntk_to_zarr(..., resume=True) or pass "
             "require_complete=False (missing tiles read as 0)"
         )
-    return da.from_zarr(path, component="kernel")
+    k = da.from_zarr(path, component="kernel")
+    k._ntkcore_zarr_store = path  # picked up by DaskMatrixOperator (fast product path)
+    return k

@@ -1,0 +1,385 @@
+r"""Products with a kernel stored in Zarr, computed on the Dask workers straight from the store.
+
+For a stored kernel with tiles :math:`K_{ij}` (B x B grid of tiles) the product
+:math:`U = K V` is
+
+.. math:: U_i = \sum_j K_{ij} V_j ,
+
+and for a symmetric kernel (``K = K^T``, recorded by :func:`ntk_to_zarr` for ``x2=None``) only
+the tiles with :math:`j \ge i` are read:
+
+.. math:: U_i \mathrel{+}= K_{ij} V_j, \qquad U_j \mathrel{+}= K_{ij}^\top V_i \quad (j > i),
+
+which halves what a product reads (B(B+1)/2 tiles instead of B^2).
+
+Each product is a handful of Dask tasks (about ``tasks_per_worker`` per worker thread), each
+reading a contiguous run of tiles one at a time and accumulating its share of U; the client
+sums the tasks' partial results.  A worker holds one tile, V and U at a time, never the
+kernel.  Uncompressed stores (the :func:`to_zarr` default) are read by memory-mapping each
+chunk file (no Zarr decode pipeline, no copy: the pages come from the OS page cache, which
+keeps a kernel that fits the machine's RAM between products); other codecs go through Zarr.
+
+Precision: a float32 kernel multiplied by float64 vectors is upcast in cache-sized row blocks
+of 64 rows, so ``matmat`` is the exact float64 product of the stored float32 numbers (CG then
+reaches float64 tolerances).  :meth:`ZarrMatrixOperator.sketch` (used to build a Nystrom
+preconditioner) multiplies in the kernel's own dtype, which is several times faster for wide
+sketches and accurate enough for a preconditioner.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import zarr
+
+from ..cg import LinearOperator
+from ._cluster import get_client
+from ._ntk import _to_numpy
+
+_ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
+_local = threading.local()  # per worker thread: open Zarr arrays
+
+
+def _plan(path: str, arr: Any) -> dict[str, Any]:
+    """What a worker needs to read tiles: chunk grid, dtype and (if possible) raw layout."""
+    raw = False
+    try:
+        meta = arr.metadata
+        raw = (
+            getattr(meta, "zarr_format", None) == 3
+            and not tuple(arr.filters)
+            and not tuple(arr.compressors)
+            and type(arr.serializer).__name__ == "BytesCodec"
+            and type(arr.store).__name__ == "LocalStore"
+            and meta.encode_chunk_key((0, 0)) in ("c/0/0", "c.0.0")
+        )
+        endian = getattr(getattr(arr.serializer, "endian", None), "value", "little")
+    except Exception:  # pragma: no cover - other zarr versions: read through zarr
+        raw, endian = False, "little"
+    dtype = np.dtype(arr.dtype)
+    sep = "/"
+    if raw:
+        sep = "/" if arr.metadata.encode_chunk_key((0, 0)) == "c/0/0" else "."
+    return {
+        "path": path,
+        "shape": tuple(int(s) for s in arr.shape),
+        "chunks": tuple(int(c) for c in arr.chunks),
+        "dtype": dtype.str,
+        "disk_dtype": dtype.newbyteorder("<" if endian == "little" else ">").str,
+        "fill": float(arr.fill_value if arr.fill_value is not None else 0),
+        "raw": raw,
+        "sep": sep,
+    }
+
+
+def _bounds(plan: dict[str, Any], axis: int, i: int) -> tuple[int, int]:
+    c = plan["chunks"][axis]
+    return i * c, min(plan["shape"][axis], (i + 1) * c)
+
+
+def _chunk_file(plan: dict[str, Any], i: int, j: int) -> str:
+    if plan["sep"] == "/":
+        return os.path.join(plan["path"], "kernel", "c", str(i), str(j))
+    return os.path.join(plan["path"], "kernel", f"c.{i}.{j}")
+
+
+def _zarr_array(path: str) -> Any:
+    cache = getattr(_local, "arrays", None)
+    if cache is None:
+        cache = _local.arrays = {}
+    arr = cache.get(path)
+    if arr is None:
+        if len(cache) > 8:
+            cache.clear()
+        arr = cache[path] = zarr.open_array(store=path, path="kernel", mode="r")
+    return arr
+
+
+def _read_tile(plan: dict[str, Any], i: int, j: int) -> np.ndarray:
+    """Tile (i, j) of the stored kernel, (rows, cols).
+
+    Raw stores: a read-only memory map of the chunk file (the pages come straight from the
+    OS page cache, no copy); it is unmapped when the returned array is garbage collected.
+    """
+    r0, r1 = _bounds(plan, 0, i)
+    c0, c1 = _bounds(plan, 1, j)
+    if not plan["raw"]:
+        return np.asarray(_zarr_array(plan["path"])[r0:r1, c0:c1])
+    ch0, ch1 = plan["chunks"]
+    disk = np.dtype(plan["disk_dtype"])
+    nbytes = ch0 * ch1 * disk.itemsize  # Zarr stores edge chunks at full size
+    name = _chunk_file(plan, i, j)
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except FileNotFoundError:  # Zarr leaves chunks equal to the fill value unwritten
+        return np.full((r1 - r0, c1 - c0), plan["fill"], dtype=np.dtype(plan["dtype"]))
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise OSError(f"chunk file {name} has {size} bytes, expected {nbytes} (an "
+                          f"uncompressed {ch0}x{ch1} {disk} chunk)")
+        mapped = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    tile = np.frombuffer(mapped, dtype=disk).reshape(ch0, ch1)[: r1 - r0, : c1 - c0]
+    return tile if disk.isnative else tile.astype(np.dtype(plan["dtype"]))
+
+
+def _accumulate(t: np.ndarray, v: np.ndarray, out: np.ndarray, rows: tuple[int, int],
+                cols: tuple[int, int], mirror: bool, dtype: np.dtype) -> None:
+    r"""out[rows] += t @ v[cols]; with ``mirror`` also out[cols] += t^T @ v[rows].
+
+    Computed in ``dtype``: if it is wider than the tile's, the tile is upcast in blocks of
+    ``_ROWS`` rows (each block is used for both products while it is in cache).  The loop
+    reuses preallocated buffers: Dask workers set a small ``MALLOC_TRIM_THRESHOLD_``, which
+    makes every large temporary a fresh, page-faulting ``mmap``.
+    """
+    r0, r1 = rows
+    c0, c1 = cols
+    vc = v[c0:c1]
+    k = v.shape[1]
+    if t.dtype == dtype:
+        out[r0:r1] += t @ vc
+        if mirror:
+            out[c0:c1] += t.T @ v[r0:r1]
+        return
+    blk = np.empty((_ROWS, c1 - c0), dtype=dtype)
+    tmp = np.empty((_ROWS, k), dtype=dtype)
+    acc = np.zeros((c1 - c0, k), dtype=dtype) if mirror else None
+    tmp2 = np.empty((c1 - c0, k), dtype=dtype) if mirror else None
+    for s in range(0, r1 - r0, _ROWS):
+        e = min(r1 - r0, s + _ROWS)
+        b = blk[: e - s]
+        b[...] = t[s:e]  # upcast copy, in cache
+        np.matmul(b, vc, out=tmp[: e - s])
+        out[r0 + s:r0 + e] += tmp[: e - s]
+        if acc is not None:
+            np.matmul(b.T, v[r0 + s:r0 + e], out=tmp2)
+            acc += tmp2
+    if acc is not None:
+        out[c0:c1] += acc
+
+
+def _product_task(plan: dict[str, Any], tiles: list[tuple[int, int]], v: np.ndarray,
+                  dtype: str, symmetric: bool) -> np.ndarray:
+    """Partial K V over ``tiles`` (on a worker): (N, k) in ``dtype``."""
+    dt = np.dtype(dtype)
+    vv = v if v.dtype == dt else v.astype(dt)
+    out = np.zeros((plan["shape"][0], v.shape[1]), dtype=dt)
+    for i, j in tiles:
+        t = _read_tile(plan, i, j)
+        _accumulate(t, vv, out, _bounds(plan, 0, i), _bounds(plan, 1, j),
+                    symmetric and j != i, dt)
+    return out
+
+
+def _diagonal_task(plan: dict[str, Any], i: int) -> np.ndarray:
+    return np.array(np.diagonal(_read_tile(plan, i, i)))
+
+
+def _rows_task(plan: dict[str, Any], rows: list[int]) -> np.ndarray:
+    """Whole rows K[rows, :] (len(rows), N), reading only those rows' bytes when raw."""
+    n = plan["shape"][1]
+    dt = np.dtype(plan["dtype"])
+    out = np.empty((len(rows), n), dtype=dt)
+    ch0, ch1 = plan["chunks"]
+    nb = int(np.ceil(n / ch1))
+    disk = np.dtype(plan["disk_dtype"])
+    for a, r in enumerate(rows):
+        i, local = divmod(r, ch0)
+        for j in range(nb):
+            c0, c1 = _bounds(plan, 1, j)
+            if not plan["raw"]:
+                out[a, c0:c1] = _zarr_array(plan["path"])[r, c0:c1]
+                continue
+            try:
+                with open(_chunk_file(plan, i, j), "rb", buffering=0) as f:
+                    f.seek(local * ch1 * disk.itemsize)
+                    seg = f.read((c1 - c0) * disk.itemsize)
+                out[a, c0:c1] = np.frombuffer(seg, dtype=disk)
+            except FileNotFoundError:
+                out[a, c0:c1] = plan["fill"]
+    return out
+
+
+def _cols_task(plan: dict[str, Any], j: int, local: list[int]) -> np.ndarray:
+    """Columns ``j * chunk + local`` of the kernel (N, len(local)), reading tile column j."""
+    nb = int(np.ceil(plan["shape"][0] / plan["chunks"][0]))
+    parts = [np.array(_read_tile(plan, i, j)[:, local]) for i in range(nb)]
+    return np.concatenate(parts, axis=0)
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    parts = max(1, min(parts, len(items)))
+    q, r = divmod(len(items), parts)
+    out, s = [], 0
+    for p in range(parts):
+        e = s + q + (1 if p < r else 0)
+        out.append(items[s:e])
+        s = e
+    return out
+
+
+def _back(host: np.ndarray, like: Any) -> Any:
+    if isinstance(like, np.ndarray):
+        return host.astype(like.dtype, copy=False)
+    xp = array_api_compat.array_namespace(like)
+    return xp.asarray(np.ascontiguousarray(host), dtype=like.dtype,
+                      device=array_api_compat.device(like))
+
+
+class ZarrMatrixOperator(LinearOperator):
+    r"""A square kernel stored in Zarr, as a linear operator whose products run on the workers.
+
+    Every product reads each needed tile once (a symmetric kernel: only the upper triangle of
+    tiles) on the Dask workers and never gathers the kernel anywhere; see the module
+    docstring for the arithmetic.  ``ntkcore.cg_solve(read_zarr(store), ...)`` uses this
+    operator automatically; construct it yourself to choose the options.
+
+    Parameters
+    ----------
+    store : str or PathLike
+        A store written by :func:`to_zarr` / :func:`ntk_to_zarr` (complete, 2-D, square).
+    client : distributed.Client, scheduler address or None
+        Where the products run (see :func:`get_client`; ``None``: the default client).
+    symmetric : bool, optional
+        Read only tiles on and above the diagonal.  Default: what the store records
+        (``ntk_to_zarr`` with ``x2=None`` and ``mode="trace"`` records ``True``).  Requires
+        square tiles.
+    product_dtype : dtype, optional
+        Dtype of :meth:`matmat` products.  Default: the wider of the kernel's and the vectors'
+        (float32 tiles times float64 vectors are upcast blockwise: exact float64 products of
+        the stored values).  Pass ``"float32"`` for faster, float32-accurate products.
+    tasks_per_worker : int, default 2
+        Tasks per worker thread and product (load balance vs per-task overhead).
+
+    Attributes
+    ----------
+    shape : (N, N)
+    dtype : dtype
+        The stored kernel's dtype.
+    chunks : (int, int)
+        Tile shape of the store.
+    raw : bool
+        Whether tiles are read as plain files (uncompressed stores).
+    products : int
+        Products computed so far (each reads the kernel once).
+    """
+
+    def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
+                 product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
+        from ._zarr import _ATTR, _path, zarr_status
+
+        path = _path(store)
+        status = zarr_status(path)
+        if not status.complete:
+            raise ValueError(
+                f"the kernel at {path!r} is incomplete ({status.tiles_done}/"
+                f"{status.tiles_total} tiles); finish it with ntk_to_zarr(..., resume=True)")
+        arr = zarr.open_array(store=path, path="kernel", mode="r")
+        if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
+            raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "
+                             f"shape {tuple(arr.shape)}")
+        meta = dict(zarr.open_group(store=path, mode="r").attrs.asdict().get(_ATTR, {}))
+        if symmetric is None:
+            symmetric = bool(meta.get("symmetric", False))
+        if symmetric and arr.chunks[0] != arr.chunks[1]:
+            raise ValueError(f"symmetric=True needs square tiles; the store has tiles "
+                             f"{tuple(arr.chunks)}")
+        if (isinstance(tasks_per_worker, bool) or not isinstance(tasks_per_worker, int)
+                or tasks_per_worker < 1):
+            raise ValueError(f"tasks_per_worker must be a positive integer; got "
+                             f"{tasks_per_worker!r}")
+        self.path = path
+        self.client = client
+        self.symmetric = bool(symmetric)
+        self.product_dtype = None if product_dtype is None else np.dtype(product_dtype)
+        self.tasks_per_worker = tasks_per_worker
+        self.dtype = np.dtype(arr.dtype)
+        self.shape = (int(arr.shape[0]), int(arr.shape[1]))
+        self.chunks = (int(arr.chunks[0]), int(arr.chunks[1]))
+        self._plan = _plan(path, arr)
+        self.raw = bool(self._plan["raw"])
+        self.products = 0
+        grid = [int(np.ceil(s / c)) for s, c in zip(self.shape, self.chunks, strict=True)]
+        self._tiles = [(i, j) for i in range(grid[0]) for j in range(grid[1])
+                       if not self.symmetric or j >= i]
+        self._grid = grid
+
+    def __repr__(self) -> str:
+        return (f"ZarrMatrixOperator({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
+                f"dtype={self.dtype}, symmetric={self.symmetric}, raw={self.raw})")
+
+    def _client(self) -> Any:
+        return get_client(self.client)
+
+    def _product(self, v: Any, dtype: np.dtype) -> Any:
+        host = np.asarray(_to_numpy(v))
+        vector = host.ndim == 1
+        mat = host[:, None] if vector else host
+        if mat.ndim != 2 or mat.shape[0] != self.shape[1]:
+            raise ValueError(f"v must have shape ({self.shape[1]},) or ({self.shape[1]}, k); "
+                             f"got {tuple(host.shape)}")
+        client = self._client()
+        threads = max(1, sum(client.nthreads().values()))
+        groups = _split(self._tiles, self.tasks_per_worker * threads)
+        vf = client.scatter(np.ascontiguousarray(mat.astype(dtype, copy=False)), hash=False)
+        futures = [client.submit(_product_task, self._plan, g, vf, dtype.str, self.symmetric,
+                                 pure=False) for g in groups]
+        out = None
+        for part in client.gather(futures):
+            out = part if out is None else out + part
+        del vf, futures
+        self.products += 1
+        res = out[:, 0] if vector else out
+        return _back(res, v)
+
+    def matmat(self, v: Any) -> Any:
+        """:math:`K V` (N, k) -> (N, k), in the namespace, device and dtype of ``v``."""
+        host_dtype = np.dtype(_to_numpy(v[:1]).dtype)
+        dt = self.product_dtype or np.promote_types(self.dtype, host_dtype)
+        return self._product(v, dt)
+
+    def matvec(self, v: Any) -> Any:
+        return self.matmat(v)
+
+    def sketch(self, v: Any) -> Any:
+        """:math:`K V` in the kernel's dtype (for preconditioners: fast, less precise)."""
+        return self._product(v, self.dtype)
+
+    def diagonal(self, like: Any) -> Any:
+        """The diagonal of K (N,), reading the diagonal tiles."""
+        client = self._client()
+        nd = min(self._grid)
+        futures = [client.submit(_diagonal_task, self._plan, i, pure=False) for i in range(nd)]
+        d = np.concatenate(client.gather(futures))
+        return _back(d, like)
+
+    def columns(self, idx: list[int], like: Any) -> Any:
+        """Columns ``K[:, idx]`` (N, len(idx)); a symmetric kernel reads rows instead."""
+        idx = [int(i) for i in idx]
+        n = self.shape[1]
+        if any(i < 0 or i >= n for i in idx):
+            raise IndexError(f"column indices must lie in [0, {n}); got {idx}")
+        client = self._client()
+        if self.symmetric:
+            groups = _split(idx, max(1, min(len(idx) // 16, sum(client.nthreads().values()))))
+            futures = [client.submit(_rows_task, self._plan, g, pure=False) for g in groups]
+            out = np.concatenate(client.gather(futures), axis=0).T
+        else:
+            c = self.chunks[1]
+            by_strip: dict[int, list[int]] = {}
+            for i in idx:
+                by_strip.setdefault(i // c, []).append(i % c)
+            strips = sorted(by_strip)
+            futures = [client.submit(_cols_task, self._plan, j, sorted(set(by_strip[j])),
+                                     pure=False) for j in strips]
+            got = dict(zip(strips, client.gather(futures), strict=True))
+            out = np.stack([got[i // c][:, sorted(set(by_strip[i // c])).index(i % c)]
+                            for i in idx], axis=1)
+        return _back(out, like)
