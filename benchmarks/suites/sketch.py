@@ -35,8 +35,10 @@ Where the 3x target cannot be met, and why
 * ``smw sketched`` leverage.  The probabilities need one pass over U (row norms, P x rho),
   and the direction :math:`d = (g - Ub)/\lambda` needs another whatever the sketch; the exact
   solve makes these two passes plus the SYRK :math:`P\rho^2/2`.  The speed-up of leverage is
-  therefore bounded by about (2 passes + SYRK) / (2 passes), 1.5-2x at rho = 64; uniform
-  sampling saves the norm pass and reaches 4-5x.
+  therefore bounded by about (2 passes + SYRK) / (2 passes), and drawing q of P = 200,000
+  rows by probability (host copy and CDF of p) adds a few ms: measured 1.1-1.7x at
+  q = P/200, rho = 64 (one thread; it was 0.6x before the one-pass norms); uniform
+  sampling saves the norm pass and reaches 3-4x.
 """
 
 from __future__ import annotations
