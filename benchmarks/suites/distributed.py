@@ -32,8 +32,9 @@ kernel in float32), chunk 4,000, rank 500, 1 and 2 workers with 3 GiB memory lim
 Expected on 2 quiet cores (extrapolated from N = 10,000 and 20,000, see docs/distributed.md):
 kernel about 1.5-2 min with 1 worker and 1 min with 2; CG (about 80 iterations, each
 reading 3.5 GB of tiles from the page cache) about 3-4 min with 1 worker and 2 min with 2;
-roughly 10 min in all, cluster start-up included.  Give the suite no timeout
-(``--suite-timeout 0 --total-budget 0``): the default 420 s would stop it.
+roughly 8-10 min in all, cluster start-up included (up to ~25 min on a machine as loaded
+as the one the extrapolation came from).  Worker peak RSS about 0.6-0.7 GiB.  Give the
+suite no timeout (``--suite-timeout 0 --total-budget 0``): the default 420 s would stop it.
 """
 
 from __future__ import annotations
