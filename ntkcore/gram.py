@@ -63,8 +63,12 @@ tile accumulator) stays below ``max_memory``.  Tiles are written into a prealloc
 where the namespace supports item assignment; otherwise (JAX) tiles are concatenated, which
 transiently needs a second output-sized buffer.  With ``J2=None`` only tiles on and above the
 diagonal are computed and the others are mirrored (see ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` for
-when a kernel is split for that purpose); tiles on the diagonal are symmetric up to rounding
-(NumPy computes ``x @ x.T`` with SYRK, which is exactly symmetric).
+when a kernel is split for that purpose).  A tile on the diagonal is itself computed as up to
+``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
+tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
+with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
+slower than panels on large full-mode tiles).  The square blocks on the diagonal are
+symmetric up to rounding; everything else is mirrored exactly.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -104,6 +108,16 @@ SELF_PRODUCT_COPY: dict[str, bool] = {"numpy": False, "torch": False, "cupy": Fa
 #: ``SYMMETRIC_MIN_TILE`` (CPU / GPU).
 SYMMETRIC_SPLIT_FLOPS_PER_ENTRY = 2048
 SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
+
+#: A tile on the diagonal of a symmetric kernel is computed as ``p`` row panels, panel ``k``
+#: against the columns from its own first row to the tile's end (the upper triangle plus
+#: the panel's own square): (p+1)/(2p) of the tile's GEMM work, each GEMM still wide.  The
+#: mirrored part is a transposed copy of about half the tile.  Used when the contraction
+#: costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel entry and only where
+#: arrays support slice assignment; panels have at least ``SYMMETRIC_PANEL_ROWS`` rows
+#: (samples; CPU / GPU) and a tile has at most ``SYMMETRIC_MAX_PANELS`` of them.
+SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
+SYMMETRIC_MAX_PANELS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +229,9 @@ class GramPlan:
         Floating-point operations of the tiles actually computed.
     flops_all_tiles : float
         Operations if every tile were computed (the nominal count, for throughput figures).
+    panels : int
+        Row panels per tile on the diagonal of a symmetric kernel (1: the tile is one
+        product; see ``SYMMETRIC_PANEL_ROWS``).
     """
 
     tile_rows: int
@@ -226,6 +243,7 @@ class GramPlan:
     budget_bytes: int
     flops: float
     flops_all_tiles: float
+    panels: int = 1
 
 
 def _itemsize(xp: Any, dtype: Any) -> int:
@@ -253,10 +271,11 @@ def _grid_flops(strategy: str, pair: _Pair, mode: str, o: int, n1: int, n2: int,
 
 def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
                layerwise: bool, budget: int, itemsize: int, forced: str | None,
-               gpu: bool) -> GramPlan:
+               gpu: bool, writable: bool = True) -> GramPlan:
     """Strategies and tile size from the cost model (see the module docstring)."""
     elems = budget / itemsize
     nmax = max(n1, n2)
+    panels = 1
     acc = _acc_factor(layerwise, len(pairs))
     chosen: list[str] = []
     tiles: list[int] = []
@@ -292,6 +311,9 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         if per_entry >= SYMMETRIC_SPLIT_FLOPS_PER_ENTRY:
             floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
             r = min(r, max(floor, math.ceil(n1 / 4)))
+            if writable:
+                rows = SYMMETRIC_PANEL_ROWS["gpu" if gpu else "cpu"]
+                panels = max(1, min(SYMMETRIC_MAX_PANELS, r // rows))
         c = r
     else:
         r, c = min(tile, n1), min(tile, n2)
@@ -313,14 +335,28 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         diag = diag * (n1 // r) + (sum(_grid_flops(s, p, mode, o, n1 % r, n1 % r, r, r)
                                       for s, p in zip(chosen, pairs, strict=True))
                                   if n1 % r else 0.0)
-        flops = diag + (flops_all - diag) / 2
+        flops = diag * _panel_fraction(r, panels) + (flops_all - diag) / 2
     else:
         flops = flops_all
     working = _work(chosen, pairs, mode, o, r, c, acc)
     return GramPlan(tile_rows=r, tile_cols=c, strategies=tuple(chosen), num_tiles=ntiles,
                     symmetric=symmetric, working_bytes=int(working * itemsize),
                     budget_bytes=int(budget), flops=float(flops),
-                    flops_all_tiles=float(flops_all))
+                    flops_all_tiles=float(flops_all), panels=panels)
+
+
+def _panel_bounds(start: int, stop: int, panels: int) -> list[int]:
+    """Row boundaries of ``panels`` near-equal panels of the rows ``[start, stop)``."""
+    n = stop - start
+    return [start + (k * n) // panels for k in range(panels + 1)]
+
+
+def _panel_fraction(r: int, panels: int) -> float:
+    """Share of a diagonal tile's (r x r) products that its row panels compute."""
+    if panels <= 1 or r <= 0:
+        return 1.0
+    b = _panel_bounds(0, r, panels)
+    return sum((b[k + 1] - b[k]) * (r - b[k]) for k in range(panels)) / (r * r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,17 +405,24 @@ def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r, din))
     aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c, din)))  # (r, c)
+    # the Hadamard products are in place: the GEMM results are fresh arrays of this function
+    # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
         y1 = xp.reshape(g1, (r, o * dout))
-        return ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout))) * aa
+        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout)))
+        gg *= aa
+        return gg
     if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, O, c, O), the GEMM layout
         y1 = xp.reshape(g1, (r * o, dout))
-        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout)))
-        return xp.reshape(gg, (r, o, c, o)) * aa[:, None, :, None]
+        gg = xp.reshape(ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout))), (r, o, c, o))
+        gg *= aa[:, None, :, None]
+        return gg
     # diagonal: (O, r, d_out) @ (O, d_out, c) -> (O, r, c) -> (r, c, O)
     gg = xp.permute_dims(xp.reshape(g1, (r, o, dout)), (1, 0, 2)) @ \
         xp.permute_dims(xp.reshape(g2, (c, o, dout)), (1, 2, 0))
-    return xp.permute_dims(gg, (1, 2, 0)) * aa[:, :, None]
+    gg = xp.permute_dims(gg, (1, 2, 0))
+    gg *= aa[:, :, None]
+    return gg
 
 
 def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
@@ -583,7 +626,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
         except Exception:
             gpu = False
         plan = _make_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
-                          strategy, gpu)
+                          strategy, gpu, _writable(xp, out_dtype, device))
     return _Setup(xp, _Ops(xp, backend.name), pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
@@ -686,10 +729,45 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
         return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t
 
+    def place(rs: slice, cs: slice, t: Array, b: int | None, mirror: int | None) -> None:
+        """Write tile ``t`` (rows rs, cols cs) and, from column offset ``mirror`` on, its
+        transpose below the diagonal; ``b`` is the block index when layerwise."""
+        lead_ix = () if b is None else (b,)
+        out[(*lead_ix, rs, cs, ...)] = t  # type: ignore[index]
+        if mirror is not None and mirror < cs.stop - cs.start:
+            low = slice(cs.start + mirror, cs.stop)
+            out[(*lead_ix, low, rs, ...)] = xp.permute_dims(t[:, mirror:, ...], swap1)  # type: ignore
+
+    def panels_of(rs: slice) -> list[tuple[slice, slice, int]]:
+        """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
+        b = _panel_bounds(rs.start, rs.stop, plan.panels)
+        return [(slice(b[k], b[k + 1]), slice(b[k], rs.stop), b[k + 1] - b[k])
+                for k in range(plan.panels) if b[k + 1] > b[k]]
+
     try:
         for done, (i, j) in enumerate(todo, start=1):
             rs, cs = row_sl[i], col_sl[j]
             same = symmetric and i == j
+            mirror = 0 if symmetric and not same else None
+            if same and writable and plan.panels > 1:
+                # the diagonal tile as row panels against the columns to its right
+                for prs, pcs, off in panels_of(rs):
+                    acc = None
+                    for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs,
+                                                          strict=True)):
+                        t = _block_tile(st.ops, strat, pair, prs, pcs, False, st.dtype, mode)
+                        if layerwise:
+                            place(prs, pcs, fix(t), b, off)
+                        elif acc is None:
+                            acc = t
+                        else:
+                            acc += t  # acc is this loop's own array
+                        del t
+                    if not layerwise:
+                        place(prs, pcs, fix(acc), None, off)
+                if report is not None:
+                    report(done, len(todo))
+                continue
             acc = None
             parts = []
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
@@ -697,21 +775,19 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                 if layerwise:
                     t = fix(t)
                     if writable:
-                        out[(b, rs, cs, ...)] = t  # type: ignore[index]
-                        if symmetric and i != j:
-                            out[(b, cs, rs, ...)] = xp.permute_dims(t, swap1)  # type: ignore
+                        place(rs, cs, t, b, mirror)
                     else:
                         parts.append(t)
+                elif acc is None:
+                    acc = t
                 else:
-                    acc = t if acc is None else acc + t
+                    acc += t  # acc is this loop's own array (a block tile computed above)
                 del t  # free the block tile before the next block's working set is allocated
             if not layerwise:
                 assert acc is not None
                 acc = fix(acc)
                 if writable:
-                    out[(rs, cs, ...)] = acc  # type: ignore[index]
-                    if symmetric and i != j:
-                        out[(cs, rs, ...)] = xp.permute_dims(acc, swap1)  # type: ignore
+                    place(rs, cs, acc, None, mirror)
                 else:
                     grid[(i, j)] = acc
             elif not writable:

@@ -166,23 +166,50 @@ _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _activate(xp: Any, name: str, y: Array, need_grad: bool) -> tuple[Array, Array | None]:
-    r""":math:`(\phi(y), \phi'(y))` (the derivative only when ``need_grad``)."""
+def _activate(xp: Any, name: str, y: Array, need_grad: bool,
+              scale: float = 1.0) -> tuple[Array, Array | None]:
+    r""":math:`(\phi(y), s\,\phi'(y))` with ``s = scale`` (the derivative only when
+    ``need_grad``).
+
+    The derivative is built in place on a fresh array of this function (one allocation).
+    """
     if name == "relu":
         pos = y > 0
         z = xp.where(pos, y, xp.zeros_like(y))
-        return z, (xp.astype(pos, y.dtype) if need_grad else None)
-    if name == "tanh":
+        if not need_grad:
+            return z, None
+        d = xp.astype(pos, y.dtype)
+    elif name == "tanh":  # s (1 - z^2) = -s z^2 + s
         z = xp.tanh(y)
-        return z, (1.0 - z * z if need_grad else None)
-    if name == "erf":  # erf'(y) = 2/sqrt(pi) exp(-y^2)
+        if not need_grad:
+            return z, None
+        d = z * z
+        d *= -scale
+        d += scale
+        return z, d
+    elif name == "erf":  # erf'(y) = 2/sqrt(pi) exp(-y^2)
         z = _erf(xp, y)
-        return z, (_TWO_OVER_SQRT_PI * xp.exp(-(y * y)) if need_grad else None)
-    if name == "gelu":  # gelu(y) = y Phi(y);  gelu'(y) = Phi(y) + y * pdf(y)
+        if not need_grad:
+            return z, None
+        d = xp.exp(-(y * y))
+        d *= _TWO_OVER_SQRT_PI
+    elif name == "gelu":  # gelu(y) = y Phi(y);  gelu'(y) = Phi(y) + y * pdf(y)
         cdf = 0.5 * (1.0 + _erf(xp, y / _SQRT_2))
         z = y * cdf
-        return z, (cdf + y * (_INV_SQRT_2PI * xp.exp(-0.5 * (y * y))) if need_grad else None)
-    return y, (xp.ones_like(y) if need_grad else None)  # identity
+        if not need_grad:
+            return z, None
+        d = xp.exp(-0.5 * (y * y))
+        d *= _INV_SQRT_2PI
+        d *= y
+        d += cdf
+    else:  # identity
+        z = y
+        if not need_grad:
+            return z, None
+        d = xp.ones_like(y)
+    if scale != 1.0:
+        d *= scale
+    return z, d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,7 +583,9 @@ class MLP:
         o = self.num_outputs
         dev = array_api_compat.device(x)
 
-        # forward: keep a_l (the block input) and phi'(y_l)
+        # forward: keep a_l (the block input) and c_{l+1} phi'(y_l) (the next layer's scale
+        # goes on the derivative, folded into its construction).  In-place updates touch only
+        # arrays made here (never x or the parameters).
         z = x if x.dtype == dtype else xp.astype(x, dtype)
         a_list: list[Array] = []
         dphi: list[Array] = []
@@ -565,16 +594,16 @@ class MLP:
             u = z * c if c != 1.0 else z
             y = u @ ws[l].T
             if bs is not None:
-                y = y + (bs[l] if beta == 1.0 else beta * bs[l])
+                y += bs[l] if beta == 1.0 else beta * bs[l]
                 a_list.append(xp.concat(
                     [u, xp.full((n, 1), beta, dtype=dtype, device=dev)], axis=1))
             else:
                 a_list.append(u)
             if l < L - 1:
-                z, d = _activate(xp, self.activation, y, True)
+                z, d = _activate(xp, self.activation, y, True, self._scales(l + 1)[0])
                 dphi.append(d)
 
-        # backward: g_L = I (or ones/sqrt(O)); g_l = (g_{l+1} c W_{l+1}) * phi'(y_l)
+        # backward: g_L = I (or ones/sqrt(O)); g_l = (g_{l+1} W_{l+1}) * (c_{l+1} phi'(y_l))
         lowest = layers[0]
         g_list: list[Array | None] = [None] * L
         if pseudo:
@@ -586,23 +615,16 @@ class MLP:
             g_list[L - 1] = xp.broadcast_to(eye[None, :, :], (n, o, o))
             n_out = o
         if L >= 2 and lowest <= L - 2:
-            c, _ = self._scales(L - 1)
-            w_top = ws[L - 1] * c  # (O, d_{L-1})
+            w_top = ws[L - 1]  # (O, d_{L-1})
             if pseudo:
                 w_top = xp.sum(w_top, axis=0, keepdims=True) / math.sqrt(o)  # (1, d_{L-1})
             g = w_top[None, :, :] * dphi[L - 2][:, None, :]  # (N, n_out, d_{L-1})
             g_list[L - 2] = g
             for l in range(L - 3, lowest - 1, -1):
-                c, _ = self._scales(l + 1)
                 w = ws[l + 1]  # (d_{l+2}, d_{l+1})
                 d_next, d_here = int(w.shape[0]), int(w.shape[1])
-                # the scale c goes on the smaller operand: W (d_{l+2} x d_{l+1}) or the
-                # derivative (N x d_{l+1}); same product either way
-                scale_w = c != 1.0 and d_next < n
-                g = xp.reshape(xp.reshape(g, (n * n_out, d_next)) @ (w * c if scale_w else w),
-                               (n, n_out, d_here))
-                d = dphi[l] * c if c != 1.0 and not scale_w else dphi[l]
-                g = g * d[:, None, :]
+                g = xp.reshape(xp.reshape(g, (n * n_out, d_next)) @ w, (n, n_out, d_here))
+                g *= dphi[l][:, None, :]  # g is the fresh product
                 g_list[l] = g
 
         names = self.block_names

@@ -516,3 +516,56 @@ def test_self_product_copy_policy(monkeypatch, backend, rng, mode):
         k = _gram(j, mode=mode, strategy=strategy)
         np.testing.assert_allclose(backend.to_numpy(k), reference(f, f, mode), rtol=1e-10,
                                    atol=1e-10)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_diagonal_tiles_in_row_panels(monkeypatch, backend, rng, mode, layerwise):
+    """Diagonal tiles computed as row panels (upper part mirrored) give the dense kernel,
+    with and without budget tiling, and the plan counts the panels' smaller work."""
+    limit_jax(backend, mode)
+    import sys
+
+    gram_module = sys.modules["ntkcore.gram"]
+    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
+    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 3)
+    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "gpu", 3)
+    spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("kron", 3, 3, 2), ("dense", 4)]}
+    f = make_factors(spec, 13, rng)
+    j = to_jacobian(backend, f)
+    ref = reference(f, f, mode, layerwise=layerwise)
+    for budget in (None, 12_000):
+        plan = plan_gram(j, mode=mode, layerwise=layerwise, max_memory=budget)
+        if backend.name == "jax":  # no slice assignment: diagonal tiles stay whole
+            assert plan.panels == 1
+        else:
+            assert plan.panels == min(gram_module.SYMMETRIC_MAX_PANELS, plan.tile_rows // 3) > 1
+            monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 1)
+            unpaneled = plan_gram(j, mode=mode, layerwise=layerwise, max_memory=budget)
+            monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 4)
+            assert unpaneled.panels == 1 and plan.flops < unpaneled.flops
+        k = backend.to_numpy(ntkcore.gram(j, mode=mode, layerwise=layerwise,
+                                          max_memory=budget))
+        np.testing.assert_allclose(k, ref, rtol=1e-10, atol=1e-10)
+        # the mirrored lower part is the transpose of the computed upper part, bit for bit
+        lead = k.shape[0] if layerwise else None
+        kk = k if lead is None else k[0]
+        swap = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}[mode]
+        b = gram_module._panel_bounds(0, plan.tile_rows, plan.panels)[1]
+        np.testing.assert_array_equal(kk[b:plan.tile_rows, :b],
+                                      kk[:b, b:plan.tile_rows].transpose(swap))
+
+
+def test_panel_fraction():
+    import sys
+
+    gram_module = sys.modules["ntkcore.gram"]
+    assert gram_module._panel_fraction(512, 1) == 1.0
+    assert gram_module._panel_fraction(512, 4) == pytest.approx(10 / 16)
+    assert gram_module._panel_bounds(10, 17, 3) == [10, 12, 14, 17]
+    # panels x their widths cover the upper triangle with the diagonal exactly once
+    b = gram_module._panel_bounds(0, 7, 3)
+    covered = np.zeros((7, 7), int)
+    for k in range(3):
+        covered[b[k]:b[k + 1], b[k]:] += 1
+    assert (np.triu(covered) == np.triu(np.ones((7, 7), int))).all()

@@ -303,12 +303,18 @@ def test_params_subset(rng):
                                np.einsum("nop,mop->nm", jl, jl), rtol=1e-12, atol=1e-13)
 
 
-def test_does_not_mutate_inputs(rng):
-    ws, bs = _np_weights((3, 4, 2), rng)
+@pytest.mark.parametrize("parameterization", ["ntk", "standard"])
+@pytest.mark.parametrize("activation", ["gelu", "tanh", "relu", "erf", "identity"])
+def test_does_not_mutate_inputs(rng, activation, parameterization):
+    """The forward and backward passes update only arrays they made (in place), never the
+    inputs or the parameters (with the standard parameterisation c = 1, the first layer's
+    block input is x itself)."""
+    ws, bs = _np_weights((3, 4, 4, 2), rng)
     x = rng.standard_normal((5, 3))
     copies = [a.copy() for a in [*ws, *bs, x]]
-    net = MLP(ws, bs, activation="gelu")
-    net.jacobian(x).to_dense()
+    net = MLP(ws, bs, activation=activation, parameterization=parameterization)
+    for pseudo in (False, True):
+        net.jacobian(x, pseudo=pseudo).to_dense()
     net(x)
     for a, c in zip([*ws, *bs, x], copies, strict=True):
         np.testing.assert_array_equal(a, c)

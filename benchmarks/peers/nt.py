@@ -135,3 +135,68 @@ def run(
                 with np.load(spec["kernel_out"]) as z:
                     kernels.update({k: z[k] for k in z.files})
     return results, kernels, versions
+
+
+class Interleaved:
+    """A neural-tangents kernel function kept compiled in the peer venv, timed on request.
+
+    ``with Interleaved(weights, biases, x, ...) as peer: peer.time(k)`` runs ``k`` timed calls
+    of implementation ``impl`` and returns their durations in seconds.  Alternating
+    ``peer.time`` with timed calls of ntkcore puts both libraries in the same stretches of
+    machine time, so that slow phases of a shared machine do not favour either side.
+    ``compile_s`` is the first call's duration (tracing, compilation and one run).
+    """
+
+    def __init__(self, weights: list[np.ndarray], biases: list[np.ndarray], x: np.ndarray, *,
+                 scales: list[float], beta: float, activation: str = "tanh", impl: int = 3,
+                 mode: str = "trace", dtype: str = "float32", timeout: float = 600.0) -> None:
+        ok, why = status()
+        if not ok:
+            raise RuntimeError(why)
+        self._tmp = tempfile.TemporaryDirectory(prefix="ntkcore-nt-")
+        tmp = Path(self._tmp.name)
+        arrays = {f"W{i}": w for i, w in enumerate(weights)}
+        arrays.update({f"b{i}": b for i, b in enumerate(biases)})
+        np.savez(tmp / "in.npz", x=x, **arrays)
+        spec = {"input": str(tmp / "in.npz"), "n_layers": len(weights), "activation": activation,
+                "scales": list(scales), "beta": beta, "impls": [impl], "mode": mode,
+                "dtype": dtype, "serve": True}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        self.timeout = timeout
+        self._proc = subprocess.Popen([str(venv_python()), str(RUNNER), str(tmp / "spec.json")],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp)
+        self.compile_s = float(self._reply()["compile_s"])
+
+    def _reply(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            err = self._proc.stderr.read() if self._proc.stderr is not None else ""
+            tail = " ".join(err.strip().splitlines()[-3:])
+            raise RuntimeError(f"neural-tangents runner stopped: {tail}"[:1500])
+        return json.loads(line)
+
+    def time(self, k: int) -> list[float]:
+        """Durations (seconds) of ``k`` timed calls."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"time {int(k)}\n")
+        self._proc.stdin.flush()
+        return [float(t) for t in self._reply()["times"]]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write("quit\n")
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=30)
+            except Exception:
+                self._proc.kill()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Interleaved:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

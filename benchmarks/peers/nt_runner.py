@@ -16,7 +16,14 @@ with ``W_l`` of shape (d_out, d_in) as in ntkcore.models.MLP (NTK parameterisati
 Spec keys: input (npz with W0.., b0.., x), n_layers, activation, scales (c_l list), beta,
 impls (list of 1/2/3), mode ("trace" or "full"), dtype, repeat, warmup, budget_s, memory
 (bool: measure the resident-set growth of one timed call), out (JSON path), kernel_out (npz
-path or null), kernel_rows (int or null: keep only the kernel's leading [:r, :r] block).
+path or null), kernel_rows (int or null: keep only the kernel's leading [:r, :r] block),
+serve (bool, optional).
+
+With ``serve`` (one implementation), the runner compiles the kernel function, prints one
+JSON line ``{"compile_s": ...}`` and then answers requests on stdin, one per line:
+``time K`` runs K timed calls and prints ``{"times": [...]}``; ``quit`` (or end of input)
+stops it.  The caller alternates these requests with its own timed calls, so that both
+libraries are timed in the same stretches of machine time (``nt.Interleaved``).
 """
 
 from __future__ import annotations
@@ -90,6 +97,25 @@ def main(spec_path):
         2: nt.NtkImplementation.NTK_VECTOR_PRODUCTS,
         3: nt.NtkImplementation.STRUCTURED_DERIVATIVES,
     }
+    if spec.get("serve"):
+        (impl,) = spec["impls"]
+        fn = jax.jit(nt.empirical_ntk_fn(apply_fn, trace_axes=trace_axes, vmap_axes=0,
+                                         implementation=impls[int(impl)]))
+        t0 = time.perf_counter()
+        fn(x, None, params).block_until_ready()
+        print(json.dumps({"compile_s": time.perf_counter() - t0}), flush=True)
+        for line in sys.stdin:
+            words = line.split()
+            if not words or words[0] == "quit":
+                break
+            times = []
+            for _ in range(int(words[1])):
+                t0 = time.perf_counter()
+                fn(x, None, params).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            print(json.dumps({"times": times}), flush=True)
+        return
+
     results = []
     kernels = {}
     for impl in spec["impls"]:

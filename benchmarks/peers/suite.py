@@ -29,7 +29,12 @@ case                                       widths               phi     N      m
   Jacobian is 27 GB in float32).
 
 The baseline is neural-tangents' structured derivatives (implementation 3); target for
-ntkcore: >= 1.5x faster.  ``error``: relative Frobenius error against an independent float64
+ntkcore: >= 1.5x faster.  Timing is interleaved: neural-tangents impl 3 stays compiled in a
+runner process (``nt.Interleaved``) and each round gives ntkcore (every backend) and the
+peer one turn of the same number of calls, for about a minute per case; the medians are
+over all rounds.  A shared machine has slow and fast phases (on the development VM the same
+GEMM ran at 83 and at 143 GFLOP/s minutes apart), and timing one library after the other
+let such a phase decide the ratio.  Implementations 1 and 2 are timed in their own runs.  ``error``: relative Frobenius error against an independent float64
 NumPy evaluation of the same per-layer formula written out in this file, on all N samples
 for the trace cases and on the leading (32, 32, O, O) block for the full-mode case (the
 peer's kernel is cropped to that block inside its process, so the 0.4 GB kernel is not
@@ -49,6 +54,8 @@ default 420 s stops it).  ``--case`` selects cases, e.g.
 from __future__ import annotations
 
 import math
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -56,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import Config, asarray, row, to_numpy
+from benchmarks._harness import Config, asarray, row, sync_fn, to_numpy
 from benchmarks.peers import nt
 
 SUITE = "peers"
@@ -182,6 +189,126 @@ def _err_note(p: dict[str, Any]) -> str:
     return ""
 
 
+#: Seconds of interleaved timing per case (all libraries together), and the length of one
+#: library's turn (about a second's worth of calls, at least one).
+INTERLEAVE_BUDGET_S = 60.0
+INTERLEAVE_TURN_S = 1.0
+#: Idle seconds before each turn: BLAS and OpenMP worker threads keep spinning for a while
+#: after a call (OpenBLAS for ~0.1 s), and spinning threads of the previous turn's library
+#: would take a core from the next one.
+INTERLEAVE_PAUSE_S = 0.3
+
+
+def _timing(times: list[float], rounds: int) -> dict[str, Any]:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "repeats": len(times), "timed_calls": f"interleaved, {rounds} rounds"}
+
+
+def _time_calls(fn: Callable[[], Any], backend: str, device: str, k: int) -> list[float]:
+    """Durations of ``k`` calls of ``fn`` (synchronised on asynchronous devices)."""
+    sync = sync_fn(backend, device)
+    out = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        res = fn()
+        if sync:
+            sync()
+        out.append(time.perf_counter() - t0)
+        del res
+    return out
+
+
+def _interleaved_timings(cfg: Config, p: dict[str, Any],
+                         ours: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Time ntkcore (each backend) and neural-tangents impl 3 in alternating turns.
+
+    A shared machine has slow and fast phases lasting seconds to minutes; timing one library
+    after the other lets a phase change decide the ratio.  Each round gives every library
+    one turn of the same number of calls (about ``INTERLEAVE_TURN_S`` of the slowest), and
+    rounds repeat until ``INTERLEAVE_BUDGET_S`` is spent (at least 3 rounds; 1 in quick
+    runs).  Returns the timings, or None if the peer could not be started.
+    """
+    try:
+        peer = nt.Interleaved(p["weights"], p["biases"], p["x"], scales=p["scales"],
+                              beta=p["beta"], activation=p["activation"], mode=p["mode"],
+                              dtype=cfg.dtype)
+    except Exception as exc:
+        print(f"[peers] interleaved neural-tangents runner failed: {exc!r}", file=sys.stderr)
+        return None
+    with peer:
+        slowest = max([o["first_s"] for o in ours.values()] + [0.0])
+        calls = max(1, int(INTERLEAVE_TURN_S / max(slowest, 1e-3)))
+        times: dict[str, list[float]] = {b: [] for b in ours}
+        peer_times: list[float] = []
+        t_start, rounds = time.perf_counter(), 0
+        min_rounds = 1 if cfg.quick else 3
+        while rounds < min_rounds or (
+                not cfg.quick and rounds < 50
+                and time.perf_counter() - t_start < INTERLEAVE_BUDGET_S):
+            for backend, o in ours.items():
+                time.sleep(INTERLEAVE_PAUSE_S)
+                times[backend] += _time_calls(o["fn"], backend, cfg.device, calls)
+            time.sleep(INTERLEAVE_PAUSE_S)
+            peer_times += peer.time(calls)
+            rounds += 1
+    note = (f"; timed interleaved with {BASELINE}: {rounds} rounds of {calls} call(s) per "
+            "library, median over all")
+    return {"ours": {b: _timing(t, rounds) for b, t in times.items()},
+            "peer": _timing(peer_times, rounds), "note": note}
+
+
+def _neural_tangents_rows(cfg: Config, p: dict[str, Any], params: dict[str, Any],
+                          ref: np.ndarray) -> list[dict[str, Any]]:
+    """Rows of neural-tangents' implementations (impls 1/2 skipped where too large)."""
+    case = params["family"]
+    rows: list[dict[str, Any]] = []
+    impls = [1, 2, 3]
+    n, o, n_par = p["n"], params["O"], params["P"]
+    jac_bytes = n * o * n_par * np.dtype(cfg.dtype).itemsize
+    flops = 2.0 * n * n * o * o * n_par  # J J^T, also the order of impl 2's work
+    for impl, why in (
+        (1, jac_bytes > JACOBIAN_LIMIT
+         and f"its N x O x P Jacobian alone is {jac_bytes / 2**30:.1f} GiB"),
+        (1, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (2 N^2 O^2 P)"),
+        (2, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (N^2 O^2 P order)"),
+    ):
+        if why and impl in impls:
+            impls.remove(impl)
+            rows.append(row(
+                SUITE, case, f"neural-tangents impl {impl}", backend="jax", device="cpu",
+                dtype=cfg.dtype, params=params,
+                note=f"{nt.IMPL_NAMES[impl]}: not run: {why}",
+            ))
+    results, kernels, versions = nt.run(
+        p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
+        activation=p["activation"], impls=tuple(impls), mode=p["mode"], dtype=cfg.dtype,
+        repeat=cfg.reps, warmup=0,  # the first (compiling) call is the warm-up
+        budget_s=None if cfg.quick else min(cfg.budget_s or NT_BUDGET_S, NT_BUDGET_S),
+        memory=cfg.memory and not cfg.quick, separate=not cfg.quick,
+        kernel_rows=min(p["n"], N_REF) if p["mode"] == "full" else None,
+    )
+    vers = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "devices")
+    for res in results:
+        impl = f"neural-tangents impl {res['impl']}"
+        name = nt.IMPL_NAMES[res["impl"]]
+        if "error" in res:
+            rows.append(row(SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype,
+                            params=params, note=f"{name}: failed: {res['error'][:300]}"))
+            continue
+        k = kernels.get(f"impl{res['impl']}")
+        timing = {key: res[key] for key in ("median_s", "min_s", "max_s", "repeats")}
+        rows.append(row(
+            SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype, timing=timing,
+            params=params, peak_mem_bytes=res.get("peak_mem_bytes"),
+            mem_method="RSS growth (fresh process)" if "peak_mem_bytes" in res else None,
+            baseline=None if impl == BASELINE else BASELINE,
+            error=None if k is None else _rel(_crop(k, p), ref),
+            note=f"{name}; {p['mode']} eNTK{_err_note(p)}; jit first call "
+                 f"{res.get('compile_s', float('nan')):.2g} s; {vers}",
+        ))
+    return rows
+
+
 def run(cfg: Config) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     if cfg.device != "cpu":
@@ -197,6 +324,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         ref = reference_ntk(p)
         params = _params(p)
         params["family"] = case
+        # ntkcore: the checked first call and the memory run now; the timing below
+        ours: dict[str, dict[str, Any]] = {}
         for backend in cfg.backends:
             if backend not in ("numpy", "torch", "jax", "cupy"):
                 continue
@@ -206,63 +335,31 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             first_s = time.perf_counter() - t0
             err = _rel(_crop(k, p), ref)
             del k
-            # the checked call is the warm-up (or the timing, when over cfg.long_call_s)
-            timing = cfg.time(fn, backend, first_s=first_s)
-            del fn
             mem = cfg.peak_memory(f"{HERE}:ntkcore_case", child_warmup=first_s < cfg.long_call_s,
                                   backend=backend, device=cfg.device, dtype=cfg.dtype, case=case)
+            ours[backend] = {"fn": fn, "first_s": first_s, "error": err, "mem": mem}
+        peer_rows: list[dict[str, Any]] = []
+        interleaved = None
+        if nt_ok:
+            peer_rows = _neural_tangents_rows(cfg, p, params, ref)
+            interleaved = _interleaved_timings(cfg, p, ours)
+        for backend, o in ours.items():
+            if interleaved is not None:
+                timing, how = interleaved["ours"][backend], interleaved["note"]
+            else:
+                timing, how = cfg.time(o["fn"], backend, first_s=o["first_s"]), ""
             rows.append(row(
                 SUITE, case, "ntkcore", backend=backend, device=cfg.device, dtype=cfg.dtype,
-                timing=timing, params=params, peak_mem_bytes=mem, mem_method=cfg.mem_method,
-                baseline=BASELINE if nt_ok else None, error=err,
-                target="speedup >= 1.5" if nt_ok else None,
-                note=f"{p['mode']} eNTK" + _err_note(p)
+                timing=timing, params=params, peak_mem_bytes=o["mem"],
+                mem_method=cfg.mem_method, baseline=BASELINE if nt_ok else None,
+                error=o["error"], target="speedup >= 1.5" if nt_ok else None,
+                note=f"{p['mode']} eNTK" + _err_note(p) + how
                 + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),
             ))
-        if not nt_ok:
-            continue
-        impls = [1, 2, 3]
-        n, o, n_par = p["n"], params["O"], params["P"]
-        jac_bytes = n * o * n_par * np.dtype(cfg.dtype).itemsize
-        flops = 2.0 * n * n * o * o * n_par  # J J^T, also the order of impl 2's work
-        for impl, why in (
-            (1, jac_bytes > JACOBIAN_LIMIT
-             and f"its N x O x P Jacobian alone is {jac_bytes / 2**30:.1f} GiB"),
-            (1, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (2 N^2 O^2 P)"),
-            (2, flops > FLOP_LIMIT and f"~{flops / 1e12:.1f} TFLOP per call (N^2 O^2 P order)"),
-        ):
-            if why and impl in impls:
-                impls.remove(impl)
-                rows.append(row(
-                    SUITE, case, f"neural-tangents impl {impl}", backend="jax", device="cpu",
-                    dtype=cfg.dtype, params=params,
-                    note=f"{nt.IMPL_NAMES[impl]}: not run: {why}",
-                ))
-        results, kernels, versions = nt.run(
-            p["weights"], p["biases"], p["x"], scales=p["scales"], beta=p["beta"],
-            activation=p["activation"], impls=tuple(impls), mode=p["mode"], dtype=cfg.dtype,
-            repeat=cfg.reps, warmup=0,  # the first (compiling) call is the warm-up
-            budget_s=None if cfg.quick else min(cfg.budget_s or NT_BUDGET_S, NT_BUDGET_S),
-            memory=cfg.memory and not cfg.quick, separate=not cfg.quick,
-            kernel_rows=min(p["n"], N_REF) if p["mode"] == "full" else None,
-        )
-        vers = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "devices")
-        for res in results:
-            impl = f"neural-tangents impl {res['impl']}"
-            name = nt.IMPL_NAMES[res["impl"]]
-            if "error" in res:
-                rows.append(row(SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype,
-                                params=params, note=f"{name}: failed: {res['error'][:300]}"))
-                continue
-            k = kernels.get(f"impl{res['impl']}")
-            timing = {key: res[key] for key in ("median_s", "min_s", "max_s", "repeats")}
-            rows.append(row(
-                SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype, timing=timing,
-                params=params, peak_mem_bytes=res.get("peak_mem_bytes"),
-                mem_method="RSS growth (fresh process)" if "peak_mem_bytes" in res else None,
-                baseline=None if impl == BASELINE else BASELINE,
-                error=None if k is None else _rel(_crop(k, p), ref),
-                note=f"{name}; {p['mode']} eNTK{_err_note(p)}; jit first call "
-                     f"{res.get('compile_s', float('nan')):.2g} s; {vers}",
-            ))
+        ours.clear()
+        for r in peer_rows:
+            if interleaved is not None and r["impl"] == BASELINE and "median_s" in r:
+                r.update(interleaved["peer"])
+                r["note"] += interleaved["note"]
+            rows.append(r)
     return rows
