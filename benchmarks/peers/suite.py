@@ -34,7 +34,8 @@ runner process (``nt.Interleaved``) and each round gives ntkcore (every backend)
 peer one turn of the same number of calls, for about a minute per case; the medians are
 over all rounds.  A shared machine has slow and fast phases (on the development VM the same
 GEMM ran at 83 and at 143 GFLOP/s minutes apart), and timing one library after the other
-let such a phase decide the ratio.  Implementations 1 and 2 are timed in their own runs.  ``error``: relative Frobenius error against an independent float64
+let such a phase decide the ratio.  Implementations 1 and 2 are timed in their own runs.
+``error``: relative Frobenius error against an independent float64
 NumPy evaluation of the same per-layer formula written out in this file, on all N samples
 for the trace cases and on the leading (32, 32, O, O) block for the full-mode case (the
 peer's kernel is cropped to that block inside its process, so the 0.4 GB kernel is not
@@ -63,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import Config, asarray, row, sync_fn, to_numpy
+from benchmarks._harness import Config, _block, asarray, row, sync_fn, to_numpy
 from benchmarks.peers import nt
 
 SUITE = "peers"
@@ -210,11 +211,10 @@ def _time_calls(fn: Callable[[], Any], backend: str, device: str, k: int) -> lis
     out = []
     for _ in range(k):
         t0 = time.perf_counter()
-        res = fn()
+        _block(fn())  # JAX dispatches asynchronously
         if sync:
             sync()
         out.append(time.perf_counter() - t0)
-        del res
     return out
 
 
