@@ -78,7 +78,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import array_api_compat
@@ -343,6 +343,52 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
                     symmetric=symmetric, working_bytes=int(working * itemsize),
                     budget_bytes=int(budget), flops=float(flops),
                     flops_all_tiles=float(flops_all), panels=panels)
+
+
+#: Plans by problem shape: repeated calls on same-shaped Jacobians (SENG refreshes, KIP
+#: steps, kernel tiles) skip the cost model, whose Python evaluation costs ~0.3 ms.
+_PLAN_CACHE: dict[tuple[Any, ...], GramPlan] = {}
+_PLAN_CACHE_SIZE = 256
+_BUDGET_BITS = 6
+
+
+def _pair_key(pair: _Pair) -> tuple[Any, ...]:
+    """What the cost model reads of a block pair."""
+    b1, b2 = pair.b1, pair.b2
+    if not pair.kronecker:
+        return ("dense", b1.num_params)
+    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out)
+
+
+def _round_budget(budget: int) -> int:
+    """``budget`` rounded down to ``_BUDGET_BITS`` significant bits (at most 3% less)."""
+    drop = max(0, int(budget).bit_length() - _BUDGET_BITS)
+    return (int(budget) >> drop) << drop
+
+
+def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
+                 layerwise: bool, budget: int, itemsize: int, forced: str | None, gpu: bool,
+                 writable: bool, default_budget: bool) -> GramPlan:
+    """:func:`_make_plan`, memoised on the problem's shape.
+
+    A default budget (a share of the free memory, which changes from call to call) is
+    rounded down to ``_BUDGET_BITS`` significant bits for planning, so that calls in the same
+    memory situation share a plan; an explicit ``max_memory`` is used as given.  The module
+    constants that steer the plan are part of the key.
+    """
+    plan_budget = _round_budget(budget) if default_budget else int(budget)
+    key = (tuple(_pair_key(p) for p in pairs), mode, o, n1, n2, symmetric, layerwise,
+           plan_budget, itemsize, forced, gpu, writable, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
+           tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
+           SYMMETRIC_MAX_PANELS)
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        plan = _make_plan(pairs, mode, o, n1, n2, symmetric, layerwise, plan_budget, itemsize,
+                          forced, gpu, writable)
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = plan
+    return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
 
 
 def _panel_bounds(start: int, stop: int, panels: int) -> list[int]:
@@ -625,8 +671,8 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
             gpu = bool(backend.is_gpu(device))
         except Exception:
             gpu = False
-        plan = _make_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
-                          strategy, gpu, _writable(xp, out_dtype, device))
+        plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
+                            strategy, gpu, _writable(xp, out_dtype, device), max_memory is None)
     return _Setup(xp, _Ops(xp, backend.name), pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 

@@ -49,7 +49,6 @@ __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 _NONFINITE_U = ("U contains NaN or Inf (or entries so large that their squares overflow "
                 "the dtype)")
 _SYRK_BLOCK = 128  # column-block width of the blocked symmetric Gram
-_DIRECT_GRAM_MACS = 1 << 28  # Jacobian Grams up to this size skip the gram engine's planning
 
 
 # -- the symmetric Gram U^T U ---------------------------------------------------------------
@@ -80,40 +79,20 @@ def sym_gram(xp: Any, u: Array) -> Array:
 
 
 def _jacobian_gram(J: Jacobian) -> Array:
-    r"""(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o).
+    r"""(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o): :func:`ntkcore.gram` in
+    ``"full"`` mode, (N, N, O, O) -> (N, O, N, O) -> (N O, N O).
 
-    Blocks that need no planning are summed here directly (SENG refreshes small systems
-    often, and the gram engine's tiling/memory model costs more than the products there):
-
-    * dense block (N, O, P_b): :math:`J_b J_b^\top` with J_b reshaped to (N O, P_b);
-    * Kronecker block with one position and one output (a dense layer's per-sample loss
-      gradients): :math:`(G G^\top) \odot (A A^\top)`, A = a (N, d_in), G = g (N, d_out).
-
-    Any other block (S > 1 positions, or O > 1 outputs on a Kronecker block), or more than
-    ``_DIRECT_GRAM_MACS`` multiply-adds in all, sends the whole Jacobian to
-    :func:`ntkcore.gram` (mode ``"full"``), which tiles, uses symmetric products and picks a
-    strategy; its fixed cost is negligible there.
+    The gram engine handles every block kind (dense, Kronecker with or without weight
+    sharing), uses the symmetry and bounds memory; for SENG's small refresh systems its
+    per-call overhead (a cached plan) is about 0.1 ms.
     """
-    xp = J.xp
-    n, o = J.num_samples, J.num_outputs
-    direct = all(isinstance(b, DenseBlock)
-                 or (b.num_positions == 1 and b.num_outputs == 1) for b in J.blocks)
-    direct = direct and (n * o) ** 2 * J.num_params <= _DIRECT_GRAM_MACS
-    if direct:
-        total = None
-        for b in J.blocks:
-            if isinstance(b, DenseBlock):
-                x = xp.reshape(b.jac, (n * o, b.num_params))
-                part = x @ xp.matrix_transpose(x)
-            else:
-                a = xp.reshape(b.a, (n, b.d_in))
-                g = xp.reshape(b.g, (n, b.d_out))
-                part = (g @ xp.matrix_transpose(g)) * (a @ xp.matrix_transpose(a))
-            total = part if total is None else total + part
-        return total
     from .gram import gram
 
+    xp = J.xp
+    n, o = J.num_samples, J.num_outputs
     k = gram(J, mode="full")  # (N, N, O, O)
+    if o == 1:
+        return xp.reshape(k, (n, n))
     return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
 
 

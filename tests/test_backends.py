@@ -123,3 +123,18 @@ def test_import_ntkcore_does_not_import_frameworks():
     code = ("import sys, ntkcore; bad=[m for m in ('torch','jax','cupy') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_host_free_memory_reading_is_reused_briefly(monkeypatch):
+    from ntkcore.backends import _host
+
+    reads = []
+    monkeypatch.setattr(_host, "_read_free_memory", lambda: reads.append(1) or 1000 * len(reads))
+    monkeypatch.setattr(_host, "_last", None)
+    clock = [100.0]
+    monkeypatch.setattr(_host, "_clock", lambda: clock[0])
+    assert _host.host_free_memory() == 1000
+    clock[0] += _host.FREE_MEMORY_TTL_S / 2
+    assert _host.host_free_memory() == 1000 and len(reads) == 1
+    clock[0] += _host.FREE_MEMORY_TTL_S
+    assert _host.host_free_memory() == 2000 and len(reads) == 2

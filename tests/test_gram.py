@@ -569,3 +569,31 @@ def test_panel_fraction():
     for k in range(3):
         covered[b[k]:b[k + 1], b[k]:] += 1
     assert (np.triu(covered) == np.triu(np.ones((7, 7), int))).all()
+
+
+def test_plans_are_reused_by_shape(monkeypatch, rng):
+    """Same-shaped Jacobians share a plan (the cost model runs once); a new shape, budget
+    or steering constant makes a new one; an explicit budget is reported as given."""
+    import sys
+
+    gram_module = sys.modules["ntkcore.gram"]
+    spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("dense", 5)]}
+    j1 = to_jacobian_np(make_factors(spec, 9, rng))
+    j2 = to_jacobian_np(make_factors(spec, 9, rng))
+    p1 = plan_gram(j1, mode="full", max_memory=12_345)
+    assert p1.budget_bytes == 12_345
+    assert plan_gram(j2, mode="full", max_memory=12_345) is p1
+    assert plan_gram(j1, mode="trace", max_memory=12_345) is not p1
+    assert plan_gram(to_jacobian_np(make_factors(spec, 10, rng)), mode="full",
+                     max_memory=12_345) is not p1
+    calls = []
+    real = gram_module._make_plan
+    monkeypatch.setattr(gram_module, "_make_plan", lambda *a: calls.append(a) or real(*a))
+    plan_gram(j2, mode="full", max_memory=12_345)
+    assert calls == []
+    monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 3)
+    plan_gram(j2, mode="full", max_memory=12_345)
+    assert len(calls) == 1
+    # a default budget is planned with its leading bits only, and reported exactly
+    assert gram_module._round_budget(0b1011011_1111) == 0b1011010_0000
+    assert gram_module._round_budget(40) == 40
