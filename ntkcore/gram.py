@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -508,6 +508,33 @@ def _per_sample_weights(xp: Any, a: Array, g: Array) -> Array:
     return xp.reshape(gt @ a, (n, o, dout * din))
 
 
+def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
+    """Samples ``sl`` of a factor, in the compute dtype."""
+    x = x[sl, ...]
+    return x if x.dtype == dtype else xp.astype(x, dtype)
+
+
+def _panel_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
+                 panels: list[tuple[slice, slice, int]], dtype: Any,
+                 mode: str) -> Iterator[Array]:
+    """One block's tiles for the row panels of the diagonal tile ``rows``, in order.
+
+    Materialised per-sample weights are computed once for the whole tile and sliced for
+    each panel (both sides of every panel lie within the tile's rows).
+    """
+    if strategy != "materialise":
+        for prs, pcs, _ in panels:
+            yield _block_tile(ops, strategy, pair, prs, pcs, False, dtype, mode)
+        return
+    xp = ops.xp
+    w = _per_sample_weights(xp, _take(xp, pair.b1.a, rows, dtype),
+                            _take(xp, pair.b1.g, rows, dtype))
+    r0 = rows.start
+    for prs, pcs, _ in panels:
+        yield _dense_tile(ops, w[prs.start - r0:prs.stop - r0, ...],
+                          w[pcs.start - r0:pcs.stop - r0, ...], mode)
+
+
 def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
                 same: bool, dtype: Any, mode: str) -> Array:
     """One block's contribution to the tile (rows, cols).
@@ -519,8 +546,7 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
     xp = ops.xp
 
     def take(x: Array, sl: slice) -> Array:
-        x = x[sl, ...]
-        return x if x.dtype == dtype else xp.astype(x, dtype)
+        return _take(xp, x, sl, dtype)
 
     if strategy == "dense":
         j1 = take(pair.b1.jac, rows)
@@ -796,21 +822,24 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             same = symmetric and i == j
             mirror = 0 if symmetric and not same else None
             if same and writable and plan.panels > 1:
-                # the diagonal tile as row panels against the columns to its right
-                for prs, pcs, off in panels_of(rs):
-                    acc = None
-                    for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs,
-                                                          strict=True)):
-                        t = _block_tile(st.ops, strat, pair, prs, pcs, False, st.dtype, mode)
+                # the diagonal tile as row panels against the columns to their right; blocks
+                # outside, so that a block's per-tile work (materialising) is done once
+                plist = panels_of(rs)
+                accs: list[Array | None] = [None] * len(plist)
+                for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs,
+                                                      strict=True)):
+                    tiles = _panel_tiles(st.ops, strat, pair, rs, plist, st.dtype, mode)
+                    for k, t in enumerate(tiles):
                         if layerwise:
-                            place(prs, pcs, fix(t), b, off)
-                        elif acc is None:
-                            acc = t
+                            place(plist[k][0], plist[k][1], fix(t), b, plist[k][2])
+                        elif accs[k] is None:
+                            accs[k] = t
                         else:
-                            acc += t  # acc is this loop's own array
+                            accs[k] += t  # this loop's own array
                         del t
-                    if not layerwise:
-                        place(prs, pcs, fix(acc), None, off)
+                if not layerwise:
+                    for (prs, pcs, off), acc_k in zip(plist, accs, strict=True):
+                        place(prs, pcs, fix(acc_k), None, off)
                 if report is not None:
                     report(done, len(todo))
                 continue

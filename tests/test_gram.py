@@ -544,6 +544,9 @@ def test_diagonal_tiles_in_row_panels(monkeypatch, backend, rng, mode, layerwise
             unpaneled = plan_gram(j, mode=mode, layerwise=layerwise, max_memory=budget)
             monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 4)
             assert unpaneled.panels == 1 and plan.flops < unpaneled.flops
+        for strategy in ("positions", "materialise"):  # materialised weights: once a tile
+            ks = _gram(j, mode=mode, layerwise=layerwise, max_memory=budget, strategy=strategy)
+            np.testing.assert_allclose(backend.to_numpy(ks), ref, rtol=1e-10, atol=1e-10)
         k = backend.to_numpy(ntkcore.gram(j, mode=mode, layerwise=layerwise,
                                           max_memory=budget))
         np.testing.assert_allclose(k, ref, rtol=1e-10, atol=1e-10)
