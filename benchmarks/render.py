@@ -456,8 +456,14 @@ bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDI
   `lax.dot_general(x, W)` and the kernel function is built with `vmap_axes=0`, so that the
   structured rules apply; the first (compiling) call is excluded from the timing. The runner
   replaces `neural_tangents.experimental` (the TensorFlow bridge, unused here) by an empty
-  module so that TensorFlow is not imported (it costs ~15 s per process). Without the venv the
-  suite still runs ntkcore and says in its notes why neural-tangents was not run.
+  module so that TensorFlow is not imported (it costs ~15 s per process). Implementation 3
+  (the baseline) is timed *interleaved* with ntkcore: its runner stays up with the compiled
+  kernel function and answers "time k" requests, and each round gives every ntkcore backend
+  and the peer one turn of the same number of calls (0.3 s idle before each turn, so that
+  spinning BLAS threads of the previous turn do not take a core), for about a minute per
+  case; medians are over all rounds. Timing one library after the other let the machine's
+  slow and fast phases decide the ratio. Without the venv the suite still runs ntkcore and
+  says in its notes why neural-tangents was not run.
 - **PyTorch** (suite `ntk`): `torch.func` Jacobian contraction (`vmap(jacrev)` + one GEMM)
   and NTK-vector products, on the same `torch.nn` models.
 - **Regression** (suite `regression`): scipy `cho_factor`/`cho_solve`, a dense LU solve, and

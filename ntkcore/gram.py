@@ -804,11 +804,14 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     def place(rs: slice, cs: slice, t: Array, b: int | None, mirror: int | None) -> None:
         """Write tile ``t`` (rows rs, cols cs) and, from column offset ``mirror`` on, its
         transpose below the diagonal; ``b`` is the block index when layerwise."""
-        lead_ix = () if b is None else (b,)
-        out[(*lead_ix, rs, cs, ...)] = t  # type: ignore[index]
+        lead_ix: tuple[int, ...] = () if b is None else (b,)
+        upper = (*lead_ix, rs, cs, Ellipsis)
+        out[upper] = t  # type: ignore[index]
         if mirror is not None and mirror < cs.stop - cs.start:
             low = slice(cs.start + mirror, cs.stop)
-            out[(*lead_ix, low, rs, ...)] = xp.permute_dims(t[:, mirror:, ...], swap1)  # type: ignore
+            mirrored = xp.permute_dims(t[:, mirror:, ...], swap1)
+            lower = (*lead_ix, low, rs, Ellipsis)
+            out[lower] = mirrored  # type: ignore[index]
 
     def panels_of(rs: slice) -> list[tuple[slice, slice, int]]:
         """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
@@ -828,8 +831,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                 accs: list[Array | None] = [None] * len(plist)
                 for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs,
                                                       strict=True)):
-                    tiles = _panel_tiles(st.ops, strat, pair, rs, plist, st.dtype, mode)
-                    for k, t in enumerate(tiles):
+                    panel_tiles = _panel_tiles(st.ops, strat, pair, rs, plist, st.dtype, mode)
+                    for k, t in enumerate(panel_tiles):
                         if layerwise:
                             place(plist[k][0], plist[k][1], fix(t), b, plist[k][2])
                         elif accs[k] is None:

@@ -41,14 +41,12 @@ for the trace cases and on the leading (32, 32, O, O) block for the full-mode ca
 peer's kernel is cropped to that block inside its process, so the 0.4 GB kernel is not
 copied back).
 
-Duration (2 shared AMD cores, float32, numpy/torch/jax, memory on): the two trace cases
-took 108 s together in the last full run (neural-tangents' JIT compilation and its impls 1/2
-on the 6x512 MLP included).  The full-mode case is heavier: its kernel has 105 M entries
-(0.4 GB); one ntkcore call took 30 s (numpy) and 45 s (torch) on the machine loaded ~4x, so
-~10 s quiet, and each backend costs a checked call, up to two timed calls and a memory run:
-~3 min for the three backends plus neural-tangents impl 3 (compilation, calls and memory in
-its own process, ~1-2 min): ~6 min for the suite.  Run it with ``--suite-timeout 900`` (the
-default 420 s stops it).  ``--case`` selects cases, e.g.
+Duration (2 shared AMD cores, float32, numpy/torch/jax, memory on): 394 s for the three
+cases in the last full run, about 2 min of it interleaved timing (one minute per trace case,
+three rounds of the full-mode case), the rest neural-tangents' compilation, its impls 1/2 on
+the 6x512 MLP, and a fresh-process memory run per backend.  The full-mode kernel has 105 M
+entries (0.4 GB); one ntkcore call takes ~3 s and one neural-tangents call ~8 s.  Run it with
+``--suite-timeout 900`` (the default 420 s may stop it).  ``--case`` selects cases, e.g.
 ``python -m benchmarks --suite peers --case "784-512"``.
 """
 
