@@ -514,23 +514,25 @@ def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     return x if x.dtype == dtype else xp.astype(x, dtype)
 
 
-def _panel_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
-                 panels: list[tuple[slice, slice, int]], dtype: Any,
+def _piece_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
+                 pieces: list[tuple[slice, slice, int | None]], same: bool, dtype: Any,
                  mode: str) -> Iterator[Array]:
-    """One block's tiles for the row panels of the diagonal tile ``rows``, in order.
+    """One block's tiles for the pieces (rows, cols, mirror) of the tile ``rows``, in order.
 
-    Materialised per-sample weights are computed once for the whole tile and sliced for
-    each panel (both sides of every panel lie within the tile's rows).
+    ``same``: the single piece is a diagonal tile itself (self-products).  Several pieces are
+    the row panels of a diagonal tile; materialised per-sample weights are then computed
+    once for the whole tile and sliced for each panel (both sides of every panel lie within
+    the tile's rows).
     """
-    if strategy != "materialise":
-        for prs, pcs, _ in panels:
-            yield _block_tile(ops, strategy, pair, prs, pcs, False, dtype, mode)
+    if strategy != "materialise" or len(pieces) == 1:
+        for prs, pcs, _ in pieces:
+            yield _block_tile(ops, strategy, pair, prs, pcs, same, dtype, mode)
         return
     xp = ops.xp
     w = _per_sample_weights(xp, _take(xp, pair.b1.a, rows, dtype),
                             _take(xp, pair.b1.g, rows, dtype))
     r0 = rows.start
-    for prs, pcs, _ in panels:
+    for prs, pcs, _ in pieces:
         yield _dense_tile(ops, w[prs.start - r0:prs.stop - r0, ...],
                           w[pcs.start - r0:pcs.stop - r0, ...], mode)
 
@@ -813,7 +815,7 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             lower = (*lead_ix, low, rs, Ellipsis)
             out[lower] = mirrored  # type: ignore[index]
 
-    def panels_of(rs: slice) -> list[tuple[slice, slice, int]]:
+    def panels_of(rs: slice) -> list[tuple[slice, slice, int | None]]:
         """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
         b = _panel_bounds(rs.start, rs.stop, plan.panels)
         return [(slice(b[k], b[k + 1]), slice(b[k], rs.stop), b[k + 1] - b[k])
@@ -823,51 +825,36 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
         for done, (i, j) in enumerate(todo, start=1):
             rs, cs = row_sl[i], col_sl[j]
             same = symmetric and i == j
-            mirror = 0 if symmetric and not same else None
             if same and writable and plan.panels > 1:
-                # the diagonal tile as row panels against the columns to their right; blocks
-                # outside, so that a block's per-tile work (materialising) is done once
-                plist = panels_of(rs)
-                accs: list[Array | None] = [None] * len(plist)
-                for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs,
-                                                      strict=True)):
-                    panel_tiles = _panel_tiles(st.ops, strat, pair, rs, plist, st.dtype, mode)
-                    for k, t in enumerate(panel_tiles):
-                        if layerwise:
-                            place(plist[k][0], plist[k][1], fix(t), b, plist[k][2])
-                        elif accs[k] is None:
-                            accs[k] = t
-                        else:
-                            accs[k] += t  # this loop's own array
-                        del t
-                if not layerwise:
-                    for (prs, pcs, off), acc_k in zip(plist, accs, strict=True):
-                        place(prs, pcs, fix(acc_k), None, off)
-                if report is not None:
-                    report(done, len(todo))
-                continue
-            acc = None
+                # the diagonal tile as row panels against the columns to their right
+                pieces = panels_of(rs)
+            else:  # the whole tile; off the diagonal of a symmetric kernel, mirrored whole
+                pieces = [(rs, cs, 0 if symmetric and not same else None)]
+            accs: list[Array | None] = [None] * len(pieces)
             parts = []
+            # blocks outside, pieces inside: a block's per-tile work is done once
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
-                t = _block_tile(st.ops, strat, pair, rs, cs, same, st.dtype, mode)
-                if layerwise:
-                    t = fix(t)
-                    if writable:
-                        place(rs, cs, t, b, mirror)
+                block_tiles = _piece_tiles(st.ops, strat, pair, rs, pieces,
+                                           same and len(pieces) == 1, st.dtype, mode)
+                for k, t in enumerate(block_tiles):
+                    if layerwise:
+                        t = fix(t)
+                        if writable:
+                            place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
+                        else:
+                            parts.append(t)
+                    elif accs[k] is None:
+                        accs[k] = t
                     else:
-                        parts.append(t)
-                elif acc is None:
-                    acc = t
-                else:
-                    acc += t  # acc is this loop's own array (a block tile computed above)
-                del t  # free the block tile before the next block's working set is allocated
+                        accs[k] += t  # this loop's own array (a block tile computed above)
+                    del t  # free the block tile before the next one is allocated
             if not layerwise:
-                assert acc is not None
-                acc = fix(acc)
-                if writable:
-                    place(rs, cs, acc, None, mirror)
-                else:
-                    grid[(i, j)] = acc
+                for (prs, pcs, off), acc in zip(pieces, accs, strict=True):
+                    assert acc is not None
+                    if writable:
+                        place(prs, pcs, fix(acc), None, off)
+                    else:
+                        grid[(i, j)] = fix(acc)
             elif not writable:
                 grid[(i, j)] = xp.stack(parts, axis=0)
             if report is not None:
