@@ -13,7 +13,9 @@ is no loop over samples.
 module                 block
 =====================  ===================================================================
 ``nn.Linear``          :class:`~ntkcore.KroneckerBlock`; input (N, *mid, d_in) gives
-                       S = prod(mid) positions (S = 1 on (N, d_in), S = T on (N, T, d)).
+                       S = prod(mid) positions (S = 1 on (N, d_in), S = T on (N, T, d));
+                       the sample axis may be any non-feature axis (a sequence-first
+                       (T, N, d) input gives S = T too; see "The sample axis" below).
 ``nn.Conv1d/2d/3d``    KroneckerBlock on unfolded patches: a (N, L, C_in*k), L the number of
                        output positions; stride, dilation, padding (ints, ``'same'``,
                        ``'valid'``) and every ``padding_mode``.  Its g (N, L, O, C_out) is a
@@ -35,7 +37,14 @@ anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (LayerNorm over several axes, BatchNorm in eval
                        mode, custom modules, bare ``nn.Parameter``, subclasses overriding
-                       ``forward``).
+                       ``forward``).  Where ``torch.func`` cannot run the model (it raises
+                       for ``nn.GRU`` / ``nn.RNN`` / stacked or bidirectional ``nn.LSTM``
+                       with the default ``hx`` and ``nn.PReLU`` in torch 2.13, and for
+                       data-dependent control flow such as ``if x.isfinite().all():``), the
+                       same DenseBlocks come from plain autograd, one sample and one output
+                       at a time: exact, silent, N * O backward passes.  An error the model
+                       also raises on one sample is raised (with the ``torch.func`` error as
+                       its context); out-of-memory errors are not retried.
 =====================  ===================================================================
 
 A module called several times (tied weights) gets one block whose positions are the
@@ -43,7 +52,34 @@ concatenation of all calls along S: :math:`\partial f/\partial W = \sum_{calls}\
 is exactly the Kronecker sum over the concatenated positions.  A structured module falls back to
 a DenseBlock when its weight is also used outside its own ``forward`` (the number of uses in the
 autograd graph differs from the number of hooked calls), when a parameter is registered in
-several modules, or when a call's input does not lead with the sample axis N.
+several modules, or when one of its calls has no sample axis (below).
+
+The sample axis
+---------------
+A hooked call is a Kronecker factor only if its input and output carry the sample axis: slice n
+of the output along that axis must be computed from sample n alone, so that the output
+gradient g[n] taken there is :math:`\partial f(x_n)/\partial y_n`.  A length equal to N proves
+nothing: a positional table ``pos(torch.arange(T))`` or a fixed buffer (T, d) fed to a Linear
+has a first axis of length N whenever T == N, and a sequence-first (T, N, d) tensor
+(``nn.TransformerEncoderLayer`` with ``batch_first=False``, ``nn.MultiheadAttention``) leads
+with T.  So, after the real pass, the model runs once more on p != N samples (p = 1, or 2 when
+N = 1), the calls of each module are matched by order, and a call's sample axis is the one axis
+of both its input and its output whose length is N in the real pass and p in the probe, every
+other axis unchanged.  Then:
+
+* that axis is 0: the block is built as above;
+* it is another axis (Linear / Embedding / LayerNorm on a sequence-first tensor): the same
+  block from views with that axis moved to the front, a (N, S, d_in) and g (N, S, O, d_out);
+* there is none (the input is shared by all samples, or a sample axis merged with another, as
+  in a (N*T, d) reshape), a convolution's sample axis is not axis 0, the probe calls the module
+  a different number of times, or the probe itself fails: the module becomes a DenseBlock.
+
+The probe costs one forward pass on p samples, and its answer does not depend on N, so every
+batch, and both sides of a cross kernel, get the same blocks.  What it does not check is that
+slice n of a layer output feeds only output n: samples that interact through batch statistics
+are refused (BatchNorm in training mode, Dropout), but a model that, say, applies a Linear to a
+table expanded to (N, T, d) and then feeds row 0 of the result to every sample would be taken
+at its word.
 
 Block order and parameter layout
 --------------------------------
@@ -272,6 +308,76 @@ def _graph_uses(out: torch.Tensor) -> tuple[set[Any], dict[int, int]]:
 
 
 # --------------------------------------------------------------------------------------------
+# the sample axis of each hooked call
+# --------------------------------------------------------------------------------------------
+def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int) -> int | None:
+    """The axis of a tensor that has length ``n`` in the real pass (N samples) and ``p`` in the
+    probe (p != N samples), every other axis having the same length in both; else None."""
+    if len(real) != len(probe):
+        return None
+    diff = [k for k, (r, q) in enumerate(zip(real, probe, strict=True)) if r != q]
+    if len(diff) != 1 or real[diff[0]] != n or probe[diff[0]] != p:
+        return None
+    return diff[0]
+
+
+def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                 used: dict[str, list[int]]) -> dict[str, list[int]]:
+    r"""The sample axis of every used call of each unit, for the units where it exists.
+
+    A length equal to N proves nothing (a positional table ``pos(arange(T))`` or a buffer
+    (T, d) with T == N, a sequence-first (T, N, d) tensor), so the model is run a second time
+    on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) with the same hooks,
+    and the calls of each unit are matched by order.  The sample axis of a call is the one
+    axis of its input *and* output that has length N in the real pass and p in the probe,
+    every other axis being unchanged (:func:`_tracking_axis`).  A unit gets a list of axes
+    (one per call in ``used[path]``, indices into ``units[path].calls``) only if every used
+    call has one, at the same position in input and output, and not a feature axis (a
+    convolution needs axis 0); otherwise it is left out and becomes a DenseBlock.  So is every
+    unit when the probe fails or calls a unit a different number of times.
+
+    Why that is exact: with samples independent, slice n of the layer output along that axis
+    influences only f(x_n), so :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`
+    with both factors taken with the sample axis moved to the front.  A call with no such
+    axis has an input shared by all samples: no per-sample factor exists.  The result does not
+    depend on N (the same units, for any N), so Jacobians of different batches concatenate.
+    The probe costs one forward pass on p samples.
+    """
+    from dataclasses import replace
+
+    n = int(x.shape[0])
+    p = 2 if n == 1 else 1
+    first = x.detach()[:1]
+    xp = torch.cat([first] * p) if p > 1 else first.clone()
+    probe_units = {path: replace(u, calls=[]) for path, u in units.items() if path in used}
+    try:
+        _run_forward(model, xp, probe_units, clone=False)
+    except Exception:
+        # A model that cannot run on p samples: no axis is proven, every unit goes dense; the
+        # dense path runs the model sample by sample and raises the model's own error if any.
+        return {}
+    axes: dict[str, list[int]] = {}
+    for path, idx in used.items():
+        unit, calls, probes = units[path], units[path].calls, probe_units[path].calls
+        if len(calls) != len(probes):
+            continue
+        found: list[int] = []
+        for i in idx:
+            a_ax = _tracking_axis(tuple(calls[i].a.shape), tuple(probes[i].a.shape), n, p)
+            y_ax = _tracking_axis(tuple(calls[i].y.shape), tuple(probes[i].y.shape), n, p)
+            if a_ax is None or a_ax != y_ax:
+                break
+            if isinstance(unit.module, _CONV) and a_ax != 0:
+                break  # (N, C, *L) is the only batched layout of a convolution
+            if isinstance(unit.module, nn.Linear | nn.LayerNorm) and a_ax == calls[i].a.ndim - 1:
+                break  # the feature axis
+            found.append(a_ax)
+        else:
+            axes[path] = found
+    return axes
+
+
+# --------------------------------------------------------------------------------------------
 # factors
 # --------------------------------------------------------------------------------------------
 def _conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
@@ -423,13 +529,16 @@ def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
 
 
 def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
-                  pseudo: bool, create_graph: bool, batched: bool) -> list[torch.Tensor]:
+                  pseudo: bool, create_graph: bool, batched: bool,
+                  axes: list[int] | None = None) -> list[torch.Tensor]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
     as g (N, S, O, d_out) (O = 1 for the pseudo-NTK).
 
     ``ys[i]`` is (N, *mid, d_out) for a Linear / Embedding output and (N, C_out, *L) for a
     convolution (``convs[i]``); for a convolution g is a view of an (N, O, C_out, S) array, the
-    layout in which the per-sample weight gradient ``g^T a`` is a plain batched GEMM.
+    layout in which the per-sample weight gradient ``g^T a`` is a plain batched GEMM.  When
+    ``axes[i]`` is not 0, the sample axis of ``ys[i]`` (not a convolution) is that axis, e.g.
+    (T, N, d_out) for a sequence-first layer, and is moved to the front of g.
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
@@ -440,12 +549,16 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
     only the ``ys`` are inputs.
     """
     n, o = out2.shape
+    axes = [0] * len(ys) if axes is None else axes
 
-    def shaped(gr: torch.Tensor, conv: bool, lead: int) -> torch.Tensor:
-        # gr: (lead, *y.shape) -> (N, S, lead, d) with at most one copy (none when lead == 1)
+    def shaped(gr: torch.Tensor, conv: bool, lead: int, ax: int) -> torch.Tensor:
+        # gr: (lead, *y.shape) -> (N, S, lead, d) with at most one copy (none when lead == 1
+        # and the sample axis leads)
         if conv:
             g4 = gr.reshape(lead, n, gr.shape[2], -1).transpose(0, 1)  # (N, lead, C, S)
             return (g4 if lead == 1 else g4.contiguous()).permute(0, 3, 1, 2)
+        if ax:
+            gr = gr.movedim(1 + ax, 1)
         g4 = gr.reshape(lead, n, -1, gr.shape[-1]).permute(1, 2, 0, 3)  # (N, S, lead, d)
         return g4 if lead == 1 else g4.contiguous()
 
@@ -453,7 +566,8 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                     allow_unused=True, materialize_grads=True)
-        return [shaped(gr[None], cv, 1) for gr, cv in zip(grads, convs, strict=True)]
+        return [shaped(gr[None], cv, 1, ax)
+                for gr, cv, ax in zip(grads, convs, axes, strict=True)]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
     if batched:
@@ -463,7 +577,7 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
                 grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                             retain_graph=True, allow_unused=True,
                                             materialize_grads=True, is_grads_batched=True)
-            return [shaped(gr, cv, o) for gr, cv in zip(grads, convs, strict=True)]
+            return [shaped(gr, cv, o, ax) for gr, cv, ax in zip(grads, convs, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
     bufs = []
@@ -471,16 +585,16 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
         if cv:
             bufs.append(y.new_empty((n, o, y.shape[1], y[0, 0].numel())))
         else:
-            bufs.append(y.new_empty((n, y[0].numel() // y.shape[-1], o, y.shape[-1])))
+            bufs.append(y.new_empty((n, y.numel() // (n * y.shape[-1]), o, y.shape[-1])))
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        for buf, gr, cv in zip(bufs, grads, convs, strict=True):
+        for buf, gr, cv, ax in zip(bufs, grads, convs, axes, strict=True):
             if cv:
                 buf[:, k].copy_(gr.reshape(n, gr.shape[1], -1))
             else:
-                buf[:, :, k].copy_(gr.reshape(n, -1, gr.shape[-1]))
+                buf[:, :, k].copy_(gr.movedim(ax, 0).reshape(n, -1, gr.shape[-1]))
     return [buf.permute(0, 3, 1, 2) if cv else buf for buf, cv in zip(bufs, convs, strict=True)]
 
 
@@ -520,15 +634,43 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     return blocks
 
 
+def _dense_blocks_or_autograd(model: nn.Module, x: torch.Tensor,
+                              groups: list[tuple[str, list[str]]], o: int, pseudo: bool,
+                              chunk_size: int | None, create_graph: bool) -> dict[str, DenseBlock]:
+    """:func:`_dense_blocks`, or :func:`_dense_blocks_graph` (plain autograd, one sample at a
+    time) when ``torch.func`` cannot run the model.
+
+    ``vmap(jacrev)`` raises a RuntimeError for ops without a batching rule or whose rule is
+    wrong (torch 2.13: ``nn.GRU`` / ``nn.RNN`` / multi-layer or bidirectional ``nn.LSTM`` with
+    the default ``hx``, ``nn.PReLU``) and for data-dependent Python control flow (``if
+    x.all():``, ``.item()``).  The per-sample path runs the model exactly as the user does, so
+    it is exact wherever the model itself runs on one sample; a genuine error of the model
+    (e.g. a shape that only fits the full batch) is raised again by it, with the ``torch.func``
+    error attached as its context.  Out-of-memory errors are not retried.  The fallback is
+    silent: it is exact, only slower (N * O backward passes instead of a vectorised one).
+    """
+    try:
+        return _dense_blocks(model, x, groups, o, pseudo, chunk_size, create_graph)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        if create_graph:
+            raise  # that was already the per-sample autograd path
+        return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
+
+
 def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
-                        o: int, pseudo: bool) -> dict[str, DenseBlock]:
-    """DenseBlocks that stay differentiable in ``x``: one plain backward per sample and output.
+                        o: int, pseudo: bool, create_graph: bool = True) -> dict[str, DenseBlock]:
+    """DenseBlocks by plain autograd: one backward per sample and output, differentiable in
+    ``x`` when ``create_graph``.
 
     ``torch.func``'s ``vmap`` (also the one inside ``jacrev``/``jacfwd``) composed with an
     outer autograd graph gives wrong gradients with respect to ``x`` for some ops (LayerNorm
     in torch 2.13: the input gradient of its weight-gradient formula), so the graph-keeping
     path uses ordinary ``autograd.grad(..., create_graph=True)``: N * O passes (N * 1 for the
-    pseudo-NTK), meant for the small support sets that require grad.
+    pseudo-NTK), meant for the small support sets that require grad.  With ``create_graph``
+    False it is the fallback for modules that ``torch.func`` cannot run
+    (:func:`_dense_blocks_or_autograd`); the blocks are then detached.
     """
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
@@ -540,9 +682,14 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
             out = model(x[i:i + 1]).reshape(-1)
             if pseudo:
                 out = (out.sum() * scale).reshape(1)
-            per_o = [torch.autograd.grad(out[k], ps, create_graph=True, retain_graph=True,
-                                         allow_unused=True, materialize_grads=True)
-                     for k in range(out.shape[0])]
+            last = out.shape[0] - 1
+            if out.requires_grad:
+                per_o = [torch.autograd.grad(out[k], ps, create_graph=create_graph,
+                                             retain_graph=create_graph or k < last,
+                                             allow_unused=True, materialize_grads=True)
+                         for k in range(out.shape[0])]
+            else:  # no parameter reaches the output: a zero Jacobian
+                per_o = [tuple(torch.zeros_like(q) for q in ps)] * out.shape[0]
             for j, k in enumerate(names):
                 rows[k].append(torch.stack([g[j].reshape(-1) for g in per_o]))
     blocks = {}
@@ -597,8 +744,10 @@ def jacobian(
     Jacobian
         N samples, O outputs, blocks in parameter order (see the module docstring for how
         blocks map to ``model.parameters()``): a KroneckerBlock
-        (a (N, S, d_in), g (N, S, O, d_out)) per Linear / Conv / Embedding module, a
-        DenseBlock (N, O, P_b) for everything else.  Block names are module paths.
+        (a (N, S, d_in), g (N, S, O, d_out)) per Linear / Conv / Embedding module whose
+        calls all have a sample axis (found by a probe forward on p != N samples; see "The
+        sample axis" in the module docstring), a DenseBlock (N, O, P_b) for everything else.
+        Block names are module paths; the blocks do not depend on N.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -629,21 +778,27 @@ def jacobian(
     o = int(math.prod(out.shape[1:]))
     out2 = out.reshape(n, o)
 
-    # Which hooked modules really are Kronecker: every use of the weight is a hooked call whose
-    # input leads with N.
+    # Which hooked modules really are Kronecker: every use of the weight is a hooked call, and
+    # every such call has a sample axis in its input and output, found by a probe at another
+    # batch size (a length equal to N proves nothing; see _sample_axes).
     named = dict(model.named_parameters())
-    kron: dict[str, tuple[_Unit, list[_Call]]] = {}
+    kron: dict[str, tuple[_Unit, list[_Call], list[int]]] = {}
     if units and out.grad_fn is not None:
         reachable, uses = _graph_uses(out)
+        used: dict[str, list[int]] = {}  # indices of the calls that reach the output
         for path, unit in units.items():
-            used = [c for c in unit.calls if c.y.grad_fn is not None and c.y.grad_fn in reachable]
-            if not used:
+            idx = [i for i, c in enumerate(unit.calls)
+                   if c.y.grad_fn is not None and c.y.grad_fn in reachable]
+            if not idx:
                 continue  # falls back to dense (torch.func finds the true, possibly zero, use)
-            if any(uses.get(id(named[nm]), 0) != len(used) for nm in unit.names):
+            if any(uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
                 continue
-            if any(c.a.ndim < 1 or c.a.shape[0] != n or c.y.shape[0] != n for c in used):
-                continue
-            kron[path] = (unit, used)
+            used[path] = idx
+        axes = _sample_axes(model, x, units, used) if used else {}
+        for path, idx in used.items():
+            if path in axes:
+                unit = units[path]
+                kron[path] = (unit, [unit.calls[i] for i in idx], axes[path])
 
     # Blocks in parameter order.
     owners, _ = _owner_map(model)
@@ -670,16 +825,20 @@ def jacobian(
         else:
             batched = backward == "batched"
         convs = [isinstance(kron[p][0].module, _CONV) for p in paths for _ in kron[p][1]]
-        gs = _output_grads(out2, ys, convs, pseudo, create_graph, batched)
+        axes_of = [ax for p in paths for ax in kron[p][2]]
+        gs = _output_grads(out2, ys, convs, pseudo, create_graph, batched, axes_of)
         k = 0
         for p in paths:
-            unit, used = kron[p]
-            blocks[p] = _unit_block(unit, used, gs[k:k + len(used)], n, detach)
-            k += len(used)
+            unit, calls, axs = kron[p]
+            # inputs with the sample axis moved to the front, as the output gradients are
+            front = [c if ax == 0 else _Call(c.a.movedim(ax, 0), c.y, c.a_version, c.y_version)
+                     for c, ax in zip(calls, axs, strict=True)]
+            blocks[p] = _unit_block(unit, front, gs[k:k + len(calls)], n, detach)
+            k += len(calls)
     del out, out2, units
     if dense_groups:
-        blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo,
-                                    chunk_size, create_graph))
+        blocks.update(_dense_blocks_or_autograd(model, x, list(dense_groups.items()), o, pseudo,
+                                                chunk_size, create_graph))
     return Jacobian([blocks[name] for _, name in order])
 
 
