@@ -327,8 +327,13 @@ def test_dense_fallback_when_torch_func_fails(case, pseudo):
     make, inp, expected = FALLBACK[case]
     model = make().to(DT).eval()
     x = inp()
+    before = [(p, p.requires_grad) for p in model.parameters()]
     j = jacobian(model, x, pseudo=pseudo)
     assert kinds(j) == expected
+    # the failed torch.func pass left the model as it was (same parameter objects)
+    after = list(model.parameters())
+    assert len(after) == len(before)
+    assert all(q is p and q.requires_grad == r for (p, r), q in zip(before, after, strict=True))
     # reference: plain autograd, one sample and output at a time (model.parameters() order)
     jr = autograd_jacobian_graph(model, x).detach()
     if pseudo:
