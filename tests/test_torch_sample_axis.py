@@ -263,10 +263,11 @@ def test_differentiable_in_x_with_seq_first_axis():
     j = jacobian(m, x)
     assert kinds(j) == "KK"
     jr = autograd_jacobian_graph(m, x)
-    k, kr = (torch.einsum("nok,mpk->", a, a) for a in (j.to_dense(), jr))
-    (g,) = torch.autograd.grad(k, x)
-    (gr,) = torch.autograd.grad(kr, x)
-    assert rel(k.detach(), kr.detach()) < TOL
+    kk, kr = (torch.einsum("nok,mpk->nmop", a, a) for a in (j.to_dense(), jr))
+    assert rel(kk.detach(), kr.detach()) < TOL
+    w = torch.randn(kk.shape, dtype=DT)  # a scalar that sees every entry of the kernel
+    (g,) = torch.autograd.grad((kk * w).sum(), x)
+    (gr,) = torch.autograd.grad((kr * w).sum(), x)
     assert rel(g, gr) < TOL
 
 
