@@ -227,7 +227,9 @@ def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]
     return units
 
 
-def _check_sample_coupling(model: nn.Module) -> None:
+def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
+    """Raise ValueError naming the first module whose samples interact (BatchNorm with batch
+    statistics) or that is random (Dropout in training mode, unless ``dropout`` is False)."""
     for path, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             if mod.training or not mod.track_running_stats:
@@ -237,7 +239,8 @@ def _check_sample_coupling(model: nn.Module) -> None:
                     "then undefined); call model.eval() first"
                     + ("" if mod.track_running_stats else
                        " (and it needs track_running_stats=True to have running statistics)"))
-        if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training and mod.p > 0:
+        if (dropout and isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training
+                and mod.p > 0):
             raise ValueError(f"module {path!r} is a Dropout in training mode (a random model "
                              "has no fixed Jacobian); call model.eval() first")
 
@@ -258,11 +261,25 @@ _PROVIDER_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("ntkcore_p
 
 
 def model_lock(model: nn.Module) -> threading.RLock:
-    """The re-entrant lock that serialises ntkcore's passes over ``model``.
+    """The re-entrant lock that serialises ntkcore's passes over ``model`` (one per object).
 
     :func:`jacobian` (hence ``ntk``, ``pseudo_ntk``, ``gram`` and KIP) and SENG's
-    per-sample pass hold it while they run the model; hold it yourself to keep your own
-    forward passes of the same model out of those windows.
+    ``torch.func`` pass hold it while they run the model, so concurrent ntkcore calls on one
+    model from several threads give the same results as sequential ones and leave the model
+    unchanged (parameter objects, ``requires_grad``, hooks, buffers, ``training``), also when
+    a call raises or is interrupted.  Hold it yourself around your own forward, backward and
+    optimizer step of the same model when ntkcore calls may run in other threads meanwhile:
+    their ``torch.func`` pass swaps the parameters of non-Kronecker modules in place.  Do not
+    hold it around a backward that runs ntkcore passes itself (KIP's checkpointed kernel): on
+    a GPU that backward runs in another thread, which would wait for the lock forever.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    threading.RLock
     """
     with _LOCKS_GUARD:
         lock = _LOCKS.get(model)
@@ -272,7 +289,11 @@ def model_lock(model: nn.Module) -> threading.RLock:
 
 
 def in_provider_pass() -> bool:
-    """Whether the current thread is inside a pass that ntkcore runs over a model."""
+    """Whether the current thread (context) is inside a pass that ntkcore runs over a model.
+
+    For forward hooks and tensor hooks of your own that should ignore ntkcore's passes, as
+    :class:`~ntkcore.backends.torch_seng.SENG`'s do.
+    """
     return _PROVIDER_PASS.get()
 
 

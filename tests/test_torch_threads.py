@@ -188,3 +188,58 @@ def test_user_hooks_and_training_flags_are_unchanged():
     assert float((ntkcore.pseudo_ntk(model, x) - pseudo).abs().max()) <= tol
     assert calls  # the user's hook ran (on the provider's forwards) and is still there
     _assert_unchanged(model, snap)
+
+
+def test_seng_training_thread_with_concurrent_ntk_calls():
+    # the documented recipe: a training loop that holds model_lock(model) around forward,
+    # backward and step() is unaffected by ntk() calls on the same model in another thread
+    # (without the lock the ntk thread's backward can see step()'s in-place update and raise,
+    # and its torch.func pass can hide the LayerNorm's parameters from the training forward)
+    from ntkcore.backends.torch import SENG
+    from ntkcore.backends.torch_jacobian import model_lock
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 5, generator=gen, dtype=DT)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    x_probe = torch.randn(6, 5, generator=gen, dtype=DT)
+
+    def train(model, lock):
+        opt = SENG(model, lr=0.2, damping=0.5, update_freq=2)
+        for _ in range(6):
+            with lock:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 16), nn.LayerNorm(16), nn.Tanh(),
+                             nn.Linear(16, 3)).to(DT)
+
+    alone = net()
+    train(alone, threading.Lock())
+    model = net()
+    done = threading.Event()
+    errors: list[str] = []
+
+    def probe():
+        try:
+            while not done.is_set():
+                ntkcore.ntk(model, x_probe, mode="trace")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc)[:300])
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        train(model, model_lock(model))
+    finally:
+        done.set()
+        t.join(timeout=60)
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    for p, q in zip(model.parameters(), alone.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0,
+                                   atol=64 * EPS * float(q.detach().abs().max()))
