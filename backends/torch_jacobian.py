@@ -251,8 +251,8 @@ def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
 # One re-entrant lock per model object, held for the whole of a provider call: its forward
 # hooks are registered on the model's modules and ``torch.func.functional_call`` swaps the
 # modules' parameters in place, neither of which is safe against another call on the same
-# model at the same time.  A WeakKeyDictionary so that locks die with their models.
-_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+# model at the same time.  Keyed by id (a module may be unhashable), dropped with the model.
+_LOCKS: dict[int, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 # True while this thread (context) runs a provider pass, so that hooks of others on the same
 # model (e.g. an attached SENG optimizer) can ignore ntkcore's own forwards and backwards.
@@ -282,9 +282,10 @@ def model_lock(model: nn.Module) -> threading.RLock:
     threading.RLock
     """
     with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
+        lock = _LOCKS.get(id(model))
         if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
+            lock = _LOCKS[id(model)] = threading.RLock()
+            weakref.finalize(model, _LOCKS.pop, id(model), None)
         return lock
 
 

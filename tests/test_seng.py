@@ -457,3 +457,26 @@ def test_dropout_with_only_kronecker_layers_is_exact():
         got = _flat({k: v.detach() for k, v in model.named_parameters()}, names, True)
         torch.testing.assert_close(got, _flat(params, names, True) - LR * d, rtol=1e-9,
                                    atol=1e-10)
+
+
+def test_non_finite_direction_raises_and_leaves_parameters_and_momentum():
+    # a finite gradient whose direction overflows (simulated: the cached solver of one block
+    # returns NaN) must not reach the parameters or the momentum buffers either
+    model = _model()
+    x, y = _data()
+    opt = SENG(model, lr=LR, damping=LAM, update_freq=3, momentum=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        _loss_backward(model, x, y)
+        opt.step()
+    bufs = {id(p): opt.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    opt._directions["dense:ln"] = lambda g: torch.full_like(g, float("nan"))
+    opt.zero_grad()
+    _loss_backward(model, x, y)
+    snap = _param_snapshot(model)
+    with pytest.raises(ValueError, match="direction of block 'dense:ln'.*no parameter"):
+        opt.step()
+    _assert_same_params(model, snap)
+    for p in model.parameters():
+        assert torch.equal(opt.state[p]["momentum_buffer"], bufs[id(p)])
+    assert opt._step == 2
