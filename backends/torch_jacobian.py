@@ -106,13 +106,37 @@ Differentiability
 When ``x`` requires grad (e.g. KIP, where the data are trained), the factors are built without
 detaching and the output gradients with ``create_graph=True``, so the returned Jacobian is
 differentiable with respect to ``x``.  Otherwise every factor is detached.
+
+Thread safety
+-------------
+Concurrent :func:`jacobian` calls (hence ``ntk``, ``pseudo_ntk``, ``gram``, KIP) on the same
+model from several threads are safe and give the same Jacobians as sequential calls: each call
+holds the model's re-entrant lock (:func:`model_lock`, one per model object) for all of its
+passes, so the forward hooks it installs and the in-place parameter swap of
+``torch.func.functional_call`` (DenseBlocks) never overlap another call on that model; the hooks
+record only the forward of the thread that installed them.  Calls on different model objects
+run in parallel (two model objects that share submodules are not serialised against each
+other).  A call leaves the model as it found it, also when it raises or is interrupted
+(``KeyboardInterrupt``): the same parameter objects with the same ``requires_grad``, the
+module hooks, buffers and ``training`` flags.  Your own forward or backward of the model in
+another thread *during* a call is not covered: while the DenseBlock pass runs, the parameters
+of non-Kronecker modules are temporarily detached copies, so a concurrent training pass would
+miss their gradients; hold ``model_lock(model)`` around such passes (not around a backward
+that itself runs ntkcore's passes, as KIP's checkpointed kernel does, which on a GPU runs in
+autograd's device thread and would wait for the lock forever).  ntkcore's own passes
+run with :func:`in_provider_pass` true in their thread, which hooks of others (the ``SENG``
+optimizer) use to ignore them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import threading
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +146,7 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 
-__all__ = ["from_block_order", "jacobian", "to_block_order"]
+__all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _STRUCTURED = (nn.Linear, *_CONV, nn.Embedding, nn.LayerNorm)
@@ -239,7 +263,9 @@ def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]
     return units
 
 
-def _check_sample_coupling(model: nn.Module) -> None:
+def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
+    """Raise ValueError naming the first module whose samples interact (BatchNorm with batch
+    statistics) or that is random (Dropout in training mode, unless ``dropout`` is False)."""
     for path, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             if mod.training or not mod.track_running_stats:
@@ -249,19 +275,87 @@ def _check_sample_coupling(model: nn.Module) -> None:
                     "then undefined); call model.eval() first"
                     + ("" if mod.track_running_stats else
                        " (and it needs track_running_stats=True to have running statistics)"))
-        if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training and mod.p > 0:
+        if (dropout and isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training
+                and mod.p > 0):
             raise ValueError(f"module {path!r} is a Dropout in training mode (a random model "
                              "has no fixed Jacobian); call model.eval() first")
+
+
+# --------------------------------------------------------------------------------------------
+# thread safety
+# --------------------------------------------------------------------------------------------
+# One re-entrant lock per model object, held for the whole of a provider call: its forward
+# hooks are registered on the model's modules and ``torch.func.functional_call`` swaps the
+# modules' parameters in place, neither of which is safe against another call on the same
+# model at the same time.  Keyed by id (a module may be unhashable), dropped with the model.
+_LOCKS: dict[int, threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+# True while this thread (context) runs a provider pass, so that hooks of others on the same
+# model (e.g. an attached SENG optimizer) can ignore ntkcore's own forwards and backwards.
+_PROVIDER_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("ntkcore_provider_pass",
+                                                                      default=False)
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The re-entrant lock that serialises ntkcore's passes over ``model`` (one per object).
+
+    :func:`jacobian` (hence ``ntk``, ``pseudo_ntk``, ``gram`` and KIP) and SENG's
+    ``torch.func`` pass hold it while they run the model, so concurrent ntkcore calls on one
+    model from several threads give the same results as sequential ones and leave the model
+    unchanged (parameter objects, ``requires_grad``, hooks, buffers, ``training``), also when
+    a call raises or is interrupted.  Hold it yourself around your own forward, backward and
+    optimizer step of the same model when ntkcore calls may run in other threads meanwhile:
+    their ``torch.func`` pass swaps the parameters of non-Kronecker modules in place.  Do not
+    hold it around a backward that runs ntkcore passes itself (KIP's checkpointed kernel): on
+    a GPU that backward runs in another thread, which would wait for the lock forever.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+
+    Returns
+    -------
+    threading.RLock
+    """
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(id(model))
+        if lock is None:
+            lock = _LOCKS[id(model)] = threading.RLock()
+            weakref.finalize(model, _LOCKS.pop, id(model), None)
+        return lock
+
+
+def in_provider_pass() -> bool:
+    """Whether the current thread (context) is inside a pass that ntkcore runs over a model.
+
+    For forward hooks and tensor hooks of your own that should ignore ntkcore's passes, as
+    :class:`~ntkcore.backends.torch_seng.SENG`'s do.
+    """
+    return _PROVIDER_PASS.get()
+
+
+@contextlib.contextmanager
+def _provider_pass(model: nn.Module) -> Iterator[None]:
+    """Hold ``model``'s lock and mark this thread's passes as ntkcore's own."""
+    with model_lock(model):
+        token = _PROVIDER_PASS.set(True)
+        try:
+            yield
+        finally:
+            _PROVIDER_PASS.reset(token)
 
 
 def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
                  clone: bool) -> torch.Tensor:
     handles = []
+    me = threading.get_ident()
     for unit in units.values():
         unit.calls = []
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any,
                  unit: _Unit = unit) -> Any:
+            if threading.get_ident() != me:
+                return None  # another thread's forward of the same module: not our pass
             a = args[0] if args else kwargs.get("input")
             if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
                 return None
@@ -761,6 +855,14 @@ def jacobian(
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     _check_sample_coupling(model)
+    with _provider_pass(model):
+        return _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+
+
+def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
+                     chunk_size: int | None, create_graph: bool | None,
+                     backward: str) -> Jacobian:
+    """The body of :func:`jacobian`, run while holding the model's lock."""
     selected = _select_params(model, params)
     if create_graph is None:
         create_graph = bool(x.requires_grad)

@@ -26,7 +26,8 @@ Per-sample gradients come from the ONE backward of the batch loss that the user 
   dense per-sample gradients from ``torch.func``: the output gradient
   :math:`\partial \ell_n / \partial f(x_n)` is captured at the model output and pulled back per
   sample with ``vmap(vjp)``.  This needs a model whose samples do not interact (no BatchNorm in
-  training mode) and whose positional tensor arguments all lead with the batch axis.
+  training mode), whose forward is deterministic (no Dropout in training mode) and whose
+  positional tensor arguments all lead with the batch axis; ``step()`` raises otherwise.
 
 The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
 steps from the batch of that step; in between, only the cheap products
@@ -52,6 +53,8 @@ from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.sketch import SketchSpec, _sub_seed
 from ntkcore.sketch import low_rank as _low_rank
 from ntkcore.solve import _NONFINITE_U, SMWSolver
+
+from .torch_jacobian import _check_sample_coupling, _provider_pass, in_provider_pass
 
 __all__ = ["SENG"]
 
@@ -282,6 +285,29 @@ class SENG(torch.optim.Optimizer):
     enabled); the last forward before ``step()`` is the one used.  ``state_dict()`` stores the
     step counter, momentum buffers and the current curvature factors, so a loaded optimizer
     continues exactly.
+
+    What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
+    buffer or step counter changes):
+
+    * every gradient (plus weight decay) is finite, on every step, refresh or not; the message
+      names the parameter;
+    * on a refresh, the captured forward had independent samples: a BatchNorm that normalised
+      with batch statistics (training mode, or ``track_running_stats=False``) couples them, so
+      per-sample gradients do not exist; a Dropout in training mode is fine when every trainable
+      layer is a Linear/Conv (the hooks see the actual mask) but raises when the model has
+      other trainable layers, whose ``torch.func`` pass cannot replay the mask;
+    * the direction is finite.
+
+    Other ntkcore passes and threads: ``ntkcore.ntk`` / ``pseudo_ntk`` / ``gram`` / KIP calls on
+    the model at any point of a step (e.g. between ``backward()`` and ``step()``) are invisible
+    to the hooks (they run with ``ntkcore.backends.torch_jacobian.in_provider_pass()`` true)
+    and leave the update unchanged.  The ``torch.func`` pass of a refresh holds the model's
+    lock (``torch_jacobian.model_lock``), so it never overlaps an ntkcore call on the same
+    model; an ntkcore call from another thread must not overlap the training forward and
+    backward either (its ``torch.func`` pass swaps parameters in place): hold
+    ``model_lock(model)`` around them.  The optimizer itself is driven by one training loop: its
+    hooks capture any forward of the model with autograd enabled, from any thread, so run
+    evaluation forwards in other threads under ``torch.no_grad()``.
     """
 
     def __init__(self, params_or_model: Any, lr: float = 0.05, damping: float = 1.0, *,
@@ -341,6 +367,7 @@ class SENG(torch.optim.Optimizer):
         self._curvature: dict[str, Jacobian] = {}
         self._sketch_seeds: dict[str, int | None] = {}
         self._root_calls: list[dict[str, Any]] = []
+        self._coupling: str | None = None  # why the captured forward has no per-sample grads
         self._suspended = False
         self._handles: list[Any] = []
         self._hooks_wanted = True
@@ -374,6 +401,7 @@ class SENG(torch.optim.Optimizer):
                 grp.params.append(p)
                 covered.add(id(p))
         self.dense = list(by_module.values())
+        self._names = {id(p): n for n, p in inner.named_parameters()}
         missing = [p for g in self.param_groups for p in g["params"] if id(p) not in covered]
         if missing:
             raise ValueError(f"{len(missing)} optimised parameter(s) do not belong to the model")
@@ -417,6 +445,8 @@ class SENG(torch.optim.Optimizer):
         # (a deep copy of a hooked model carries hooks bound to a stripped optimizer copy)
         if getattr(self, "_suspended", True) or not torch.is_grad_enabled():
             return False
+        if in_provider_pass():
+            return False  # ntkcore's own passes over the model (ntk() between backward/step)
         if isinstance(x, torch.Tensor) and _inside_functorch(x):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
         return self._refresh_due()
@@ -426,6 +456,14 @@ class SENG(torch.optim.Optimizer):
             for unit in self.units:
                 unit.calls = []
             self._root_calls = []
+            # Per-sample gradients need independent samples (no batch statistics) and, for
+            # the torch.func pass of the dense layers, a deterministic forward (no Dropout):
+            # recorded for this forward, raised by the refresh before anything changes.
+            try:
+                _check_sample_coupling(module, dropout=bool(self.dense))
+                self._coupling = None
+            except ValueError as exc:
+                self._coupling = str(exc)
 
     def _root_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if (not isinstance(out, torch.Tensor) or not out.requires_grad
@@ -512,7 +550,10 @@ class SENG(torch.optim.Optimizer):
             _, pull = vjp(f, fb)
             return pull(e_n)[0]
 
-        per_sample = vmap(one, in_dims=(0, *batched))(rec["gy"], *args)
+        # functional_call swaps the module's parameters in place: hold the model's lock so that
+        # no ntkcore call on this model (another thread) runs meanwhile
+        with _provider_pass(inner):
+            per_sample = vmap(one, in_dims=(0, *batched))(rec["gy"], *args)
         n = rec["gy"].shape[0]
         scale = n if self.loss_reduction == "mean" else 1.0
         blocks = []
@@ -542,6 +583,9 @@ class SENG(torch.optim.Optimizer):
         self._directions[name] = _Direction(solver, jac)
 
     def _refresh(self) -> None:
+        if self._coupling is not None:
+            raise ValueError("SENG cannot form per-sample gradients from the last forward: "
+                             f"{self._coupling}; no parameter was changed")
         groups = self._group_of()
         self._refreshes += 1
         self._curvature = {}
@@ -578,6 +622,25 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
+    def _check_finite(self, owners: list[tuple[str, Any]], grads: list[torch.Tensor]) -> None:
+        """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
+        the parameter itself) is not finite; one device synchronisation when all are."""
+        if bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            return
+        groups = self._group_of()
+        for _, owner in owners:
+            for p in owner.params:
+                name = self._names.get(id(p), "?")
+                if not bool(torch.isfinite(_grad(p)).all()):
+                    what = f"the gradient of parameter {name!r}"
+                elif groups[id(p)]["weight_decay"] and not bool(torch.isfinite(p).all()):
+                    what = f"parameter {name!r} (weight decay adds it to the gradient)"
+                else:
+                    continue
+                raise ValueError(f"SENG.step: {what} contains NaN or Inf; no parameter was "
+                                 "changed (check the loss, the data and the learning rate)")
+        raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One SENG step (refreshing the curvature first when due); returns closure's loss."""
@@ -585,22 +648,31 @@ class SENG(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._refresh_due():
-            self._refresh()
         groups = self._group_of()
         owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
         owners += [("dense:" + g.name, g) for g in self.dense]
+        grads = [owner.flat_grad(groups[id(owner.params[0])]["weight_decay"])
+                 for _, owner in owners]
+        self._check_finite(owners, grads)  # before the refresh and before any write
+        if self._refresh_due():
+            self._refresh()
         directions: list[torch.Tensor] = []
-        for name, owner in owners:
+        for (name, owner), g in zip(owners, grads, strict=True):
             group = groups[id(owner.params[0])]
             self._solvers[name].set_damping(self._damping(group))
-            directions.append(self._directions[name](owner.flat_grad(group["weight_decay"])))
+            directions.append(self._directions[name](g))
         world = self._world()
         if world > 1:
             flat = torch.cat(directions)
             torch.distributed.all_reduce(flat)
             flat /= world
             directions = list(torch.split(flat, [d.numel() for d in directions]))
+        if not bool(torch.stack([torch.isfinite(d).all() for d in directions]).all()):
+            bad = [name for (name, _), d in zip(owners, directions, strict=True)
+                   if not bool(torch.isfinite(d).all())]
+            raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
+                             "(finite gradient; overflow in the curvature?); no parameter was "
+                             "changed")
         # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
         # (lr, momentum) with the foreach kernels of torch.optim
         batches: dict[tuple[float, float], tuple[list[Any], list[Any]]] = {}
