@@ -380,12 +380,13 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     return out
 
 
-def _graph_uses(out: torch.Tensor) -> tuple[set[Any], dict[int, int]]:
-    """Nodes reachable from ``out`` and, per leaf tensor id, the number of graph edges into its
-    gradient accumulator (= the number of times the forward used it)."""
+def _graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[int, int]]:
+    """Nodes reachable from ``out`` (a tensor or a list of tensors) and, per leaf tensor id,
+    the number of graph edges into its gradient accumulator (= the number of times the forward
+    used it)."""
     seen: set[Any] = set()
     uses: dict[int, int] = {}
-    stack = [out.grad_fn]
+    stack = [t.grad_fn for t in (out if isinstance(out, list) else [out])]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -421,14 +422,11 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
 
     A length equal to N proves nothing (a positional table ``pos(arange(T))`` or a buffer
     (T, d) with T == N, a sequence-first (T, N, d) tensor), so the model is run a second time
-    on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) with the same hooks,
-    and the calls of each unit are matched by order.  The sample axis of a call is the one
-    axis of its input *and* output that has length N in the real pass and p in the probe,
-    every other axis being unchanged (:func:`_tracking_axis`).  A unit gets a list of axes
-    (one per call in ``used[path]``, indices into ``units[path].calls``) only if every used
-    call has one, at the same position in input and output, and not a feature axis (a
-    convolution needs axis 0); otherwise it is left out and becomes a DenseBlock.  So is every
-    unit when the probe fails or calls a unit a different number of times.
+    on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) and the calls of
+    each unit are matched by order (:func:`_probe_sample_axes`, shared with the ``SENG``
+    optimizer).  A unit gets a list of axes (one per call in ``used[path]``, indices into
+    ``units[path].calls``) only if every used call has one; otherwise it is left out and
+    becomes a DenseBlock.  So is every unit when the probe fails.
 
     Why that is exact: with samples independent, slice n of the layer output along that axis
     influences only f(x_n), so :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`
@@ -437,33 +435,89 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     depend on N (the same units, for any N), so Jacobians of different batches concatenate.
     The probe costs one forward pass on p samples.
     """
-    from dataclasses import replace
-
     n = int(x.shape[0])
-    p = 2 if n == 1 else 1
+    p = _probe_size(n)
     first = x.detach()[:1]
     xp = torch.cat([first] * p) if p > 1 else first.clone()
-    probe_units = {path: replace(u, calls=[]) for path, u in units.items() if path in used}
+    real = {path: [(tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls]
+            for path in used}
+    modules = {path: units[path].module for path in used}
     try:
-        _run_forward(model, xp, probe_units, clone=False)
-    except Exception:
+        return _probe_sample_axes(lambda: _check_output(model(xp)), modules, real, used, n, p)
+    except _ProbeFailed:
         # A model that cannot run on p samples: no axis is proven, every unit goes dense; the
         # dense path runs the model sample by sample and raises the model's own error if any.
         return {}
+
+
+def _probe_size(n: int) -> int:
+    """The number of samples p != n of the probe forward (1, or 2 when n == 1)."""
+    return 2 if n == 1 else 1
+
+
+class _ProbeFailed(Exception):
+    """The probe forward raised (the original exception is the ``__cause__``)."""
+
+
+def _check_output(out: Any) -> Any:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model must return a tensor (N, ...); got {type(out).__name__}")
+    return out
+
+
+def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
+                       real: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+                       used: dict[str, list[int]], n: int, p: int) -> dict[str, list[int]]:
+    """Run ``run()`` (a forward of the model on p != n samples, with autograd enabled) while
+    recording the input and output shapes of every call of ``modules[path]``, and find the
+    sample axis of the used calls of each module.
+
+    ``real[path]`` lists the (input shape, output shape) of *every* call of that module in the
+    pass on n samples (calls whose input or output is not a tensor are not counted, in either
+    pass), ``used[path]`` the indices of the calls that need an axis.  The sample axis of a
+    call is the one axis of its input *and* output that has length n in the real pass and p in
+    the probe, every other axis being unchanged (:func:`_tracking_axis`); it must not be the
+    feature axis of a Linear / LayerNorm, and must be 0 for a convolution ((N, C, *L) is its
+    only batched layout).  Returns ``{path: [axis per used call]}`` for the modules where every
+    used call has one and the probe called the module as often as the real pass; raises
+    :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.  Autograd stays
+    enabled in the probe so that it takes the same code path as a training forward (PyTorch's
+    fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the submodule calls).
+    """
+    seen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in used}
+    me = threading.get_ident()
+    handles = []
+    for path in used:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any, path: str = path) -> None:
+            if threading.get_ident() != me:
+                return  # another thread's forward of the same module: not the probe
+            a = args[0] if args else kwargs.get("input")
+            if isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor):
+                seen[path].append((tuple(a.shape), tuple(out.shape)))
+
+        handles.append(modules[path].register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            run()
+    except Exception as exc:
+        raise _ProbeFailed(str(exc)) from exc
+    finally:
+        for h in handles:
+            h.remove()
     axes: dict[str, list[int]] = {}
     for path, idx in used.items():
-        unit, calls, probes = units[path], units[path].calls, probe_units[path].calls
+        mod, calls, probes = modules[path], real[path], seen[path]
         if len(calls) != len(probes):
             continue
         found: list[int] = []
         for i in idx:
-            a_ax = _tracking_axis(tuple(calls[i].a.shape), tuple(probes[i].a.shape), n, p)
-            y_ax = _tracking_axis(tuple(calls[i].y.shape), tuple(probes[i].y.shape), n, p)
+            a_ax = _tracking_axis(calls[i][0], probes[i][0], n, p)
+            y_ax = _tracking_axis(calls[i][1], probes[i][1], n, p)
             if a_ax is None or a_ax != y_ax:
                 break
-            if isinstance(unit.module, _CONV) and a_ax != 0:
+            if isinstance(mod, _CONV) and a_ax != 0:
                 break  # (N, C, *L) is the only batched layout of a convolution
-            if isinstance(unit.module, nn.Linear | nn.LayerNorm) and a_ax == calls[i].a.ndim - 1:
+            if isinstance(mod, nn.Linear | nn.LayerNorm) and a_ax == len(calls[i][0]) - 1:
                 break  # the feature axis
             found.append(a_ax)
         else:

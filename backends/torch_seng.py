@@ -54,7 +54,15 @@ from ntkcore.sketch import SketchSpec, _sub_seed
 from ntkcore.sketch import low_rank as _low_rank
 from ntkcore.solve import _NONFINITE_U, SMWSolver
 
-from .torch_jacobian import _check_sample_coupling, _provider_pass, in_provider_pass
+from .torch_jacobian import (
+    _check_sample_coupling,
+    _graph_uses,
+    _probe_sample_axes,
+    _probe_size,
+    _ProbeFailed,
+    _provider_pass,
+    in_provider_pass,
+)
 
 __all__ = ["SENG"]
 
@@ -368,6 +376,11 @@ class SENG(torch.optim.Optimizer):
         self._sketch_seeds: dict[str, int | None] = {}
         self._root_calls: list[dict[str, Any]] = []
         self._coupling: str | None = None  # why the captured forward has no per-sample grads
+        self._random: str | None = None  # a Dropout in training mode (dense layers fail on it)
+        # per input shape signature: unit name -> sample axis of each used call, or why the
+        # unit has none (then its per-sample gradients come from torch.func)
+        self._axes_cache: dict[Any, dict[str, list[int] | str]] = {}
+        self._probes = 0  # probe forwards run (one per new shape signature)
         self._suspended = False
         self._handles: list[Any] = []
         self._hooks_wanted = True
@@ -408,11 +421,11 @@ class SENG(torch.optim.Optimizer):
 
     def _install_hooks(self) -> None:
         inner = _unwrap(self.model)
-        self._handles = [inner.register_forward_pre_hook(self._root_pre_hook)]
-        if self.dense:
-            self._handles.append(inner.register_forward_hook(self._root_hook))
+        self._handles = [inner.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
+                         inner.register_forward_hook(self._root_hook)]
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit),
+                                                                   with_kwargs=True))
 
     def _drop_hooks(self) -> None:
         for h in self._handles:
@@ -451,40 +464,54 @@ class SENG(torch.optim.Optimizer):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
         return self._refresh_due()
 
-    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._capturing(args[0] if args else None):
+    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if self._capturing(first):
             for unit in self.units:
                 unit.calls = []
-            self._root_calls = []
+            self._root_calls = [{
+                "args": tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                "kwargs": {k: v.detach() if isinstance(v, torch.Tensor) else v
+                           for k, v in kwargs.items()},
+                "outs": [], "gy": None}]
             # Per-sample gradients need independent samples (no batch statistics) and, for
             # the torch.func pass of the dense layers, a deterministic forward (no Dropout):
             # recorded for this forward, raised by the refresh before anything changes.
+            self._coupling = self._random = None
             try:
-                _check_sample_coupling(module, dropout=bool(self.dense))
-                self._coupling = None
+                _check_sample_coupling(module, dropout=False)
             except ValueError as exc:
                 self._coupling = str(exc)
+            else:
+                try:
+                    _check_sample_coupling(module, dropout=True)
+                except ValueError as exc:
+                    self._random = str(exc)
 
     def _root_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if (not isinstance(out, torch.Tensor) or not out.requires_grad
-                or not self._capturing(out)):
+        if not self._root_calls or not self._capturing(out):
             return
-        rec: dict[str, Any] = {"args": tuple(a.detach() if isinstance(a, torch.Tensor) else a
-                                             for a in args), "gy": None}
+        rec = self._root_calls[0]
+        # the output tensors (their graph tells which weights are used outside a hooked call)
+        rec["outs"] = [t for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if isinstance(out, torch.Tensor) and out.requires_grad:
 
-        def keep(grad: torch.Tensor) -> None:
-            rec["gy"] = grad.detach()
+            def keep(grad: torch.Tensor) -> None:
+                rec["gy"] = grad.detach()
 
-        out.register_hook(keep)
-        self._root_calls = [rec]
+            out.register_hook(keep)
 
     def _make_unit_hook(self, unit: _Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: torch.Tensor) -> None:
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
                 return
-            if not self._capturing(out):
+            if not out.requires_grad or not self._capturing(out):
                 return
-            rec: dict[str, Any] = {"x": args[0].detach(), "gy": None}
+            rec: dict[str, Any] = {"x": x.detach(), "gy": None}
 
             def keep(grad: torch.Tensor) -> None:
                 rec["gy"] = grad.detach()
@@ -494,18 +521,115 @@ class SENG(torch.optim.Optimizer):
 
         return hook
 
+    # -- the sample axis of each hooked call ------------------------------------------------
+    def _batch_size(self, rec: dict[str, Any]) -> int:
+        """N: the leading length of the model's first tensor argument."""
+        for a in (*rec["args"], *rec["kwargs"].values()):
+            if isinstance(a, torch.Tensor) and a.ndim >= 1:
+                return int(a.shape[0])
+        raise ValueError("SENG needs the model's first tensor argument to lead with the sample "
+                         "axis (N, ...); the last forward had no tensor argument")
+
+    def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
+        r"""For every unit: the sample axis of each of its used calls (the Kronecker path), or
+        a string saying why it has none (then its per-sample gradients come from the
+        ``torch.func`` pass).
+
+        A unit is Kronecker only if (1) every use of its weight (and bias) in the graph of the
+        model output is one of its captured calls (not so for a weight used outside the
+        module's ``forward``, e.g. ``nn.MultiheadAttention.out_proj``, or tied to another
+        module) and (2) every used call has a sample axis: an axis of its input and output of
+        length N that becomes p when the model runs on p != N samples (a probe forward, see
+        ``torch_jacobian._probe_sample_axes``).  A length equal to N proves nothing: a
+        positional table ``pos(arange(T))``, a buffer (T, d) or a sequence-first (T, N, d)
+        tensor have T == N for some batches.  The answer depends on the model and on the
+        shapes of the forward, not on values, so it is cached per shape signature (the
+        arguments' shapes and dtypes and the shapes of every hooked call): the probe runs once
+        per new signature.
+        """
+        def sig(a: Any) -> Any:
+            return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
+
+        used = {u.name: [i for i, c in enumerate(u.calls) if c["gy"] is not None]
+                for u in self.units}
+        key = (tuple(sig(a) for a in rec["args"]),
+               tuple((k, sig(v)) for k, v in rec["kwargs"].items()),
+               tuple((u.name, tuple((tuple(c["x"].shape), tuple(c["gy"].shape))
+                                    if c["gy"] is not None else tuple(c["x"].shape)
+                                    for c in u.calls), tuple(used[u.name]))
+                     for u in self.units))
+        plan = self._axes_cache.get(key)
+        if plan is not None:
+            return plan
+        plan = {}
+        uses = _graph_uses(rec["outs"])[1] if rec["outs"] else {}
+        need: dict[str, list[int]] = {}
+        for u in self.units:
+            idx = used[u.name]
+            if not idx:
+                plan[u.name] = "no call of the module reaches the loss"
+            elif any(uses.get(id(q), 0) != len(idx) for q in u.params):
+                plan[u.name] = ("its weight is used outside the module's own forward (e.g. "
+                                "nn.MultiheadAttention.out_proj, or tied to another module)")
+            else:
+                need[u.name] = idx
+        if need:
+            plan.update(self._probe(rec, need))
+        if len(self._axes_cache) >= 64:  # bounded: drop the oldest signature
+            self._axes_cache.pop(next(iter(self._axes_cache)))
+        self._axes_cache[key] = plan
+        return plan
+
+    def _probe(self, rec: dict[str, Any],
+               need: dict[str, list[int]]) -> dict[str, list[int] | str]:
+        """Run the model on p != N samples (the first sample of every argument that leads
+        with N, repeated p times) and find the sample axis of the ``need``-ed units' calls."""
+        n = self._batch_size(rec)
+        p = _probe_size(n)
+
+        def cut(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and a.ndim >= 1 and a.shape[0] == n:
+                return torch.cat([a[:1]] * p) if p > 1 else a[:1]
+            return a
+
+        args = tuple(cut(a) for a in rec["args"])
+        kwargs = {k: cut(v) for k, v in rec["kwargs"].items()}
+        inner = _unwrap(self.model)
+        by_name = {u.name: u for u in self.units}
+        modules = {k: by_name[k].module for k in need}
+        real = {k: [(tuple(c["x"].shape), tuple(c["gy"].shape if c["gy"] is not None else ()))
+                    for c in by_name[k].calls] for k in need}
+        # a call without a gradient has no recorded output shape: it is not used, and its
+        # entry only keeps the call order (never compared)
+        cuda = sorted({a.device.index or 0 for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor) and a.is_cuda})
+        self._probes += 1
+        try:
+            # ntkcore's own pass (SENG's hooks ignore it; the model's lock is held), on a
+            # forked RNG so that the user's random stream (Dropout masks) is unchanged
+            with _provider_pass(inner), torch.random.fork_rng(devices=cuda):
+                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, real, need,
+                                          n, p)
+        except _ProbeFailed as exc:
+            raise ValueError(
+                f"SENG cannot determine the sample axis of the layers it factors: the model "
+                f"raised when run on {p} sample(s) (the first sample of each argument that "
+                f"leads with N={n}): {exc}. SENG needs a model that runs on any number of "
+                "samples, with every tensor argument that has the sample axis leading with it; "
+                "no parameter was changed") from exc.__cause__
+        return {k: axes.get(k, "its input has no sample axis (it is shared by all samples, "
+                               "e.g. a positional table or a buffer, or the sample axis is "
+                               "merged with another)") for k in need}
+
     # -- per-sample factors ---------------------------------------------------------------
-    def _unit_block(self, unit: _Unit) -> KroneckerBlock:
+    def _unit_block(self, unit: _Unit, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
-        if not calls:
-            raise RuntimeError(
-                f"SENG has no captured gradients for layer {unit.name!r}: on a curvature "
-                "refresh step run the forward and backward (with autograd enabled) after the "
-                "previous step() and before this one")
         mod = unit.module
         a_parts, g_parts = [], []
-        for c in calls:
+        for c, ax in zip(calls, axes, strict=True):
             x, gy = c["x"], c["gy"]
+            if ax:  # sample axis moved to the front (a sequence-first (T, N, d) call)
+                x, gy = x.movedim(ax, 0), gy.movedim(ax, 0)
             n = x.shape[0]
             if isinstance(mod, nn.Linear):
                 a = x.reshape(n, -1, x.shape[-1])
@@ -523,20 +647,26 @@ class SENG(torch.optim.Optimizer):
             g = g * a.shape[0]
         return KroneckerBlock(a.contiguous(), g[:, :, None, :].contiguous(), unit.name)
 
-    def _dense_blocks(self) -> list[DenseBlock]:
-        if not self.dense:
+    def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
+        """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units
+        without a sample axis, in the [W | b] layout of their ``flat_grad``)."""
+        if not self.dense and not units:
             return []
         rec = self._root_calls[0] if self._root_calls else None
         if rec is None or rec["gy"] is None:
+            what = [g.name for g in self.dense] + [u.name for u in units]
             raise RuntimeError("SENG has no captured model-output gradient for the layers "
-                               f"without Kronecker structure ({[g.name for g in self.dense]}); "
-                               "run the forward and backward before step()")
+                               f"without Kronecker structure ({what}); run the forward and "
+                               "backward before step() (the model must return one tensor "
+                               "(N, ...))")
         from torch.func import functional_call, vjp, vmap
 
         inner = _unwrap(self.model)
         base = {k: v.detach() for k, v in inner.named_parameters()}
         base.update({k: v.detach() for k, v in inner.named_buffers()})
-        names = [n for grp in self.dense for n in grp.names]
+        unit_names = [[self._names[id(q)] for q in u.params] for u in units]
+        names = [n for grp in self.dense for n in grp.names] + [n for ns in unit_names
+                                                                 for n in ns]
         fb = {n: base[n] for n in names}
         args = rec["args"]
         batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
@@ -560,6 +690,10 @@ class SENG(torch.optim.Optimizer):
         for grp in self.dense:
             flat = torch.cat([per_sample[k].reshape(n, -1) for k in grp.names], dim=1)
             blocks.append(DenseBlock((flat * scale)[:, None, :], grp.name))
+        for u, ns in zip(units, unit_names, strict=True):
+            d_out = u.weight.shape[0]  # [W | b] row-major, as _Unit.flat_grad
+            mat = torch.cat([per_sample[k].reshape(n, d_out, -1) for k in ns], dim=2)
+            blocks.append(DenseBlock((mat.reshape(n, -1) * scale)[:, None, :], u.name))
         return blocks
 
     def _damping(self, group: dict[str, Any]) -> float:
@@ -586,22 +720,49 @@ class SENG(torch.optim.Optimizer):
         if self._coupling is not None:
             raise ValueError("SENG cannot form per-sample gradients from the last forward: "
                              f"{self._coupling}; no parameter was changed")
-        groups = self._group_of()
-        self._refreshes += 1
-        self._curvature = {}
-        blocks: list[tuple[str, Any, dict[str, Any]]] = []
+        rec = self._root_calls[0] if self._root_calls else None
+        if rec is None or (rec["gy"] is None and not any(c["gy"] is not None
+                                                         for u in self.units for c in u.calls)):
+            raise RuntimeError(
+                "SENG has no captured gradients for the model: on a curvature refresh step run "
+                "the forward and backward (with autograd enabled) after the previous step() and "
+                "before this one")
+        # everything that can fail before any state changes: the sample axes (a probe
+        # forward on a new shape signature) and the torch.func pass
+        plan = self._unit_plan(rec) if self.units else {}
+        demoted = [u for u in self.units if isinstance(plan[u.name], str)]
+        if self._random is not None and (self.dense or demoted):
+            why = "".join(f"; layer {u.name!r} needs it because {plan[u.name]}"
+                          for u in demoted[:1])
+            raise ValueError("SENG cannot form per-sample gradients from the last forward: "
+                             f"{self._random} (the torch.func pass of the layers without "
+                             f"Kronecker structure cannot replay its mask{why}); no parameter "
+                             "was changed")
+        kron: dict[str, Any] = {}
         for unit in self.units:
-            block: Any = self._unit_block(unit)
+            axes = plan[unit.name]
+            if isinstance(axes, str):
+                continue
+            block: Any = self._unit_block(unit, axes)
             if self.low_rank is not None:
                 block, _err = _low_rank(block, self.low_rank)
-            blocks.append((unit.name, block, groups[id(unit.weight)]))
+            kron[unit.name] = block
         self._suspended = True  # the torch.func forwards below must not be captured
         try:
-            dense_blocks = self._dense_blocks()
+            dense_blocks = self._dense_blocks(demoted)
         finally:
             self._suspended = False
-        for grp, block in zip(self.dense, dense_blocks, strict=True):
-            blocks.append(("dense:" + grp.name, block, groups[id(grp.params[0])]))
+        by_name = dict(zip([g.name for g in self.dense] + [u.name for u in demoted],
+                           dense_blocks, strict=True))
+        groups = self._group_of()
+        blocks: list[tuple[str, Any, dict[str, Any]]] = []
+        for unit in self.units:  # block order: the units, then the dense groups
+            blocks.append((unit.name, kron.get(unit.name, by_name.get(unit.name)),
+                           groups[id(unit.weight)]))
+        for grp in self.dense:
+            blocks.append(("dense:" + grp.name, by_name[grp.name], groups[id(grp.params[0])]))
+        self._refreshes += 1
+        self._curvature = {}
         self._solvers, self._directions = {}, {}
         for i, (name, block, group) in enumerate(blocks):
             self._curvature[name] = block
@@ -739,7 +900,7 @@ class SENG(torch.optim.Optimizer):
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]
             if "jac" in arrays:
-                block: Any = DenseBlock(arrays["jac"].to(like.device), name.split(":", 1)[1])
+                block: Any = DenseBlock(arrays["jac"].to(like.device), name.split(":", 1)[-1])
             else:
                 block = KroneckerBlock(arrays["a"].to(like.device), arrays["g"].to(like.device),
                                        name)
