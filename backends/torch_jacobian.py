@@ -74,7 +74,8 @@ other axis unchanged.  Then:
   in a (N*T, d) reshape), a convolution's sample axis is not axis 0, the probe calls the module
   a different number of times, or the probe itself fails: the module becomes a DenseBlock.
 
-The probe costs one forward pass on p samples, and its answer does not depend on N, so every
+The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
+layers) costs one forward pass on p samples, and its answer does not depend on N, so every
 batch, and both sides of a cross kernel, get the same blocks.  What it does not check is that
 slice n of a layer output feeds only output n: samples that interact through batch statistics
 are refused (BatchNorm in training mode, Dropout), but a model that, say, applies a Linear to a

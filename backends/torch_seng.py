@@ -21,13 +21,51 @@ Per-sample gradients come from the ONE backward of the batch loss that the user 
   :math:`\partial L / \partial y`; with a mean-reduced loss that is
   :math:`\tfrac{1}{N}\partial \ell_n / \partial y_n`, so the per-sample gradient is the
   Kronecker block with ``a`` = inputs (plus a ones column for the bias) and
-  ``g = N * dL/dy``.  It is never materialised.
-* every other trainable parameter (norm layers, embeddings, grouped convolutions, ...) gets
-  dense per-sample gradients from ``torch.func``: the output gradient
-  :math:`\partial \ell_n / \partial f(x_n)` is captured at the model output and pulled back per
-  sample with ``vmap(vjp)``.  This needs a model whose samples do not interact (no BatchNorm in
-  training mode), whose forward is deterministic (no Dropout in training mode) and whose
-  positional tensor arguments all lead with the batch axis; ``step()`` raises otherwise.
+  ``g = N * dL/dy``.  It is never materialised.  This needs the layer's input and output to
+  carry the sample axis (see "The sample axis" below);
+* every other trainable parameter (norm layers, embeddings, grouped convolutions, ...), and
+  the Linear / Conv layers that fail that test, get dense per-sample gradients from
+  ``torch.func``: the output gradient :math:`\partial \ell_n / \partial f(x_n)` is captured at
+  the model output and pulled back per sample with ``vmap(vjp)``.  This needs a model whose
+  samples do not interact (no BatchNorm in training mode), whose forward is deterministic (no
+  Dropout in training mode) and which returns one tensor (N, ...); ``step()`` raises otherwise.
+
+Every tensor argument of the model that carries the samples must lead with the sample axis N
+(the leading length of its first tensor argument); other arguments (masks, tables) are passed
+as they are.
+
+The sample axis
+---------------
+Slice n of a hooked layer's output gradient is :math:`\partial \ell_n / \partial y_n` only
+along the axis that carries the samples, and a length equal to N proves nothing: a positional
+table ``proj(pos(torch.arange(T)))`` or a fixed buffer (T, d) fed to a Linear has first length
+N whenever T == N (and any other first length otherwise), a sequence-first (T, N, d) tensor
+(``nn.TransformerEncoderLayer`` with ``batch_first=False``) leads with T.  So on a refresh SENG
+decides, per Linear / Conv layer (``_unit_plan``):
+
+* its weight (and bias) must be used only by the layer's hooked calls: counted in the autograd
+  graph of the model output (not so for ``nn.MultiheadAttention.out_proj``, whose weight the
+  attention uses directly, or a Linear tied to an Embedding);
+* each call's sample axis is found by the torch provider's probe
+  (``torch_jacobian._probe_sample_axes``): the model runs once more, on p != N samples (p = 1,
+  or 2 when N = 1; the first sample of every argument that leads with N, with autograd enabled
+  so that it takes the training code path, as ntkcore's own pass: invisible to these hooks,
+  under the model's lock, on a forked RNG), and the sample axis is the one axis of the call's
+  input and output whose length follows N -> p, every other length unchanged.
+
+Axis 0: the Kronecker block above.  Another axis (sequence-first; Linear only): the same block
+with that axis moved to the front (exact: :math:`\sum_s g_{n,s} a_{n,s}^\top` over the other
+positions).  No sample axis (an input shared by all samples, a sample axis merged with another
+as in an (N*T, d) reshape), a convolution whose sample axis is not axis 0, a weight used
+elsewhere, or a layer whose calls never reach the loss: its per-sample gradients come from
+the ``torch.func`` pass instead (exact, slower), in the same [W | b] layout.  A model that raises
+when run on p samples raises a ``ValueError`` at the refresh (its sample axes cannot be
+established), before anything changes.  The answer depends on the model and the shapes of the
+forward, not on values, so it is cached per shape signature (argument shapes and dtypes, and
+the input / output shapes of every hooked call): the probe runs on the first refresh of each
+new signature only (at most 64 are kept).  What the probe does not check is that slice n of a
+layer output feeds only output n (samples that interact through batch statistics are refused,
+see ``step()``).
 
 The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
 steps from the batch of that step; in between, only the cheap products
@@ -294,6 +332,13 @@ class SENG(torch.optim.Optimizer):
     step counter, momentum buffers and the current curvature factors, so a loaded optimizer
     continues exactly.
 
+    Per-sample gradients of a Linear / Conv layer are Kronecker factors only where its input
+    and output carry the sample axis; that is established on the first refresh of every new
+    input shape signature by a probe forward on p != N samples (see "The sample axis" in the
+    module docstring): axis 0 or another axis (sequence-first layers) stays Kronecker, a layer
+    with a shared input (positional table, buffer) or whose weight is used outside its own
+    ``forward`` gets exact per-sample gradients from ``torch.func`` instead.
+
     What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
     buffer or step counter changes):
 
@@ -303,7 +348,11 @@ class SENG(torch.optim.Optimizer):
       with batch statistics (training mode, or ``track_running_stats=False``) couples them, so
       per-sample gradients do not exist; a Dropout in training mode is fine when every trainable
       layer is a Linear/Conv (the hooks see the actual mask) but raises when the model has
-      other trainable layers, whose ``torch.func`` pass cannot replay the mask;
+      other trainable layers (including a Linear / Conv without a sample axis), whose
+      ``torch.func`` pass cannot replay the mask;
+    * on a refresh with a new input shape signature, the model runs on p != N samples (the
+      probe that finds each layer's sample axis): a model that cannot raises, naming the
+      model's error;
     * the direction is finite.
 
     Other ntkcore passes and threads: ``ntkcore.ntk`` / ``pseudo_ntk`` / ``gram`` / KIP calls on
