@@ -452,6 +452,8 @@ class SENG(torch.optim.Optimizer):
             w, b = mod.weight, mod.bias
             if id(w) not in owned or (b is not None and id(b) not in owned):
                 continue
+            if id(w) in covered or (b is not None and id(b) in covered):
+                continue  # a weight shared with an earlier layer: updated once, there
             self.units.append(_Unit(name or "<root>", mod, w, b))
             covered.update({id(w)} | ({id(b)} if b is not None else set()))
         by_module: dict[str, _DenseGroup] = {}

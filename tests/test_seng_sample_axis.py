@@ -98,16 +98,19 @@ class BufferConv(nn.Module):
 
 class TiedHead(nn.Module):
     """A Linear head whose weight is the Embedding table (tied): the Linear's hooked call is
-    only one of the weight's two uses."""
+    only one of the weight's two uses; and two Linears sharing one weight."""
 
     def __init__(self) -> None:
         super().__init__()
         self.e = nn.Embedding(3, 4)
         self.h = nn.Linear(4, 3)
         self.h.weight = self.e.weight
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
 
     def forward(self, i):  # i (N, T)
-        return self.h(torch.tanh(self.e(i)).mean(1))
+        return self.h(torch.tanh(self.b(torch.tanh(self.a(self.e(i))))).mean(1))
 
 
 # (model factory, input factory (n, t) -> x, T)
@@ -135,8 +138,10 @@ def _module_groups(model):
     taken: set[str] = set()
     for path, mod in model.named_modules():
         if isinstance(mod, nn.Linear | nn.Conv1d):
-            groups[path] = [name_of[id(q)] for q in (mod.weight, mod.bias)]
-            taken.update(groups[path])
+            names = [name_of[id(q)] for q in (mod.weight, mod.bias)]
+            if not taken.intersection(names):
+                groups[path] = names
+                taken.update(names)
     for name in name_of.values():
         if name not in taken:
             groups.setdefault("dense:" + name.rpartition(".")[0], []).append(name)
@@ -309,3 +314,41 @@ def test_attention_only_and_unused_linear():
     expected = reference_step(model, x, y)
     _seng_step(model, x, y)
     _assert_step(model, expected)
+
+
+class BufferDropout(Buffer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.b(self.drop(x @ torch.tanh(self.a(self.z))))
+
+
+def test_dropout_with_a_shared_input_layer_is_loud():
+    """A Linear without a sample axis needs the torch.func pass, which cannot replay a
+    Dropout mask: a ValueError naming both, parameters unchanged."""
+    torch.manual_seed(0)
+    model = BufferDropout().to(DT).train()
+    opt = SENG(model, lr=LR, damping=LAM)
+    x = torch.randn(5, 5, dtype=DT)
+    nn.functional.cross_entropy(model(x), torch.randint(0, 3, (5,))).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'drop' is a Dropout.*layer 'a'.*no sample axis"):
+        opt.step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before,
+                                                          strict=True))
+
+
+def test_probe_leaves_the_random_stream_unchanged():
+    """The probe forward runs Dropout too, on a forked RNG: the user's random stream after
+    step() is the one without SENG's probe."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SeqFirstMLP(), nn.Dropout(0.3)).to(DT).train()
+    opt = SENG(model, lr=LR, damping=LAM)
+    x = torch.randn(5, 5, 4, dtype=DT)
+    nn.functional.cross_entropy(model(x), torch.randint(0, 3, (5,))).backward()
+    state = torch.get_rng_state()
+    opt.step()
+    assert opt._probes == 1
+    assert torch.equal(torch.get_rng_state(), state)
