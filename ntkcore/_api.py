@@ -343,7 +343,8 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         Inputs of the model's framework, leading with the sample axis.
     x2 : array, shape (N2, ...), optional
         Second inputs; ``None`` means ``x1`` against itself (symmetric: tiles on and above the
-        diagonal only, the result is exactly symmetric).
+        diagonal only, the result is exactly symmetric: ``K[n, m, o, p] == K[m, n, p, o]``
+        bit for bit).
     mode : {"full", "trace", "diagonal"}
         ``full`` (N1, N2, O, O); ``trace`` (N1, N2), :math:`\sum_o \Theta[:, :, o, o]`;
         ``diagonal`` (N1, N2, O).

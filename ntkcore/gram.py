@@ -67,8 +67,10 @@ when a kernel is split for that purpose).  A tile on the diagonal is itself comp
 ``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
 tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
 with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
-slower than panels on large full-mode tiles).  The square blocks on the diagonal are
-symmetric up to rounding; everything else is mirrored exactly.
+slower than panels on large full-mode tiles).  The square blocks on the diagonal (whose
+products, e.g. the "positions" contraction, are symmetric only up to rounding) are replaced by
+the average with their transpose; everything else is mirrored, so a self-kernel is exactly
+symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]`` bit for bit.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -726,7 +728,8 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     J2 : Jacobian, optional
         N2 samples with the same block structure as ``J1`` (names, kinds, parameter shapes;
         Kronecker blocks may have a different number of positions).  ``None``: ``J1`` against
-        itself; only tiles on and above the diagonal are computed, the rest is mirrored.
+        itself; only tiles on and above the diagonal are computed, the rest is mirrored, and
+        the result is exactly symmetric (``K[n, m, o, p] == K[m, n, p, o]`` bit for bit).
     mode : {"full", "trace", "diagonal"}
         ``full``: :math:`\Theta[n,m,o,p] = \sum_k J_1[n,o,k] J_2[m,p,k]`, shape (N1, N2, O, O).
         ``trace``: :math:`\sum_o \Theta[n,m,o,o]` (a sum over outputs), shape (N1, N2).
@@ -815,6 +818,21 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             lower = (*lead_ix, low, rs, Ellipsis)
             out[lower] = mirrored  # type: ignore[index]
 
+    def symmetrise(rs: slice, b: int | None) -> None:
+        """Make the square ``(rs, rs)`` of ``out`` exactly symmetric,
+        ``Theta[n,m,o,p] = Theta[m,n,p,o]``, by averaging it with its transpose
+        (``fl(x + y) = fl(y + x)`` and halving is exact): one pass over the square."""
+        ix = (*(() if b is None else (b,)), rs, rs, Ellipsis)
+        sq = out[ix]  # type: ignore[index]
+        avg = sq + xp.permute_dims(sq, swap1)
+        del sq
+        avg *= 0.5  # a fresh array of this function
+        out[ix] = avg  # type: ignore[index]
+
+    def symmetric_tile(t: Array) -> Array:
+        """:func:`symmetrise` for a whole diagonal tile without item assignment (JAX)."""
+        return (t + xp.permute_dims(t, swapl if layerwise else swap1)) * 0.5
+
     def panels_of(rs: slice) -> list[tuple[slice, slice, int | None]]:
         """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
         b = _panel_bounds(rs.start, rs.stop, plan.panels)
@@ -841,6 +859,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         t = fix(t)
                         if writable:
                             place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
+                            if same:
+                                symmetrise(pieces[k][0], b)
                         else:
                             parts.append(t)
                     elif accs[k] is None:
@@ -853,10 +873,13 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                     assert acc is not None
                     if writable:
                         place(prs, pcs, fix(acc), None, off)
+                        if same:
+                            symmetrise(prs, None)
                     else:
-                        grid[(i, j)] = fix(acc)
+                        grid[(i, j)] = symmetric_tile(fix(acc)) if same else fix(acc)
             elif not writable:
-                grid[(i, j)] = xp.stack(parts, axis=0)
+                stacked = xp.stack(parts, axis=0)
+                grid[(i, j)] = symmetric_tile(stacked) if same else stacked
             if report is not None:
                 report(done, len(todo))
     finally:

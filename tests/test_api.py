@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 import ntkcore
+from tests.tolerances import kernel_tol
 
 DT = torch.float64
 
@@ -74,7 +75,7 @@ def test_ntk_modes_symmetric_and_cross(mode, max_memory):
     ks = ntkcore.ntk(m, x1, mode=mode, max_memory=max_memory)
     assert rel(ks, ref_kernel(m, x1, None, mode)) < 1e-12
     swap = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
-    assert rel(ks, ks.permute(swap)) < 1e-14  # symmetric (exactly, up to GEMM rounding)
+    assert torch.equal(ks, ks.permute(swap))  # exactly symmetric, as the docstring says
 
 
 @pytest.mark.parametrize("max_memory", [None, 8000])
@@ -117,7 +118,10 @@ def test_cnn_ntk_and_float32():
     assert rel(k64, ref) < 1e-12
     k32 = ntkcore.ntk(cnn.float(), x.float())
     assert k32.dtype == torch.float32
-    assert rel(k32.double(), ref) < 1e-5
+    # first order (tests/tolerances.py): each Jacobian entry sums the fan-ins (27, 36, 20) and
+    # the positions (36, 4, 1) of the layers in float32, each kernel entry P products
+    n = sum(p.numel() for p in cnn.parameters()) + (27 + 36 + 20) + (36 + 4 + 1)
+    assert rel(k32.double(), ref) <= kernel_tol(torch.float32, n)
 
 
 def test_params_subset_and_embedding_inputs():
