@@ -732,6 +732,7 @@ def _cmd_bench(argv: list[str]) -> int:
             "`python -m ntkcore bench` (or `python -m benchmarks`) there")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    env["NTKCORE_BENCH_PROG"] = f"{PROG} bench"  # the runner's usage line names this command
     try:
         return subprocess.call([sys.executable, "-m", "benchmarks", *argv], env=env)
     except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,22 @@ def test_bench_forwards_to_runner(capsys):
     if cli.source_root() is None:
         pytest.skip("not a source checkout")
     assert cli.main(["bench", "--list"]) == 0
+
+
+def test_bench_help_names_the_command(tmp_path):
+    """``ntkcore bench --help`` prints ``usage: ntkcore bench``, ``python -m benchmarks
+    --help`` its own name (both in a fresh process: the runner is a subprocess)."""
+    if cli.source_root() is None:
+        pytest.skip("not a source checkout")
+    root = cli.source_root()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("NTKCORE_BENCH_PROG", None)
+    for cmd, usage in ((["-m", "ntkcore", "bench", "--help"], "usage: ntkcore bench"),
+                       (["-m", "benchmarks", "--help"], "usage: python -m benchmarks")):
+        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env,
+                           cwd=root, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(usage), r.stdout[:200]
 
 
 def test_bench_without_checkout(monkeypatch, capsys):
