@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -55,6 +56,11 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.l2(torch.tanh(self.ln(torch.tanh(self.l1(x)))))
+
+
+# small inputs streamed in blocks by tiny budgets: the smallest-useful-tile rule is lifted
+# (test_budget_below_a_useful_tile restores it)
+pytestmark = pytest.mark.usefixtures("tiny_tiles")
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +142,7 @@ def test_params_subset_and_embedding_inputs():
 
     m = Emb().to(DT)
     idx = torch.randint(0, 5, (6, 4))
-    k = ntkcore.ntk(m, idx, mode="trace", max_memory=2000)
+    k = ntkcore.ntk(m, idx, mode="trace", max_memory=4000)  # streamed, 1-sample blocks
     assert rel(k, ref_kernel(m, idx, None, "trace")) < 1e-12
     ke = ntkcore.ntk(m, idx, params=["e.weight"], mode="trace")
     m.l.weight.requires_grad_(False)
@@ -155,6 +161,37 @@ def test_ntk_sizes_budgets_batches(n1, n2, budget, batch):
     k = ntkcore.ntk(m, x1, x2, mode="diagonal", max_memory=budget, batch_size=batch)
     assert k.shape == (n1, n2, 2)
     assert rel(k, ref_kernel(m, x1, x2, "diagonal")) < 1e-12
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("mode", ["trace", "full"])
+def test_budget_below_a_useful_tile(monkeypatch, mode, cross):
+    """``python -m ntkcore demo --max-memory 1kB`` planned 790,653 one-sample tiles.  A budget
+    that cannot hold a min(N, 8)-sample tile now raises before any factor beyond the probe
+    is computed, quoting the user's value and the smallest budget; that budget works."""
+    import sys
+    import time
+
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 8)
+    m = Net().to(DT).eval()
+    x1 = torch.randn(60, 4, dtype=DT)
+    x2 = torch.randn(23, 4, dtype=DT) if cross else None
+    needs = []
+    for _ in range(2):  # probe-cache miss, then hit: the same number
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=r"max_memory='1kB' \(1000 bytes\)") as info:
+            ntkcore.ntk(m, x1, x2, mode=mode, max_memory="1kB")
+        assert time.perf_counter() - t0 < 2.0
+        needs.append(int(re.search(r"max_memory >= (\d+) bytes", str(info.value)).group(1)))
+    need = needs[0]
+    assert needs[1] == need
+    assert need > 1000 and info.value.needed == need
+    with pytest.raises(ValueError, match=f"max_memory >= {need} bytes"):
+        ntkcore.ntk(m, x1, x2, mode=mode, max_memory=need - 1)
+    k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=need)
+    assert rel(k, ref_kernel(m, x1, x2, mode)) < 1e-12
+    for more in (2 * need, 8 * need):  # larger budgets: fewer tiles, same kernel
+        assert rel(ntkcore.ntk(m, x1, x2, mode=mode, max_memory=more), k) < 1e-12
 
 
 def test_progress_callback():

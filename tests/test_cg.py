@@ -397,6 +397,24 @@ def test_kernel_operator_float32_factors_accumulate_in_vector_dtype(rng):
     assert np.all(np.abs(got - k @ v) <= bound), np.max(np.abs(got - k @ v) / bound)
 
 
+def test_kernel_operator_budget_below_a_useful_tile(rng):
+    """A max_memory that cannot hold a tile of min(block, 8) samples a side raises at the
+    first product, quoting the value and the smallest budget; that budget works."""
+    import re
+
+    from ntkcore.operators import KernelOperator
+
+    build, d = structured_jacobian(rng, 30, 2)
+    jac = build(np.asarray)
+    k = np.einsum("nop,mop->nm", d, d)
+    v = rng.standard_normal((30, 2))
+    with pytest.raises(ValueError, match=r"max_memory='200B' \(200 bytes\)") as info:
+        KernelOperator(jac, block=10, max_memory="200B").matmat(v)
+    need = int(re.search(r"max_memory >= (\d+) bytes", str(info.value)).group(1))
+    got = KernelOperator(jac, block=10, max_memory=need).matmat(v)
+    np.testing.assert_allclose(got, k @ v, rtol=1e-12, atol=1e-12 * np.abs(k).max())
+
+
 def test_kernel_operator_bad_arguments(rng):
     from ntkcore.operators import KernelOperator
 

@@ -7,8 +7,8 @@ The dense reference is built here, independently of ``Jacobian.to_dense``:
 
 from __future__ import annotations
 
+import re
 import tracemalloc
-import warnings
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import ntkcore
 from ntkcore._memory import DEFAULT_FRACTION, default_budget, parse_memory
-from ntkcore.gram import _gram, plan_gram
+from ntkcore.gram import BudgetTooSmallError, _gram, plan_gram
 from tests.tolerances import kernel_tol
 
 
@@ -27,6 +27,11 @@ def fixture_settings(max_examples: int) -> settings:
     return settings(max_examples=min(max_examples, settings.default.max_examples),
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow], deadline=None)
+
+
+# The tile loops are tested on ragged tiles down to one sample with small factors: the
+# smallest-useful-tile rule is lifted here (test_budget_below_a_useful_tile tests the rule).
+pytestmark = pytest.mark.usefixtures("tiny_tiles")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,9 +138,12 @@ def test_gram_matches_dense_einsum(backend, spec, n1, n2, mode, strategy, symmet
                for b in spec["blocks"]]
         f2 = make_factors(spec, n2, rng, positions=pos)
         j2 = to_jacobian(backend, f2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
+    try:
         k = _gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=max_memory,
+                  strategy=strategy)
+    except BudgetTooSmallError as e:  # not even a 1 x 1 tile: the stated budget works
+        assert max_memory is not None and e.needed > max_memory
+        k = _gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=e.needed,
                   strategy=strategy)
     assert backend.is_native(k)
     ref = reference(f1, f2, mode, layerwise)
@@ -171,10 +179,8 @@ def test_psd_and_symmetric(backend, rng):
     j = to_jacobian(backend, f)
     n, o = 9, 2
     for max_memory in (None, 3_000):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            full = backend.to_numpy(ntkcore.gram(j, mode="full", max_memory=max_memory))
-            tr = backend.to_numpy(ntkcore.gram(j, mode="trace", max_memory=max_memory))
+        full = backend.to_numpy(ntkcore.gram(j, mode="full", max_memory=max_memory))
+        tr = backend.to_numpy(ntkcore.gram(j, mode="trace", max_memory=max_memory))
         assert plan_gram(j, mode="full", max_memory=max_memory).symmetric
         mat = full.transpose(0, 2, 1, 3).reshape(n * o, n * o)
         np.testing.assert_allclose(mat, mat.T, rtol=1e-12, atol=1e-12)
@@ -458,13 +464,44 @@ def test_mixed_libraries_rejected(rng):
         ntkcore.gram(j, jt)
 
 
-def test_tiny_budget_warns_and_still_computes(rng):
-    spec = {"O": 1, "blocks": [("kron", 2, 3, 3)]}
-    f = make_factors(spec, 3, rng)
-    j = to_jacobian_np(f)
-    with pytest.warns(ResourceWarning, match="max_memory"):
-        k = ntkcore.gram(j, mode="trace", max_memory=8)
-    np.testing.assert_allclose(k, reference(f, f, "trace"), rtol=1e-12)
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_budget_below_a_useful_tile(monkeypatch, rng, mode, layerwise):
+    """A budget that cannot hold a min(N, 8) x min(N, 8) tile raises at once, naming
+    max_memory, quoting the value given and stating the smallest budget; that budget works,
+    with tiles of at least min(N, 8) samples a side (it used to warn and run 1 x 1 tiles)."""
+    import sys
+    import time
+
+    gram_module = sys.modules["ntkcore.gram"]
+    monkeypatch.setattr(gram_module, "MIN_TILE_SAMPLES", 8)
+    spec = {"O": 2, "blocks": [("kron", 3, 6, 5), ("kron", 1, 4, 3), ("dense", 7)]}
+    for n1, n2 in ((40, None), (40, 5), (3, 30)):
+        f1 = make_factors(spec, n1, rng)
+        f2 = None if n2 is None else make_factors(spec, n2, rng)
+        j1 = to_jacobian_np(f1)
+        j2 = None if f2 is None else to_jacobian_np(f2)
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=r"max_memory='1kB' \(1000 bytes\)") as info:
+            ntkcore.gram(j1, j2, mode=mode, layerwise=layerwise, max_memory="1kB")
+        assert time.perf_counter() - t0 < 1.0
+        need = int(re.search(r"max_memory >= (\d+) bytes", str(info.value)).group(1))
+        assert need > 1000 and info.value.needed == need
+        with pytest.raises(ValueError, match=f"max_memory >= {need} bytes"):
+            ntkcore.gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=need - 1)
+        with pytest.raises(ValueError, match="max_memory"):
+            plan_gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=need - 1)
+        plan = plan_gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=need)
+        m2 = n1 if n2 is None else n2
+        assert plan.tile_rows >= min(n1, 8) and plan.tile_cols >= min(m2, 8)
+        assert plan.working_bytes <= need
+        k = ntkcore.gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=need)
+        np.testing.assert_allclose(k, reference(f1, f1 if f2 is None else f2, mode,
+                                                layerwise=layerwise), rtol=1e-10, atol=1e-10)
+        # the same number from the shapes alone (what ntk() checks before any factor)
+        shapes = gram_module.block_shapes(j1)
+        assert gram_module.min_budget(shapes, num_outputs=2, n1=n1, n2=m2, mode=mode,
+                                      layerwise=layerwise) == need
 
 
 def test_inputs_not_mutated(rng):
