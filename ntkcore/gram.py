@@ -67,10 +67,13 @@ when a kernel is split for that purpose).  A tile on the diagonal is itself comp
 ``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
 tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
 with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
-slower than panels on large full-mode tiles).  The square blocks on the diagonal (whose
-products, e.g. the "positions" contraction, are symmetric only up to rounding) are replaced by
-the average with their transpose; everything else is mirrored, so a self-kernel is exactly
-symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]`` bit for bit.
+slower than panels on large full-mode tiles).  Everything off those squares is mirrored; the
+squares themselves are exactly symmetric from a GEMM ``X X^T`` (dense, kron1, materialise:
+an entry and its mirror sum the same products in the same order), while the "positions"
+contraction sums over s and t in different orders, so squares with a "positions" block are
+replaced by the average with their transpose (exact: ``fl(x + y) = fl(y + x)``, halving is
+exact).  A self-kernel is thus exactly symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]``
+bit for bit.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -902,6 +905,12 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             lower = (*lead_ix, low, rs, Ellipsis)
             out[lower] = mirrored  # type: ignore[index]
 
+    # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
+    # (each entry and its mirror sum the same products in the same order); the "positions"
+    # contraction sums over s and t in different orders for (n, m) and (m, n), so its diagonal
+    # tiles are symmetrised (test_self_kernel_exactly_symmetric checks every backend).
+    unsym = [s == "positions" for s in plan.strategies]
+
     def symmetrise(rs: slice, b: int | None) -> None:
         """Make the square ``(rs, rs)`` of ``out`` exactly symmetric,
         ``Theta[n,m,o,p] = Theta[m,n,p,o]``, by averaging it with its transpose
@@ -943,7 +952,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         t = fix(t)
                         if writable:
                             place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
-                            if same:
+                            if same and unsym[b]:
+                                t = None  # free the tile before the symmetrising pass
                                 symmetrise(pieces[k][0], b)
                         else:
                             parts.append(t)
@@ -953,17 +963,20 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
             if not layerwise:
-                for (prs, pcs, off), acc in zip(pieces, accs, strict=True):
+                for k, (prs, pcs, off) in enumerate(pieces):
+                    acc, accs[k] = accs[k], None
                     assert acc is not None
                     if writable:
                         place(prs, pcs, fix(acc), None, off)
-                        if same:
+                        if same and any(unsym):
+                            del acc  # free the tile (budgeted) before the symmetrising pass
                             symmetrise(prs, None)
                     else:
-                        grid[(i, j)] = symmetric_tile(fix(acc)) if same else fix(acc)
+                        grid[(i, j)] = symmetric_tile(fix(acc)) if same and any(unsym) \
+                            else fix(acc)
             elif not writable:
                 stacked = xp.stack(parts, axis=0)
-                grid[(i, j)] = symmetric_tile(stacked) if same else stacked
+                grid[(i, j)] = symmetric_tile(stacked) if same and any(unsym) else stacked
             if report is not None:
                 report(done, len(todo))
     finally:
