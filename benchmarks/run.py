@@ -89,7 +89,8 @@ def _split(values: list[str] | None) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        # `ntkcore bench` sets NTKCORE_BENCH_PROG so that usage and errors name that command
+        prog=os.environ.get("NTKCORE_BENCH_PROG") or "python -m benchmarks",
         description="Run ntkcore's benchmark suites and write a JSON result file.",
     )
     p.add_argument("--suite", action="append", metavar="NAME",

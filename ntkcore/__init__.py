@@ -24,7 +24,7 @@ from .cg import (
     cg_solve,
 )
 from .errors import JitterWarning, NotPositiveDefiniteError
-from .gram import gram
+from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .operators import KernelOperator
 from .regression import (
@@ -41,6 +41,7 @@ __all__ = [
     "ConvergenceWarning",
     "DenseBlock",
     "GPPosterior",
+    "GramPlan",
     "Jacobian",
     "JitterWarning",
     "KernelOperator",
@@ -62,6 +63,7 @@ __all__ = [
     "kernel_spectrum",
     "models",
     "natural_gradient",
+    "plan_gram",
     "ntk",
     "pseudo_ntk",
     "relative_kernel_distance",

@@ -18,7 +18,11 @@ computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
 the row block's factors are computed once, the column blocks' are recomputed per row block (for
 ``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
-itself is not counted.
+itself is not counted.  A budget too small for a useful tile (``min(N, 8)`` samples a side,
+``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``: blocks of that many samples and their
+contraction) raises ``BudgetTooSmallError`` (a ``ValueError``; ``from ntkcore.gram import
+BudgetTooSmallError``) right after the probe,
+stating the smallest ``max_memory`` that works (``_check_budget``).
 
 Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
 grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
@@ -43,7 +47,7 @@ import array_api_compat
 
 from ._memory import resolve_budget
 from ._validation import namespace_of
-from .gram import gram
+from .gram import BudgetTooSmallError, block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .providers import find_provider
 
@@ -245,13 +249,70 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                          f"model uses the {provider.name!r} provider")
     key = _probe_key(provider.name, model, x1, pseudo, params)
     probe = None
-    per_sample = _PER_SAMPLE.get(key) if key is not None else None
-    if per_sample is None:
+    cached = _PER_SAMPLE.get(key) if key is not None else None
+    if cached is None:
         probe = call(x1[0:min(n1, _PROBE), ...])
-        per_sample = _jac_bytes(probe) / probe.num_samples
+        cached = (_jac_bytes(probe) / probe.num_samples, block_shapes(probe),
+                  probe.num_outputs, _itemsize(probe.xp, probe.dtype))
         if key is not None:
-            _PER_SAMPLE.put(key, per_sample)
-    if one_grad and provider.name == "torch" and (checkpoint is True or (
+            _PER_SAMPLE.put(key, cached)
+    per_sample = cached[0]
+    _check_budget(budget, max_memory, cached, n1, n2, x2 is not None, mode, layerwise,
+                  dtype, xp)
+    try:
+        return _compute(call, model, x1, x2, n1, n2, probe, per_sample, budget, one_grad,
+                        provider.name, checkpoint, mode, layerwise, pseudo, params, dtype,
+                        batch_size, progress, xp)
+    except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
+        need = math.ceil(e.needed * budget / max(e.given, 1))
+        raise BudgetTooSmallError(
+            f"{_given(max_memory)} ({budget} bytes) is too small for the smallest useful tile "
+            f"of this kernel: pass max_memory >= {need} bytes", budget, need) from None
+
+
+def _given(max_memory: Any) -> str:
+    return "the default budget" if max_memory is None else f"max_memory={max_memory!r}"
+
+
+def _check_budget(budget: int, max_memory: Any, cached: tuple[Any, ...], n1: int, n2: int,
+                  cross: bool, mode: str, layerwise: bool, dtype: Any, xp: Any) -> None:
+    """Raise when ``budget`` cannot give :func:`gram` a useful tile (``min(N, 8)`` samples a
+    side, ``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``), stating the smallest budget that
+    does.
+
+    The kernel is computed with all factors held (when they take at most ``M / 2``) and the
+    contraction then gets at least ``M / 2``, or in sample blocks of ``M / 4`` bytes of factors
+    with ``M / 2`` for the contraction (module docstring).  So ``M`` works when
+    ``M >= 2 g`` (``g``: the contraction's need for a useful tile, from the block shapes) and
+    either ``M >= 2 F`` (``F``: all factors) or ``M >= 4 m b`` (blocks of ``m`` samples of
+    ``b`` bytes each).
+    """
+    per_sample, shapes, o, itemsize = cached
+    if dtype is not None:
+        try:
+            resolved = getattr(xp, dtype) if isinstance(dtype, str) else dtype
+            itemsize = max(itemsize, _itemsize(xp, resolved))
+        except Exception:  # gram() reports a bad dtype
+            pass
+    g = min_budget(shapes, num_outputs=o, n1=n1, n2=n2, mode=mode, layerwise=layerwise,
+                   itemsize=itemsize)
+    m = max(useful_tile(n1), useful_tile(n2))
+    factors = per_sample * (n1 + (n2 if cross else 0))
+    need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))
+    if budget < need:
+        raise BudgetTooSmallError(
+            f"{_given(max_memory)} ({budget} bytes) is too small for the smallest useful tile "
+            f"of this kernel ({useful_tile(n1)} x {useful_tile(n2)} "
+            f"samples: {per_sample:.0f} bytes of Jacobian factors per sample, {g} bytes to "
+            f"contract the tile): pass max_memory >= {need} bytes", budget, need)
+
+
+def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: int, n2: int,
+             probe: Jacobian | None, per_sample: float, budget: int, one_grad: bool,
+             provider_name: str, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
+             params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any) -> Array:
+    """The kernel once the budget is known to suffice (see the module docstring)."""
+    if one_grad and provider_name == "torch" and (checkpoint is True or (
             checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
             > budget / 4)):
         # One side requires grad and the other is large: checkpointed target factors
@@ -343,7 +404,8 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         Inputs of the model's framework, leading with the sample axis.
     x2 : array, shape (N2, ...), optional
         Second inputs; ``None`` means ``x1`` against itself (symmetric: tiles on and above the
-        diagonal only, the result is exactly symmetric).
+        diagonal only, the result is exactly symmetric: ``K[n, m, o, p] == K[m, n, p, o]``
+        bit for bit).
     mode : {"full", "trace", "diagonal"}
         ``full`` (N1, N2, O, O); ``trace`` (N1, N2), :math:`\sum_o \Theta[:, :, o, o]`;
         ``diagonal`` (N1, N2, O).
@@ -353,7 +415,8 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
     max_memory : int, float or str, optional
         Working-memory budget in bytes (or ``"1GB"``) for Jacobian factors and contractions,
         the kernel itself aside (see the module docstring).  Default: a quarter of the
-        device's free memory.
+        device's free memory.  Too small for a tile of ``min(N, 8)`` samples a side: a
+        ``ValueError`` stating the smallest budget that works.
     params : optional
         Provider-specific parameter subset (torch: parameter names or tensors).
     progress : None, callable, True or "tqdm"

@@ -732,6 +732,7 @@ def _cmd_bench(argv: list[str]) -> int:
             "`python -m ntkcore bench` (or `python -m benchmarks`) there")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    env["NTKCORE_BENCH_PROG"] = f"{PROG} bench"  # the runner's usage line names this command
     try:
         return subprocess.call([sys.executable, "-m", "benchmarks", *argv], env=env)
     except KeyboardInterrupt:
@@ -880,6 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .gram import BudgetTooSmallError
+
     try:
         if argv and argv[0] == "bench":  # forwarded verbatim, --help included
             return _cmd_bench(argv[1:])
@@ -900,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         handler = {"info": _cmd_info, "demo": _cmd_demo, "support": _cmd_support}
         return handler[args.command](args)
-    except CLIError as exc:
+    except (CLIError, BudgetTooSmallError) as exc:  # the budget error states the one that works
         cmd = argv[0] if argv else ""
         print(f"{PROG} {cmd}: error: {exc}".replace("  ", " "), file=sys.stderr)
         return 1

@@ -67,8 +67,13 @@ when a kernel is split for that purpose).  A tile on the diagonal is itself comp
 ``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
 tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
 with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
-slower than panels on large full-mode tiles).  The square blocks on the diagonal are
-symmetric up to rounding; everything else is mirrored exactly.
+slower than panels on large full-mode tiles).  Everything off those squares is mirrored; the
+squares themselves are exactly symmetric from a GEMM ``X X^T`` (dense, kron1, materialise:
+an entry and its mirror sum the same products in the same order), while the "positions"
+contraction sums over s and t in different orders, so squares with a "positions" block are
+replaced by the average with their transpose (exact: ``fl(x + y) = fl(y + x)``, halving is
+exact).  A self-kernel is thus exactly symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]``
+bit for bit.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -76,7 +81,6 @@ Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -118,6 +122,12 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 #: (samples; CPU / GPU) and a tile has at most ``SYMMETRIC_MAX_PANELS`` of them.
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
+
+#: The smallest useful tile holds ``min(N, MIN_TILE_SAMPLES)`` samples a side (rows of J1,
+#: columns of J2).  A budget that cannot hold it raises ``ValueError`` stating the budget that
+#: does (:func:`min_budget`), instead of computing the kernel in up to N^2 / 2 tiny tiles:
+#: one-sample tiles cost a Python round trip per kernel entry (hours for N = 1000).
+MIN_TILE_SAMPLES = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +193,74 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
         mem = inputs + w * (2 if mode == "diagonal" else 1)
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * qk * p
     raise AssertionError(strategy)
+
+
+class BudgetTooSmallError(ValueError):
+    """``max_memory`` cannot hold the smallest useful tile (see :data:`MIN_TILE_SAMPLES`).
+
+    ``given`` is the budget in bytes the planner got, ``needed`` the smallest that works."""
+
+    def __init__(self, message: str, given: int, needed: int) -> None:
+        super().__init__(message)
+        self.given = given
+        self.needed = needed
+
+
+@dataclass(frozen=True)
+class _BlockShape:
+    """What the cost model reads of a block, without its arrays (for :func:`_min_bytes`)."""
+
+    kron: bool
+    num_params: int
+    num_positions: int = 1
+    d_in: int = 0
+    d_out: int = 0
+
+
+class _ShapePair(_Pair):
+    @property
+    def kronecker(self) -> bool:
+        return bool(self.b1.kron)
+
+
+def _block_shape(b: Any) -> _BlockShape:
+    if isinstance(b, KroneckerBlock):
+        return _BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
+    return _BlockShape(False, b.num_params)
+
+
+def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
+    """The block shapes of a Jacobian as the cost model sees them (no arrays are kept)."""
+    return tuple(_block_shape(b) for b in as_jacobian(j, "J").blocks)
+
+
+def useful_tile(n: int) -> int:
+    """Samples a side of the smallest useful tile for ``n`` samples (:data:`MIN_TILE_SAMPLES`)."""
+    return min(n, MIN_TILE_SAMPLES)
+
+
+def _min_elements(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, layerwise: bool,
+                  forced: str | None) -> int:
+    """Working elements of the smallest useful tile, ``min(n1, MIN_TILE_SAMPLES)`` x
+    ``min(n2, MIN_TILE_SAMPLES)``, with each block's leanest strategy."""
+    r, c = useful_tile(n1), useful_tile(n2)
+    acc = _acc_factor(layerwise, len(pairs))
+    mem = max(min(_cost(s, p, mode, o, r, c)[0] for s in p.strategies(forced)) for p in pairs)
+    return mem + r * c * _q(mode, o) * acc
+
+
+def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2: int,
+               mode: str = "full", layerwise: bool = False, itemsize: int = 8,
+               shapes2: tuple[_BlockShape, ...] | None = None) -> int:
+    """Smallest ``max_memory`` (bytes) for which :func:`gram` plans a useful tile.
+
+    ``shapes`` (and ``shapes2`` for J2, default the same) from :func:`block_shapes`;
+    ``itemsize`` of the compute dtype.  Used by :func:`ntkcore.ntk` to check a budget before
+    any factor is computed.
+    """
+    pairs: list[_Pair] = [_ShapePair(i, str(i), a, b) for i, (a, b) in enumerate(
+        zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
+    return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None) * itemsize
 
 
 def _acc_factor(layerwise: bool, nblocks: int) -> int:
@@ -279,6 +357,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     acc = _acc_factor(layerwise, len(pairs))
     chosen: list[str] = []
     tiles: list[int] = []
+    useful = useful_tile(nmax)
     for pair in pairs:
         options = []
         for strat in pair.strategies(forced):
@@ -286,23 +365,19 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
                 r, c = min(tile, n1), min(tile, n2)
                 return _work([strat], [pair], mode, o, r, c, acc) <= elems
             tile = _largest(fits, 1, nmax)
-            if tile >= 1:
+            if tile >= useful:
                 r, c = min(tile, n1), min(tile, n2)
                 key = (0, _grid_flops(strat, pair, mode, o, n1, n2, r, c))
+            elif tile >= 1:  # below a useful tile (plan_gram only): the largest tile
+                key = (1, float(-tile))
             else:  # nothing fits: prefer the smallest working set
-                key = (1, float(_work([strat], [pair], mode, o, 1, 1, acc)))
+                key = (2, float(_work([strat], [pair], mode, o, 1, 1, acc)))
             options.append((key, tile, strat))
         key, tile, strat = min(options, key=lambda x: x[0])
         chosen.append(strat)
         tiles.append(tile)
 
-    tile = min(tiles)
-    if tile < 1:
-        warnings.warn(
-            f"max_memory={budget} bytes is too small for even a 1 x 1 tile of the kernel "
-            f"(needs about {_work(chosen, pairs, mode, o, 1, 1, acc) * itemsize} bytes); "
-            "computing with 1 x 1 tiles anyway", ResourceWarning, stacklevel=4)
-        tile = 1
+    tile = max(1, min(tiles))  # _setup has checked that a useful tile fits
     if symmetric:
         r = min(tile, n1)
         per_entry = sum(_cost(s, p, mode, o, r, r)[1] for s, p in zip(chosen, pairs,
@@ -690,6 +765,16 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     n2 = n1 if j2 is None else j2.num_samples
     o = j1.num_outputs
     itemsize = max(_itemsize(xp, out_dtype), _itemsize(xp, default))
+    if n1 and n2:
+        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * itemsize
+        if budget < need:
+            given = ("the default budget" if max_memory is None
+                     else f"max_memory={max_memory!r}")
+            raise BudgetTooSmallError(
+                f"{given} ({budget} bytes) is too small for the smallest useful tile of this "
+                f"kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
+                f"mode {mode!r}{', layerwise' if layerwise else ''}, {itemsize}-byte "
+                f"numbers): pass max_memory >= {need} bytes", budget, need)
     if n1 == 0 or n2 == 0:
         plan = GramPlan(max(n1, 1), max(n2, 1), tuple("dense" if not p.kronecker else "kron1"
                                                       for p in pairs), 0, j2 is None, 0,
@@ -726,7 +811,8 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     J2 : Jacobian, optional
         N2 samples with the same block structure as ``J1`` (names, kinds, parameter shapes;
         Kronecker blocks may have a different number of positions).  ``None``: ``J1`` against
-        itself; only tiles on and above the diagonal are computed, the rest is mirrored.
+        itself; only tiles on and above the diagonal are computed, the rest is mirrored, and
+        the result is exactly symmetric (``K[n, m, o, p] == K[m, n, p, o]`` bit for bit).
     mode : {"full", "trace", "diagonal"}
         ``full``: :math:`\Theta[n,m,o,p] = \sum_k J_1[n,o,k] J_2[m,p,k]`, shape (N1, N2, O, O).
         ``trace``: :math:`\sum_o \Theta[n,m,o,o]` (a sum over outputs), shape (N1, N2).
@@ -737,7 +823,8 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     max_memory : int, float or str, optional
         Budget in bytes (or ``"2GB"``, ``"512MiB"``) for the working memory beyond the
         output.  Default: a quarter of the free memory of the arrays' device
-        (see :mod:`ntkcore._memory`).
+        (see :mod:`ntkcore._memory`).  It must hold a tile of ``min(N, 8)`` samples a side
+        (:data:`MIN_TILE_SAMPLES`); :func:`min_budget` gives the smallest that does.
     dtype : dtype or str, optional
         Accumulation and result dtype (e.g. ``float64`` for float32 factors; factors are cast
         tile by tile).  Default: the Jacobians' dtype.
@@ -759,6 +846,9 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     ValueError
         Unknown ``mode``, a bad ``max_memory``, or ``J1`` and ``J2`` with different block
         structure or output counts (the message names the block).
+    BudgetTooSmallError
+        (a ``ValueError``) ``max_memory`` cannot hold a useful tile; the message states the
+        smallest budget that can.
 
     Notes
     -----
@@ -815,6 +905,27 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             lower = (*lead_ix, low, rs, Ellipsis)
             out[lower] = mirrored  # type: ignore[index]
 
+    # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
+    # (each entry and its mirror sum the same products in the same order); the "positions"
+    # contraction sums over s and t in different orders for (n, m) and (m, n), so its diagonal
+    # tiles are symmetrised (test_self_kernel_exactly_symmetric checks every backend).
+    unsym = [s == "positions" for s in plan.strategies]
+
+    def symmetrise(rs: slice, b: int | None) -> None:
+        """Make the square ``(rs, rs)`` of ``out`` exactly symmetric,
+        ``Theta[n,m,o,p] = Theta[m,n,p,o]``, by averaging it with its transpose
+        (``fl(x + y) = fl(y + x)`` and halving is exact): one pass over the square."""
+        ix = (*(() if b is None else (b,)), rs, rs, Ellipsis)
+        sq = out[ix]  # type: ignore[index]
+        avg = sq + xp.permute_dims(sq, swap1)
+        del sq
+        avg *= 0.5  # a fresh array of this function
+        out[ix] = avg  # type: ignore[index]
+
+    def symmetric_tile(t: Array) -> Array:
+        """:func:`symmetrise` for a whole diagonal tile without item assignment (JAX)."""
+        return (t + xp.permute_dims(t, swapl if layerwise else swap1)) * 0.5
+
     def panels_of(rs: slice) -> list[tuple[slice, slice, int | None]]:
         """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
         b = _panel_bounds(rs.start, rs.stop, plan.panels)
@@ -841,6 +952,9 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         t = fix(t)
                         if writable:
                             place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
+                            if same and unsym[b]:
+                                t = None  # free the tile before the symmetrising pass
+                                symmetrise(pieces[k][0], b)
                         else:
                             parts.append(t)
                     elif accs[k] is None:
@@ -849,14 +963,20 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
             if not layerwise:
-                for (prs, pcs, off), acc in zip(pieces, accs, strict=True):
+                for k, (prs, pcs, off) in enumerate(pieces):
+                    acc, accs[k] = accs[k], None
                     assert acc is not None
                     if writable:
                         place(prs, pcs, fix(acc), None, off)
+                        if same and any(unsym):
+                            del acc  # free the tile (budgeted) before the symmetrising pass
+                            symmetrise(prs, None)
                     else:
-                        grid[(i, j)] = fix(acc)
+                        grid[(i, j)] = symmetric_tile(fix(acc)) if same and any(unsym) \
+                            else fix(acc)
             elif not writable:
-                grid[(i, j)] = xp.stack(parts, axis=0)
+                stacked = xp.stack(parts, axis=0)
+                grid[(i, j)] = symmetric_tile(stacked) if same and any(unsym) else stacked
             if report is not None:
                 report(done, len(todo))
     finally:

@@ -33,9 +33,11 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
 ``gaussian(n, q)``
     :math:`\Omega = G / \sqrt{q}` with i.i.d. standard normal :math:`G` (materialised, q x n).
 ``sparse_sign(n, q, nnz=1)``
-    CountSketch-style: every column has ``nnz`` entries :math:`\pm 1/\sqrt{nnz}` in rows drawn
-    independently and uniformly (collisions allowed), with independent random signs; this keeps
-    :math:`\mathbb{E}[\Omega^\top\Omega] = I`.  Applied as one-hot matrix products over column
+    CountSketch-style: every column is the sum of ``nnz`` draws :math:`\pm 1/\sqrt{nnz}` in
+    rows drawn independently and uniformly, with independent random signs.  Colliding draws
+    add up (to 0 or :math:`\pm 2/\sqrt{nnz}`), so a diagonal entry of
+    :math:`\Omega^\top\Omega` is 1 only without collisions (always for ``nnz=1``); its mean,
+    and :math:`\mathbb{E}[\Omega^\top\Omega] = I`, hold either way.  Applied as one-hot matrix products over column
     chunks (the standard has no scatter-add), so it costs :math:`O(q\, n\, k)` flops and
     :math:`O(q \cdot \text{chunk})` extra memory.
 

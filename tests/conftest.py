@@ -159,5 +159,17 @@ def backend_eager(request: pytest.FixtureRequest) -> BackendCase:
 
 
 @pytest.fixture
+def tiny_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lift the smallest-useful-tile rule (``ntkcore.gram.MIN_TILE_SAMPLES``, min(N, 8)
+    samples a side) to 1, for tests that drive the tile loops and the streamed sample blocks
+    of small inputs with tiny budgets.  The rule itself is tested with its real value."""
+    import sys
+
+    import ntkcore  # noqa: F401 - loads ntkcore.gram
+
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 1)
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)

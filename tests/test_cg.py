@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import ntkcore
 from ntkcore import cg
+from tests.tolerances import gamma
 
 
 def rbf_kernel(rng: np.random.Generator, n: int, d: int = 4, scale: float = 3.0) -> np.ndarray:
@@ -101,8 +102,17 @@ def test_float32_torch(rng):
     assert x.dtype == torch.float32
     assert rep.tol == pytest.approx(max(1e-6, 100 * np.finfo(np.float32).eps))
     assert rep.converged
-    ref = np.linalg.solve(k + reg * np.eye(n), y)
-    np.testing.assert_allclose(x.numpy(), ref, rtol=0, atol=1e-3 * np.abs(ref).max())
+    a = k + reg * np.eye(n)
+    ref = np.linalg.solve(a, y)
+    xd = x.numpy().astype(np.float64)
+    # CG stops on its float32 recurrence residual <= tol |y|; the true residual differs by the
+    # rounding of K, y and of the products with them: gamma_{n+2} (|A| |x| + |y|), in norm
+    res_bound = rep.tol + gamma(np.float32, n + 2) * (
+        np.linalg.norm(np.abs(a) @ np.abs(xd)) + np.linalg.norm(y)) / np.linalg.norm(y)
+    res = np.linalg.norm(y - a @ xd) / np.linalg.norm(y)
+    assert res <= res_bound, (res, res_bound)
+    # hence the forward error: |x - x*| / |x*| <= cond(A) |r| / |y|
+    assert np.linalg.norm(xd - ref) / np.linalg.norm(ref) <= np.linalg.cond(a) * res_bound
 
 
 class MatmatOnly:
@@ -377,7 +387,32 @@ def test_kernel_operator_float32_factors_accumulate_in_vector_dtype(rng):
     v = rng.standard_normal((15, 1))
     got = KernelOperator(jac, block=4).matmat(v)
     assert got.dtype == np.float64
-    np.testing.assert_allclose(got, k @ v, rtol=1e-5)
+    # only the factors were rounded to float32 (relative u each, so 2u per product of a
+    # Kronecker pair and 4u per product of two Jacobian entries); the sums run in float64
+    # Kernel of |factors|: sum_s |g_s| |a_s| >= |J| entrywise, so kabs @ |v| bounds the sum of
+    # |terms|; float64 sums: 20 + 6 + 2 * 2 * 6 = 50 products per entry, 15 per row of K v
+    dabs = build(lambda a: np.abs(np.asarray(a))).to_dense()
+    kabs = np.einsum("nop,mop->nm", dabs, dabs)
+    bound = (gamma(np.float32, 4) + gamma(np.float64, 50 + 15)) * (kabs @ np.abs(v))
+    assert np.all(np.abs(got - k @ v) <= bound), np.max(np.abs(got - k @ v) / bound)
+
+
+def test_kernel_operator_budget_below_a_useful_tile(rng):
+    """A max_memory that cannot hold a tile of min(block, 8) samples a side raises at the
+    first product, quoting the value and the smallest budget; that budget works."""
+    import re
+
+    from ntkcore.operators import KernelOperator
+
+    build, d = structured_jacobian(rng, 30, 2)
+    jac = build(np.asarray)
+    k = np.einsum("nop,mop->nm", d, d)
+    v = rng.standard_normal((30, 2))
+    with pytest.raises(ValueError, match=r"max_memory='200B' \(200 bytes\)") as info:
+        KernelOperator(jac, block=10, max_memory="200B").matmat(v)
+    need = int(re.search(r"max_memory >= (\d+) bytes", str(info.value)).group(1))
+    got = KernelOperator(jac, block=10, max_memory=need).matmat(v)
+    np.testing.assert_allclose(got, k @ v, rtol=1e-12, atol=1e-12 * np.abs(k).max())
 
 
 def test_kernel_operator_bad_arguments(rng):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,22 @@ def test_bench_forwards_to_runner(capsys):
     assert cli.main(["bench", "--list"]) == 0
 
 
+def test_bench_help_names_the_command(tmp_path):
+    """``ntkcore bench --help`` prints ``usage: ntkcore bench``, ``python -m benchmarks
+    --help`` its own name (both in a fresh process: the runner is a subprocess)."""
+    if cli.source_root() is None:
+        pytest.skip("not a source checkout")
+    root = cli.source_root()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("NTKCORE_BENCH_PROG", None)
+    for cmd, usage in ((["-m", "ntkcore", "bench", "--help"], "usage: ntkcore bench"),
+                       (["-m", "benchmarks", "--help"], "usage: python -m benchmarks")):
+        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env,
+                           cwd=root, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(usage), r.stdout[:200]
+
+
 def test_bench_without_checkout(monkeypatch, capsys):
     monkeypatch.setattr(cli, "source_root", lambda: None)
     assert cli.main(["bench", "--quick"]) == 1
@@ -189,6 +206,19 @@ def test_demo_cli_prints_report(tmp_path, capsys):
     for word in ("accuracy", "kernel", "memory", "time", str(out)):
         assert word in text
     assert out.is_file()
+
+
+def test_demo_budget_too_small_is_a_clear_error(capsys):
+    """`demo --max-memory 1kB` planned 790,653 one-sample tiles; now: exit 1 at once, the
+    message quoting the value and the smallest budget that works."""
+    import time
+
+    t0 = time.perf_counter()
+    code = cli.main(["demo", "--n-train", "200", "--n-test", "30", "--width", "16",
+                     "--no-progress", "--no-plot", "--max-memory", "1kB"])
+    assert code == 1 and time.perf_counter() - t0 < 30
+    err = capsys.readouterr().err
+    assert "max_memory='1kB' (1000 bytes) is too small" in err and "max_memory >= " in err
 
 
 def test_demo_json(capsys):

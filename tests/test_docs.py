@@ -29,6 +29,55 @@ def test_every_page_is_in_a_toctree():
     assert pages <= listed, f"pages missing from the toctree: {sorted(pages - listed)}"
 
 
+#: ``ntkcore.a.b`` in a role ({func}`...`), an autodoc directive or inline code
+DOTTED = re.compile(r"(\{(?:func|class|meth|attr|data|exc)\}`~?|\.\. auto\w+:: +|`)"
+                    r"(ntkcore(?:\.\w+)+)")
+
+
+def _resolve(name: str):
+    """``name`` as a user's ``import``, then attribute access, reaches it: import the longest
+    importable module prefix (``import ntkcore.gram``), then ``getattr`` from ``ntkcore``."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    obj = importlib.import_module("ntkcore")
+    for attr in parts[1:]:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def test_documented_names_resolve():
+    """Every dotted ``ntkcore.…`` name the pages write works as written (``ntkcore.gram`` is
+    the function, which shadows the module: ``ntkcore.gram.plan_gram`` does not exist)."""
+    names = {(m.group(2), p.name) for p in DOCS.glob("*.md")
+             for m in DOTTED.finditer(p.read_text(encoding="utf-8"))}
+    bad = []
+    for name, page in sorted(names):
+        if name.startswith("ntkcore.backends.") and \
+                importlib.util.find_spec(name.split(".")[2]) is None:
+            continue  # a framework that is not installed
+        try:
+            _resolve(name)
+        except Exception as e:  # noqa: BLE001 - reported below
+            bad.append(f"{page}: {name}: {e!r}")
+    assert not bad, bad
+    assert ("ntkcore.plan_gram", "api.md") in names
+
+
+def test_plan_gram_spellings():
+    """The spellings docs/api.md gives for the planner name the same objects."""
+    import ntkcore
+    from ntkcore.gram import GramPlan, plan_gram
+
+    assert ntkcore.plan_gram is plan_gram and ntkcore.GramPlan is GramPlan
+    j = ntkcore.DenseBlock(__import__("numpy").ones((3, 2, 4)))
+    assert isinstance(ntkcore.plan_gram(j, mode="trace"), ntkcore.GramPlan)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_getting_started_code_runs():
     """The python blocks of getting-started.md, run in order as one script (they assert)."""

@@ -65,3 +65,31 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     path = ROOT / "examples" / "ntk_regression_digits.py"
     r = run_example(path, tmp_path, "--models", "RNN")
     assert r.returncode == 2 and "--models" in r.stderr
+
+
+def _documented_flags() -> dict[str, list[str]]:
+    """script -> flags docs/examples.md promises: --quick and --help for every script, plus
+    the flags in its table row's "writes" column."""
+    text = (ROOT / "docs" / "examples.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+\.py)` \| ([^|]*) \|", text, re.M)
+    return {name: ["--quick", "--help", *re.findall(r"`(--[\w-]+)`", writes)]
+            for name, writes in rows}
+
+
+def test_examples_accept_documented_flags(tmp_path):
+    """Every example is in docs/examples.md's table, accepts the flags documented there
+    (its ``--help`` lists them), and a script that saves a plot documents ``--out``."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sklearn") is None:
+        pytest.skip("needs torch and scikit-learn")
+    documented = _documented_flags()
+    assert set(documented) == {p.name for p in EXAMPLES}
+    env = dict(os.environ, MPLBACKEND="Agg", TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    for path in EXAMPLES:
+        flags = documented[path.name]
+        if "savefig" in path.read_text(encoding="utf-8"):
+            assert "--out" in flags, path.name
+        r = subprocess.run([sys.executable, str(path), "--help"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        missing = [f for f in flags if f not in r.stdout]
+        assert not missing, f"{path.name} --help lacks {missing}"

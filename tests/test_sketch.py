@@ -314,3 +314,25 @@ def test_row_sketch_indices_sorted_and_apply_on_any_axis(backend, rng, method, r
     y = rng.standard_normal((4, n, 2))
     np.testing.assert_allclose(backend.to_numpy(s.apply(backend.asarray(y, "float64"), axis=1)),
                                np.einsum("qn,anb->aqb", omega, y), rtol=1e-12, atol=1e-12)
+
+
+def test_sparse_sign_diagonal_with_collisions():
+    """docs/math.md: diag(Omega^T Omega) is 1 for columns whose nnz rows are distinct (every
+    column when nnz = 1); colliding draws add up, so other entries are 0, 2, ... / nnz, and
+    only the mean is 1."""
+    for nnz, q in ((1, 5), (3, 4)):
+        s = sk.sparse_sign(4000, q, nnz=nnz, seed=3, like=np.zeros(1))
+        omega = np.asarray(s.matrix())
+        diag = np.einsum("qn,qn->n", omega, omega)
+        rows, signs = np.asarray(s.rows), np.asarray(s.signs) * np.sqrt(nnz)
+        distinct = np.array([len(set(rows[:, j])) == nnz for j in range(4000)])
+        np.testing.assert_allclose(diag[distinct], 1.0, rtol=4 * np.finfo(float).eps)
+        # the entry the rows and signs give: (1/nnz) sum_{k,l} s_k s_l [r_k == r_l]
+        same = rows[:, None, :] == rows[None, :, :]
+        expected = np.einsum("kn,ln,kln->n", signs, signs, same) / nnz
+        np.testing.assert_allclose(diag, expected, rtol=4 * np.finfo(float).eps)
+        if nnz == 1:
+            assert distinct.all()
+        else:
+            assert (~distinct).sum() > 1000 and np.any(np.abs(diag - 1) > 0.5)
+            _assert_unbiased(diag[:, None], np.ones(1))
