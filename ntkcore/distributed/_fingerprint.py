@@ -94,6 +94,14 @@ def array_digest(a: Any) -> str:
     return h.hexdigest()
 
 
+def _safe_digest(a: Any) -> str | None:
+    """:func:`array_digest`, or None for an array that cannot be read as bytes."""
+    try:
+        return array_digest(a)
+    except Exception:
+        return None
+
+
 def _text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -199,17 +207,19 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
     provider = find_provider(model).name
     by_provider = {"torch": _torch, "mlp": _mlp, "jax": _jax}
     fn = by_provider.get(provider)
-    if fn is None:
-        model_part: dict[str, str | None] = {"model": None, "parameters": None,
-                                             "params": _simple_selection(params)}
-    else:
-        model_part = fn(model, params)
+    model_part: dict[str, str | None] = {"model": None, "parameters": None,
+                                         "params": _simple_selection(params)}
+    if fn is not None:
+        try:
+            model_part = fn(model, params)
+        except Exception:  # an exotic model: unverifiable (a resume then needs a key)
+            pass
     opts = {k: v for k, v in options.items() if k not in _NO_VALUE_EFFECT}
     return {
         "ntkcore": _text_digest(f"{__version__}|{SCHEME}"),
         **model_part,
-        "x1": array_digest(x1),
-        "x2": _text_digest("none") if x2 is None else array_digest(x2),
+        "x1": _safe_digest(x1),
+        "x2": _text_digest("none") if x2 is None else _safe_digest(x2),
         "mode": _text_digest(mode),
         "options": _text_digest(";".join(f"{k}={_canonical(opts[k])}" for k in sorted(opts))),
     }
