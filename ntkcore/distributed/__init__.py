@@ -10,7 +10,9 @@ kernel tile contracts two such chunks with :func:`ntkcore.gram`.
   kernel computes each off-diagonal tile once and mirrors it).
 * :func:`to_zarr` / :func:`ntk_to_zarr` / :func:`read_zarr` / :func:`zarr_status` -- chunked
   storage with per-tile completion markers, so an interrupted run resumes without recomputing
-  finished tiles.
+  finished tiles; a store records a fingerprint of its computation (a resume with another
+  model, inputs or options is refused), a size and CRC-32 per tile (a torn tile is reported
+  and recomputed), and ntkcore never writes into or deletes a directory that is not its store.
 * :func:`cholesky_regression` -- blocked Cholesky (``dask.array.linalg``) on a dask kernel.
 * :class:`DaskMatrixOperator` -- lets :func:`ntkcore.cg_solve` and
   ``kernel_regression(..., solver="cg")`` use a dask kernel through products only.

@@ -1,22 +1,37 @@
 """Kernels in Zarr: chunked storage with per-tile completion markers, and resume.
 
-Layout of a kernel store (a Zarr v3 group at a path)::
+Layout of a kernel store (a Zarr v3 group in a directory)::
 
     <store>/kernel   the kernel, chunks = the dask tiles (no compression by default:
                      kernel values compress poorly and compression costs CPU per tile)
+    <store>/tiles    uint64 (tile rows, tile columns[, 1, 1], 2): per tile, the size in bytes
+                     of its chunk file (0: no file, Zarr leaves a tile equal to the fill value
+                     unwritten) and the CRC-32 of the file, recorded when the tile is done
     <store>/done     uint8 (tile rows, tile columns[, 1, 1]); 1 once a tile is fully written
-    attrs            {"ntkcore": {"shape", "chunks", "dtype", "complete", "key"}}
+    attrs            {"ntkcore": {"format", "shape", "chunks", "dtype", "complete", "key",
+                      "symmetric", "fingerprint", "version"}}
 
-Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk) and
-then its marker (its own chunk of ``done``).  A run that dies leaves finished tiles marked;
-writing again with ``resume=True`` computes only the unmarked ones.
+Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk),
+flushes the chunk file to disk (``fsync``), records its size and checksum, and only then sets
+its marker (its own chunk of ``done``).  A run that dies leaves finished tiles marked;
+writing again with ``resume=True`` computes only the unmarked ones and the marked ones whose
+chunk file no longer has the recorded size (or checksum, with ``checksums=True``).
+
+A resume first proves the store holds the same computation: the same shape, tiles, dtype and
+``key``, and, without a key, the same fingerprint (``fp.py``: parameters, inputs,
+mode, parameter selection, options, ntkcore version).  ntkcore never deletes or writes into a
+directory that is not one of its stores.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
-from dataclasses import dataclass
+import shutil
+import warnings
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
@@ -24,9 +39,13 @@ import dask.array as da
 import numpy as np
 import zarr
 
+from .._version import __version__
+from . import _fingerprint as fp
 from ._cluster import get_client, wait_with_progress
 
 _ATTR = "ntkcore"
+_FORMAT = 2  # 1: no per-tile records and no fingerprint (ntkcore before issue 15)
+_OURS = ("done", "tiles", "kernel", "zarr.json")  # removed in this order by overwrite=True
 
 
 @dataclass(frozen=True)
@@ -37,10 +56,17 @@ class ZarrStatus:
     ----------
     shape, chunks : tuple of int
         Kernel shape and tile shape.
-    tiles_done, tiles_total : int
+    tiles_done : int
+        Tiles marked done whose chunk file passed the check (size, or checksum).
+    tiles_total : int
     complete : bool
+        Every tile is done and passed the check.
     key : str or None
         The user's label of what the kernel is (checked on resume).
+    torn : tuple of tile indices
+        Tiles marked done whose chunk file does not match what was recorded when they were
+        written (truncated, replaced or, with ``checksums=True``, altered); a resume
+        recomputes them and :func:`read_zarr` refuses the store until then.
     """
 
     shape: tuple[int, ...]
@@ -49,13 +75,27 @@ class ZarrStatus:
     tiles_total: int
     complete: bool
     key: str | None
+    torn: tuple[tuple[int, ...], ...] = ()
+    problems: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def describe_torn(self, limit: int = 5) -> str:
+        """The torn tiles and what is wrong with each (at most ``limit`` listed)."""
+        more = len(self.problems) - limit
+        text = "; ".join(self.problems[:limit])
+        return text + (f"; and {more} more" if more > 0 else "")
 
 
 def _path(store: Any) -> str:
     if not isinstance(store, str | os.PathLike):
         raise TypeError(f"store must be a filesystem path (str or PathLike); got "
                         f"{type(store).__name__}")
-    return os.fspath(store)
+    path = os.fspath(store)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if "://" in path:
+        raise ValueError(f"store must be a directory on a local or mounted filesystem; got "
+                         f"the URL {path!r} (ntkcore checks and flushes chunk files itself)")
+    return path
 
 
 def _regular_chunks(k: da.Array) -> tuple[int, ...]:
@@ -68,34 +108,239 @@ def _regular_chunks(k: da.Array) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _write_tile(tile: np.ndarray, path: str, index: tuple[int, ...],
-                region: tuple[slice, ...]) -> int:
-    arr = zarr.open_array(store=path, path="kernel", mode="r+")
-    arr[region] = tile
+def _chunk_file(path: str, arr: Any, index: tuple[int, ...]) -> str:
+    """The file holding tile ``index`` of the ``kernel`` array of the store at ``path``."""
+    key = arr.metadata.encode_chunk_key(tuple(int(i) for i in index))
+    return os.path.join(path, "kernel", *key.split("/"))
+
+
+def _file_record(name: str, *, checksum: bool = True, flush: bool = False) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of a chunk file; (0, 0) if there is none."""
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except FileNotFoundError:
+        return 0, 0
+    try:
+        if flush:
+            os.fsync(fd)
+        size = os.fstat(fd).st_size
+        crc = 0
+        if checksum and size:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
+                crc = zlib.crc32(view)
+        return int(size), int(crc)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(name: str) -> None:
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _mark_done(path: str, index: tuple[int, ...], size: int, crc: int) -> None:
+    """Record a written tile's chunk file, then set its marker (in that order)."""
+    rec = zarr.open_array(store=path, path="tiles", mode="r+")
+    rec[(*(slice(i, i + 1) for i in index), slice(None))] = np.array(
+        [size, crc], dtype=np.uint64).reshape((1,) * len(index) + (2,))
     done = zarr.open_array(store=path, path="done", mode="r+")
     done[tuple(slice(i, i + 1) for i in index)] = 1
+
+
+def _write_tile(tile: np.ndarray, path: str, index: tuple[int, ...],
+                region: tuple[slice, ...]) -> int:
+    """Write one tile, flush it to disk, then mark it done (a tile is marked only once its
+    data is durable: an interruption before the marker leaves it not done)."""
+    arr = zarr.open_array(store=path, path="kernel", mode="r+")
+    arr[region] = tile
+    name = _chunk_file(path, arr, index)
+    size, crc = _file_record(name, flush=True)
+    _fsync_dir(os.path.dirname(name))
+    _mark_done(path, index, size, crc)
     return 1
 
 
-def zarr_status(store: Any) -> ZarrStatus:
-    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`)."""
-    path = _path(store)
+def _open_meta(path: str) -> tuple[Any, dict[str, Any]]:
     try:
         group = zarr.open_group(store=path, mode="r")
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError
+            ) as exc:
         raise FileNotFoundError(f"no ntkcore kernel store at {path!r}") from exc
-    meta = dict(group.attrs.asdict().get(_ATTR, {}))
-    if not meta:
+    except zarr.errors.ContainsArrayError as exc:
+        raise ValueError(f"{path!r} is a Zarr array, not an ntkcore kernel store") from exc
+    meta = group.attrs.asdict().get(_ATTR)
+    if not isinstance(meta, dict) or "shape" not in meta:
         raise ValueError(f"{path!r} is a Zarr group but not an ntkcore kernel store")
-    done = np.asarray(group["done"][...])
+    return group, dict(meta)
+
+
+def _check_tiles(path: str, group: Any, meta: dict[str, Any], done: np.ndarray,
+                 checksums: bool) -> dict[tuple[int, ...], str]:
+    """Tiles marked done whose chunk file does not match its record -> what is wrong."""
+    kernel = group["kernel"]
+    records = np.asarray(group["tiles"][...]) if "tiles" in group else None
+    expected_raw = None
+    if records is None and not tuple(kernel.compressors) and not tuple(kernel.filters):
+        # a store of format 1: an uncompressed chunk file has a known size
+        expected_raw = int(np.prod(meta["chunks"])) * np.dtype(meta["dtype"]).itemsize
+    bad: dict[tuple[int, ...], str] = {}
+    for index in zip(*np.nonzero(done), strict=True):
+        idx = tuple(int(i) for i in index)
+        name = _chunk_file(path, kernel, idx)
+        where = os.path.relpath(name, path)
+        if records is not None:
+            want_size, want_crc = (int(v) for v in records[idx])
+            size, crc = _file_record(name, checksum=checksums and want_size > 0)
+            if size != want_size:
+                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, "
+                            f"{want_size} were written" if want_size else
+                            f"tile {idx}: chunk file {where} should not exist (the tile was "
+                            f"written as all fill values) but has {size} bytes")
+            elif checksums and crc != want_crc:
+                bad[idx] = (f"tile {idx}: chunk file {where} has CRC-32 {crc:08x}, "
+                            f"{want_crc:08x} was written")
+        elif expected_raw is not None:
+            size, _ = _file_record(name, checksum=False)
+            if size not in (0, expected_raw):
+                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, an "
+                            f"uncompressed tile has {expected_raw}")
+    return bad
+
+
+def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
+    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
+
+    Every tile marked done is checked against the size of its chunk file recorded when it
+    was written (one ``stat`` per tile); ``checksums=True`` also reads every chunk file and
+    compares its CRC-32 (reads the whole kernel).  Tiles that fail are reported in
+    ``torn`` and not counted as done.
+    """
+    path = _path(store)
+    group, meta = _open_meta(path)
+    if "done" not in group or "kernel" not in group:
+        raise ValueError(f"the ntkcore kernel store at {path!r} is damaged (its 'done' or "
+                         "'kernel' array is missing); rewrite it with overwrite=True")
+    done = np.asarray(group["done"][...]).astype(bool)
+    bad = _check_tiles(path, group, meta, done, checksums)
+    torn = tuple(sorted(bad))
+    n_done = int(done.sum()) - len(torn)
     return ZarrStatus(
         shape=tuple(meta["shape"]),
         chunks=tuple(meta["chunks"]),
-        tiles_done=int(done.sum()),
+        tiles_done=n_done,
         tiles_total=int(done.size),
-        complete=bool(done.all()),
+        complete=n_done == done.size,
         key=meta.get("key"),
+        torn=torn,
+        problems=tuple(bad[i] for i in torn),
     )
+
+
+def _existing_store(path: str) -> dict[str, Any] | None:
+    """The ntkcore metadata of the store at ``path``; None for a missing or empty directory.
+
+    Raises
+    ------
+    ValueError
+        ``path`` is a file, or a directory that is not an ntkcore kernel store: ntkcore
+        neither writes into it nor deletes it.
+    """
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"store {path!r} exists and is not a directory; ntkcore will not "
+                         "replace it (even with overwrite=True): choose another path")
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return None
+    meta = None
+    if "zarr.json" in entries:
+        try:
+            meta = _open_meta(path)[1]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            meta = None
+    if meta is None:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)"
+                                          if len(entries) > 5 else "")
+        raise ValueError(
+            f"store {path!r} is not an ntkcore kernel store: it is a directory holding "
+            f"{shown}. ntkcore neither writes into nor deletes a directory it did not create, "
+            "even with overwrite=True: pass a new or empty directory"
+        )
+    return meta
+
+
+def _clear_store(path: str) -> None:
+    """Delete an ntkcore store's own entries (markers first); leave anything else there."""
+    for name in _OURS:
+        full = os.path.join(path, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        elif os.path.lexists(full):
+            os.remove(full)
+
+
+def _upgrade_format_1(path: str, group: Any, meta: dict[str, Any], done: np.ndarray,
+                      fingerprint: dict[str, Any]) -> None:
+    """Give a store of format 1 (resumed with its key) the records of format 2: the tiles it
+    has done (their sizes were checked by :func:`zarr_status`) are recorded as they are."""
+    grid = done.shape
+    rec = group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
+                             dtype="uint64", fill_value=0)
+    kernel = group["kernel"]
+    for index in zip(*np.nonzero(done), strict=True):
+        idx = tuple(int(i) for i in index)
+        size, crc = _file_record(_chunk_file(path, kernel, idx))
+        rec[(*(slice(i, i + 1) for i in idx), slice(None))] = np.array(
+            [size, crc], dtype=np.uint64).reshape((1,) * len(idx) + (2,))
+    meta.update(format=_FORMAT, fingerprint=meta.get("fingerprint") or fingerprint)
+    group.attrs.update({_ATTR: meta})
+
+
+def _check_identity(path: str, old: dict[str, Any], meta: dict[str, Any],
+                    key: str | None) -> None:
+    """Refuse to resume a store that holds another computation (see :func:`to_zarr`)."""
+    same = (old["shape"] == meta["shape"] and old["chunks"] == meta["chunks"]
+            and old["dtype"] == meta["dtype"] and old.get("key") == key)
+    if not same:
+        raise ValueError(
+            f"the store at {path!r} holds a different kernel (shape {old['shape']}, chunks "
+            f"{old['chunks']}, dtype {old['dtype']}, key {old.get('key')!r}; this call: shape "
+            f"{meta['shape']}, chunks {meta['chunks']}, dtype {meta['dtype']}, key {key!r}); "
+            "pass overwrite=True to replace it, or another store"
+        )
+    differ, unknown = fp.compare(old.get("fingerprint"), meta["fingerprint"])
+    labels = [fp.LABELS.get(k, k) for k in differ]
+    if key is not None:
+        if differ:
+            warnings.warn(
+                f"resuming the store at {path!r} because key={key!r} matches, but these "
+                f"differ from the run that started it: {'; '.join(labels)}. The key is your "
+                "promise that the kernel is the same; pass overwrite=True if it is not",
+                UserWarning, stacklevel=4)
+        return
+    if differ:
+        raise ValueError(
+            f"the store at {path!r} holds tiles of another computation: "
+            f"{'; '.join(labels)} differ from the run that started it. Pass overwrite=True "
+            "to replace it, or another store"
+        )
+    if unknown:
+        what = ", ".join(fp.LABELS.get(k, k) for k in unknown)
+        raise ValueError(
+            f"cannot prove that the store at {path!r} holds this computation ({what} could "
+            "not be fingerprinted, or the store was written without one by an older ntkcore). Pass "
+            "overwrite=True to replace it, another store, or the same key= on every call "
+            "(your promise that the kernel is the same)"
+        )
 
 
 def to_zarr(
@@ -109,6 +354,7 @@ def to_zarr(
     progress: Any = None,
     compressors: Any = None,
     symmetric: bool = False,
+    checksums: bool = False,
 ) -> ZarrStatus:
     """Write a dask kernel to a Zarr store tile by tile, skipping tiles already written.
 
@@ -117,15 +363,25 @@ def to_zarr(
     kernel : dask.array.Array
         E.g. from :func:`ntk_dask`; its chunks become the Zarr chunks (regular grid).
     store : str or PathLike
-        Directory of the store.
+        Directory of the store: new, empty, or an ntkcore kernel store.  A file or a
+        directory with other content is refused (``ValueError``), with or without
+        ``overwrite``.
     resume : bool, default True
-        If the store exists with the same shape, chunks, dtype and ``key``, compute only the
-        tiles not marked done.  ``False`` with an existing store raises unless ``overwrite``.
+        If the store holds the same computation, compute only the tiles not marked done (and
+        those whose chunk file fails its check, see ``checksums``).  The same computation
+        means the same shape, chunks, dtype and ``key``, and, with ``key=None``, the same
+        fingerprint: here dask's name for ``kernel`` (a hash of its graph); for
+        :func:`ntk_to_zarr` a hash of the parameters, inputs and options.  Anything else
+        raises ``ValueError`` naming what differs.  ``False`` with an existing incomplete
+        store raises unless ``overwrite``.
     overwrite : bool, default False
-        Delete an existing store first.
+        Replace an existing ntkcore store (only its own entries are deleted).
     key : str, optional
-        A label of the kernel's content (model, data, mode); a resume with a different key
-        is refused, so tiles of two different kernels never mix.
+        Your label of the kernel's content (model, data, mode).  A resume needs the same key
+        as the run that created the store; with a key, ntkcore trusts it and resumes even if
+        the fingerprint differs (it warns, naming what differs).  Use it when the fingerprint
+        cannot be derived (a model of a custom provider) or changes although the kernel does
+        not.
     client, progress
         See :func:`get_client`; ``progress`` is ``True`` (Dask's bar) or ``progress(done,
         total)`` over the tiles computed in this call.
@@ -138,40 +394,79 @@ def to_zarr(
         Record that the kernel is symmetric (square tiles, ``K = K^T``), so that
         products with the stored kernel read only tiles on and above the diagonal.
         :func:`ntk_to_zarr` sets it for ``x2=None`` in ``"trace"`` mode.
+    checksums : bool, default False
+        On resume, also verify the CRC-32 of every tile marked done (reads the stored
+        kernel once); by default only the chunk files' sizes are checked.
 
     Returns
     -------
     ZarrStatus
+
+    Raises
+    ------
+    ValueError
+        ``store`` is not an ntkcore store; it holds another computation (the message names
+        what differs); or it is incomplete and ``resume=False``.
     """
+    return _to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
+                    progress=progress, compressors=compressors, symmetric=symmetric,
+                    checksums=checksums)
+
+
+def _to_zarr(
+    kernel: da.Array,
+    store: Any,
+    *,
+    resume: bool = True,
+    overwrite: bool = False,
+    key: str | None = None,
+    client: Any = None,
+    progress: Any = None,
+    compressors: Any = None,
+    symmetric: bool = False,
+    checksums: bool = False,
+    fingerprint: dict[str, str | None] | None = None,
+) -> ZarrStatus:
+    """:func:`to_zarr` with the fingerprint of the computation (default: dask's name)."""
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
     path = _path(store)
     chunks = _regular_chunks(kernel)
     shape = tuple(int(s) for s in kernel.shape)
     grid = tuple(len(c) for c in kernel.chunks)
-    meta = {"shape": list(shape), "chunks": list(chunks), "dtype": str(kernel.dtype),
-            "key": key, "complete": False, "symmetric": bool(symmetric)}
-    exists = os.path.exists(path) and os.listdir(path)
-    if exists and not overwrite:
-        status = zarr_status(path)
-        group = zarr.open_group(store=path, mode="r+")
-        old = group.attrs.asdict()[_ATTR]
-        same = (old["shape"] == meta["shape"] and old["chunks"] == meta["chunks"]
-                and old["dtype"] == meta["dtype"] and old.get("key") == key)
-        if not same:
-            raise ValueError(
-                f"the store at {path!r} holds a different kernel (shape {old['shape']}, chunks "
-                f"{old['chunks']}, dtype {old['dtype']}, key {old.get('key')!r}); pass "
-                "overwrite=True or another path"
-            )
+    if fingerprint is None:
+        fingerprint = {"dask graph": fp._text_digest(str(kernel.name))}
+    meta = {"format": _FORMAT, "shape": list(shape), "chunks": list(chunks),
+            "dtype": str(kernel.dtype), "key": key, "complete": False,
+            "symmetric": bool(symmetric), "fingerprint": fingerprint, "version": __version__}
+    old = _existing_store(path)
+    if old is not None and not overwrite:
+        _check_identity(path, old, meta, key)
+        status = zarr_status(path, checksums=checksums)
         if not resume and not status.complete:
             raise ValueError(f"the store at {path!r} exists ({status.tiles_done}/"
                              f"{status.tiles_total} tiles); pass resume=True or overwrite=True")
+        group = zarr.open_group(store=path, mode="r+")
         done = np.asarray(group["done"][...]).astype(bool)
+        if status.torn:
+            # unmark first: a run interrupted while recomputing them leaves them not done
+            marks = zarr.open_array(store=path, path="done", mode="r+")
+            for idx in status.torn:
+                marks[tuple(slice(i, i + 1) for i in idx)] = 0
+                done[idx] = False
+            old["complete"] = False
+            group.attrs.update({_ATTR: old})
+        if "tiles" not in group:
+            _upgrade_format_1(path, group, old, done, fingerprint)
     else:
-        group = zarr.open_group(store=path, mode="w")
+        if old is not None:
+            _clear_store(path)
+        os.makedirs(path, exist_ok=True)
+        group = zarr.open_group(store=path, mode="a")  # holds none of ours now
         group.create_array(name="kernel", shape=shape, chunks=chunks, dtype=kernel.dtype,
                            compressors=compressors, fill_value=0)
+        group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
+                           dtype="uint64", fill_value=0)
         group.create_array(name="done", shape=grid, chunks=(1,) * len(grid), dtype="uint8",
                            fill_value=0)
         group.attrs.update({_ATTR: meta})
@@ -212,6 +507,7 @@ def ntk_to_zarr(
     overwrite: bool = False,
     key: str | None = None,
     progress: Any = None,
+    checksums: bool = False,
     **ntk_options: Any,
 ) -> ZarrStatus:
     """:func:`ntk_dask` followed by :func:`to_zarr` (one call; resumable).
@@ -219,16 +515,31 @@ def ntk_to_zarr(
     Only the tiles missing from ``store`` are computed (and only the Jacobian chunks they
     need).  The store is uncompressed; a symmetric trace kernel (``x2=None``) is recorded as
     symmetric (see :func:`to_zarr`).
+
+    The store records a fingerprint of the computation: SHA-256 digests of the values of the
+    model's parameters and buffers, its structure (module tree, training flags, user
+    ``forward`` bytecode; MLP widths, activation and scales), the parameter selection, ``x1``
+    and ``x2``, ``mode``, the value-changing options (``dtype``) and ntkcore's version.
+    With ``key=None`` a resume on a store whose fingerprint differs is refused, naming the
+    differing parts.  Not covered: globals, closures or helper functions a ``forward``
+    reads, and the code of JAX ``apply_fn`` callees; change those and pass ``overwrite=True``.
+    For a model of a provider ntkcore does not know, no fingerprint can be derived and a
+    resume needs an explicit ``key``.  Hashing costs one pass over the parameters and inputs
+    (about 5 ms for 1M float32 parameters).
     """
     from ._ntk import ntk_dask
 
     kernel = ntk_dask(model, x1, x2, mode=mode, chunk=chunk, client=client, params=params,
                       **ntk_options)
-    return to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
-                   progress=progress, symmetric=x2 is None and mode == "trace")
+    fingerprint = fp.kernel_fingerprint(model, x1, x2, mode=mode, params=params,
+                                                  options=ntk_options)
+    return _to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
+                    progress=progress, symmetric=x2 is None and mode == "trace",
+                    checksums=checksums, fingerprint=fingerprint)
 
 
-def read_zarr(store: Any, *, require_complete: bool = True) -> da.Array:
+def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = False
+              ) -> da.Array:
     """The kernel in ``store`` as a dask array (chunks = the stored tiles).
 
     The returned array remembers its store: :func:`ntkcore.cg_solve` and
@@ -236,20 +547,28 @@ def read_zarr(store: Any, *, require_complete: bool = True) -> da.Array:
     expression of it) multiply through :class:`ZarrMatrixOperator`, which reads each tile
     once per product on the workers.
 
+    Every tile marked done is checked against the size of its chunk file recorded when it
+    was written; ``checksums=True`` also compares CRC-32s (reads the kernel once).
+
     Raises
     ------
     ValueError
-        With ``require_complete`` (default) when some tiles are missing; the message says
-        how many and how to resume.
+        With ``require_complete`` (default) when some tiles are missing or torn; the
+        message says how many, which tiles are torn, and how to resume.
     """
     path = _path(store)
-    status = zarr_status(path)
+    status = zarr_status(path, checksums=checksums)
     if require_complete and not status.complete:
-        raise ValueError(
-            f"the kernel at {path!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
-            "tiles written); finish it with ntk_to_zarr(..., resume=True) or pass "
-            "require_complete=False (missing tiles read as 0)"
-        )
+        raise ValueError(_incomplete_message(path, status) + " or pass require_complete="
+                         "False (missing tiles read as 0)")
     k = da.from_zarr(path, component="kernel")
     k._ntkcore_zarr_store = path  # picked up by DaskMatrixOperator (fast product path)
     return k
+
+
+def _incomplete_message(path: str, status: ZarrStatus) -> str:
+    text = (f"the kernel at {path!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
+            "tiles written")
+    if status.torn:
+        text += (f"; {len(status.torn)} marked done but damaged: {status.describe_torn()}")
+    return text + "); finish it with ntk_to_zarr(..., resume=True) (or to_zarr),"

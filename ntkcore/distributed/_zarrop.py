@@ -273,14 +273,12 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _path, zarr_status
+        from ._zarr import _ATTR, _incomplete_message, _path, zarr_status
 
         path = _path(store)
         status = zarr_status(path)
         if not status.complete:
-            raise ValueError(
-                f"the kernel at {path!r} is incomplete ({status.tiles_done}/"
-                f"{status.tiles_total} tiles); finish it with ntk_to_zarr(..., resume=True)")
+            raise ValueError(_incomplete_message(path, status).rstrip(","))
         arr = zarr.open_array(store=path, path="kernel", mode="r")
         if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
             raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "

@@ -1,0 +1,238 @@
+"""Fingerprints of a kernel computation: what a Zarr store records so that a resume can prove
+the stored tiles belong to the kernel being computed.
+
+A fingerprint is a dict ``component -> hex digest`` (SHA-256), one entry per thing that
+determines the kernel, so that a refused resume can say *what* differs:
+
+=============  ===================================================================================
+``ntkcore``    ntkcore's version and the fingerprint scheme (a tile computed by another version
+               may differ, e.g. after a bug fix)
+``model``      the model's structure: provider, module tree (class, ``extra_repr``, training
+               flag), the bytecode of user-defined ``forward`` methods; for an
+               :class:`ntkcore.models.MLP` its widths, activation, parameterisation and scales
+``parameters`` every parameter's and buffer's name, dtype, shape and bytes, in a fixed order
+``params``     the parameter selection as the provider resolves it (torch: the selected names,
+               which with ``params=None`` are those with ``requires_grad``)
+``x1``, ``x2`` dtype, shape and bytes of the inputs (``x2``: ``"none"`` for a symmetric kernel)
+``mode``       ``"trace"`` / ``"full"`` / ``"diagonal"``
+``options``    the other options that change values (``dtype``, ...), not ``max_memory``
+=============  ===================================================================================
+
+A component that cannot be derived for a model (a provider ntkcore does not know) is ``None``:
+such a store cannot be resumed without an explicit ``key``.
+
+Cost: one pass of SHA-256 over the parameters and the inputs (a host copy first for device
+arrays); for a 1M-parameter float32 model a few milliseconds, next to seconds or hours for
+the kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import types
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+
+SCHEME = 1  # bump when what a component covers changes
+
+LABELS = {
+    "ntkcore": "ntkcore (the version that computed the tiles)",
+    "model": "model (architecture, activation, training flags, forward code)",
+    "parameters": "parameters (the values of the model's parameters and buffers)",
+    "params": "params (which parameters the kernel differentiates)",
+    "x1": "x1 (the inputs)",
+    "x2": "x2 (the second inputs, or none for a symmetric kernel)",
+    "mode": "mode",
+    "options": "options (dtype and other ntk options)",
+    "dask graph": "dask graph (the name dask gives the kernel array)",
+}
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_NO_VALUE_EFFECT = frozenset({"max_memory", "check_memory"})
+
+
+def _is_torch_tensor(a: Any) -> bool:
+    return type(a).__module__.startswith("torch") and hasattr(a, "detach")
+
+
+def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """(dtype name, shape, C-contiguous bytes) of an array of any framework, on the host."""
+    if _is_torch_tensor(a):
+        import torch
+
+        t = a.detach()
+        shape = tuple(int(s) for s in t.shape)
+        dtype = str(t.dtype)
+        flat = t.reshape(-1).contiguous()
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        if flat.is_conj():
+            flat = flat.resolve_conj()
+        return dtype, shape, memoryview(flat.view(torch.uint8).numpy())
+    from ._ntk import _to_numpy
+
+    h = np.ascontiguousarray(_to_numpy(a))
+    if h.dtype.hasobject:
+        raise TypeError("object arrays cannot be fingerprinted")
+    return h.dtype.str, tuple(int(s) for s in h.shape), memoryview(h.reshape(-1).view(np.uint8))
+
+
+def _update_array(h: Any, name: str, a: Any) -> None:
+    dtype, shape, data = _host_view(a)
+    h.update(f"{name}|{dtype}|{shape}|{data.nbytes}|".encode())
+    h.update(data)
+
+
+def array_digest(a: Any) -> str:
+    """SHA-256 of an array's dtype, shape and bytes."""
+    h = hashlib.sha256()
+    _update_array(h, "", a)
+    return h.hexdigest()
+
+
+def _safe_digest(a: Any) -> str | None:
+    """:func:`array_digest`, or None for an array that cannot be read as bytes."""
+    try:
+        return array_digest(a)
+    except Exception:
+        return None
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical(v: Any) -> str:
+    """A process-independent text for a small constant (no ids, no hash-seed order)."""
+    if isinstance(v, types.CodeType):
+        return _code_text(v)
+    if isinstance(v, frozenset | set):
+        return "{" + ",".join(sorted(_canonical(e) for e in v)) + "}"
+    if isinstance(v, tuple | list):
+        return "(" + ",".join(_canonical(e) for e in v) + ")"
+    if isinstance(v, float):
+        return v.hex()
+    if v is None or isinstance(v, bool | int | str | bytes | complex):
+        return repr(v)
+    return _ADDRESS.sub("", f"{type(v).__qualname__}:{v!r}")
+
+
+def _code_text(code: types.CodeType) -> str:
+    """Bytecode, names and constants of a code object (not file names or line numbers)."""
+    return f"{code.co_code.hex()}|{code.co_names}|{_canonical(code.co_consts)}"
+
+
+def _function_text(fn: Any) -> str:
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return name if code is None else f"{name}|{_code_text(code)}"
+
+
+# -- per provider ----------------------------------------------------------------------------
+def _torch(model: Any, params: Any) -> dict[str, str | None]:
+    import torch.nn as nn
+
+    from ..backends.torch_jacobian import _select_params
+
+    parts = []
+    for name, m in model.named_modules():
+        cls = type(m)
+        text = f"{name}|{cls.__module__}.{cls.__qualname__}|{m.extra_repr()}|{m.training}"
+        fwd = cls.forward
+        if not cls.__module__.startswith("torch.") and fwd is not nn.Module.forward:
+            text += "|" + _function_text(fwd)
+        parts.append(_ADDRESS.sub("", text))
+    h = hashlib.sha256()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        _update_array(h, "p:" + name, p)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        _update_array(h, "b:" + name, b)
+    return {
+        "model": _text_digest("torch\n" + "\n".join(parts)),
+        "parameters": h.hexdigest(),
+        "params": _text_digest("\n".join(_select_params(model, params))),
+    }
+
+
+def _mlp(model: Any, params: Any) -> dict[str, str | None]:
+    text = (f"MLP|{model.widths}|{model.activation}|{model.parameterization}|"
+            f"{float(model.weight_std).hex()}|{float(model.bias_std).hex()}|{model.bias}")
+    h = hashlib.sha256()
+    for i, w in enumerate(model.weights):
+        _update_array(h, f"weights[{i}]", w)
+    for i, b in enumerate(model.biases or ()):
+        _update_array(h, f"biases[{i}]", b)
+    return {"model": _text_digest(text), "parameters": h.hexdigest(),
+            "params": _text_digest(repr(model._select_layers(params)))}
+
+
+def _jax(model: Any, params: Any) -> dict[str, str | None]:
+    import jax
+
+    apply_fn, tree = model
+    text = "jax|" + _function_text(apply_fn)
+    owner = getattr(apply_fn, "__self__", None)
+    if owner is not None:  # a bound method, e.g. a flax Module's apply
+        text += "|" + _ADDRESS.sub("", f"{type(owner).__qualname__}:{owner!r}")
+    h = hashlib.sha256()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    h.update(_ADDRESS.sub("", str(treedef)).encode())
+    for path, leaf in leaves:
+        _update_array(h, jax.tree_util.keystr(path), leaf)
+    return {"model": _text_digest(text), "parameters": h.hexdigest(),
+            "params": _simple_selection(params)}
+
+
+def _simple_selection(params: Any) -> str | None:
+    if params is None or isinstance(params, str | int):
+        return _text_digest(repr(params))
+    if isinstance(params, list | tuple) and all(isinstance(p, str | int) for p in params):
+        return _text_digest(repr(list(params)))
+    return None
+
+
+def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
+                       options: dict[str, Any]) -> dict[str, str | None]:
+    """The fingerprint of ``ntk_dask(model, x1, x2, mode=mode, params=params, **options)``.
+
+    Components that cannot be derived are ``None`` (see the module docstring).
+    """
+    from ..providers import find_provider
+
+    provider = find_provider(model).name
+    by_provider = {"torch": _torch, "mlp": _mlp, "jax": _jax}
+    fn = by_provider.get(provider)
+    model_part: dict[str, str | None] = {"model": None, "parameters": None,
+                                         "params": _simple_selection(params)}
+    if fn is not None:
+        try:
+            model_part = fn(model, params)
+        except Exception:  # an exotic model: unverifiable (a resume then needs a key)
+            pass
+    opts = {k: v for k, v in options.items() if k not in _NO_VALUE_EFFECT}
+    return {
+        "ntkcore": _text_digest(f"{__version__}|{SCHEME}"),
+        **model_part,
+        "x1": _safe_digest(x1),
+        "x2": _text_digest("none") if x2 is None else _safe_digest(x2),
+        "mode": _text_digest(mode),
+        "options": _text_digest(";".join(f"{k}={_canonical(opts[k])}" for k in sorted(opts))),
+    }
+
+
+def compare(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(components that differ, components that cannot be compared)."""
+    old = old or {}
+    differ, unknown = [], []
+    for k in sorted(set(old) | set(new)):
+        o, n = old.get(k), new.get(k)
+        if o is None or n is None:
+            unknown.append(k)
+        elif o != n:
+            differ.append(k)
+    return differ, unknown
