@@ -64,10 +64,76 @@ def check_floating(xp: Any, x: Array, name: str) -> None:
                         f"got {x.dtype}")
 
 
+def _unreadable(exc: Exception) -> bool:
+    """Whether ``exc`` says an array's values cannot be read (a tracer under ``jax.jit``)."""
+    return "Concretization" in type(exc).__name__ or "Tracer" in type(exc).__name__
+
+
+def concrete(value: Any) -> float | None:
+    """``float(value)`` for a 0-d array, or ``None`` when its value is unknown (traced)."""
+    try:
+        return float(value)
+    except Exception as exc:
+        if _unreadable(exc):
+            return None
+        raise
+
+
+def all_finite(xp: Any, x: Array) -> bool:
+    """Whether ``x`` holds no NaN or Inf (integer and boolean arrays always do; a traced
+    array under ``jax.jit`` counts as finite because its values are unknown)."""
+    if not xp.isdtype(x.dtype, ("real floating", "complex floating")):
+        return True
+    try:
+        return bool(xp.all(xp.isfinite(x)))
+    except Exception as exc:
+        if _unreadable(exc):
+            return True
+        raise
+
+
 def check_finite(xp: Any, x: Array, name: str) -> None:
     """Raise ValueError if ``x`` holds NaN or Inf."""
-    if not bool(xp.all(xp.isfinite(x))):
+    if not all_finite(xp, x):
         raise ValueError(f"{name} contains NaN or Inf")
+
+
+#: Relative tolerance of the symmetry check of a kernel, in units of its dtype's epsilon:
+#: ``max|K - K^T| <= SYMMETRY_RTOL_EPS * eps * max|K|``.  Rounding in a product ``J J^T`` whose
+#: two triangles are summed in different orders stays far below it (ntkcore's own kernels
+#: are mirrored, or asymmetric by a few eps); an asymmetry above it is not rounding.
+SYMMETRY_RTOL_EPS = 1000
+
+
+def check_symmetric(xp: Any, k: Array, name: str, backend: Any = None) -> Array:
+    r"""``(K + K^T) / 2`` for a square ``k`` (N, N) that is symmetric to rounding.
+
+    The test is :math:`\max|K - K^\top| \le \tau \max|K|` with
+    :math:`\tau` = :data:`SYMMETRY_RTOL_EPS` :math:`\cdot\,\varepsilon` (``k``'s dtype),
+    one O(N^2) pass.  Within it the symmetric part is returned, so that every solver (which
+    may read one triangle, the other, or both) sees the same matrix; an exactly symmetric
+    ``k`` is returned unchanged in value.  Under autograd the symmetrisation is part of the
+    graph (gradients come out symmetric, which changes nothing for a symmetric ``K``).
+    A traced array whose values are unknown (``jax.jit``) is symmetrised without the test.
+
+    Raises
+    ------
+    ValueError
+        If the asymmetry exceeds the tolerance (the message names ``name`` and both numbers).
+    """
+    kt = xp.matrix_transpose(k)
+    if k.shape[0]:
+        k0 = backend.stop_gradient(k) if backend is not None else k
+        diff = concrete(xp.max(xp.abs(k0 - xp.matrix_transpose(k0))))
+        scale = concrete(xp.max(xp.abs(k0)))
+        eps = float(xp.finfo(k.dtype).eps)
+        tol = SYMMETRY_RTOL_EPS * eps * (scale or 0.0)
+        if diff is not None and not diff <= tol:
+            raise ValueError(
+                f"{name} is not symmetric: max|K - K^T| = {diff:.3g} exceeds "
+                f"{SYMMETRY_RTOL_EPS} eps max|K| = {tol:.3g}; pass a symmetric kernel "
+                "(e.g. (K + K^T)/2 if the asymmetry is expected)")
+    return (k + kt) / 2
 
 
 def check_ndim(x: Array, name: str, ndims: tuple[int, ...], what: str) -> None:
@@ -106,3 +172,31 @@ def check_scalar(
 def result_dtype(xp: Any, *arrays: Array) -> Any:
     """The floating dtype that ``arrays`` promote to."""
     return xp.result_type(*[a.dtype for a in arrays if a is not None])
+
+
+def first_nonfinite(named: list[tuple[str, Array]]) -> str | None:
+    """The name of the first array in ``named`` holding NaN or Inf, or ``None``.
+
+    One reduction per array and a single device sync per namespace when all are finite (the
+    usual case): the per-array flags are stacked before they are read.  Integer and boolean
+    arrays are skipped; arrays whose values are unknown (``jax.jit`` tracers) count as finite.
+    """
+    groups: dict[tuple[int, str], tuple[Any, list[tuple[str, Array]]]] = {}
+    for name, arr in named:
+        xp = array_api_compat.array_namespace(arr)
+        if xp.isdtype(arr.dtype, ("real floating", "complex floating")):
+            key = (id(xp), str(array_api_compat.device(arr)))
+            groups.setdefault(key, (xp, []))[1].append((name, arr))
+    for xp, items in groups.values():
+        flags = [xp.all(xp.isfinite(a)) for _, a in items]
+        try:
+            ok = bool(xp.all(xp.stack(flags)))
+        except Exception as exc:
+            if _unreadable(exc):
+                continue
+            raise
+        if not ok:
+            for (name, _), flag in zip(items, flags, strict=True):
+                if not bool(flag):
+                    return name
+    return None
