@@ -34,8 +34,8 @@ stopped when :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column.
 
 Input checks.  An in-memory array ``K`` is checked like the Cholesky path of
 :func:`ntkcore.kernel_regression`: real floating dtype, no NaN/Inf, and symmetric within
-:math:`\max|K - K^\top| \le 1000\,\varepsilon \max|K|` (ValueError naming it beyond;
-within, :math:`(K + K^\top)/2` is used), each one O(N^2) pass.  The entries of a dask array
+:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (ValueError naming it
+beyond; within, :math:`(K + K^\top)/2` is used), each one O(N^2) pass.  The entries of a dask array
 or an operator are not read up front; instead a NaN/Inf in a product (the preconditioner's
 sketch or columns, or an iterate's residual) raises ValueError at once, instead of
 returning a wrong ``x``.
@@ -590,8 +590,8 @@ def cg_solve(
         ``k`` or ``y`` of the wrong kind, arrays of different libraries, a non-floating dtype.
     ValueError
         Wrong shapes; NaN/Inf in ``y``, ``x0`` or an array ``k``; an array ``k`` asymmetric
-        beyond ``1000 eps max|K|`` (within it :math:`(K + K^\top)/2` is used); a NaN/Inf in
-        a product with an operator or dask ``k`` (or from the preconditioner) during the
+        beyond ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used); a NaN/Inf
+        in a product with an operator or dask ``k`` (or from the preconditioner) during the
         set-up or the iteration.  Never a silently wrong ``x``: a run that stops without
         converging warns (``warn``) and its report says so.
     """
@@ -780,10 +780,9 @@ def cg_kernel_regression(
         Unknown options, arrays of different libraries or a non-floating dtype.
     ValueError
         Wrong shapes; NaN/Inf in ``y_train`` or in an in-memory ``k_train`` or
-        ``k_test_train``; an array ``k_train`` asymmetric beyond ``1000 eps max|K|``; a
-        non-finite product of an operator ``k_train`` (see :func:`cg_solve`).  A NaN/Inf in an
-        operator or dask ``k_test_train`` is not detected before the prediction (it is
-        only read there); the predictions are then checked, not the operator.
+        ``k_test_train``; an array ``k_train`` asymmetric beyond ``1000 eps max|diag K|``; a
+        non-finite product of an operator ``k_train`` (see :func:`cg_solve`).  An operator or
+        dask ``k_test_train`` is not checked: it is only read by the final product.
     """
     allowed = {"tol", "maxiter", "preconditioner", "rank", "seed", "x0", "callback", "warn"}
     unknown = set(cg_options) - allowed

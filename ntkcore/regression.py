@@ -24,12 +24,13 @@ Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing b
 Input checks (every entry point: :class:`KernelRidge`, :func:`kernel_regression` with either
 solver, :func:`gd_mse_predict`, :func:`gp_inference`): shapes, real floating dtypes and
 finiteness of every array (ValueError / TypeError naming the argument), and symmetry of
-``k_train``: :math:`\max|K - K^\top| \le 1000\,\varepsilon \max|K|` (``eps`` of its dtype,
-:data:`ntkcore._validation.SYMMETRY_RTOL_EPS`), else ValueError.  Within that tolerance
-every path works on :math:`(K + K^\top)/2`, so the Cholesky factor (one triangle), the
-autograd refinement step and the CG products (the whole matrix) agree.  A kernel that is
-not positive definite beyond the jitter cap raises :class:`~ntkcore.NotPositiveDefiniteError`
-on every path (:func:`gd_mse_predict`: an eigenvalue of :math:`K + \lambda I` at or below
+``k_train``: :math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (``eps`` of
+its dtype, :data:`ntkcore._validation.SYMMETRY_RTOL_EPS`), else ValueError.  Within that
+tolerance every path works on :math:`(K + K^\top)/2`, so the Cholesky factor (one
+triangle), the autograd refinement step and the CG products (the whole matrix) agree (an
+exactly symmetric ``k_train`` is used as is).  A kernel that is not positive definite
+beyond the jitter cap raises :class:`~ntkcore.NotPositiveDefiniteError` on every path
+(:func:`gd_mse_predict`: an eigenvalue of :math:`K + \lambda I` at or below
 ``-jitter_cap * mean(diag K)``, the shift at which the Cholesky path gives up).
 """
 
@@ -203,7 +204,7 @@ class KernelRidge:
             Arrays of different libraries or a non-floating dtype (the argument is named).
         ValueError
             Wrong shapes, NaN/Inf in ``k_train`` or ``y_train``, or ``k_train`` asymmetric
-            beyond ``1000 eps max|K|`` (see the module docstring; within it
+            beyond ``1000 eps max|diag K|`` (see the module docstring; within it
             :math:`(K + K^\top)/2` is used).
         NotPositiveDefiniteError
             ``k_train + reg I`` is not positive definite even with the allowed jitter.
@@ -308,7 +309,7 @@ def kernel_regression(
         ``solver="cholesky"``.
     ValueError
         Wrong shapes, NaN/Inf in any array, or ``k_train`` asymmetric beyond
-        ``1000 eps max|K|`` (checked for in-memory arrays with both solvers; within the
+        ``1000 eps max|diag K|`` (checked for in-memory arrays with both solvers; within the
         tolerance both use :math:`(K + K^\top)/2`).  With ``solver="cg"`` and an operator
         ``k_train`` whose entries cannot be checked up front, a non-finite product during the
         iteration raises too (:func:`ntkcore.cg_solve`).
@@ -370,7 +371,7 @@ def gd_mse_predict(
         Arrays of different libraries or a non-floating dtype (the argument is named).
     ValueError
         Wrong shapes, NaN/Inf in an array, negative or NaN ``t``, or ``k_train`` asymmetric
-        beyond ``1000 eps max|K|`` (within it :math:`(K + K^\top)/2` is used).
+        beyond ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used).
     NotPositiveDefiniteError
         An eigenvalue :math:`w` of :math:`K + \lambda I` at or below ``-1e-2 * mean(diag K)``
         (the jitter cap at which :func:`kernel_regression` raises too: gradient flow would
@@ -507,7 +508,7 @@ def gp_inference(
         Arrays of different libraries or a non-floating dtype (the argument is named).
     ValueError
         Wrong shapes, NaN/Inf in an array, or ``k_train`` asymmetric beyond
-        ``1000 eps max|K|`` (within it :math:`(K + K^\top)/2` is used).
+        ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used).
     NotPositiveDefiniteError
         ``k_train + reg I`` not positive definite even with the allowed jitter.
     """
