@@ -132,8 +132,9 @@ def _named_parameters(model: Any) -> list[tuple[str, Any]]:
                 out.extend((str(n), p) for n, p in fn())
             except Exception:
                 pass
-    if out:
-        return [(n, p) for n, p in out if _is_array(p)]
+    if out:  # lazy modules' parameters before their first call hold no values yet
+        return [(n, p) for n, p in out
+                if not type(p).__name__.startswith("Uninitialized") and _is_array(p)]
     from .models import MLP  # pure array API
 
     if isinstance(model, MLP):

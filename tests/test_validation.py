@@ -437,3 +437,16 @@ def test_exactly_symmetric_kernel_is_used_as_is(backend, rng):
     kn = _spd(rng, 300)
     kn[290, 3] += 0.25
     assert float(max_asymmetry(xp, backend.asarray(kn))) == pytest.approx(0.25, rel=1e-12)
+
+
+def test_ntk_lazy_module_is_not_rejected():
+    """Parameters without values yet (torch lazy modules) are skipped by the checks."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 2)).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    k = ntkcore.ntk(model, x)
+    ref = _dense_ntk_torch(model, x, x)  # the call initialised the lazy layer
+    eps = np.finfo(np.float64).eps
+    np.testing.assert_allclose(k.numpy(), ref.numpy(), rtol=0,
+                               atol=100 * eps * float(ref.abs().max()))
