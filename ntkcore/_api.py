@@ -33,6 +33,22 @@ large side's factors chunk by chunk instead of keeping them (memory independent 
 ``checkpoint=True`` forces that path, ``False`` forbids it.  The module is imported lazily by
 name, like the providers.
 
+Input checks (before any provider call).  ``x1`` and ``x2`` must be arrays of one library
+and device, leading with a non-empty sample axis.  With ``check_finite=True`` (the default,
+like SciPy's ``check_finite``) their floating entries and the model's parameters and
+floating buffers must be finite (ValueError naming the input or the parameter); integer
+inputs (token ids) need no check.  The parameters are found by duck typing, without a
+framework import: ``named_parameters()`` / ``named_buffers()`` (``torch.nn.Module``), the
+``weights`` / ``biases`` of an :class:`ntkcore.models.MLP`, the array leaves of the dicts,
+lists and tuples of a JAX ``(apply_fn, params)`` pair.  Cost: one reduction per array and
+one device sync.  :func:`~ntkcore.gram` then checks the Jacobian factors (NaN or Inf from
+an overflow or a non-finite activation of finite inputs).  When the model itself fails on
+an input, the error is explained when the cause is visible: an input whose floating dtype
+differs from every floating parameter's raises TypeError naming it, an ``x2`` whose
+per-sample shape differs from ``x1``'s raises ValueError naming both shapes (the model's
+own message follows; nothing is rejected up front, because models may cast inputs or accept
+several shapes).
+
 Pure array API: nothing here imports a framework.
 """
 
@@ -40,13 +56,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import array_api_compat
 
 from ._memory import resolve_budget
-from ._validation import namespace_of
+from ._validation import check_finite as _check_finite_array
+from ._validation import first_nonfinite, namespace_of
 from .gram import BudgetTooSmallError, block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .providers import find_provider
@@ -106,6 +123,82 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
     if x2 is not None and x2.shape[0] == 0:
         raise ValueError("x2 has no samples (N2 = 0)")
     return xp, backend
+
+
+def _named_parameters(model: Any) -> list[tuple[str, Any]]:
+    """The model's parameters (and torch buffers) as ``(name, array)``, found by duck typing
+    (see the module docstring); empty when the model does not expose them."""
+    out: list[tuple[str, Any]] = []
+    for method in ("named_parameters", "named_buffers"):  # torch.nn.Module
+        fn = getattr(model, method, None)
+        if callable(fn):
+            try:
+                out.extend((str(n), p) for n, p in fn())
+            except Exception:
+                pass
+    if out:  # lazy modules' parameters before their first call hold no values yet
+        return [(n, p) for n, p in out
+                if not type(p).__name__.startswith("Uninitialized") and _is_array(p)]
+    from .models import MLP  # pure array API
+
+    if isinstance(model, MLP):
+        out = [(f"weights[{i}]", w) for i, w in enumerate(model.weights)]
+        out += [(f"biases[{i}]", b) for i, b in enumerate(model.biases or ())]
+        return out
+    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):  # JAX pair
+        _leaves(model[1], "params", out)
+    return out
+
+
+def _leaves(tree: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _leaves(v, f"{path}[{k!r}]", out)
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            _leaves(v, f"{path}[{i}]", out)
+    elif _is_array(tree):
+        out.append((path, tree))
+
+
+def _is_array(x: Any) -> bool:
+    try:
+        array_api_compat.array_namespace(x)
+    except TypeError:
+        return False
+    return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _check_model_finite(model: Any) -> None:
+    bad = first_nonfinite(_named_parameters(model))
+    if bad is not None:
+        raise ValueError(f"the model's parameter or buffer {bad!r} contains NaN or Inf "
+                         "(pass check_finite=False to skip this check)")
+
+
+def _floating(x: Any) -> bool:
+    try:
+        return bool(array_api_compat.array_namespace(x).isdtype(x.dtype, "real floating"))
+    except Exception:
+        return False
+
+
+def _diagnose(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> Exception | None:
+    """A clear error for a provider failure on input ``name`` when its cause is visible (a
+    dtype differing from every floating parameter's; an ``x2`` shaped unlike ``x1``)."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if _floating(x):
+        dtypes = {p.dtype for _, p in _named_parameters(model) if _floating(p)}
+        if dtypes and x.dtype not in dtypes:
+            have = ", ".join(sorted(str(d) for d in dtypes))
+            return TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
+                             f"dtype {have}; convert {name} to the model's dtype (the model "
+                             f"raised {cause})")
+    if name == "x2" and tuple(x.shape[1:]) != tuple(x1.shape[1:]):
+        return ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
+                          f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
+                          f"{cause}); pass inputs of one per-sample shape")
+    return None
 
 
 class _ProbeCache:
@@ -214,7 +307,7 @@ def _requires_grad(x: Any) -> bool:
 
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
-            checkpoint: Any = "auto") -> Array:
+            checkpoint: Any = "auto", check_finite: bool = True) -> Array:
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
     if checkpoint not in (True, False, "auto"):
@@ -224,19 +317,38 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be None or a positive integer; got {batch_size!r}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True or False; got {check_finite!r}")
     provider = find_provider(model)
     xp, backend = _check_inputs(x1, x2)
+    if check_finite:
+        _check_finite_array(xp, x1, "x1")
+        if x2 is not None:
+            _check_finite_array(xp, x2, "x2")
+        _check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
     kwargs: dict[str, Any] = {"params": params}
     if pseudo:
         kwargs["pseudo"] = True
 
-    def call(x: Any) -> Jacobian:
-        j = provider.jacobian(model, x, **kwargs)
-        if not isinstance(j, Jacobian):
-            raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
-                            "not an ntkcore.Jacobian")
-        return j
+    def named_call(name: str, x_full: Any) -> Callable[[Any], Jacobian]:
+        def call(x: Any) -> Jacobian:
+            try:
+                j = provider.jacobian(model, x, **kwargs)
+            except Exception as exc:
+                clear = _diagnose(exc, model, name, x_full, x1)
+                if clear is None:
+                    raise
+                raise clear from exc
+            if not isinstance(j, Jacobian):
+                raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
+                                "not an ntkcore.Jacobian")
+            return j
+
+        return call
+
+    call = named_call("x1", x1)
+    call2 = call if x2 is None else named_call("x2", x2)
 
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
@@ -320,25 +432,33 @@ def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: 
         from importlib import import_module
 
         kip = import_module("ntkcore.backends.torch_kip")
-        return kip.checkpointed_ntk(model, x1, x2, mode=mode, layerwise=layerwise,
-                                    pseudo=pseudo, params=params, max_memory=budget,
-                                    dtype=dtype, batch_size=batch_size)
+        try:
+            return kip.checkpointed_ntk(model, x1, x2, mode=mode, layerwise=layerwise,
+                                        pseudo=pseudo, params=params, max_memory=budget,
+                                        dtype=dtype, batch_size=batch_size)
+        except Exception as exc:
+            clear = _diagnose(exc, model, "x2", x2, x1)
+            if clear is None:
+                raise
+            raise clear from exc
     batch = batch_size or _batch_size(per_sample, budget / 2)
     total_factors = per_sample * (n1 + (0 if x2 is None else n2))
     if total_factors <= budget / 2:
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
-        j2 = None if x2 is None else _jacobians(call, x2, 0, n2, batch)
+        j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
         rest = max(budget - _jac_bytes(j1) - (0 if j2 is None else _jac_bytes(j2)),
                    budget // 4)
         return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
-                    progress=progress)
+                    progress=progress, check_finite=check_finite)
     return _streamed(call, x1, x2, n1, n2, probe, per_sample, budget, batch_size, mode,
-                     layerwise, dtype, progress, xp)
+                     layerwise, dtype, progress, xp, call2, check_finite)
 
 
 def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
               probe: Jacobian | None, per_sample: float, budget: int, batch_size: Any, mode: str,
-              layerwise: bool, dtype: Any, progress: Any, xp: Any) -> Array:
+              layerwise: bool, dtype: Any, progress: Any, xp: Any,
+              call2: Callable[[Any], Jacobian] | None = None,
+              check_finite: bool = True) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
     batch = batch_size or _batch_size(per_sample, budget / 4)
@@ -363,11 +483,14 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
                     continue
                 if symmetric and j == i:
                     tiles[(i, j)] = gram(ji, None, mode=mode, layerwise=layerwise,
-                                         max_memory=rest, dtype=dtype)
+                                         max_memory=rest, dtype=dtype,
+                                         check_finite=check_finite)
                 else:
-                    jj = _jacobians(call, xc, c0, c1, batch)
+                    jj = _jacobians(call if symmetric or call2 is None else call2, xc, c0, c1,
+                                    batch)
                     tiles[(i, j)] = gram(ji, jj, mode=mode, layerwise=layerwise,
-                                         max_memory=rest, dtype=dtype)
+                                         max_memory=rest, dtype=dtype,
+                                         check_finite=check_finite)
                     del jj
                 if report is not None:
                     report()
@@ -386,7 +509,7 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
 def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         layerwise: bool = False, max_memory: Any = None, params: Any = None,
         progress: Any = None, dtype: Any = None, batch_size: int | None = None,
-        checkpoint: bool | str = "auto") -> Array:
+        checkpoint: bool | str = "auto", check_finite: bool = True) -> Array:
     r"""The empirical neural tangent kernel of a model.
 
     .. math:: \Theta[n, m, o, p] = \sum_k J[n, o, k]\, J'[m, p, k],
@@ -439,22 +562,39 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         quarter of ``max_memory``; ``True`` takes it whenever exactly one side requires grad;
         ``False`` never (needed for double backward: the checkpointed backward is
         once-differentiable).  ``batch_size`` is then the target chunk size.
+    check_finite : bool, default True
+        Check that the floating entries of ``x1`` and ``x2``, the model's parameters (and
+        torch buffers) and the Jacobian factors are finite (see the module docstring; one
+        reduction per array).  ``False`` skips these checks (a NaN/Inf then gives a NaN
+        kernel).
 
     Returns
     -------
     array
         In the inputs' namespace and device: (N1, N2, O, O), (N1, N2) or (N1, N2, O), with a
         leading (B,) axis when ``layerwise``.
+
+    Raises
+    ------
+    TypeError
+        No provider for ``model``; ``x1``/``x2`` not arrays or of different libraries; a bad
+        ``layerwise``/``progress``/``check_finite``; an input whose floating dtype differs from
+        every floating parameter's when the model fails on it (the input is named).
+    ValueError
+        A bad ``mode``, ``batch_size``, ``checkpoint`` or ``max_memory``; inputs without a
+        sample axis or with no samples; NaN/Inf in ``x1``, ``x2``, a parameter or buffer
+        (named) or a Jacobian factor (``check_finite``); ``x2`` with a per-sample shape unlike
+        ``x1``'s when the model fails on it.
     """
     return _kernel(model, x1, x2, mode=mode, layerwise=layerwise, max_memory=max_memory,
                    params=params, progress=progress, dtype=dtype, pseudo=False,
-                   batch_size=batch_size, checkpoint=checkpoint)
+                   batch_size=batch_size, checkpoint=checkpoint, check_finite=check_finite)
 
 
 def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: bool = False,
                max_memory: Any = None, params: Any = None, progress: Any = None,
                dtype: Any = None, batch_size: int | None = None,
-               checkpoint: bool | str = "auto") -> Array:
+               checkpoint: bool | str = "auto", check_finite: bool = True) -> Array:
     r"""The pseudo-NTK: the kernel of :math:`\bar f = \sum_o f_o / \sqrt{O}`.
 
     .. math:: \hat\Theta[n, m] = \langle \nabla_\theta \bar f(x_n), \nabla_\theta \bar f(x'_m)
@@ -467,12 +607,19 @@ def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: boo
     ----------
     model, x1, x2, layerwise, max_memory, params, progress, dtype, batch_size, checkpoint
         As for :func:`ntk` (differentiable in the inputs, with the same checkpointed path).
+    check_finite : bool, default True
+        As for :func:`ntk`.
 
     Returns
     -------
     array
         (N1, N2), or (B, N1, N2) when ``layerwise``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`ntk`.
     """
     return _kernel(model, x1, x2, mode="trace", layerwise=layerwise, max_memory=max_memory,
                    params=params, progress=progress, dtype=dtype, pseudo=True,
-                   batch_size=batch_size, checkpoint=checkpoint)
+                   batch_size=batch_size, checkpoint=checkpoint, check_finite=check_finite)

@@ -32,6 +32,14 @@ Preconditioned CG (per column), with :math:`A = K + \lambda I` and :math:`M^{-1}
 
 stopped when :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column.
 
+Input checks.  An in-memory array ``K`` is checked like the Cholesky path of
+:func:`ntkcore.kernel_regression`: real floating dtype, no NaN/Inf, and symmetric within
+:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (ValueError naming it
+beyond; within, :math:`(K + K^\top)/2` is used), each one O(N^2) pass.  The entries of a dask array
+or an operator are not read up front; instead a NaN/Inf in a product (the preconditioner's
+sketch or columns, or an iterate's residual) raises ValueError at once, instead of
+returning a wrong ``x``.
+
 Preconditioners
 ---------------
 ``"nystrom"`` -- randomized Nystrom approximation of rank r (Frangella, Tropp & Udell, 2023):
@@ -64,7 +72,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._validation import check_array, check_scalar
+from ._validation import all_finite, check_array, check_scalar, check_symmetric
 from .backends import Backend, get_backend
 
 Array = Any
@@ -322,7 +330,8 @@ class PivotedCholeskyPreconditioner:
 
 
 def nystrom_preconditioner(
-    k: Any, rank: int, *, reg: float = 0.0, seed: int | None = 0, like: Array
+    k: Any, rank: int, *, reg: float = 0.0, seed: int | None = 0, like: Array,
+    name: str = "k",
 ) -> NystromPreconditioner:
     """Build a :class:`NystromPreconditioner` of ``rank`` for ``k + reg I``.
 
@@ -338,10 +347,17 @@ def nystrom_preconditioner(
     like : array
         Any array of the namespace/device/dtype the preconditioner should live in (the
         right-hand side).
+    name : str
+        Name of ``k`` in error messages.
 
     Returns
     -------
     NystromPreconditioner
+
+    Raises
+    ------
+    ValueError
+        The product of ``k`` with the Gaussian sketch holds NaN or Inf (so does ``k``).
     """
     op = aslinearoperator(k)
     xp = array_api_compat.array_namespace(like)
@@ -353,6 +369,9 @@ def nystrom_preconditioner(
     omega = backend.generator(seed, dev).normal((n, r), dtype)
     omega, _ = xp.linalg.qr(omega)  # orthonormal columns, (N, r)
     y = xp.astype(op.sketch(omega), dtype)  # K Omega, (N, r) (may be lower precision)
+    if not all_finite(xp, y):
+        raise ValueError(f"{name} contains NaN or Inf (its product with the Nystrom sketch "
+                         "does)")
     eps = float(xp.finfo(dtype).eps)
     nu = math.sqrt(n) * eps * float(xp.linalg.vector_norm(y))
     nu = nu if nu > 0 else eps
@@ -375,7 +394,8 @@ def nystrom_preconditioner(
 
 
 def pivoted_cholesky_preconditioner(
-    k: Any, rank: int, *, reg: float = 0.0, like: Array, rel_tol: float = 0.0
+    k: Any, rank: int, *, reg: float = 0.0, like: Array, rel_tol: float = 0.0,
+    name: str = "k",
 ) -> PivotedCholeskyPreconditioner:
     """Build a :class:`PivotedCholeskyPreconditioner` of at most ``rank`` for ``k + reg I``.
 
@@ -391,10 +411,17 @@ def pivoted_cholesky_preconditioner(
     rel_tol : float
         Stop early once the largest remaining diagonal entry is below
         ``rel_tol * trace(K)``.
+    name : str
+        Name of ``k`` in error messages.
 
     Returns
     -------
     PivotedCholeskyPreconditioner
+
+    Raises
+    ------
+    ValueError
+        The diagonal or a pivot column of ``k`` holds NaN or Inf.
     """
     op = aslinearoperator(k)
     xp = array_api_compat.array_namespace(like)
@@ -402,6 +429,8 @@ def pivoted_cholesky_preconditioner(
     n = op.shape[0]
     r = _check_rank(rank, n)
     d = xp.astype(op.diagonal(like), like.dtype)  # remaining diagonal of K - L L^T
+    if not all_finite(xp, d):
+        raise ValueError(f"{name} contains NaN or Inf (on its diagonal)")
     trace = float(xp.sum(d))
     cols: list[Array] = []
     pivots: list[int] = []
@@ -411,6 +440,8 @@ def pivoted_cholesky_preconditioner(
         if di <= max(rel_tol * trace, 0.0) or di <= 0:
             break
         col = xp.astype(op.columns([i], like)[:, 0], like.dtype)  # K[:, i]
+        if not all_finite(xp, col):
+            raise ValueError(f"{name} contains NaN or Inf (in column {i})")
         if cols:
             lmat = xp.stack(cols, axis=1)  # (N, m)
             col = col - lmat @ lmat[i, :]
@@ -514,6 +545,7 @@ def cg_solve(
     x0: Array | None = None,
     callback: Callable[[int, float], None] | None = None,
     warn: bool = True,
+    name: str = "k",
 ) -> tuple[Array, CGReport]:
     r"""Solve :math:`(K + \lambda I) X = Y` by preconditioned conjugate gradients.
 
@@ -544,13 +576,26 @@ def cg_solve(
         ``callback(iteration, max_relative_residual)`` after every iteration.
     warn : bool, default True
         Emit :class:`ConvergenceWarning` when the tolerance is not reached.
+    name : str, default "k"
+        Name of ``k`` in error messages (``kernel_regression`` passes ``"k_train"``).
 
     Returns
     -------
     x : array, shape of ``y``
     report : CGReport
+
+    Raises
+    ------
+    TypeError
+        ``k`` or ``y`` of the wrong kind, arrays of different libraries, a non-floating dtype.
+    ValueError
+        Wrong shapes; NaN/Inf in ``y``, ``x0`` or an array ``k``; an array ``k`` asymmetric
+        beyond ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used); a NaN/Inf
+        in a product with an operator or dask ``k`` (or from the preconditioner) during the
+        set-up or the iteration.  Never a silently wrong ``x``: a run that stops without
+        converging warns (``warn``) and its report says so.
     """
-    op = aslinearoperator(k, name="k")
+    op = aslinearoperator(k, name=name)
     if array_api_compat.is_dask_array(y):
         y = _dask_support().to_local(y)
     if not _is_array(y):
@@ -560,11 +605,14 @@ def cg_solve(
     n = op.shape[0]
     if y.shape[0] != n:
         raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
-    if isinstance(op, _ArrayOperator) and op.xp is not xp:
-        raise TypeError(
-            f"k is a {type(op.k).__module__} array but y is a {type(y).__module__} array; pass "
-            "arrays of one library"
-        )
+    if isinstance(op, _ArrayOperator):
+        if op.xp is not xp:
+            raise TypeError(
+                f"{name} is a {type(op.k).__module__} array but y is a {type(y).__module__} "
+                "array; pass arrays of one library"
+            )
+        check_array(xp, op.k, name, (2,), "(N, N)")
+        op = _ArrayOperator(check_symmetric(xp, op.k, name))
     reg = check_scalar(reg, "reg", nonnegative=True)
     op_reg = getattr(op, "reg", 0.0)
     if isinstance(op_reg, float) and op_reg > 0 and hasattr(op, "with_reg"):
@@ -582,6 +630,8 @@ def cg_solve(
     if x0 is not None:
         if not _is_array(x0) or tuple(x0.shape) != tuple(y.shape):
             raise ValueError(f"x0 must be an array of shape {tuple(y.shape)}")
+        if not all_finite(xp, x0):
+            raise ValueError("x0 contains NaN or Inf")
         xmat = xp.astype(x0[:, None] if vector else x0, y.dtype)
     else:
         xmat = xp.zeros_like(ymat)
@@ -593,7 +643,7 @@ def cg_solve(
         return kv
 
     t0 = time.perf_counter()
-    precond = _make_preconditioner(preconditioner, op, rank, reg, seed, ymat)
+    precond = _make_preconditioner(preconditioner, op, rank, reg, seed, ymat, name)
     setup = time.perf_counter() - t0
     pname = "none" if precond is None else getattr(precond, "name", type(precond).__name__)
     prank = 0 if precond is None else int(getattr(precond, "rank", 0))
@@ -620,6 +670,11 @@ def cg_solve(
         res = xp.where(active, xp.linalg.vector_norm(r, axis=0) / ynorm_safe, res)
         it += 1
         worst = float(xp.max(res))
+        if not math.isfinite(worst):
+            raise ValueError(
+                f"conjugate gradients met NaN or Inf at iteration {it}: {name} (or the "
+                f"preconditioner {pname!r}) gave a non-finite product; check {name} for "
+                "NaN/Inf entries")
         history.append(worst)
         if callback is not None:
             callback(it, worst)
@@ -635,6 +690,9 @@ def cg_solve(
     # honest final residual (the recursive one drifts in low precision)
     true_res = xp.linalg.vector_norm(ymat - apply_a(xmat), axis=0) / ynorm_safe
     residuals = tuple(float(v) for v in _to_list(xp, true_res))
+    if not all(math.isfinite(v) for v in residuals):
+        raise ValueError(f"the final residual of conjugate gradients is NaN or Inf: {name} "
+                         "gave a non-finite product; check it for NaN/Inf entries")
     solve_s = time.perf_counter() - t1
     converged = bool(xp.all(res <= tol_v))
     report = CGReport(
@@ -666,15 +724,15 @@ def _to_list(xp: Any, v: Array) -> list[float]:
 
 def _make_preconditioner(
     preconditioner: Any, op: LinearOperator, rank: int, reg: float, seed: int | None,
-    like: Array,
+    like: Array, name: str = "k",
 ) -> Any:
     if preconditioner is None or preconditioner == "none":
         return None
     if isinstance(preconditioner, str):
         if preconditioner == "nystrom":
-            return nystrom_preconditioner(op, rank, reg=reg, seed=seed, like=like)
+            return nystrom_preconditioner(op, rank, reg=reg, seed=seed, like=like, name=name)
         if preconditioner in ("pivoted_cholesky", "pivchol"):
-            return pivoted_cholesky_preconditioner(op, rank, reg=reg, like=like)
+            return pivoted_cholesky_preconditioner(op, rank, reg=reg, like=like, name=name)
         raise ValueError(
             "preconditioner must be 'nystrom', 'pivoted_cholesky', None or an object with "
             f"apply(R); got {preconditioner!r}"
@@ -715,6 +773,16 @@ def cg_kernel_regression(
     array, shape (M,) or (M, k)
         In ``k_test_train``'s kind: a lazy dask array for a dask ``k_test_train``, otherwise
         the namespace of ``y_train``.
+
+    Raises
+    ------
+    TypeError
+        Unknown options, arrays of different libraries or a non-floating dtype.
+    ValueError
+        Wrong shapes; NaN/Inf in ``y_train`` or in an in-memory ``k_train`` or
+        ``k_test_train``; an array ``k_train`` asymmetric beyond ``1000 eps max|diag K|``; a
+        non-finite product of an operator ``k_train`` (see :func:`cg_solve`).  An operator or
+        dask ``k_test_train`` is not checked: it is only read by the final product.
     """
     allowed = {"tol", "maxiter", "preconditioner", "rank", "seed", "x0", "callback", "warn"}
     unknown = set(cg_options) - allowed
@@ -728,7 +796,10 @@ def cg_kernel_regression(
             f"k_test_train must have N={n} columns (one per training point); got shape "
             f"{tuple(k_test_train.shape)}"
         )
-    alpha, _ = cg_solve(k_train, y_train, reg=reg, **cg_options)
+    if _is_array(k_test_train):
+        check_array(array_api_compat.array_namespace(k_test_train), k_test_train,
+                    "k_test_train", (2,), "(M, N)")
+    alpha, _ = cg_solve(k_train, y_train, reg=reg, name="k_train", **cg_options)
     if _is_array(k_test_train) or array_api_compat.is_dask_array(k_test_train):
         return k_test_train @ alpha
     if alpha.ndim == 1:

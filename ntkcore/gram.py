@@ -88,7 +88,7 @@ from typing import Any
 import array_api_compat
 
 from ._memory import resolve_budget
-from ._validation import namespace_of
+from ._validation import first_nonfinite, namespace_of
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 
 Array = Any
@@ -801,7 +801,8 @@ def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = 
 
 
 def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
-         max_memory: Any = None, dtype: Any = None, progress: Any = None) -> Array:
+         max_memory: Any = None, dtype: Any = None, progress: Any = None,
+         check_finite: bool = True) -> Array:
     r"""Empirical NTK :math:`\Theta = J_1 J_2^\top` of structured Jacobians, in tiles.
 
     Parameters
@@ -831,6 +832,12 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     progress : None, callable, True or "tqdm"
         ``progress(done, total)`` is called after each tile; ``True`` / ``"tqdm"`` shows a
         tqdm bar.
+    check_finite : bool, default True
+        Check that every factor array (a dense block's ``jac``, a Kronecker block's ``a`` and
+        ``g``) is finite before contracting: one reduction per array and one device sync,
+        O(factor size), which the contraction exceeds by a factor of about N.  Values of
+        arrays traced by ``jax.jit`` are unknown and not checked.  ``False`` skips it (a
+        NaN/Inf then propagates into the kernel).
 
     Returns
     -------
@@ -842,10 +849,11 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     ------
     TypeError
         ``J1``/``J2`` are not Jacobians, arrays of different libraries, a bad ``dtype``,
-        ``layerwise`` or ``progress``.
+        ``layerwise``, ``progress`` or ``check_finite``.
     ValueError
-        Unknown ``mode``, a bad ``max_memory``, or ``J1`` and ``J2`` with different block
-        structure or output counts (the message names the block).
+        Unknown ``mode``, a bad ``max_memory``, ``J1`` and ``J2`` with different block
+        structure or output counts (the message names the block), or NaN/Inf in a factor
+        (``check_finite``; the message names the Jacobian and the block).
     BudgetTooSmallError
         (a ``ValueError``) ``max_memory`` cannot hold a useful tile; the message states the
         smallest budget that can.
@@ -858,7 +866,27 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     the choice and tile size.
     """
     st = _setup(J1, J2, mode, layerwise, max_memory, dtype, None)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True or False; got {check_finite!r}")
+    if check_finite:
+        _check_factors_finite(st.pairs, J2 is None)
     return _execute(st, layerwise, progress)
+
+
+def _check_factors_finite(pairs: list[_Pair], symmetric: bool) -> None:
+    """ValueError naming the Jacobian and block when a factor array holds NaN or Inf."""
+    named = []
+    for pair in pairs:
+        sides = (("J1", pair.b1),) if symmetric else (("J1", pair.b1), ("J2", pair.b2))
+        for side, block in sides:
+            fields = ("jac",) if len(block.arrays()) == 1 else ("a", "g")
+            for field_name, arr in zip(fields, block.arrays(), strict=True):
+                named.append((f"{side} block {pair.name!r} (factor {field_name})", arr))
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise ValueError(f"{bad} contains NaN or Inf; from ntk()/pseudo_ntk() this means "
+                         "the model's outputs or their gradients are not finite on these "
+                         "inputs (pass check_finite=False to skip this check)")
 
 
 def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,

@@ -20,6 +20,18 @@ Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing b
 ``1e-10 * mean(diag K)`` to ``jitter_cap * mean(diag K)`` (``jitter_cap = 1e-2`` for
 ``jitter="auto"``), warning with :class:`~ntkcore.JitterWarning`; past the cap raise
 :class:`~ntkcore.NotPositiveDefiniteError`.
+
+Input checks (every entry point: :class:`KernelRidge`, :func:`kernel_regression` with either
+solver, :func:`gd_mse_predict`, :func:`gp_inference`): shapes, real floating dtypes and
+finiteness of every array (ValueError / TypeError naming the argument), and symmetry of
+``k_train``: :math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (``eps`` of
+its dtype, :data:`ntkcore._validation.SYMMETRY_RTOL_EPS`), else ValueError.  Within that
+tolerance every path works on :math:`(K + K^\top)/2`, so the Cholesky factor (one
+triangle), the autograd refinement step and the CG products (the whole matrix) agree (an
+exactly symmetric ``k_train`` is used as is).  A kernel that is not positive definite
+beyond the jitter cap raises :class:`~ntkcore.NotPositiveDefiniteError` on every path
+(:func:`gd_mse_predict`: an eigenvalue of :math:`K + \lambda I` at or below
+``-jitter_cap * mean(diag K)``, the shift at which the Cholesky path gives up).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ._validation import check_array, check_scalar, namespace_of
+from ._validation import check_array, check_scalar, check_symmetric, namespace_of
 from .backends import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
 
@@ -126,8 +138,11 @@ def cholesky_with_jitter(
 
 
 def _check_regression_inputs(
-    xp: Any, k_train: Array, y_train: Array | None, k_test_train: Array | None
-) -> None:
+    xp: Any, k_train: Array, y_train: Array | None, k_test_train: Array | None,
+    backend: Any = None,
+) -> Array:
+    """Check the arrays (rank, dtype, finiteness, shapes; names in messages) and return
+    ``k_train`` symmetrised within ``SYMMETRY_RTOL_EPS`` eps (ValueError beyond)."""
     check_array(xp, k_train, "k_train", (2,), "(N, N)")
     n = k_train.shape[0]
     if k_train.shape[1] != n:
@@ -145,6 +160,7 @@ def _check_regression_inputs(
                 f"k_test_train must have N={n} columns (one per training point); got shape "
                 f"{tuple(k_test_train.shape)}"
             )
+    return check_symmetric(xp, k_train, "k_train", backend)
 
 
 class KernelRidge:
@@ -180,9 +196,21 @@ class KernelRidge:
         self.jitter = jitter
 
     def fit(self, k_train: Array, y_train: Array) -> KernelRidge:
-        """Factorise ``k_train`` (N, N) and solve for ``y_train`` (N,) or (N, K)."""
+        """Factorise ``k_train`` (N, N) and solve for ``y_train`` (N,) or (N, K).
+
+        Raises
+        ------
+        TypeError
+            Arrays of different libraries or a non-floating dtype (the argument is named).
+        ValueError
+            Wrong shapes, NaN/Inf in ``k_train`` or ``y_train``, or ``k_train`` asymmetric
+            beyond ``1000 eps max|diag K|`` (see the module docstring; within it
+            :math:`(K + K^\top)/2` is used).
+        NotPositiveDefiniteError
+            ``k_train + reg I`` is not positive definite even with the allowed jitter.
+        """
         xp, backend = namespace_of(k_train=k_train, y_train=y_train)
-        _check_regression_inputs(xp, k_train, y_train, None)
+        k_train = _check_regression_inputs(xp, k_train, y_train, None, backend)
         differentiate = backend.tracks_gradient(k_train, y_train)
         k0 = backend.stop_gradient(k_train) if differentiate else k_train
         y0 = backend.stop_gradient(y_train) if differentiate else y_train
@@ -207,7 +235,15 @@ class KernelRidge:
         return self
 
     def predict(self, k_test_train: Array) -> Array:
-        """Predictions ``k_test_train @ alpha_``: (M, N) -> (M,) or (M, K)."""
+        """Predictions ``k_test_train @ alpha_``: (M, N) -> (M,) or (M, K).
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`fit`.
+        ValueError
+            Wrong shape or NaN/Inf in ``k_test_train``.
+        """
         if not hasattr(self, "alpha_"):
             raise RuntimeError("call fit(k_train, y_train) before predict")
         xp, _ = namespace_of(k_test_train=k_test_train, alpha=self.alpha_)
@@ -265,6 +301,20 @@ def kernel_regression(
     through one refinement step (see :meth:`KernelRidge.fit`): first derivatives are exact and
     cost :math:`O(N^2)` per backward pass (no differentiated Cholesky, no LU); second
     derivatives treat the factor as a constant and are not exact.
+
+    Raises
+    ------
+    TypeError
+        Arrays of different libraries, a non-floating dtype, or CG options with
+        ``solver="cholesky"``.
+    ValueError
+        Wrong shapes, NaN/Inf in any array, or ``k_train`` asymmetric beyond
+        ``1000 eps max|diag K|`` (checked for in-memory arrays with both solvers; within the
+        tolerance both use :math:`(K + K^\top)/2`).  With ``solver="cg"`` and an operator
+        ``k_train`` whose entries cannot be checked up front, a non-finite product during the
+        iteration raises too (:func:`ntkcore.cg_solve`).
+    NotPositiveDefiniteError
+        Cholesky solver: ``k_train + reg I`` not positive definite even with the jitter.
     """
     if solver == "cg":
         from .cg import cg_kernel_regression
@@ -314,9 +364,29 @@ def gd_mse_predict(
     Returns
     -------
     array, shape (M,) / (M, K) for scalar ``t``, (T, M) / (T, M, K) for 1-D ``t``
+
+    Raises
+    ------
+    TypeError
+        Arrays of different libraries or a non-floating dtype (the argument is named).
+    ValueError
+        Wrong shapes, NaN/Inf in an array, negative or NaN ``t``, or ``k_train`` asymmetric
+        beyond ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used).
+    NotPositiveDefiniteError
+        An eigenvalue :math:`w` of :math:`K + \lambda I` at or below ``-1e-2 * mean(diag K)``
+        (the jitter cap at which :func:`kernel_regression` raises too: gradient flow would
+        diverge, and overflow), or ``t = inf`` with a singular kernel.
+
+    Warns
+    -----
+    JitterWarning
+        Negative eigenvalues between that cap and rounding
+        (:math:`|w| \le 1000\,\varepsilon \max|w|`) are treated as zero (gradient flow
+        does not move along them: the factor is :math:`\eta t`), as the Cholesky path
+        adds jitter for them.
     """
     xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
-    _check_regression_inputs(xp, k_train, y_train, k_test_train)
+    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
     from array_api_compat import device
@@ -334,6 +404,23 @@ def gd_mse_predict(
     w, v = xp.linalg.eigh(kk)
     w_max = backend.scalar(xp.max(xp.abs(w))) if n else 1.0
     tiny = 1e3 * float(xp.finfo(k_train.dtype).eps) * w_max
+    if n:
+        # Same policy as the Cholesky path: negative eigenvalues that a jitter up to the cap
+        # would repair are treated as zero (with a warning); at or beyond the cap, raise.
+        w_min = backend.scalar(xp.min(w))
+        scale = backend.scalar(xp.mean(xp.abs(xp.linalg.diagonal(k_train))))
+        cap = _JITTER_CAP * (scale if scale > 0 else 1.0)
+        if w_min <= -cap:
+            raise NotPositiveDefiniteError(
+                f"k_train (+ reg={reg:g} I) is not positive semi-definite: smallest eigenvalue "
+                f"{w_min:.3g} is at or below -{_JITTER_CAP:g} x mean(diag) = {-cap:.3g} "
+                "(gradient flow diverges); check the kernel")
+        if w_min < -tiny:
+            warnings.warn(
+                f"k_train (+ reg={reg:g} I) has negative eigenvalues down to {w_min:.3g} "
+                f"(beyond rounding, {tiny:.3g}); they are treated as 0",
+                JitterWarning, stacklevel=2)
+            w = xp.where(w < 0, xp.zeros_like(w), w)
     infinite = xp.isinf(ts)
     if bool(xp.any(infinite)) and bool(xp.min(w) <= tiny):
         raise NotPositiveDefiniteError(
@@ -414,11 +501,21 @@ def gp_inference(
     Returns
     -------
     GPPosterior
+
+    Raises
+    ------
+    TypeError
+        Arrays of different libraries or a non-floating dtype (the argument is named).
+    ValueError
+        Wrong shapes, NaN/Inf in an array, or ``k_train`` asymmetric beyond
+        ``1000 eps max|diag K|`` (within it :math:`(K + K^\top)/2` is used).
+    NotPositiveDefiniteError
+        ``k_train + reg I`` not positive definite even with the allowed jitter.
     """
     xp, backend = namespace_of(
         k_train=k_train, y_train=y_train, k_test_train=k_test_train, k_test_test=k_test_test
     )
-    _check_regression_inputs(xp, k_train, y_train, k_test_train)
+    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
     reg = check_scalar(reg, "reg", nonnegative=True)
     m = k_test_train.shape[0]
     if k_test_test is not None:

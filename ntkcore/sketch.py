@@ -227,6 +227,10 @@ class Sketch:
             raise TypeError(f"X must be an array; got {type(x).__name__}") from None
         if x.ndim == 0:
             raise ValueError("X must have at least one axis")
+        if xp.isdtype(x.dtype, "complex floating"):
+            raise TypeError(f"X must be real (floating, integer or boolean); got {x.dtype}: "
+                            "the sketch is real, apply it to the real and imaginary parts "
+                            "separately")
         if x.shape[axis] != self.n:
             raise ValueError(f"X must have n={self.n} entries along axis {axis}; "
                              f"got shape {tuple(x.shape)}")
@@ -234,7 +238,15 @@ class Sketch:
         return xp
 
     def apply(self, x: Array, axis: int = 0) -> Array:
-        """:math:`\\Omega X` along ``axis``: (..., n, ...) -> (..., q, ...), in x's dtype."""
+        """:math:`\\Omega X` along ``axis``: (..., n, ...) -> (..., q, ...), in x's dtype.
+
+        Raises
+        ------
+        TypeError
+            ``X`` is not an array, or is complex (the imaginary part would be dropped).
+        ValueError
+            ``X`` is 0-d or has not ``n`` entries along ``axis``.
+        """
         raise NotImplementedError
 
     def matrix(self, dtype: Any = None) -> Array:
@@ -523,6 +535,14 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     -------
     RowSketch
         Drawn in U's namespace and on U's device.
+
+    Raises
+    ------
+    TypeError
+        ``U`` is not a real floating array, or ``q``/``seed`` are not integers.
+    ValueError
+        ``U`` is 0-d or has no rows, ``q < 1``, ``q > n`` without replacement, or NaN/Inf
+        in ``U``.
     """
     try:
         xp = array_api_compat.array_namespace(U)
@@ -533,6 +553,8 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     if not xp.isdtype(U.dtype, "real floating"):
         raise TypeError(f"U must have a real floating dtype; got {U.dtype}")
     n = int(U.shape[0])
+    if n == 0:
+        raise ValueError(f"U has no rows to sample (shape {tuple(U.shape)})")
     q = _check_size(q, "q")
     if not replace and q > n:
         raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")

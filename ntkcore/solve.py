@@ -91,7 +91,8 @@ def _jacobian_gram(J: Jacobian) -> Array:
 
     xp = J.xp
     n, o = J.num_samples, J.num_outputs
-    k = gram(J, mode="full")  # (N, N, O, O)
+    # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
+    k = gram(J, mode="full", check_finite=False)  # (N, N, O, O)
     if o == 1:
         return xp.reshape(k, (n, n))
     return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
@@ -293,22 +294,37 @@ class SMWSolver:
             self.damping = damping
             self._factor()
 
+    def _promote(self, g: Array) -> Array:
+        """``g`` in the dtype U and g promote to (products with U need one dtype)."""
+        common = self.xp.result_type(self.dtype, g.dtype)
+        return g if g.dtype == common else self.xp.astype(g, common)
+
     def coefficients(self, g: Array) -> Array:
-        r""":math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top\Omega g`, (rho,) or (rho, k)."""
+        r""":math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top\Omega g`, (rho,) or (rho, k).
+
+        ``g`` and U are promoted to one dtype for the products (as NumPy's ``U.T @ g`` does).
+        """
         xp = self.xp
+        g = self._promote(g)
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
         rhs = xp.astype(self.sketch_op.t_mul(sg), self.wide) * self.scale
         return self.backend.cho_solve(self._chol, rhs)
 
     def solve(self, g: Array) -> Array:
-        """:math:`d` for ``g`` (P,) or (P, k); the result has g's shape and dtype."""
+        """:math:`d` for ``g`` (P,) or (P, k); the result has g's shape and dtype.
+
+        The products run in the dtype U and ``g`` promote to (a float32 ``g`` with a float64
+        U is computed in float64, for a Jacobian U as for an array U) and ``d`` is returned
+        in ``g``'s dtype.
+        """
         xp = self.xp
         p = self.op.num_rows
         if g.ndim not in (1, 2) or g.shape[0] != p:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
-        b = self.coefficients(g)
+        gp = self._promote(g)
+        b = self.coefficients(gp)
         ub = self.op.mul(xp.astype(b, self.dtype))
-        d = xp.astype((g - ub) / self.damping, g.dtype)
+        d = xp.astype((gp - ub) / self.damping, g.dtype)
         if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
             # rows outside the sketch never reach the Gram; a NaN there shows up in U b
             if bool(xp.all(xp.isfinite(g))):
@@ -340,8 +356,17 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
 
     Raises
     ------
+    TypeError
+        U or g not arrays of one library, or not real floating.
     ValueError
         damping <= 0 or non-finite, NaN/Inf in U or g, mismatched shapes.
+    NotPositiveDefiniteError
+        The small system is not numerically positive definite (huge entries in U).
+
+    Notes
+    -----
+    U and ``g`` of different floating dtypes are promoted for the products (for an array or a
+    Jacobian U alike); ``d`` has ``g``'s dtype.
     """
     damping = check_scalar(damping, "damping", positive=True)
     if isinstance(U, Jacobian):
@@ -381,6 +406,15 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
     -------
     d : array, shape of g
 
+    Raises
+    ------
+    TypeError
+        J or g not arrays of one library, or not real floating.
+    ValueError
+        damping <= 0 or non-finite, a Jacobian with O != 1, J with no samples (N = 0: the
+        empirical Fisher :math:`J^\top J / N` is undefined), NaN/Inf in J or g, mismatched
+        shapes.
+
     Notes
     -----
     SMW with :math:`s = 1/N`: :math:`(\lambda I + J J^\top/N) b = J g / N`,
@@ -400,6 +434,9 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
     check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
     if g.shape[0] != p:
         raise ValueError(f"g must have P={p} rows (J has P={p}); got shape {tuple(g.shape)}")
+    if n == 0:
+        raise ValueError("J has no samples (N = 0): the empirical Fisher J^T J / N is "
+                         "undefined")
     spec = None if sketch is None else SketchSpec.coerce(sketch)
     if not isinstance(J, Jacobian):
         return SMWSolver(xp.matrix_transpose(J), damping, sketch=spec, scale=1.0 / n).solve(g)
