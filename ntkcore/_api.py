@@ -374,7 +374,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     try:
         return _compute(call, model, x1, x2, n1, n2, probe, per_sample, budget, one_grad,
                         provider.name, checkpoint, mode, layerwise, pseudo, params, dtype,
-                        batch_size, progress, xp)
+                        batch_size, progress, xp, call2, check_finite)
     except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
         need = math.ceil(e.needed * budget / max(e.given, 1))
         raise BudgetTooSmallError(
@@ -422,7 +422,8 @@ def _check_budget(budget: int, max_memory: Any, cached: tuple[Any, ...], n1: int
 def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: int, n2: int,
              probe: Jacobian | None, per_sample: float, budget: int, one_grad: bool,
              provider_name: str, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
-             params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any) -> Array:
+             params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any,
+             call2: Callable[[Any], Jacobian], check_finite: bool) -> Array:
     """The kernel once the budget is known to suffice (see the module docstring)."""
     if one_grad and provider_name == "torch" and (checkpoint is True or (
             checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
