@@ -23,7 +23,7 @@ from .cg import (
     PivotedCholeskyPreconditioner,
     cg_solve,
 )
-from .errors import JitterWarning, NotPositiveDefiniteError
+from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .operators import KernelOperator
@@ -37,6 +37,7 @@ from .regression import (
 from .solve import natural_gradient, smw_solve
 
 __all__ = [
+    "BudgetTooSmallError",
     "CGReport",
     "ConvergenceWarning",
     "DenseBlock",
@@ -63,8 +64,8 @@ __all__ = [
     "kernel_spectrum",
     "models",
     "natural_gradient",
-    "plan_gram",
     "ntk",
+    "plan_gram",
     "pseudo_ntk",
     "relative_kernel_distance",
     "sketch",

@@ -881,7 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .gram import BudgetTooSmallError
+    from .errors import BudgetTooSmallError
 
     try:
         if argv and argv[0] == "bench":  # forwarded verbatim, --help included

@@ -89,6 +89,7 @@ import array_api_compat
 
 from ._memory import resolve_budget
 from ._validation import first_nonfinite, namespace_of
+from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 
 Array = Any
@@ -193,17 +194,6 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
         mem = inputs + w * (2 if mode == "diagonal" else 1)
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * qk * p
     raise AssertionError(strategy)
-
-
-class BudgetTooSmallError(ValueError):
-    """``max_memory`` cannot hold the smallest useful tile (see :data:`MIN_TILE_SAMPLES`).
-
-    ``given`` is the budget in bytes the planner got, ``needed`` the smallest that works."""
-
-    def __init__(self, message: str, given: int, needed: int) -> None:
-        super().__init__(message)
-        self.given = given
-        self.needed = needed
 
 
 @dataclass(frozen=True)

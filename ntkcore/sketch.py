@@ -37,9 +37,9 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
     rows drawn independently and uniformly, with independent random signs.  Colliding draws
     add up (to 0 or :math:`\pm 2/\sqrt{nnz}`), so a diagonal entry of
     :math:`\Omega^\top\Omega` is 1 only without collisions (always for ``nnz=1``); its mean,
-    and :math:`\mathbb{E}[\Omega^\top\Omega] = I`, hold either way.  Applied as one-hot matrix products over column
-    chunks (the standard has no scatter-add), so it costs :math:`O(q\, n\, k)` flops and
-    :math:`O(q \cdot \text{chunk})` extra memory.
+    and :math:`\mathbb{E}[\Omega^\top\Omega] = I`, hold either way.  Applied as one-hot
+    matrix products over column chunks (the standard has no scatter-add), so it costs
+    :math:`O(q\, n\, k)` flops and :math:`O(q \cdot \text{chunk})` extra memory.
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch on the same backend; different backends draw from

@@ -62,7 +62,7 @@ def test_documented_names_resolve():
             continue  # a framework that is not installed
         try:
             _resolve(name)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             bad.append(f"{page}: {name}: {e!r}")
     assert not bad, bad
     assert ("ntkcore.plan_gram", "api.md") in names

@@ -474,7 +474,7 @@ def test_non_finite_direction_raises_and_leaves_parameters_and_momentum():
     opt.zero_grad()
     _loss_backward(model, x, y)
     snap = _param_snapshot(model)
-    with pytest.raises(ValueError, match="direction of block 'dense:ln'.*no parameter"):
+    with pytest.raises(ValueError, match=r"direction of block 'dense:ln'.*no parameter"):
         opt.step()
     _assert_same_params(model, snap)
     for p in model.parameters():

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from torch import nn
 
 import ntkcore
 from ntkcore import KroneckerBlock
-from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from tests.references import autograd_jacobian_graph
 from tests.test_torch_provider import check_model, dense_reference, reference, rel
 

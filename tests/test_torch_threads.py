@@ -19,8 +19,9 @@ import threading
 import pytest
 
 torch = pytest.importorskip("torch")
-import ntkcore  # noqa: E402
 from torch import nn  # noqa: E402
+
+import ntkcore  # noqa: E402
 
 DT = torch.float64
 EPS = torch.finfo(DT).eps
@@ -110,7 +111,7 @@ def test_concurrent_calls_give_reference_kernels_and_leave_model_unchanged():
                     err = float((k - full).abs().max())
                 if not err <= tol:
                     errors.append(f"thread {i} call {r}: max abs error {err:.3g} > {tol:.3g}")
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:
             errors.append(f"thread {i}: {exc!r}"[:300])
 
     old = sys.getswitchinterval()
@@ -226,7 +227,7 @@ def test_seng_training_thread_with_concurrent_ntk_calls():
         try:
             while not done.is_set():
                 ntkcore.ntk(model, x_probe, mode="trace")
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:
             errors.append(repr(exc)[:300])
 
     old = sys.getswitchinterval()

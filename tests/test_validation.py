@@ -101,13 +101,13 @@ def test_ntk_torch_parameter_and_buffer_checks():
     x = torch.randn(4, 5, dtype=torch.float64)
     with torch.no_grad():
         model[0].weight[0, 0] = float("inf")  # tanh saturates: the kernel stays finite
-    with pytest.raises(ValueError, match="'0.weight' contains NaN or Inf"):
+    with pytest.raises(ValueError, match=r"'0\.weight' contains NaN or Inf"):
         ntkcore.ntk(model, x)
     bn = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
                              torch.nn.Linear(4, 2)).double().eval()
     with torch.no_grad():
         bn[1].running_var[2] = float("nan")
-    with pytest.raises(ValueError, match="'1.running_var' contains NaN or Inf"):
+    with pytest.raises(ValueError, match=r"'1\.running_var' contains NaN or Inf"):
         ntkcore.ntk(bn, x, mode="trace")
 
 
@@ -159,10 +159,10 @@ def test_ntk_x2_feature_size_is_named(backend, rng):
 def test_ntk_input_dtype_unlike_model_is_named():
     model = _torch_mlp()
     x64 = torch.randn(4, 5, dtype=torch.float64)
-    with pytest.raises(TypeError, match="x1 has dtype torch.float32 but the model's parameters "
-                                        "have dtype torch.float64"):
+    with pytest.raises(TypeError, match=r"x1 has dtype torch\.float32 but the model's parameters "
+                                        r"have dtype torch\.float64"):
         ntkcore.ntk(model, x64.float())
-    with pytest.raises(TypeError, match="x2 has dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"x2 has dtype torch\.float32"):
         ntkcore.ntk(model, x64, x64[:2].float())
     # a model that casts its input itself is not rejected, and is exact
     class Cast(torch.nn.Module):

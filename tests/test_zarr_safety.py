@@ -19,11 +19,11 @@ pytest.importorskip("dask")
 pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
 
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster  # noqa: E402
 
-import ntkcore.distributed as nd
-from ntkcore.distributed import _zarr
-from ntkcore.models import MLP
+import ntkcore.distributed as nd  # noqa: E402
+from ntkcore.distributed import _zarr  # noqa: E402
+from ntkcore.models import MLP  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_resume_with_another_model_is_refused(client, tmp_path, monkeypatch):
     net_a2 = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     seen = []
     status = nd.ntk_to_zarr(net_a2, X, store=store, chunk=5, client=client,
-                            progress=lambda d, t: seen.append((d, t)))
+                            progress=lambda d, t, seen=seen: seen.append((d, t)))
     assert status.complete and seen[-1] == (12, 12)  # 16 tiles, 4 kept
     np.testing.assert_allclose(nd.read_zarr(store).compute(), dense_trace(net_a, X),
                                rtol=1e-12, atol=1e-12)
@@ -249,7 +249,7 @@ def test_truncated_tile_is_detected_and_recomputed(client, tmp_path, mode):
             nd.ZarrMatrixOperator(store, client=client)
     seen = []
     status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, mode=mode,
-                            progress=lambda d, t: seen.append((d, t)))
+                            progress=lambda d, t, seen=seen: seen.append((d, t)))
     assert status.complete and status.torn == () and seen[-1] == (1, 1)
     np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
 
@@ -330,8 +330,8 @@ def test_store_of_an_older_ntkcore(client, tmp_path, monkeypatch):
         store = tmp_path / f"k-{key}.zarr"
         run_interrupted(monkeypatch, 5, net, X, store=store, chunk=5, client=client, key=key)
         make_format_1(store)
-        name = chunk_file(store, *[(i, j) for i in range(4) for j in range(4)
-                                   if os.path.exists(chunk_file(store, i, j))][0])
+        name = chunk_file(store, *next((i, j) for i in range(4) for j in range(4)
+                                   if os.path.exists(chunk_file(store, i, j))))
         with open(name, "r+b") as f:  # torn: an uncompressed tile has a known size
             f.truncate(7)
         status = nd.zarr_status(store)
@@ -342,7 +342,7 @@ def test_store_of_an_older_ntkcore(client, tmp_path, monkeypatch):
             continue
         seen = []
         status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, key=key,
-                                progress=lambda d, t: seen.append((d, t)))
+                                progress=lambda d, t, seen=seen: seen.append((d, t)))
         assert status.complete and seen[-1] == (12, 12)
         np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
         # upgraded: records and a fingerprint, so key=None is refused only for the key
