@@ -128,7 +128,13 @@ class TorchGenerator:
 
 
 # The Jacobian provider lives in its own module; re-exported as ntkcore.backends.torch.jacobian.
-from .torch_jacobian import from_block_order, jacobian, to_block_order  # noqa: E402, F401
+from .torch_jacobian import (  # noqa: E402, F401
+    from_block_order,
+    in_provider_pass,
+    jacobian,
+    model_lock,
+    to_block_order,
+)
 
 
 def __getattr__(name: str) -> Any:
