@@ -20,7 +20,8 @@ the row block's factors are computed once, the column blocks' are recomputed per
 ``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
 itself is not counted.  A budget too small for a useful tile (``min(N, 8)`` samples a side,
 ``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``: blocks of that many samples and their
-contraction) raises ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the smallest ``max_memory`` that works (``_check_budget``).
+contraction) raises ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the
+probe, stating the smallest ``max_memory`` that works (``_check_budget``).
 
 Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
 grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
