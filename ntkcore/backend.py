@@ -176,7 +176,8 @@ def get_backend(xp: Any) -> Backend:
     key = id(xp)
     backend = _cache.get(key)
     if backend is None:
-        target = next((t for matches, t in _REGISTRY.values() if matches(xp)), _GENERIC)
+        target = next((t for matches, t in tuple(_REGISTRY.values()) if matches(xp)),
+                      _GENERIC)
         module, cls = target.split(":")
         backend = getattr(importlib.import_module(module), cls)(xp)
         _cache[key] = backend
