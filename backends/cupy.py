@@ -12,7 +12,7 @@ from typing import Any
 import cupy
 import cupyx.scipy.linalg
 
-from ._protocol import Array, Backend, Device
+from ntkcore.backend import Array, Backend, Device
 
 
 class CupyBackend(Backend):

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from ntkcore.backend import Array, Backend, Device
+
 from ._host import host_free_memory
-from ._protocol import Array, Backend, Device
 
 
 def _device(x: Array) -> Device:

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 import jax.scipy.special
 
+from ntkcore.backend import Array, Backend, Device
+
 from ._host import host_free_memory
-from ._protocol import Array, Backend, Device
 
 
 class JaxBackend(Backend):

@@ -6,8 +6,9 @@ import numpy as np
 import scipy.linalg
 import scipy.special
 
+from ntkcore.backend import Array, Device
+
 from ._host import host_free_memory
-from ._protocol import Array, Device
 from .generic import GenericBackend, _HostGenerator
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from ntkcore.backend import Array, Backend, Device
+
 from ._host import host_free_memory
-from ._protocol import Array, Backend, Device
 
 
 class TorchBackend(Backend):

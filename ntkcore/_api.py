@@ -66,7 +66,7 @@ from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
-from .providers import find_provider
+from .providers import Provider, find_provider
 
 Array = Any
 
@@ -356,7 +356,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     if checkpoint is True and x2 is not None and _requires_grad(x1) and _requires_grad(x2):
         raise ValueError("checkpoint=True needs exactly one of x1, x2 to require grad (the "
                          "support set); both do")
-    if checkpoint is True and one_grad and provider.name != "torch":
+    if checkpoint is True and one_grad and "checkpointed_ntk" not in provider.capabilities:
         raise ValueError(f"checkpoint=True is implemented for torch.nn.Module models; this "
                          f"model uses the {provider.name!r} provider")
     key = _probe_key(provider.name, model, x1, pseudo, params)
@@ -373,7 +373,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                   dtype, xp)
     try:
         return _compute(call, model, x1, x2, n1, n2, probe, per_sample, budget, one_grad,
-                        provider.name, checkpoint, mode, layerwise, pseudo, params, dtype,
+                        provider, checkpoint, mode, layerwise, pseudo, params, dtype,
                         batch_size, progress, xp, call2, check_finite)
     except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
         need = math.ceil(e.needed * budget / max(e.given, 1))
@@ -421,22 +421,20 @@ def _check_budget(budget: int, max_memory: Any, cached: tuple[Any, ...], n1: int
 
 def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: int, n2: int,
              probe: Jacobian | None, per_sample: float, budget: int, one_grad: bool,
-             provider_name: str, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
+             provider: Provider, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
              params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any,
              call2: Callable[[Any], Jacobian], check_finite: bool) -> Array:
     """The kernel once the budget is known to suffice (see the module docstring)."""
-    if one_grad and provider_name == "torch" and (checkpoint is True or (
+    checkpointed = provider.capabilities.get("checkpointed_ntk")
+    if one_grad and checkpointed is not None and (checkpoint is True or (
             checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
             > budget / 4)):
-        # One side requires grad and the other is large: checkpointed target factors
-        # (ntkcore.backends.torch_kip), imported lazily like every provider module.
-        from importlib import import_module
-
-        kip = import_module("ntkcore.backends.torch_kip")
+        # One side requires grad and the other is large: the provider's checkpointed target
+        # factors (torch: ntkcore.backends.torch_kip), loaded lazily like every provider module.
         try:
-            return kip.checkpointed_ntk(model, x1, x2, mode=mode, layerwise=layerwise,
-                                        pseudo=pseudo, params=params, max_memory=budget,
-                                        dtype=dtype, batch_size=batch_size)
+            return checkpointed()(model, x1, x2, mode=mode, layerwise=layerwise,
+                                  pseudo=pseudo, params=params, max_memory=budget,
+                                  dtype=dtype, batch_size=batch_size)
         except Exception as exc:
             clear = _diagnose(exc, model, "x2", x2, x1)
             if clear is None:

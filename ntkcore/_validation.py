@@ -11,7 +11,7 @@ from typing import Any
 
 import array_api_compat
 
-from .backends import Backend, get_backend
+from .backend import Backend, get_backend
 
 Array = Any
 

@@ -68,12 +68,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
 from ._validation import all_finite, check_array, check_scalar, check_symmetric
-from .backends import Backend, get_backend
+from .backend import Backend, get_backend
 
 Array = Any
 
@@ -88,6 +88,7 @@ __all__ = [
     "cg_solve",
     "nystrom_preconditioner",
     "pivoted_cholesky_preconditioner",
+    "register_operator_adapter",
 ]
 
 
@@ -209,13 +210,42 @@ class _ArrayOperator(LinearOperator):
         return self.xp.linalg.diagonal(self.k)
 
 
-def _dask_support() -> Any:
-    try:
-        return importlib.import_module("ntkcore.distributed")
-    except ImportError as exc:  # pragma: no cover - dask is installed in CI
-        raise ImportError(
-            "a dask array was given; install the 'dask' extra (pip install ntkcore[dask])"
-        ) from exc
+class _Adapter(NamedTuple):
+    matches: Callable[[Any], bool]
+    adapt: Callable[[Any], LinearOperator]
+    local: Callable[[Any], Array] | None
+
+
+_ADAPTERS: list[_Adapter] = []
+# Kinds of ``k`` whose adapter a module registers when imported, imported on first sight:
+# (test, module, hint if the import fails).
+_ADAPTER_MODULES = ((array_api_compat.is_dask_array, "ntkcore.distributed",
+                     "a dask array was given; install the 'dask' extra (pip install "
+                     "ntkcore[dask])"),)
+
+
+def register_operator_adapter(matches: Callable[[Any], bool],
+                              adapt: Callable[[Any], LinearOperator], *,
+                              local: Callable[[Any], Array] | None = None) -> None:
+    """Let :func:`aslinearoperator` wrap the objects ``matches`` accepts with ``adapt``.
+
+    ``local(y)``, when given, turns a matching right-hand side ``y`` of :func:`cg_solve` into
+    an array of this process.  :mod:`ntkcore.distributed` registers dask arrays this way.
+    """
+    global _ADAPTERS
+    _ADAPTERS = [a for a in _ADAPTERS if a.matches is not matches]
+    _ADAPTERS.append(_Adapter(matches, adapt, local))
+
+
+def _adapter(x: Any) -> _Adapter | None:
+    """The registered adapter for ``x`` (importing the module that registers it if needed)."""
+    for matches, module, hint in _ADAPTER_MODULES:
+        if matches(x):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:  # pragma: no cover - dask is installed in CI
+                raise ImportError(hint) from exc
+    return next((a for a in _ADAPTERS if a.matches(x)), None)
 
 
 def _is_operator(k: Any) -> bool:
@@ -234,8 +264,8 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
     """
     if isinstance(k, LinearOperator):
         op = k
-    elif array_api_compat.is_dask_array(k):
-        op = _dask_support().DaskMatrixOperator(k)
+    elif (adapter := _adapter(k)) is not None:
+        op = adapter.adapt(k)
     elif _is_operator(k) and not _is_array(k):
         op = _DuckOperator(k)
     elif _is_array(k):
@@ -596,8 +626,9 @@ def cg_solve(
         converging warns (``warn``) and its report says so.
     """
     op = aslinearoperator(k, name=name)
-    if array_api_compat.is_dask_array(y):
-        y = _dask_support().to_local(y)
+    adapter = _adapter(y)
+    if adapter is not None and adapter.local is not None:
+        y = adapter.local(y)
     if not _is_array(y):
         raise TypeError(f"y must be an array; got {type(y).__name__}")
     xp = array_api_compat.array_namespace(y)

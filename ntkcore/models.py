@@ -80,7 +80,7 @@ from typing import Any
 import array_api_compat
 
 from ._validation import check_floating, check_scalar, namespace_of
-from .backends import get_backend
+from .backend import get_backend
 from .jacobian import Jacobian, KroneckerBlock
 
 Array = Any

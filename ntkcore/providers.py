@@ -19,8 +19,8 @@ backward pass instead of O.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Provider", "find_provider", "register_provider", "registered_providers"]
@@ -38,11 +38,18 @@ class Provider:
         ``matches(model) -> bool``; must not import a framework.
     load : callable
         ``load() -> jacobian_function`` (imports the framework module lazily).
+    capabilities : mapping of str to callable
+        What the provider offers beyond the Jacobian, each a loader like ``load``.  Known
+        capability: ``"checkpointed_ntk"``, loading ``f(model, x1, x2, *, mode, layerwise,
+        pseudo, params, max_memory, dtype, batch_size) -> kernel`` for one input requiring
+        grad (used by :func:`ntkcore.ntk`'s ``checkpoint`` option).
     """
 
     name: str
     matches: Callable[[Any], bool]
     load: Callable[[], Callable[..., Any]]
+    capabilities: Mapping[str, Callable[[], Callable[..., Any]]] = field(
+        default_factory=dict, compare=False)
 
     def jacobian(self, model: Any, x: Any, **kwargs: Any) -> Any:
         return self.load()(model, x, **kwargs)
@@ -57,11 +64,15 @@ def register_provider(
     load: Callable[[], Callable[..., Any]],
     *,
     first: bool = False,
+    capabilities: Mapping[str, Callable[[], Callable[..., Any]]] | None = None,
 ) -> None:
-    """Register a provider (``first=True`` puts it before the existing ones)."""
+    """Register a provider (``first=True`` puts it before the existing ones).
+
+    ``capabilities`` maps a capability name to a lazy loader (see :class:`Provider`).
+    """
     global _REGISTRY
     _REGISTRY = [p for p in _REGISTRY if p.name != name]
-    entry = Provider(name, matches, load)
+    entry = Provider(name, matches, load, dict(capabilities or {}))
     if first:
         _REGISTRY.insert(0, entry)
     else:
@@ -119,7 +130,9 @@ def _is_mlp(model: Any) -> bool:
     return isinstance(model, MLP)
 
 
-register_provider("torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"))
+register_provider(
+    "torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"),
+    capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk")})
 register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._validation import check_array, check_scalar, check_symmetric, namespace_of
-from .backends import Backend
+from .backend import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
 
 Array = Any

@@ -62,7 +62,7 @@ from typing import Any
 
 import array_api_compat
 
-from .backends import get_backend
+from .backend import get_backend
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 
 Array = Any

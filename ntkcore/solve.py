@@ -212,7 +212,7 @@ class SMWSolver:
             self.dtype = U.dtype
             self.device = array_api_compat.device(U)
         self.xp = xp
-        from .backends import get_backend
+        from .backend import get_backend
 
         self.backend = get_backend(xp)
         self.wide = _wide_float(xp, self.device)

@@ -77,6 +77,26 @@ def test_cg_equals_cholesky_regression_path(backend, rng):
     np.testing.assert_allclose(backend.to_numpy(pred), ref, rtol=1e-6, atol=1e-7)
 
 
+def test_registered_operator_adapter(monkeypatch, rng):
+    """A kind of object registered with ``register_operator_adapter`` is wrapped by its
+    ``adapt`` (as ``k``) and brought local by its ``local`` (as ``y``), as dask arrays are."""
+
+    class Boxed:  # neither an array nor an operator
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+    monkeypatch.setattr(cg, "_ADAPTERS", list(cg._ADAPTERS))
+    cg.register_operator_adapter(lambda o: isinstance(o, Boxed),
+                                 lambda o: cg.aslinearoperator(o.a), local=lambda o: o.a)
+    n, reg, tol = 30, 1e-2, 1e-10
+    k, y = rbf_kernel(rng, n), rng.standard_normal(n)
+    ref = scipy.linalg.solve(k + reg * np.eye(n), y, assume_a="pos")
+    x, report = cg.cg_solve(Boxed(k), Boxed(y), reg=reg, tol=tol)
+    assert report.converged
+    cond = np.linalg.cond(k + reg * np.eye(n))
+    assert np.linalg.norm(x - ref) / np.linalg.norm(ref) <= 10 * cond * tol
+
+
 def test_preconditioners_reduce_iterations(rng):
     n, reg = 200, 1e-3
     k = rbf_kernel(rng, n, scale=6.0)

@@ -240,6 +240,34 @@ def test_auto_routing(monkeypatch):
     assert rel(k_small, k_big) < 1e-13
 
 
+def test_checkpoint_routes_by_provider_capability(monkeypatch):
+    """``checkpoint=True`` goes to the provider's declared ``checkpointed_ntk`` capability,
+    whatever the provider is called (here a provider other than "torch" for wrapped modules)."""
+    from ntkcore import providers
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    class Wrapped:  # a model kind only the provider below knows
+        def __init__(self, module: nn.Module) -> None:
+            self.module = module
+
+    calls = []
+
+    def checkpointed(model, x1, x2, **kwargs):
+        calls.append(kwargs)
+        return checkpointed_ntk(model.module, x1, x2, **kwargs)
+
+    monkeypatch.setattr(providers, "_REGISTRY", list(providers._REGISTRY))
+    providers.register_provider(
+        "wrapped", lambda m: isinstance(m, Wrapped),
+        lambda: lambda model, x, **kw: jacobian(model.module, x, **kw), first=True,
+        capabilities={"checkpointed_ntk": lambda: checkpointed})
+    model = mlp()
+    xs, xt = inputs("mlp", 2, 0, True), inputs("mlp", 3, 1)
+    k = ntkcore.ntk(Wrapped(model), xs, xt, mode="trace", checkpoint=True)
+    assert len(calls) == 1
+    assert rel(k, ntkcore.ntk(model, xs, xt, mode="trace", checkpoint=False)) < 1e-13
+
+
 def test_errors():
     model = mlp()
     a, b = inputs("mlp", 2, 0, True), inputs("mlp", 3, 1, True)

@@ -19,7 +19,7 @@ import array_api_compat
 import dask.array as da
 import numpy as np
 
-from ..cg import LinearOperator
+from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ._ntk import _to_numpy
 from ._zarrop import ZarrMatrixOperator, _accumulate
@@ -202,3 +202,7 @@ def cholesky_regression(
     kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
         _to_numpy(k_test_train))
     return kt @ alpha
+
+
+# cg_solve and aslinearoperator take dask arrays through this adapter.
+register_operator_adapter(array_api_compat.is_dask_array, DaskMatrixOperator, local=to_local)

@@ -1,4 +1,5 @@
-"""The backend protocol: what ntkcore needs from an array library beyond the array API standard.
+"""The backend protocol and its registry: what ntkcore needs from an array library beyond the
+array API standard, and which module supplies it for a given namespace.
 
 The array API standard has matrix products, ``cholesky`` and ``eigh``, but no triangular
 solve, no random numbers and no facts about device memory.  A backend supplies exactly these,
@@ -8,11 +9,33 @@ imports a framework itself.
 Every backend subclasses :class:`Backend` (the generic implementation lives in
 ``backends/generic.py`` and is what an unknown namespace gets) and overrides the methods for
 which its framework has a faster or more exact primitive.
+
+:func:`get_backend` maps an array namespace to its backend through a registry of
+``(name, namespace test, "module:Class")`` entries (:func:`register_backend`); the module is
+imported only when an array of that framework is actually seen, so ``import ntkcore`` never
+pulls in torch, cupy or jax.
+
+=========  ==============================  =============================================
+backend    namespace test                  module
+=========  ==============================  =============================================
+numpy      ``is_numpy_namespace``          ``ntkcore.backends.numpy`` (SciPy LAPACK)
+torch      ``is_torch_namespace``          ``ntkcore.backends.torch`` (torch.linalg)
+cupy       ``is_cupy_namespace``           ``ntkcore.backends.cupy`` (cupyx.scipy.linalg)
+jax        ``is_jax_namespace``            ``ntkcore.backends.jax`` (jax.scipy.linalg)
+generic    anything else                   ``ntkcore.backends.generic`` (standard only)
+=========  ==============================  =============================================
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
+
+import array_api_compat as _compat
+
+__all__ = ["BACKEND_NAMES", "Backend", "Generator", "get_backend", "namespace_and_backend",
+           "register_backend"]
 
 Array = Any
 Namespace = Any
@@ -128,3 +151,47 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<ntkcore backend {self.name!r}>"
+
+
+# -- registry -------------------------------------------------------------------------------
+# name -> (namespace test, "module:Class"); order matters: first match wins.
+_REGISTRY: dict[str, tuple[Callable[[Namespace], bool], str]] = {}
+_GENERIC = "ntkcore.backends.generic:GenericBackend"
+_cache: dict[int, Backend] = {}
+
+
+def register_backend(name: str, matches: Callable[[Namespace], bool], target: str) -> None:
+    """Serve the namespaces that ``matches`` accepts with the class ``target`` (``"module:Class"``).
+
+    ``matches(xp)`` must not import a framework; the module of ``target`` is imported on the
+    first :func:`get_backend` call for a matching namespace.  Registering ``name`` again
+    replaces its entry in place; a new name goes after the existing ones (first match wins).
+    """
+    _REGISTRY[name] = (matches, target)
+    _cache.clear()
+
+
+def get_backend(xp: Any) -> Backend:
+    """The :class:`Backend` serving the array namespace ``xp`` (cached per namespace)."""
+    key = id(xp)
+    backend = _cache.get(key)
+    if backend is None:
+        target = next((t for matches, t in tuple(_REGISTRY.values()) if matches(xp)),
+                      _GENERIC)
+        module, cls = target.split(":")
+        backend = getattr(importlib.import_module(module), cls)(xp)
+        _cache[key] = backend
+    return backend
+
+
+def namespace_and_backend(*arrays: Any) -> tuple[Any, Backend]:
+    """``(xp, backend)`` for arrays that must share one namespace (``None`` entries ignored)."""
+    xp = _compat.array_namespace(*[a for a in arrays if a is not None])
+    return xp, get_backend(xp)
+
+
+register_backend("numpy", _compat.is_numpy_namespace, "ntkcore.backends.numpy:NumpyBackend")
+register_backend("torch", _compat.is_torch_namespace, "ntkcore.backends.torch:TorchBackend")
+register_backend("cupy", _compat.is_cupy_namespace, "ntkcore.backends.cupy:CupyBackend")
+register_backend("jax", _compat.is_jax_namespace, "ntkcore.backends.jax:JaxBackend")
+BACKEND_NAMES = (*_REGISTRY, "generic")  # the built-in backends
