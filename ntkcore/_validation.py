@@ -11,9 +11,8 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from .backends import Backend, get_backend
-
-Array = Any
 
 
 def namespace_of(**arrays: Array | None) -> tuple[Any, Backend]:

@@ -88,11 +88,10 @@ from typing import Any
 import array_api_compat
 
 from ._memory import resolve_budget
+from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
-
-Array = Any
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 

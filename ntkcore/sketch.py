@@ -62,10 +62,9 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from .backends import get_backend
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
-
-Array = Any
 
 __all__ = [
     "GaussianSketch",

@@ -37,12 +37,11 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .sketch import Sketch, SketchSpec, _sub_seed, _wide_float, make_sketch, sketch_jacobian
-
-Array = Any
 
 __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 
