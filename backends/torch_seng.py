@@ -88,8 +88,8 @@ import torch
 from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.lowrank import low_rank as _low_rank
 from ntkcore.sketch import SketchSpec, _sub_seed
-from ntkcore.sketch import low_rank as _low_rank
 from ntkcore.solve import _NONFINITE_U, SMWSolver
 
 from .torch_jacobian import (
@@ -316,7 +316,7 @@ class SENG(torch.optim.Optimizer):
         "mean" and ``dL/dy`` for "sum".
     low_rank : int, optional
         Compress Kronecker layers with more than this many positions (convolutions) to rank
-        ``low_rank`` per-sample gradients (SENG's implicit mode, ``ntkcore.sketch.low_rank``).
+        ``low_rank`` per-sample gradients (SENG's implicit mode, ``ntkcore.lowrank.low_rank``).
     distributed : {"auto", True, False}
         Average directions over ``torch.distributed`` workers (auto: when initialised with
         more than one worker).

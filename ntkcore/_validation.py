@@ -7,6 +7,7 @@ each array argument by name, so that errors say which argument is wrong and why.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import array_api_compat
@@ -173,6 +174,19 @@ def check_array(
     check_floating(xp, x, name)
     if finite:
         check_finite(xp, x, name)
+
+
+def check_size(value: Any, name: str) -> int:
+    """A positive Python int from ``value`` (an integer, not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive integer; got {value!r}") from None
+    if ivalue < 1:
+        raise ValueError(f"{name} must be a positive integer; got {ivalue}")
+    return int(ivalue)
 
 
 def check_scalar(
