@@ -89,7 +89,7 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.lowrank import low_rank as _low_rank
-from ntkcore.sketch import SketchSpec, _sub_seed
+from ntkcore.sketch import SketchSpec, spawn_seed
 from ntkcore.solve import _NONFINITE_U, SMWSolver
 
 from .torch_jacobian import (
@@ -817,7 +817,7 @@ class SENG(torch.optim.Optimizer):
         self._solvers, self._directions = {}, {}
         for i, (name, block, group) in enumerate(blocks):
             self._curvature[name] = block
-            self._sketch_seeds[name] = _sub_seed(self.seed, self._refreshes, i)
+            self._sketch_seeds[name] = spawn_seed(self.seed, self._refreshes, i)
             self._build_solver(name, block, self._damping(group))
         for unit in self.units:
             unit.calls = []

@@ -43,9 +43,10 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch on the same backend; different backends draw from
-different generators.  A sketch made without an array to copy from (``like=None``) is *unbound*:
-its randomness is drawn at the first :meth:`apply`, in that array's namespace and on its device,
-and reused afterwards.
+different generators.  Derived seeds (per block and factor, per SENG refresh and layer) follow
+NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).  A sketch made without an
+array to copy from (``like=None``) is *unbound*: its randomness is drawn at the first
+:meth:`apply`, in that array's namespace and on its device, and reused afterwards.
 
 :func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
 sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
@@ -80,6 +81,7 @@ __all__ = [
     "make_sketch",
     "sketch_jacobian",
     "sparse_sign",
+    "spawn_seed",
     "split_budget",
     "uniform",
 ]
@@ -96,14 +98,79 @@ def _check_seed(seed: Any) -> int | None:
     return seed
 
 
-def _sub_seed(seed: int | None, *keys: int) -> int | None:
-    """A deterministic, distinct seed per (block, factor); None stays None (fresh entropy)."""
+def spawn_seed(seed: int | None, *keys: int) -> int | None:
+    """The seed of the child of ``seed`` at spawn key ``keys``; None stays None (fresh entropy).
+
+    NumPy's convention: the child is ``numpy.random.SeedSequence(seed, spawn_key=keys)``, the
+    sequence that ``SeedSequence(seed).spawn`` hands out (nested once per key), reduced to the
+    low 63 bits of its first 64-bit state word, ``generate_state(1, numpy.uint64)[0] &
+    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed here in plain
+    Python with SeedSequence's hash (the core does not import NumPy): the entropy is ``seed``
+    and then ``keys`` as little-endian 32-bit words (``seed``'s padded to 4 words), mixed into
+    a pool of 4 words, of which the first two form the result.
+
+    Parameters
+    ----------
+    seed : int or None
+        Non-negative master seed.
+    *keys : int
+        Non-negative spawn key, e.g. (block, factor).
+
+    Returns
+    -------
+    int or None
+        A seed in [0, 2**63).
+    """
     if seed is None:
         return None
-    h = seed
-    for k in keys:
-        h = (h * 1_000_003 + 7919 * (k + 1)) % (2**63 - 1)
-    return h
+    spawn = [w for k in keys for w in _words32(k)]
+    run = _words32(seed)
+    if spawn:
+        run += [0] * (_POOL - len(run))
+    entropy = run + spawn
+    h = _INIT_A
+
+    def hashmix(v: int) -> int:
+        nonlocal h
+        v ^= h
+        h = (h * _MULT_A) & _M32
+        v = (v * h) & _M32
+        return v ^ (v >> 16)
+
+    def mix(x: int, y: int) -> int:
+        r = (_MIX_L * x - _MIX_R * y) & _M32
+        return r ^ (r >> 16)
+
+    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(_POOL)]
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for v in entropy[_POOL:]:
+        for dst in range(_POOL):
+            pool[dst] = mix(pool[dst], hashmix(v))
+    out, h = 0, _INIT_B
+    for i in range(2):  # generate_state: two 32-bit words, little-endian
+        v = pool[i] ^ h
+        h = (h * _MULT_B) & _M32
+        v = (v * h) & _M32
+        out |= (v ^ (v >> 16)) << (32 * i)
+    return out & (2**63 - 1)
+
+
+#: numpy.random.SeedSequence's constants (numpy/random/bit_generator.pyx)
+_M32, _POOL = 0xFFFFFFFF, 4
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
+
+
+def _words32(n: int) -> list[int]:
+    """``n >= 0`` as little-endian 32-bit words, ``[0]`` for 0 (SeedSequence's reading)."""
+    words = [n & _M32]
+    while n > _M32:
+        n >>= 32
+        words.append(n & _M32)
+    return words
 
 
 def _resolve_like(like: Any) -> tuple[Any, Any]:
@@ -777,7 +844,8 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
         :math:`p_A(i) \\propto \\sum_{n,s} a[n,s,i]^2` and
         :math:`p_G(j) \\propto \\sum_{n,s,o} g[n,s,o,j]^2`.
     seed : int, optional
-        Master seed; every block and factor gets its own derived seed.
+        Master seed; block ``b`` gets ``spawn_seed(seed, b, 0)`` (dense) or
+        ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
     replace : bool
         Row sampling with or without replacement (see the module docstring).
     return_sketch : bool
@@ -821,7 +889,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
             w = (column_norms_squared(xp.reshape(block.jac, (-1, block.num_params)))
                  if method == "leverage" else None)
             sk = _factor_sketch(method, block.jac, block.num_params, q_b,
-                                _sub_seed(seed, b, 0), replace, w)
+                                spawn_seed(seed, b, 0), replace, w)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
             sketches.append(sk)
         else:
@@ -835,9 +903,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
             if method == "leverage":  # marginal factor norms, one pass over each factor
                 wa = column_norms_squared(xp.reshape(block.a, (-1, block.d_in)))  # (d_in,)
                 wg = column_norms_squared(xp.reshape(block.g, (-1, block.d_out)))  # (d_out,)
-            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, _sub_seed(seed, b, 1),
+            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, spawn_seed(seed, b, 1),
                                   replace, wa)
-            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, _sub_seed(seed, b, 2),
+            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, spawn_seed(seed, b, 2),
                                   replace, wg)
             a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
