@@ -88,8 +88,8 @@ import torch
 from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
-from ntkcore.sketch import SketchSpec, _sub_seed
-from ntkcore.sketch import low_rank as _low_rank
+from ntkcore.lowrank import low_rank as _low_rank
+from ntkcore.sketch import SketchSpec, spawn_seed
 from ntkcore.solve import _NONFINITE_U, SMWSolver
 
 from .torch_jacobian import (
@@ -316,7 +316,7 @@ class SENG(torch.optim.Optimizer):
         "mean" and ``dL/dy`` for "sum".
     low_rank : int, optional
         Compress Kronecker layers with more than this many positions (convolutions) to rank
-        ``low_rank`` per-sample gradients (SENG's implicit mode, ``ntkcore.sketch.low_rank``).
+        ``low_rank`` per-sample gradients (SENG's implicit mode, ``ntkcore.lowrank.low_rank``).
     distributed : {"auto", True, False}
         Average directions over ``torch.distributed`` workers (auto: when initialised with
         more than one worker).
@@ -817,7 +817,7 @@ class SENG(torch.optim.Optimizer):
         self._solvers, self._directions = {}, {}
         for i, (name, block, group) in enumerate(blocks):
             self._curvature[name] = block
-            self._sketch_seeds[name] = _sub_seed(self.seed, self._refreshes, i)
+            self._sketch_seeds[name] = spawn_seed(self.seed, self._refreshes, i)
             self._build_solver(name, block, self._damping(group))
         for unit in self.units:
             unit.calls = []

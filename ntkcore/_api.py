@@ -61,14 +61,13 @@ from typing import Any
 import array_api_compat
 
 from ._memory import resolve_budget
+from ._typing import Array
 from ._validation import check_finite as _check_finite_array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .providers import Provider, find_provider
-
-Array = Any
 
 __all__ = ["ntk", "pseudo_ntk"]
 

@@ -7,13 +7,13 @@ each array argument by name, so that errors say which argument is wrong and why.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from .backend import Backend, get_backend
-
-Array = Any
 
 
 def namespace_of(**arrays: Array | None) -> tuple[Any, Backend]:
@@ -174,6 +174,19 @@ def check_array(
     check_floating(xp, x, name)
     if finite:
         check_finite(xp, x, name)
+
+
+def check_size(value: Any, name: str) -> int:
+    """A positive Python int from ``value`` (an integer, not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive integer; got {value!r}")
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive integer; got {value!r}") from None
+    if ivalue < 1:
+        raise ValueError(f"{name} must be a positive integer; got {ivalue}")
+    return int(ivalue)
 
 
 def check_scalar(

@@ -37,10 +37,9 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from ._validation import check_array, namespace_of
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
-
-Array = Any
 
 __all__ = [
     "centered_kernel_alignment",

@@ -34,10 +34,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import array_api_compat as _compat
 
+from ._typing import Array
+
 __all__ = ["BACKEND_NAMES", "Backend", "Generator", "get_backend", "namespace_and_backend",
            "register_backend"]
 
-Array = Any
 Namespace = Any
 Device = Any
 

@@ -72,10 +72,9 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
+from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, check_symmetric
 from .backend import Backend, get_backend
-
-Array = Any
 
 __all__ = [
     "CGReport",

@@ -88,23 +88,15 @@ from typing import Any
 import array_api_compat
 
 from ._memory import resolve_budget
+from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
-
-Array = Any
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
 MODES = ("full", "trace", "diagonal")
 STRATEGIES = ("positions", "materialise")
-
-#: Namespaces for which a self-product ``x @ x.T`` is faster on a contiguous copy of ``x.T``
-#: (keyed by backend name).  NumPy detects ``x @ x.T`` and calls SYRK (half the flops); on
-#: the development machine that was not slower than GEMM on a copy, so no backend copies by
-#: default.  ``benchmarks/suites/gram.py`` measures both variants ("selfprod" rows).
-SELF_PRODUCT_COPY: dict[str, bool] = {"numpy": False, "torch": False, "cupy": False,
-                                      "jax": False, "generic": False}
 
 #: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
 #: (k+1)/(2k) of the work but mirrors the lower tiles (a transposed copy, memory bound).  The
@@ -474,18 +466,18 @@ def _panel_fraction(r: int, panels: int) -> float:
 # Tile kernels.  Inputs are already sliced to the tile and cast to the compute dtype.
 # ---------------------------------------------------------------------------------------------
 class _Ops:
-    """The namespace plus the self-product policy."""
+    """The namespace and the tile product ``x @ y.T``."""
 
-    def __init__(self, xp: Any, backend_name: str) -> None:
+    def __init__(self, xp: Any) -> None:
         self.xp = xp
-        self.copy_self = SELF_PRODUCT_COPY.get(backend_name, False)
 
     def nt(self, x: Array, y: Array) -> Array:
-        """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c)."""
-        if x is y and self.copy_self:
-            # a row-major copy of x.T: reshaping a transposed view to 1-D copies in C order
-            xt = self.xp.reshape(self.xp.reshape(x.T, (-1,)), (x.shape[1], x.shape[0]))
-            return x @ xt
+        """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c).
+
+        A self-product ``x @ x.T`` is left as it is: NumPy detects it and calls SYRK (half the
+        flops), and GEMM on a contiguous copy of ``x.T`` was not faster on the development
+        machine (``benchmarks/suites/gram.py``, "selfprod" rows).
+        """
         return x @ y.T
 
 
@@ -776,7 +768,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
             gpu = False
         plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
                             strategy, gpu, _writable(xp, out_dtype, device), max_memory is None)
-    return _Setup(xp, _Ops(xp, backend.name), pairs, mode, n1, n2, o, out_dtype, device, plan)
+    return _Setup(xp, _Ops(xp), pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
 def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,

@@ -27,7 +27,7 @@ from typing import Any
 
 import array_api_compat
 
-Array = Any
+from ._typing import Array
 
 __all__ = ["DenseBlock", "Jacobian", "KroneckerBlock"]
 

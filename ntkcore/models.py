@@ -79,11 +79,10 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from ._validation import check_floating, check_scalar, namespace_of
 from .backend import get_backend
 from .jacobian import Jacobian, KroneckerBlock
-
-Array = Any
 
 __all__ = ["ACTIVATIONS", "MLP", "erf"]
 

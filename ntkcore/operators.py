@@ -29,10 +29,9 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
-
-Array = Any
 
 __all__ = ["KernelOperator"]
 

@@ -41,11 +41,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ._typing import Array
 from ._validation import check_array, check_scalar, check_symmetric, namespace_of
 from .backend import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
-
-Array = Any
 
 __all__ = [
     "GPPosterior",

@@ -1,4 +1,4 @@
-r"""Randomized sketches of the parameter dimension, and low-rank compression of Kronecker blocks.
+r"""Randomized sketches of the parameter dimension.
 
 A sketch is a random matrix :math:`\Omega \in \mathbb{R}^{q \times n}` with
 :math:`\mathbb{E}[\Omega^\top \Omega] = I_n`, so that for any fixed :math:`X, Y` with ``n`` rows
@@ -43,29 +43,30 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch on the same backend; different backends draw from
-different generators.  A sketch made without an array to copy from (``like=None``) is *unbound*:
-its randomness is drawn at the first :meth:`apply`, in that array's namespace and on its device,
-and reused afterwards.
+different generators.  Derived seeds (per block and factor, per SENG refresh and layer) follow
+NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).  A sketch made without an
+array to copy from (``like=None``) is *unbound*: its randomness is drawn at the first
+:meth:`apply`, in that array's namespace and on its device, and reused afterwards.
 
 :func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
 sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
-block), and :func:`low_rank` compresses Kronecker blocks with many positions (SENG's implicit
-mode).
+block).  :func:`low_rank`, the SVD compression of Kronecker blocks with many positions, lives
+in :mod:`ntkcore.lowrank` and is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
+from ._validation import check_size
 from .backend import get_backend
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
-
-Array = Any
+from .lowrank import low_rank
 
 __all__ = [
     "GaussianSketch",
@@ -80,6 +81,7 @@ __all__ = [
     "make_sketch",
     "sketch_jacobian",
     "sparse_sign",
+    "spawn_seed",
     "split_budget",
     "uniform",
 ]
@@ -88,18 +90,6 @@ KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _check_size(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a positive integer; got {value!r}")
-    try:
-        ivalue = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be a positive integer; got {value!r}") from None
-    if ivalue < 1:
-        raise ValueError(f"{name} must be a positive integer; got {ivalue}")
-    return int(ivalue)
-
-
 def _check_seed(seed: Any) -> int | None:
     if seed is None:
         return None
@@ -108,14 +98,79 @@ def _check_seed(seed: Any) -> int | None:
     return seed
 
 
-def _sub_seed(seed: int | None, *keys: int) -> int | None:
-    """A deterministic, distinct seed per (block, factor); None stays None (fresh entropy)."""
+def spawn_seed(seed: int | None, *keys: int) -> int | None:
+    """The seed of the child of ``seed`` at spawn key ``keys``; None stays None (fresh entropy).
+
+    NumPy's convention: the child is ``numpy.random.SeedSequence(seed, spawn_key=keys)``, the
+    sequence that ``SeedSequence(seed).spawn`` hands out (nested once per key), reduced to the
+    low 63 bits of its first 64-bit state word, ``generate_state(1, numpy.uint64)[0] &
+    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed here in plain
+    Python with SeedSequence's hash (the core does not import NumPy): the entropy is ``seed``
+    and then ``keys`` as little-endian 32-bit words (``seed``'s padded to 4 words), mixed into
+    a pool of 4 words, of which the first two form the result.
+
+    Parameters
+    ----------
+    seed : int or None
+        Non-negative master seed.
+    *keys : int
+        Non-negative spawn key, e.g. (block, factor).
+
+    Returns
+    -------
+    int or None
+        A seed in [0, 2**63).
+    """
     if seed is None:
         return None
-    h = seed
-    for k in keys:
-        h = (h * 1_000_003 + 7919 * (k + 1)) % (2**63 - 1)
-    return h
+    spawn = [w for k in keys for w in _words32(k)]
+    run = _words32(seed)
+    if spawn:
+        run += [0] * (_POOL - len(run))
+    entropy = run + spawn
+    h = _INIT_A
+
+    def hashmix(v: int) -> int:
+        nonlocal h
+        v ^= h
+        h = (h * _MULT_A) & _M32
+        v = (v * h) & _M32
+        return v ^ (v >> 16)
+
+    def mix(x: int, y: int) -> int:
+        r = (_MIX_L * x - _MIX_R * y) & _M32
+        return r ^ (r >> 16)
+
+    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(_POOL)]
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for v in entropy[_POOL:]:
+        for dst in range(_POOL):
+            pool[dst] = mix(pool[dst], hashmix(v))
+    out, h = 0, _INIT_B
+    for i in range(2):  # generate_state: two 32-bit words, little-endian
+        v = pool[i] ^ h
+        h = (h * _MULT_B) & _M32
+        v = (v * h) & _M32
+        out |= (v ^ (v >> 16)) << (32 * i)
+    return out & (2**63 - 1)
+
+
+#: numpy.random.SeedSequence's constants (numpy/random/bit_generator.pyx)
+_M32, _POOL = 0xFFFFFFFF, 4
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
+
+
+def _words32(n: int) -> list[int]:
+    """``n >= 0`` as little-endian 32-bit words, ``[0]`` for 0 (SeedSequence's reading)."""
+    words = [n & _M32]
+    while n > _M32:
+        n >>= 32
+        words.append(n & _M32)
+    return words
 
 
 def _resolve_like(like: Any) -> tuple[Any, Any]:
@@ -505,8 +560,8 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
         ``.apply(X)`` gives :math:`\\Omega X` (q, ...) with :math:`\\mathbb{E}[\\Omega^\\top
         \\Omega] = I`.
     """
-    n = _check_size(n, "n")
-    q = _check_size(q, "q")
+    n = check_size(n, "n")
+    q = check_size(q, "q")
     if not replace and q > n:
         raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
     sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="uniform")
@@ -555,7 +610,7 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     n = int(U.shape[0])
     if n == 0:
         raise ValueError(f"U has no rows to sample (shape {tuple(U.shape)})")
-    q = _check_size(q, "q")
+    q = check_size(q, "q")
     if not replace and q > n:
         raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
     return _leverage_from_weights(row_norms_squared(U), q, _check_seed(seed), replace, "U")
@@ -623,7 +678,7 @@ def _normalise(xp: Any, w: Array, what: str) -> Array:
 
 def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
     """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
-    sk = GaussianSketch(_check_size(n, "n"), _check_size(q, "q"), _check_seed(seed))
+    sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed))
     if like is not None:
         sk.bind(like)
     return sk
@@ -632,8 +687,8 @@ def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> Ga
 def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
                 like: Any = None) -> SparseSignSketch:
     """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
-    sk = SparseSignSketch(_check_size(n, "n"), _check_size(q, "q"), _check_seed(seed),
-                          _check_size(nnz, "nnz"))
+    sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed),
+                          check_size(nnz, "nnz"))
     if like is not None:
         sk.bind(like)
     return sk
@@ -655,7 +710,7 @@ class SketchSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
-        object.__setattr__(self, "q", _check_size(self.q, "sketch size q"))
+        object.__setattr__(self, "q", check_size(self.q, "sketch size q"))
         _check_seed(self.seed)
 
     @staticmethod
@@ -789,7 +844,8 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
         :math:`p_A(i) \\propto \\sum_{n,s} a[n,s,i]^2` and
         :math:`p_G(j) \\propto \\sum_{n,s,o} g[n,s,o,j]^2`.
     seed : int, optional
-        Master seed; every block and factor gets its own derived seed.
+        Master seed; block ``b`` gets ``spawn_seed(seed, b, 0)`` (dense) or
+        ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
     replace : bool
         Row sampling with or without replacement (see the module docstring).
     return_sketch : bool
@@ -812,7 +868,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
     """
     if not isinstance(J, Jacobian):
         raise TypeError(f"J must be an ntkcore.Jacobian; got {type(J).__name__}")
-    q = _check_size(q, "q")
+    q = check_size(q, "q")
     seed = _check_seed(seed)
     if method not in KINDS:
         raise ValueError(f"method must be one of {KINDS}; got {method!r}")
@@ -833,7 +889,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
             w = (column_norms_squared(xp.reshape(block.jac, (-1, block.num_params)))
                  if method == "leverage" else None)
             sk = _factor_sketch(method, block.jac, block.num_params, q_b,
-                                _sub_seed(seed, b, 0), replace, w)
+                                spawn_seed(seed, b, 0), replace, w)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
             sketches.append(sk)
         else:
@@ -847,9 +903,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
             if method == "leverage":  # marginal factor norms, one pass over each factor
                 wa = column_norms_squared(xp.reshape(block.a, (-1, block.d_in)))  # (d_in,)
                 wg = column_norms_squared(xp.reshape(block.g, (-1, block.d_out)))  # (d_out,)
-            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, _sub_seed(seed, b, 1),
+            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, spawn_seed(seed, b, 1),
                                   replace, wa)
-            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, _sub_seed(seed, b, 2),
+            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, spawn_seed(seed, b, 2),
                                   replace, wg)
             a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
@@ -859,82 +915,3 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
     if return_sketch:
         return out, JacobianSketch(sizes, shapes, sketches)
     return out
-
-
-# -- low-rank compression -------------------------------------------------------------------
-def low_rank(J: Jacobian | KroneckerBlock, rank: int) -> tuple[Any, Array]:
-    """Compress Kronecker blocks with S positions to ``rank`` positions (SENG's implicit mode).
-
-    For one output (O = 1) the per-sample gradient of a Kronecker block is the (d_out, d_in)
-    matrix :math:`M_n = G_n^\\top A_n` with :math:`G_n = g[n, :, 0, :]` (S, d_out) and
-    :math:`A_n = a[n]` (S, d_in).  Its truncated SVD is found without forming :math:`M_n`:
-
-    .. math::
-
-        G_n^\\top = P_G T_G,\\quad A_n^\\top = P_A T_A \\ (\\text{thin QR}),\\qquad
-        T_G T_A^\\top = W \\Sigma V^\\top \\ (\\text{small SVD}),\\qquad
-        M_n = (P_G W) \\Sigma (P_A V)^\\top .
-
-    The new factors are :math:`\\tilde g_{n,i} = \\sigma_i^{1/2} P_G w_i` and
-    :math:`\\tilde a_{n,i} = \\sigma_i^{1/2} P_A v_i` for the ``r`` largest :math:`\\sigma_i`, so
-    :math:`\\tilde M_n = \\sum_i \\tilde g_{n,i} \\tilde a_{n,i}^\\top` is the best rank-r
-    approximation.  Cost per sample :math:`O(S (d_{out}^2 + d_{in}^2))` at most.
-
-    Parameters
-    ----------
-    J : Jacobian or KroneckerBlock
-        Only Kronecker blocks with ``S > rank`` are compressed; other blocks pass unchanged.
-    rank : int
-        Positions kept, r.  Exact when r >= rank(M_n) for every n.
-
-    Returns
-    -------
-    compressed : Jacobian or KroneckerBlock (same type as ``J``)
-        Compressed Kronecker blocks have a (N, r, d_in) and g (N, r, 1, d_out).
-    rel_error : array
-        :math:`\\|M_n - \\tilde M_n\\|_F / \\|M_n\\|_F = \\sqrt{\\sum_{i>r}\\sigma_i^2 /
-        \\sum_i \\sigma_i^2}`, shape (N,) for a block and (B, N) for a Jacobian (0 for blocks
-        left unchanged and where :math:`M_n = 0`).
-    """
-    rank = _check_size(rank, "rank")
-    if isinstance(J, KroneckerBlock):
-        return _low_rank_block(J, rank)
-    if not isinstance(J, Jacobian):
-        raise TypeError(f"J must be a Jacobian or KroneckerBlock; got {type(J).__name__}")
-    xp = J.xp
-    blocks, errors = [], []
-    for block in J.blocks:
-        if isinstance(block, KroneckerBlock):
-            nb, err = _low_rank_block(block, rank)
-        else:
-            nb = block
-            err = xp.zeros((J.num_samples,), dtype=J.dtype, device=J.device)
-        blocks.append(nb)
-        errors.append(xp.astype(err, J.dtype))
-    return Jacobian(blocks), xp.stack(errors, axis=0)
-
-
-def _low_rank_block(block: KroneckerBlock, rank: int) -> tuple[KroneckerBlock, Array]:
-    xp = array_api_compat.array_namespace(block.a, block.g)
-    n, s = block.num_samples, block.num_positions
-    if block.num_outputs != 1:
-        raise ValueError("low_rank needs one output per sample (O = 1, e.g. per-sample loss "
-                         f"gradients); block {block.name!r} has O={block.num_outputs}")
-    dtype = block.dtype
-    dev = array_api_compat.device(block.a)
-    if s <= rank:
-        return block, xp.zeros((n,), dtype=dtype, device=dev)
-    gt = xp.matrix_transpose(xp.astype(block.g[:, :, 0, :], dtype))  # (N, d_out, S)
-    at = xp.matrix_transpose(xp.astype(block.a, dtype))  # (N, d_in, S)
-    p_g, t_g = xp.linalg.qr(gt)  # (N, d_out, k_g), (N, k_g, S)
-    p_a, t_a = xp.linalg.qr(at)  # (N, d_in, k_a), (N, k_a, S)
-    w, sv, vt = xp.linalg.svd(t_g @ xp.matrix_transpose(t_a), full_matrices=False)
-    r = min(rank, int(sv.shape[-1]))
-    root = xp.sqrt(sv[:, :r])  # (N, r)
-    g_new = xp.matrix_transpose(p_g @ w[:, :, :r]) * root[:, :, None]  # (N, r, d_out)
-    a_new = xp.matrix_transpose(p_a @ xp.matrix_transpose(vt[:, :r, :])) * root[:, :, None]
-    total = xp.sum(sv * sv, axis=-1)
-    dropped = xp.sum(sv[:, r:] * sv[:, r:], axis=-1)
-    safe = xp.where(total > 0, total, xp.ones_like(total))
-    err = xp.where(total > 0, xp.sqrt(dropped / safe), xp.zeros_like(total))
-    return KroneckerBlock(a_new, g_new[:, :, None, :], block.name), err

@@ -37,12 +37,11 @@ from typing import Any
 
 import array_api_compat
 
+from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
-from .sketch import Sketch, SketchSpec, _sub_seed, _wide_float, make_sketch, sketch_jacobian
-
-Array = Any
+from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
 
 __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 
@@ -449,7 +448,7 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
         start += size
         bspec = None
         if spec is not None and spec.q < size:
-            seed = None if spec.seed is None else _sub_seed(spec.seed, 1000 + len(pieces))
+            seed = None if spec.seed is None else spawn_seed(spec.seed, 1000 + len(pieces))
             bspec = SketchSpec(spec.kind, spec.q, seed, spec.replace)
         pieces.append(SMWSolver(Jacobian([block]), damping, sketch=bspec,
                                 scale=1.0 / n).solve(gb))

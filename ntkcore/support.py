@@ -127,7 +127,7 @@ SUPPORT: dict[str, dict[str, Support]] = {
     "sketch.sparse_sign": _all(fast=_GENERATOR,
                                note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS}),
     "sketch.sketch_jacobian": _all(fast=_GENERATOR),
-    "sketch.low_rank": _all(fast={b: "xp.linalg.qr + xp.linalg.svd" for b in BACKENDS}),
+    "lowrank.low_rank": _all(fast={b: "xp.linalg.qr + xp.linalg.svd" for b in BACKENDS}),
     # SENG optimizer (backends/torch_seng.py): torch only.
     "backends.torch.SENG": _all(
         fast={"torch": "hooks (Linear/Conv) + torch.func for the rest; torch.distributed"},

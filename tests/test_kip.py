@@ -243,8 +243,9 @@ def test_auto_routing(monkeypatch):
 def test_checkpoint_routes_by_provider_capability(monkeypatch):
     """``checkpoint=True`` goes to the provider's declared ``checkpointed_ntk`` capability,
     whatever the provider is called (here a provider other than "torch" for wrapped modules)."""
-    from ntkcore import providers
     from ntkcore.backends.torch_jacobian import jacobian
+
+    from ntkcore import providers
 
     class Wrapped:  # a model kind only the provider below knows
         def __init__(self, module: nn.Module) -> None:

@@ -235,6 +235,22 @@ def test_sketch_jacobian_gram_unbiased(method):
     _assert_unbiased(samples, exact)
 
 
+def test_spawn_seed_is_numpy_seed_sequence():
+    """spawn_seed(s, *k) is SeedSequence(s, spawn_key=k)'s first 64-bit word (low 63 bits),
+    i.e. what nested SeedSequence.spawn hands out, for seeds and keys of 1, 2 and 3 words."""
+    rng = np.random.default_rng(3)
+    cases = [(0, ()), (0, (0,)), (11, (2, 1)), (2**32, (5,)), (2**70 + 5, (1, 2)),
+             (123, (2**40, 7, 0)), (7, (1000,))]
+    cases += [(int(rng.integers(2**62)), tuple(int(k) for k in rng.integers(2**33, size=m)))
+              for m in rng.integers(0, 7, size=200)]
+    for seed, keys in cases:
+        ref = np.random.SeedSequence(seed, spawn_key=keys).generate_state(1, np.uint64)[0]
+        assert sk.spawn_seed(seed, *keys) == int(ref) & (2**63 - 1), (seed, keys)
+    child = np.random.SeedSequence(11).spawn(3)[2].spawn(2)[1]
+    assert sk.spawn_seed(11, 2, 1) == int(child.generate_state(1, np.uint64)[0]) & (2**63 - 1)
+    assert sk.spawn_seed(None, 1, 2) is None
+
+
 def test_budget_split():
     assert sk.split_budget(10, (50, 50)) == (5, 5)
     assert sk.split_budget(1000, (10, 90)) == (10, 90)

@@ -28,8 +28,8 @@ Cases
 ``selfprod n=<n> k=<k>`` (NumPy only)
     the products behind a symmetric tile: ``x @ x.T`` (NumPy dispatches to SYRK),
     ``x @ y.T`` on a copy ``y`` (GEMM with a transposed operand) and ``x @ copy(x.T)``
-    (contiguous GEMM), flops :math:`2 n^2 k` each.  ``ntkcore.gram.SELF_PRODUCT_COPY`` is the
-    switch these rows inform.
+    (contiguous GEMM), flops :math:`2 n^2 k` each.  These rows are why ``ntkcore.gram``
+    leaves ``x @ x.T`` as it is (no contiguous copy).
 ``gemm n=<n>``
     square matrix product (impl ``gemm``), the throughput reference measured in this run.
 
