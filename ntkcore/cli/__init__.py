@@ -38,7 +38,7 @@ from typing import Any
 
 from ntkcore.support import support_markdown
 
-__all__ = ["DemoResult", "main", "run_demo", "support_markdown"]
+__all__ = ["DemoResult", "demo_data", "demo_model", "main", "run_demo", "support_markdown"]
 
 PROG = "ntkcore"
 DEFAULT_PLOT = Path(tempfile.gettempdir()) / "ntkcore-demo.png"
@@ -251,17 +251,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# demo (the pipeline itself is ntkcore.cli.demo, shared with examples/ntk_regression_digits.py)
-
-
-def __getattr__(name: str) -> Any:
-    """``DemoResult``, ``run_demo``, ``demo_data``, ``demo_model`` from :mod:`ntkcore.cli.demo`,
-    imported on first use (``info`` and ``support`` do not load the demo)."""
-    if name in ("DemoResult", "run_demo", "demo_data", "demo_model"):
-        from . import demo
-
-        return getattr(demo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# demo: the options; the pipeline is ntkcore.cli.demo (imported at the end of this module)
 
 
 def _positive_int(text: str) -> int:
@@ -295,24 +285,15 @@ def _memory(text: str) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
     if args.n_train is not None and args.n_train < 10:
         raise CLIError(f"--n-train must be at least 10 (one image per class); got {args.n_train}")
-    out = None if args.no_plot else args.out
-    if out is not None and Path(out).suffix.lower() != ".png":
-        raise CLIError(f"--out must name a .png file; got {str(out)!r}")
+    res = run_demo(model=args.model, n_train=args.n_train, n_test=args.n_test, width=args.width,
+                   ridge=args.ridge, dtype=args.dtype, device=args.device,
+                   max_memory=args.max_memory, seed=args.seed,
+                   out=None if args.no_plot else args.out,
+                   progress=not (args.json or args.no_progress), verbose=not args.json)
     if args.json:
-        res = run_demo(model=args.model, n_train=args.n_train, n_test=args.n_test, width=args.width,
-                       ridge=args.ridge, dtype=args.dtype, device=args.device,
-                       max_memory=args.max_memory, seed=args.seed, out=out,
-                       progress=False, verbose=False)
         print(json.dumps(res.__dict__, indent=2))
-    else:
-        run_demo(model=args.model, n_train=args.n_train, n_test=args.n_test, width=args.width,
-                 ridge=args.ridge,
-                 dtype=args.dtype, device=args.device, max_memory=args.max_memory,
-                 seed=args.seed, out=out, progress=not args.no_progress)
     return 0
 
 
@@ -469,3 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+# the demo pipeline, shared with examples/ntk_regression_digits.py; imported last because it
+# uses CLIError and the helpers above
+from .demo import DemoResult, demo_data, demo_model, run_demo  # noqa: E402

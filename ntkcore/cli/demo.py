@@ -342,6 +342,8 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
     DemoResult
     """
     t_start = time.perf_counter()
+    if out is not None and Path(out).suffix.lower() != ".png":
+        raise CLIError(f"--out must name a .png file; got {str(out)!r}")
     torch = _require("torch", "the demo", "torch")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -445,8 +447,6 @@ def _demo_plot(path: Path, k_train: Any, y_train: Any, y_test: Any, pred: Any,
     import numpy as np
 
     path = path.expanduser()
-    if path.suffix.lower() != ".png":
-        raise CLIError(f"--out must name a .png file; got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     order = np.argsort(y_train, kind="stable")
     k = k_train.double().cpu().numpy()[np.ix_(order, order)]
