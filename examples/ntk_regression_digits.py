@@ -30,55 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ntkcore.backends.torch import jacobian
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 import ntkcore
+from ntkcore.cli.demo import demo_data, demo_model, describe, entk_regression
 
-
-def load(n_train: int | None) -> tuple[torch.Tensor, ...]:
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.3, random_state=0,
-                                              stratify=y)
-    x_tr, y_tr = x_tr[:n_train], y_tr[:n_train]
-    f = torch.float32
-    return (torch.as_tensor(x_tr, dtype=f), torch.as_tensor(x_te, dtype=f),
-            torch.as_tensor(y_tr), torch.as_tensor(y_te))
-
-
-def make_model(kind: str, width: int) -> nn.Module:
-    if kind == "MLP":
-        return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                             nn.Linear(width, 10))
-    c = max(4, width // 16)
-    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
-                         nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(2 * c * 16, 10))
-
-
-def layer_labels(net: nn.Module, names: tuple[str, ...]) -> list[str]:
-    modules = dict(net.named_modules())
-    return [f"{n}:{type(modules[n]).__name__}" if n in modules else n for n in names]
-
-
-def ntk_regression(net: nn.Module, x_tr, y_tr, x_te, ridge: float) -> dict:
-    """Trace eNTK (layerwise on the training set), kernel regression, accuracy, layer shares."""
-    t = time.perf_counter()
-    k_layers = ntkcore.ntk(net, x_tr, mode="trace", layerwise=True)   # (B, N, N)
-    k_test = ntkcore.ntk(net, x_te, x_tr, mode="trace")               # (M, N)
-    seconds = time.perf_counter() - t
-    k = k_layers.sum(0).double()
-    y = nn.functional.one_hot(y_tr, 10).double()
-    reg = ridge * float(k.diagonal().mean())
-    pred = ntkcore.kernel_regression(k, y, k_test.double(), reg=reg)
-    traces = k_layers.diagonal(dim1=1, dim2=2).sum(1).double()
-    return {"pred": pred.argmax(1), "seconds": seconds,
-            "shares": (traces / traces.sum()).numpy(),
-            "bytes": k_layers.numel() * k_layers.element_size()
-            + k_test.numel() * k_test.element_size()}
+# The data, the networks, the layer labels and the eNTK regression are those of
+# `python -m ntkcore demo` (ntkcore/cli/demo.py); this script adds training and the comparison.
 
 
 def train(net: nn.Module, x, y, epochs: int, lr: float, seed: int) -> float:
@@ -95,31 +53,34 @@ def train(net: nn.Module, x, y, epochs: int, lr: float, seed: int) -> float:
 
 def run_model(kind: str, data, args) -> dict:
     x_tr, x_te, y_tr, y_te = data
-    torch.manual_seed(args.seed)
-    net = make_model(kind, args.width)
+    net = demo_model(kind.lower(), width=args.width, seed=args.seed,
+                     channels=max(4, args.width // 16))
     init = copy.deepcopy(net)
-    blocks = jacobian(init, x_tr[:2])
+    labels, kinds = describe(init, x_tr[:2])
     n_params = sum(p.numel() for p in net.parameters())
-    kron = sum(type(b).__name__ == "KroneckerBlock" for b in blocks.blocks)
-    print(f"\n{kind}: {n_params:,} parameters, {len(blocks.blocks)} blocks ({kron} Kronecker)")
+    kron = kinds.count("KroneckerBlock")
+    print(f"\n{kind}: {n_params:,} parameters, {len(kinds)} blocks ({kron} Kronecker)")
 
-    at_init = ntk_regression(init, x_tr, y_tr, x_te, args.ridge)
-    train_s = train(net, x_tr, y_tr, args.epochs, args.lr, args.seed)
+    at_init = entk_regression(init, x_tr, y_tr, x_te, ridge=args.ridge)
+    train_s = train(net, x_tr, torch.as_tensor(y_tr), args.epochs, args.lr, args.seed)
     net.eval()
     with torch.no_grad():
-        net_pred = net(x_te).argmax(1)
-    trained = ntk_regression(net, x_tr, y_tr, x_te, args.ridge)
+        net_pred = net(x_te).argmax(1).numpy()
+    trained = entk_regression(net, x_tr, y_tr, x_te, ridge=args.ridge)
 
-    def acc(p):
-        return float((p == y_te).double().mean())
-
-    res = {"kind": kind, "labels": layer_labels(init, blocks.names),
-           "acc": {"eNTK at init": acc(at_init["pred"]), "trained network": acc(net_pred),
-                   "eNTK after training": acc(trained["pred"])},
-           "shares_init": at_init["shares"], "shares_trained": trained["shares"]}
+    res = {"kind": kind, "labels": labels,
+           "acc": {"eNTK at init": float(np.mean(at_init.pred == y_te)),
+                   "trained network": float(np.mean(net_pred == y_te)),
+                   "eNTK after training": float(np.mean(trained.pred == y_te))},
+           "shares_init": np.array(at_init.shares), "shares_trained": np.array(trained.shares)}
     n, m = len(y_tr), len(y_te)
-    print(f"  kernels: {n} x {n} per layer + {m} x {n}, {at_init['bytes'] / 2**20:.1f} MiB, "
-          f"{at_init['seconds']:.2f} s (init), {trained['seconds']:.2f} s (trained)")
+    mib = sum(k.numel() * k.element_size() for k in (at_init.k_layers, at_init.k_test)) / 2**20
+
+    def seconds(fit) -> float:
+        return fit.times["train kernel"] + fit.times["test kernel"]
+
+    print(f"  kernels: {n} x {n} per layer + {m} x {n}, {mib:.1f} MiB, "
+          f"{seconds(at_init):.2f} s (init), {seconds(trained):.2f} s (trained)")
     print(f"  training: Adam, {args.epochs} epochs, {train_s:.2f} s")
     for name, a in res["acc"].items():
         print(f"  {name:<22} test accuracy {100 * a:6.2f}%")
@@ -190,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     args.epochs = args.epochs or (20 if args.quick else 40)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
 
-    data = load(500 if args.quick else None)
+    x_tr, x_te, y_tr, y_te = demo_data(500 if args.quick else None)
+    data = (torch.as_tensor(x_tr, dtype=torch.float32), torch.as_tensor(x_te, dtype=torch.float32),
+            y_tr, y_te)
     print(f"digits: {len(data[2])} train / {len(data[3])} test images, "
           f"ntkcore {ntkcore.__version__}, torch {torch.__version__}")
     results = [run_model(k, data, args) for k in kinds]
