@@ -9,19 +9,20 @@ The model is turned into a structured :class:`~ntkcore.Jacobian` by the provider
 its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params)``,
 :class:`ntkcore.models.MLP`, ...), and the kernel is contracted by :func:`ntkcore.gram`.
 
-Memory. With a budget ``M`` (``max_memory``, resolved once into an ``ntkcore._memory.Budget`` whose
-shares are passed down), the Jacobian factors are computed in sample batches (the batching policy
-of :mod:`ntkcore._memory`, shared with the KIP path). A first small batch measures the factor bytes
-per sample ``b``; a provider call on ``k`` samples is assumed to need about ``3 k b`` bytes
-(factors, activations and output gradients); ``b`` is remembered per model and input signature
-(:class:`_ProbeCache`), so repeated calls skip the measuring call. If the factors of all samples
-fit in ``M / 2`` they are computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the
-budget. Otherwise the kernel is computed in (row, column) sample blocks whose factors each take at
-most ``M / 4``: the row block's factors are computed once, the column blocks' are recomputed per
-row block (for ``x2=None`` only blocks on and above the diagonal, the others are transposes). The
-kernel itself is not counted. A budget too small for a useful tile (``min(N, 8)`` samples a side,
-``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``: blocks of that many samples and their contraction)
-raises ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
+Memory. With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
+batches. A first small batch measures the factor bytes per sample ``b``; a provider call on
+``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
+gradients); ``b`` is remembered per model and input signature (:class:`_ProbeCache`), so
+repeated calls skip the measuring call. If the factors of all samples fit in ``M / 2`` they are
+computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget. Otherwise the
+kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
+the row block's factors are computed once, the column blocks' are recomputed per row block (for
+``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
+itself is not counted.  The budget is resolved once (a :class:`ntkcore._memory.Budget`, split
+explicitly; batches by :func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget
+too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
+``ntkcore/gram.py``: blocks of that many samples and their contraction) raises
+``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
 smallest ``max_memory`` that works (``_check_budget``).
 
 Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires

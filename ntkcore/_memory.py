@@ -10,19 +10,12 @@ The default budget is :data:`DEFAULT_FRACTION` of the free memory the backend re
 device holding the arrays (host ``MemAvailable`` for CPU arrays, free device memory on a GPU),
 or :data:`FALLBACK_BUDGET` bytes when the backend cannot tell.
 
-A budget is resolved once, at the public call, into a :class:`Budget` (an ``int`` of bytes
-that also knows whether it is the default, and the user's value for messages); the layers
-below receive shares of it (:meth:`Budget.share`, :meth:`Budget.less`) rather than resolving
-``max_memory`` again, so a default budget stays marked as such (:func:`ntkcore.gram` plans it
-with its leading bits only, so that calls in the same memory situation share a plan).
-:func:`resolve_budget` returns a :class:`Budget` it is given unchanged, which is how
-:func:`ntkcore.gram`, the kernel operator and the KIP path accept one besides the public forms.
-
-Batching (one policy for :func:`ntkcore.ntk` and ``ntkcore.backends.torch_kip``): a first
-provider call on :data:`PROBE_SAMPLES` samples measures the factor bytes per sample ``b``; a
-call on ``k`` samples is assumed to need :data:`CALL_OVERHEAD` ``k b`` bytes (factors,
-activations, output gradients), so a share ``B`` of the budget allows
-:func:`batch_samples` ``= floor(B / (3 b + extra))`` samples per call, at least 1.
+A budget is resolved once, at the public call, into a :class:`Budget` whose shares
+(:meth:`Budget.share`, :meth:`Budget.less`) are passed down; a default one stays marked, so
+:func:`ntkcore.gram` plans it with its leading bits only (calls in the same memory situation
+share a plan).  One batching policy serves :func:`ntkcore.ntk` and the KIP path: a probe of
+:data:`PROBE_SAMPLES` samples measures the factor bytes per sample ``b``, a call on ``k``
+samples needs about :data:`CALL_OVERHEAD` ``k b`` bytes (:func:`batch_samples`).
 """
 
 from __future__ import annotations
@@ -132,17 +125,10 @@ def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION
 
 
 class Budget(int):
-    """A resolved working-memory budget: a number of bytes (an ``int``, equal to it) that
-    remembers whether it is the default and how to name it.  Immutable.
-
-    Attributes
-    ----------
-    default : bool
-        Whether it derives from the default budget (a share of the free memory).
-    given : str
-        How error messages name it: ``"the default budget"``, ``"max_memory='2GB'"`` (the
-        user's value), or ``"max_memory=<bytes>"`` for a share.
-    """
+    """A resolved budget: an ``int`` of bytes (at least 1), immutable, that knows whether it
+    is the ``default`` (a share of the free memory) and how messages name it (``given``: "the
+    default budget", the user's ``max_memory='2GB'``, or ``max_memory=<bytes>`` for a share).
+    :func:`resolve_budget` returns a :class:`Budget` it is given as it is."""
 
     default: bool
     given: str
