@@ -96,7 +96,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntkcore._memory import resolve_budget
+from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 
@@ -106,8 +106,6 @@ from .torch_jacobian import jacobian
 __all__ = ["checkpointed_ntk", "kip_loss"]
 
 _MODES = ("full", "trace", "diagonal")
-_PROBE = 8
-_OVERHEAD = 3  # transient bytes of a provider call per byte of factors it returns
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +225,7 @@ class _Spec:
     pseudo: bool
     params: Any
     dtype: Any
-    gram_budget: int
+    gram_budget: Budget
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     timer: _Timer
@@ -297,7 +295,7 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
     xt = xt.detach()
     n, m = int(xt.shape[0]), int(xs.shape[0])
     budget = resolve_budget(max_memory, TorchBackend(torch), xt.device)
-    probe = _target_jacobian(model, xt[:min(n, _PROBE)], params, pseudo)
+    probe = _target_jacobian(model, xt[:min(n, PROBE_SAMPLES)], params, pseudo)
     js = jacobian(model, xs, params=params, pseudo=pseudo)
     out_dtype = dtype if dtype is not None else torch.promote_types(probe.dtype, js.dtype)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
@@ -307,8 +305,7 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
                     for b, kind in zip(probe.blocks, layout.kinds, strict=True) if kind == "mat")
     o = probe.num_outputs
     del probe
-    chunk = batch_size or max(1, int((budget / 2) // max(1.0, _OVERHEAD * per_sample
-                                                           + 2 * mat_bytes)))
+    chunk = batch_size or batch_samples(per_sample, budget / 2, 2 * mat_bytes)
     chunk = min(chunk, n)
     support = layout.support_arrays(js)
     del js
@@ -317,7 +314,7 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
     spec = _Spec(model=model, x_target=xt, chunks=[(i, min(n, i + chunk))
                                                    for i in range(0, n, chunk)],
                  layout=layout, mode=mode, layerwise=layerwise, pseudo=pseudo, params=params,
-                 dtype=dtype, gram_budget=max(1, budget // 4),
+                 dtype=dtype, gram_budget=budget.share(4),
                  out_shape=(*lead, n, m, *tail), out_dtype=out_dtype, timer=timer)
     timer.add("support_s", t0)
     if timings is not None:

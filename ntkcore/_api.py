@@ -18,10 +18,12 @@ computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
 the row block's factors are computed once, the column blocks' are recomputed per row block (for
 ``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
-itself is not counted.  A budget too small for a useful tile (``min(N, 8)`` samples a side,
-``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``: blocks of that many samples and their
-contraction) raises ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the
-probe, stating the smallest ``max_memory`` that works (``_check_budget``).
+itself is not counted.  The budget is resolved once (a :class:`ntkcore._memory.Budget`, split
+explicitly; batches by :func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget
+too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
+``ntkcore/gram.py``: blocks of that many samples and their contraction) raises
+``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
+smallest ``max_memory`` that works (``_check_budget``).
 
 Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
 grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
@@ -60,7 +62,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import resolve_budget
+from ._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ._typing import Array
 from ._validation import check_finite as _check_finite_array
 from ._validation import first_nonfinite, namespace_of
@@ -72,8 +74,6 @@ from .providers import Provider, find_provider
 __all__ = ["ntk", "pseudo_ntk"]
 
 _MODES = ("full", "trace", "diagonal")
-_PROBE = 8  # samples in the first (measuring) provider call
-_OVERHEAD = 3  # transient bytes of a provider call per byte of factors it returns
 
 
 def _jac_bytes(j: Jacobian) -> int:
@@ -204,7 +204,7 @@ class _ProbeCache:
     """Factor bytes per sample, remembered per model (weakly) and input signature.
 
     Sizing the sample batches needs the bytes of one sample's Jacobian factors, which only a
-    provider call reveals (the "probe" on the first :data:`_PROBE` samples).  For a model
+    provider call reveals (the "probe" on the first ``PROBE_SAMPLES`` samples).  For a model
     called repeatedly (a training or distillation loop, a benchmark) the probe's fixed cost
     (a forward and a backward pass with hooks, several milliseconds for a small MLP) is paid
     once per model, input shape, dtype, device, parameter selection and parameter shapes.
@@ -274,10 +274,6 @@ def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
         return None
     return model, (provider, tuple(x.shape[1:]), str(x.dtype),
                    str(array_api_compat.device(x)), pseudo, pkey, _shape_signature(model))
-
-
-def _batch_size(per_sample: float, budget: float) -> int:
-    return max(1, int(budget // max(1.0, _OVERHEAD * per_sample)))
 
 
 def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
@@ -362,14 +358,13 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     probe = None
     cached = _PER_SAMPLE.get(key) if key is not None else None
     if cached is None:
-        probe = call(x1[0:min(n1, _PROBE), ...])
+        probe = call(x1[0:min(n1, PROBE_SAMPLES), ...])
         cached = (_jac_bytes(probe) / probe.num_samples, block_shapes(probe),
                   probe.num_outputs, _itemsize(probe.xp, probe.dtype))
         if key is not None:
             _PER_SAMPLE.put(key, cached)
     per_sample = cached[0]
-    _check_budget(budget, max_memory, cached, n1, n2, x2 is not None, mode, layerwise,
-                  dtype, xp)
+    _check_budget(budget, cached, n1, n2, x2 is not None, mode, layerwise, dtype, xp)
     try:
         return _compute(call, model, x1, x2, n1, n2, probe, per_sample, budget, one_grad,
                         provider, checkpoint, mode, layerwise, pseudo, params, dtype,
@@ -377,16 +372,12 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
         need = math.ceil(e.needed * budget / max(e.given, 1))
         raise BudgetTooSmallError(
-            f"{_given(max_memory)} ({budget} bytes) is too small for the smallest useful tile "
+            f"{budget.given} ({budget} bytes) is too small for the smallest useful tile "
             f"of this kernel: pass max_memory >= {need} bytes", budget, need) from None
 
 
-def _given(max_memory: Any) -> str:
-    return "the default budget" if max_memory is None else f"max_memory={max_memory!r}"
-
-
-def _check_budget(budget: int, max_memory: Any, cached: tuple[Any, ...], n1: int, n2: int,
-                  cross: bool, mode: str, layerwise: bool, dtype: Any, xp: Any) -> None:
+def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
+                  mode: str, layerwise: bool, dtype: Any, xp: Any) -> None:
     """Raise when ``budget`` cannot give :func:`gram` a useful tile (``min(N, 8)`` samples a
     side, ``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``), stating the smallest budget that
     does.
@@ -412,14 +403,14 @@ def _check_budget(budget: int, max_memory: Any, cached: tuple[Any, ...], n1: int
     need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))
     if budget < need:
         raise BudgetTooSmallError(
-            f"{_given(max_memory)} ({budget} bytes) is too small for the smallest useful tile "
+            f"{budget.given} ({budget} bytes) is too small for the smallest useful tile "
             f"of this kernel ({useful_tile(n1)} x {useful_tile(n2)} "
             f"samples: {per_sample:.0f} bytes of Jacobian factors per sample, {g} bytes to "
             f"contract the tile): pass max_memory >= {need} bytes", budget, need)
 
 
 def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: int, n2: int,
-             probe: Jacobian | None, per_sample: float, budget: int, one_grad: bool,
+             probe: Jacobian | None, per_sample: float, budget: Budget, one_grad: bool,
              provider: Provider, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
              params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any,
              call2: Callable[[Any], Jacobian], check_finite: bool) -> Array:
@@ -439,13 +430,13 @@ def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: 
             if clear is None:
                 raise
             raise clear from exc
-    batch = batch_size or _batch_size(per_sample, budget / 2)
+    batch = batch_size or batch_samples(per_sample, budget / 2)
     total_factors = per_sample * (n1 + (0 if x2 is None else n2))
     if total_factors <= budget / 2:
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
-        rest = max(budget - _jac_bytes(j1) - (0 if j2 is None else _jac_bytes(j2)),
-                   budget // 4)
+        rest = budget.less(_jac_bytes(j1) + (0 if j2 is None else _jac_bytes(j2)),
+                           budget // 4)
         return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
                     progress=progress, check_finite=check_finite)
     return _streamed(call, x1, x2, n1, n2, probe, per_sample, budget, batch_size, mode,
@@ -453,13 +444,13 @@ def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: 
 
 
 def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
-              probe: Jacobian | None, per_sample: float, budget: int, batch_size: Any, mode: str,
-              layerwise: bool, dtype: Any, progress: Any, xp: Any,
+              probe: Jacobian | None, per_sample: float, budget: Budget, batch_size: Any,
+              mode: str, layerwise: bool, dtype: Any, progress: Any, xp: Any,
               call2: Callable[[Any], Jacobian] | None = None,
               check_finite: bool = True) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
-    batch = batch_size or _batch_size(per_sample, budget / 4)
+    batch = batch_size or batch_samples(per_sample, budget / 4)
     rows = [(i, min(n1, i + block)) for i in range(0, n1, block)]
     symmetric = x2 is None
     cols = rows if symmetric else [(j, min(n2, j + block)) for j in range(0, n2, block)]
@@ -470,7 +461,7 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
     lead = 1 if layerwise else 0
     swap = tuple(range(lead)) + tuple(a + lead for a in (1, 0, *swap_tail))
     tiles: dict[tuple[int, int], Array] = {}
-    rest = max(budget // 2, 1)
+    rest = budget.share(2)
     try:
         for i, (r0, r1) in enumerate(rows):
             first = probe if probe is not None and r0 == 0 and \

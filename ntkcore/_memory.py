@@ -9,6 +9,13 @@ string with a unit: decimal units ``kB``, ``MB``, ``GB``, ``TB`` (powers of 1000
 The default budget is :data:`DEFAULT_FRACTION` of the free memory the backend reports for the
 device holding the arrays (host ``MemAvailable`` for CPU arrays, free device memory on a GPU),
 or :data:`FALLBACK_BUDGET` bytes when the backend cannot tell.
+
+A budget is resolved once, at the public call, into a :class:`Budget` whose shares
+(:meth:`Budget.share`, :meth:`Budget.less`) are passed down; a default one stays marked, so
+:func:`ntkcore.gram` plans it with its leading bits only (calls in the same memory situation
+share a plan).  One batching policy serves :func:`ntkcore.ntk` and the KIP path: a probe of
+:data:`PROBE_SAMPLES` samples measures the factor bytes per sample ``b``, a call on ``k``
+samples needs about :data:`CALL_OVERHEAD` ``k b`` bytes (:func:`batch_samples`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ import math
 import re
 from typing import Any
 
-__all__ = ["DEFAULT_FRACTION", "FALLBACK_BUDGET", "default_budget", "parse_memory",
-           "resolve_budget"]
+__all__ = ["CALL_OVERHEAD", "DEFAULT_FRACTION", "FALLBACK_BUDGET", "PROBE_SAMPLES", "Budget",
+           "batch_samples", "default_budget", "parse_memory", "resolve_budget"]
 
 #: Fraction of the free memory of a device used as the default working-memory budget.
 DEFAULT_FRACTION = 0.25
@@ -26,6 +33,10 @@ DEFAULT_FRACTION = 0.25
 FALLBACK_BUDGET = 1 << 30
 #: Smallest budget the default ever gives (64 MiB), so a nearly full device still makes progress.
 MIN_DEFAULT_BUDGET = 64 << 20
+#: Samples in the first (measuring) provider call of a batched kernel computation.
+PROBE_SAMPLES = 8
+#: Transient bytes of a provider call per byte of factors it returns.
+CALL_OVERHEAD = 3
 
 _UNITS = {
     "": 1,
@@ -113,8 +124,45 @@ def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION
     return max(MIN_DEFAULT_BUDGET, int(free * fraction))
 
 
-def resolve_budget(max_memory: Any, backend: Any, device: Any) -> int:
-    """The budget in bytes: parsed ``max_memory``, or :func:`default_budget` when ``None``."""
+class Budget(int):
+    """A resolved budget: an ``int`` of bytes (at least 1), immutable, that knows whether it
+    is the ``default`` (a share of the free memory) and how messages name it (``given``: "the
+    default budget", the user's ``max_memory='2GB'``, or ``max_memory=<bytes>`` for a share).
+    :func:`resolve_budget` returns a :class:`Budget` it is given as it is."""
+
+    default: bool
+    given: str
+
+    def __new__(cls, nbytes: float, default: bool = False, given: str = "") -> Budget:
+        self = super().__new__(cls, max(1, int(nbytes)))
+        object.__setattr__(self, "default", bool(default))
+        object.__setattr__(self, "given", given or f"max_memory={int(self)}")
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Budget is immutable")
+
+    def share(self, k: int) -> Budget:
+        """``self // k`` bytes (at least 1), default if this one is."""
+        return Budget(self // k, self.default)
+
+    def less(self, used: float, floor: int = 1) -> Budget:
+        """``self - used`` bytes, at least ``floor`` (and 1), default if this one is."""
+        return Budget(max(self - used, floor), self.default)
+
+
+def resolve_budget(max_memory: Any, backend: Any, device: Any) -> Budget:
+    """The :class:`Budget` of ``max_memory``: parsed, or :func:`default_budget` when ``None``;
+    a :class:`Budget` is returned as it is."""
+    if isinstance(max_memory, Budget):
+        return max_memory
     if max_memory is None:
-        return default_budget(backend, device)
-    return parse_memory(max_memory, "max_memory")
+        return Budget(default_budget(backend, device), True, "the default budget")
+    return Budget(parse_memory(max_memory, "max_memory"), False, f"max_memory={max_memory!r}")
+
+
+def batch_samples(per_sample: float, budget: float, extra: float = 0.0) -> int:
+    """Samples per provider call within ``budget`` bytes, at least 1: ``floor(budget / (3 b +
+    extra))`` for ``b = per_sample`` factor bytes and ``extra`` further bytes per sample (e.g.
+    materialised weights)."""
+    return max(1, int(budget // max(1.0, CALL_OVERHEAD * per_sample + extra)))

@@ -750,11 +750,9 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     if n1 and n2:
         need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * itemsize
         if budget < need:
-            given = ("the default budget" if max_memory is None
-                     else f"max_memory={max_memory!r}")
             raise BudgetTooSmallError(
-                f"{given} ({budget} bytes) is too small for the smallest useful tile of this "
-                f"kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
+                f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
+                f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
                 f"mode {mode!r}{', layerwise' if layerwise else ''}, {itemsize}-byte "
                 f"numbers): pass max_memory >= {need} bytes", budget, need)
     if n1 == 0 or n2 == 0:
@@ -767,7 +765,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
         except Exception:
             gpu = False
         plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
-                            strategy, gpu, _writable(xp, out_dtype, device), max_memory is None)
+                            strategy, gpu, _writable(xp, out_dtype, device), budget.default)
     return _Setup(xp, _Ops(xp), pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
@@ -807,7 +805,8 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
         Budget in bytes (or ``"2GB"``, ``"512MiB"``) for the working memory beyond the
         output.  Default: a quarter of the free memory of the arrays' device
         (see :mod:`ntkcore._memory`).  It must hold a tile of ``min(N, 8)`` samples a side
-        (:data:`MIN_TILE_SAMPLES`); :func:`min_budget` gives the smallest that does.
+        (:data:`MIN_TILE_SAMPLES`); :func:`min_budget` gives the smallest that does.  A
+        :class:`ntkcore._memory.Budget` (a caller's resolved budget or a share) is used as is.
     dtype : dtype or str, optional
         Accumulation and result dtype (e.g. ``float64`` for float32 factors; factors are cast
         tile by tile).  Default: the Jacobians' dtype.

@@ -29,7 +29,9 @@ from typing import Any
 
 import array_api_compat
 
+from ._memory import resolve_budget
 from ._typing import Array
+from ._validation import namespace_of
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 
@@ -65,8 +67,9 @@ class KernelOperator(LinearOperator):
         Ridge :math:`\lambda` added to the diagonal (symmetric operators only).
     method : {"tiles", "factors", "auto"}, default "tiles"
         How products are computed (see the module docstring).
-    max_memory : optional
-        Passed to :func:`ntkcore.gram` for each tile.
+    max_memory : int, float, str or Budget, optional
+        Working-memory budget of each tile's :func:`ntkcore.gram`, resolved once here (the
+        default: a quarter of the free memory of the Jacobians' device at construction).
     dtype : dtype, optional
         Accumulation dtype of the tiles (default: the dtype of the vectors multiplied).
 
@@ -115,7 +118,8 @@ class KernelOperator(LinearOperator):
             raise ValueError("reg is only meaningful for a symmetric operator (J2=None)")
         self.mode = mode
         self.reg = reg
-        self.max_memory = max_memory
+        _, backend = namespace_of(J1=self.J1.blocks[0].arrays()[0])
+        self.max_memory = resolve_budget(max_memory, backend, self.J1.device)
         self.acc_dtype = dtype
         self.xp = self.J1.xp
         self.dtype = self.J1.dtype

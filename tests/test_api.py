@@ -205,6 +205,31 @@ def test_progress_callback():
     assert calls and calls[-1][0] == calls[-1][1]
 
 
+def test_default_budget_shares_the_plan_when_free_memory_moves(monkeypatch):
+    """ntk resolves the default budget once and hands gram its share still marked as the
+    default, so gram plans it with its leading bits only: two calls whose free memory differs
+    by 4 MiB (a default budget of 6 GiB + 64 MiB, mid-way between two rounding steps of
+    2^27 bytes) make one plan, and the kernels are identical."""
+    import sys
+
+    from ntkcore.backends.torch import TorchBackend
+
+    gram_module = sys.modules["ntkcore.gram"]
+    m = Net().to(DT)
+    x = torch.randn(5, 4, dtype=DT)
+    free = [24 * 2**30 + 2**28]
+    monkeypatch.setattr(TorchBackend, "free_memory", lambda self, device: free[0])
+    monkeypatch.setattr(gram_module, "_PLAN_CACHE", {})
+    calls = []
+    real = gram_module._make_plan
+    monkeypatch.setattr(gram_module, "_make_plan", lambda *a: calls.append(a) or real(*a))
+    k1 = ntkcore.ntk(m, x)
+    free[0] += 2**22
+    k2 = ntkcore.ntk(m, x)
+    assert len(calls) == 1
+    assert torch.equal(k1, k2)
+
+
 def test_errors():
     m = Net().to(DT)
     x = torch.randn(4, 4, dtype=DT)

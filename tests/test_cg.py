@@ -435,6 +435,27 @@ def test_kernel_operator_budget_below_a_useful_tile(rng):
     np.testing.assert_allclose(got, k @ v, rtol=1e-12, atol=1e-12 * np.abs(k).max())
 
 
+def test_kernel_operator_resolves_the_default_budget_once(monkeypatch, rng):
+    """The default budget is read from the device once, when the operator is built, not
+    once per tile; every tile gets that budget, still marked as the default (so gram's plan
+    cache rounds it), and the products match the dense kernel."""
+    from ntkcore.backends.numpy import NumpyBackend
+    from ntkcore.operators import KernelOperator
+
+    reads = []
+    monkeypatch.setattr(NumpyBackend, "free_memory",
+                        lambda self, device: reads.append(1) or 8 * 2**30)
+    build, d = structured_jacobian(rng, 30, 2)
+    jac = build(np.asarray)
+    k = np.einsum("nop,mop->nm", d, d)
+    v = rng.standard_normal((30, 2))
+    op = KernelOperator(jac, block=10)
+    assert op.max_memory == 2 * 2**30 and op.max_memory.default
+    got = op.matmat(v)
+    assert op.tiles_computed == 6 and len(reads) == 1
+    np.testing.assert_allclose(got, k @ v, rtol=1e-12, atol=1e-12 * np.abs(k).max())
+
+
 def test_kernel_operator_bad_arguments(rng):
     from ntkcore.operators import KernelOperator
 
