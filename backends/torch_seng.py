@@ -90,7 +90,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.lowrank import low_rank as _low_rank
 from ntkcore.sketch import SketchSpec, spawn_seed
-from ntkcore.solve import _NONFINITE_U, SMWSolver
+from ntkcore.solve import SMWSolver
 
 from .torch_jacobian import (
     _check_sample_coupling,
@@ -101,10 +101,9 @@ from .torch_jacobian import (
     _provider_pass,
     in_provider_pass,
 )
+from .torch_layers import CONV, layer_block, layer_type, output_factor
 
 __all__ = ["SENG"]
-
-_STRUCTURED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 @dataclass
@@ -169,34 +168,6 @@ class _DenseGroup:
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p) if p.grad is None else p.grad.detach()
-
-
-def _patches(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Input patches of a groups=1 ConvNd, (N, L, C_in * prod(kernel)), in the weight's
-    (C_in, k_1, ..., k_d) order, so that ``y[n, :, l] = W.reshape(C_out, -1) @ a[n, l]``."""
-    import torch.nn.functional as F
-
-    dims = len(conv.kernel_size)
-    widths = []  # (before, after) padding per spatial axis
-    for i in range(dims):
-        span = conv.dilation[i] * (conv.kernel_size[i] - 1)
-        if conv.padding == "valid":
-            widths.append((0, 0))
-        elif conv.padding == "same":  # torch puts the odd element at the end
-            widths.append((span // 2, span - span // 2))
-        else:
-            widths.append((conv.padding[i], conv.padding[i]))
-    pad = [w for pair in reversed(widths) for w in pair]  # F.pad: last axis first
-    if any(pad):
-        x = F.pad(x, pad, mode="constant" if conv.padding_mode == "zeros"
-                  else conv.padding_mode)
-    for i in range(dims):
-        span = conv.dilation[i] * (conv.kernel_size[i] - 1) + 1
-        x = x.unfold(2 + i, span, conv.stride[i])[..., ::conv.dilation[i]]
-    n, c = x.shape[0], x.shape[1]
-    # (N, C, L_1..L_d, k_1..k_d) -> (N, L_1..L_d, C, k_1..k_d)
-    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
-    return x.permute(order).reshape(n, -1, c * math.prod(conv.kernel_size))
 
 
 def _inside_functorch(x: torch.Tensor) -> bool:
@@ -264,23 +235,11 @@ class _Direction:
     def __init__(self, solver: SMWSolver, jac: Jacobian) -> None:
         self.solver = solver
         self.full = _Thin(jac)
-        if solver.sketch_vec is None:
-            self.sketched = self.full
-        else:
-            self.sketched = _Thin(solver.sketch_op.J)
+        xi = solver.sketched_factor
+        self.sketched = self.full if xi is jac else _Thin(xi)
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        sv = self.solver
-        sg = g if sv.sketch_vec is None else sv.sketch_vec(g)
-        rhs = (self.sketched.t_mul(sg).to(sv.wide) * sv.scale)[:, None]
-        chol = sv.cholesky_factor  # b = L^-T L^-1 rhs: two triangular solves
-        b = torch.linalg.solve_triangular(
-            chol.mT, torch.linalg.solve_triangular(chol, rhs, upper=False), upper=True)[:, 0]
-        d = torch.sub(g, self.full.mul(b.to(sv.dtype))).div_(sv.damping).to(g.dtype)
-        if sv.sketch_vec is not None and not bool(torch.isfinite(d).all()):
-            if bool(torch.isfinite(g).all()):  # as SMWSolver.solve: NaN outside the sketch
-                raise ValueError(_NONFINITE_U)
-        return d
+        return self.solver.solve_with(g, self.sketched.t_mul, self.full.mul)
 
 
 class SENG(torch.optim.Optimizer):
@@ -447,7 +406,8 @@ class SENG(torch.optim.Optimizer):
         self.dense: list[_DenseGroup] = []
         covered: set[int] = set()
         for name, mod in inner.named_modules():
-            if not isinstance(mod, _STRUCTURED) or getattr(mod, "groups", 1) != 1:
+            # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
+            if layer_type(mod) not in (nn.Linear, *CONV) or getattr(mod, "groups", 1) != 1:
                 continue
             w, b = mod.weight, mod.bias
             if id(w) not in owned or (b is not None and id(b) not in owned):
@@ -676,27 +636,16 @@ class SENG(torch.optim.Optimizer):
     def _unit_block(self, unit: _Unit, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
         mod = unit.module
-        a_parts, g_parts = [], []
-        for c, ax in zip(calls, axes, strict=True):
-            x, gy = c["x"], c["gy"]
-            if ax:  # sample axis moved to the front (a sequence-first (T, N, d) call)
-                x, gy = x.movedim(ax, 0), gy.movedim(ax, 0)
-            n = x.shape[0]
-            if isinstance(mod, nn.Linear):
-                a = x.reshape(n, -1, x.shape[-1])
-                g = gy.reshape(n, -1, gy.shape[-1])
-            else:
-                a = _patches(mod, x)  # (N, L, C_in * prod(k))
-                g = gy.reshape(n, gy.shape[1], -1).transpose(1, 2)  # (N, L, C_out)
-            if unit.bias is not None:
-                a = torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
-            a_parts.append(a)
-            g_parts.append(g)
-        a = torch.cat(a_parts, dim=1) if len(a_parts) > 1 else a_parts[0]
-        g = torch.cat(g_parts, dim=1) if len(g_parts) > 1 else g_parts[0]
-        if self.loss_reduction == "mean":
-            g = g * a.shape[0]
-        return KroneckerBlock(a.contiguous(), g[:, :, None, :].contiguous(), unit.name)
+        n = int(calls[0]["x"].shape[axes[0]])
+        # the factors of torch_layers, the sample axis moved to the front (a sequence-first
+        # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
+        xs = [c["x"].movedim(ax, 0) if ax else c["x"] for c, ax in zip(calls, axes, strict=True)]
+        gs = [output_factor(mod, c["gy"][None], n, 1, ax) for c, ax in zip(calls, axes,
+                                                                          strict=True)]
+        block = layer_block(mod, xs, gs, n, unit.name, bias=unit.bias is not None)
+        assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
+        g = block.g * n if self.loss_reduction == "mean" else block.g
+        return KroneckerBlock(block.a, g.contiguous(), unit.name)
 
     def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
         """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units

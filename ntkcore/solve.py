@@ -286,6 +286,13 @@ class SMWSolver:
         r"""Lower-triangular :math:`L` with :math:`L L^\top = \lambda I + s\,\Xi^\top\Xi`."""
         return self._chol
 
+    @property
+    def sketched_factor(self) -> Array | Jacobian:
+        r""":math:`\Xi = \Omega U`, whose Gram is factored: the sketched Jacobian (for a
+        Jacobian U) or array (q, rho); U itself (the same object) without a sketch."""
+        op = self.sketch_op
+        return op.J if isinstance(op, _JacobianOp) else op.u
+
     def set_damping(self, damping: float) -> None:
         """Change :math:`\\lambda` and refactor the small system (the Gram is kept)."""
         damping = check_scalar(damping, "damping", positive=True)
@@ -324,11 +331,51 @@ class SMWSolver:
         b = self.coefficients(gp)
         ub = self.op.mul(xp.astype(b, self.dtype))
         d = xp.astype((gp - ub) / self.damping, g.dtype)
+        self._check_direction(g, d)
+        return d
+
+    def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
+        r""":meth:`solve` for one ``g`` (P,) in U's dtype, with products supplied by the caller.
+
+        For a caller that keeps U's factors in a layout of its own (SENG's per-layer
+        Kronecker factors, reshaped once per refresh) and solves for a new ``g`` every step:
+        no checks, no promotion.
+
+        Parameters
+        ----------
+        g : array (P,)
+            Right-hand side, U's dtype; not modified.
+        t_mul : callable
+            ``t_mul(v)`` = :math:`\Xi^\top v` (rho,) for v = :math:`\Omega g` (q,)
+            (:attr:`sketched_factor` is :math:`\Xi`; :math:`\Omega = I` without a sketch).
+        mul : callable
+            ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.
+
+        Returns
+        -------
+        d : array (P,)
+            :math:`(g - U b)/\lambda` in g's dtype, with
+            :math:`b = L^{-\top} L^{-1} s\,\Xi^\top \Omega g` by two triangular solves in
+            float64 (where available).  Raises ValueError as :meth:`solve` when ``d`` is not
+            finite though ``g`` is (non-finite rows of U outside the sketch).
+        """
+        xp, be, chol = self.xp, self.backend, self._chol
+        sg = g if self.sketch_vec is None else self.sketch_vec(g)
+        rhs = xp.astype(t_mul(sg), self.wide, copy=False) * self.scale
+        b = be.solve_triangular(chol, be.solve_triangular(chol, rhs, lower=True), lower=True,
+                                transpose=True)
+        d = g - mul(xp.astype(b, self.dtype, copy=False))
+        d /= self.damping  # in place where the namespace allows (d is a new array)
+        d = xp.astype(d, g.dtype, copy=False)
+        self._check_direction(g, d)
+        return d
+
+    def _check_direction(self, g: Array, d: Array) -> None:
+        """Rows of U outside the sketch never reach the Gram; a NaN there shows up in U b."""
+        xp = self.xp
         if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
-            # rows outside the sketch never reach the Gram; a NaN there shows up in U b
             if bool(xp.all(xp.isfinite(g))):
                 raise ValueError(_NONFINITE_U)
-        return d
 
 
 # -- public functions -------------------------------------------------------------------------
