@@ -411,11 +411,10 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
                  used: dict[str, list[int]]) -> dict[str, list[int]]:
     r"""The sample axis of every used call of each unit, for the units where it exists.
 
-    A length equal to N proves nothing (a positional table ``pos(arange(T))`` or a buffer
-    (T, d) with T == N, a sequence-first (T, N, d) tensor), so the model is run a second time
+    A length equal to N proves nothing (module docstring), so the model is run a second time
     on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) and the calls of
-    each unit are matched by order (:func:`_probe_sample_axes`, shared with the ``SENG``
-    optimizer).  A unit gets a list of axes (one per call in ``used[path]``, indices into
+    each unit are matched by order (:func:`_probe_sample_axes`, shared with ``SENG``).  A
+    unit gets a list of axes (one per call in ``used[path]``, indices into
     ``units[path].calls``) only if every used call has one; otherwise it is left out and
     becomes a DenseBlock.  So is every unit when the probe fails.
 
@@ -467,13 +466,13 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
     pass on n samples (calls whose input or output is not a tensor are not counted, in either
     pass), ``used[path]`` the indices of the calls that need an axis.  The sample axis of a
     call is the one axis of its input *and* output that has length n in the real pass and p in
-    the probe, every other axis being unchanged (:func:`_tracking_axis`); it must not be the
-    feature axis of a Linear / LayerNorm, and must be 0 for a convolution ((N, C, *L) is its
-    only batched layout).  Returns ``{path: [axis per used call]}`` for the modules where every
-    used call has one and the probe called the module as often as the real pass; raises
-    :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.  Autograd stays
-    enabled in the probe so that it takes the same code path as a training forward (PyTorch's
-    fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the submodule calls).
+    the probe, every other axis being unchanged (:func:`_tracking_axis`), that the layer type
+    allows (``torch_layers.sample_axis_ok``).  Returns ``{path: [axis per used call]}`` for
+    the modules where every used call has one and the probe called the module as often as the
+    real pass; raises :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.
+    Autograd stays enabled in the probe so that it takes the same code path as a training
+    forward (PyTorch's fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the
+    submodule calls).
     """
     seen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in used}
     me = threading.get_ident()
@@ -874,7 +873,6 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
         column of a Kronecker block's matrix, Embedding tables transposed).
     """
     named = dict(model.named_parameters())
-    owners, _ = _owner_map(model)
     cols = []
     for _b, names, kind in _block_layout(model, jac, params):
         mats = []
@@ -886,9 +884,7 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
                 cols.append(t.reshape(*lead, -1))
             elif kind == "embedding":
                 mats.append(t.transpose(-1, -2))
-            elif owners[nm][1] == "bias":
-                mats.append(t.reshape(*lead, -1, 1))
-            else:  # weight (d_out, ...) -> (d_out, d_in)
+            else:  # weight (d_out, ...) -> (d_out, d_in), bias (d_out,) -> (d_out, 1)
                 mats.append(t.reshape(*lead, named[nm].shape[0], -1))
         if mats:
             mat = mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)
@@ -907,7 +903,6 @@ def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
         raise ValueError(f"v must have a last axis of size P={jac.num_params}; got shape "
                          f"{tuple(v.shape)}")
     named = dict(model.named_parameters())
-    owners, _ = _owner_map(model)
     out: dict[str, torch.Tensor] = {}
     lead = v.shape[:-1]
     start = 0
@@ -926,13 +921,9 @@ def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
             out[names[0]] = mat.transpose(-1, -2).reshape(*lead, *named[names[0]].shape)
             continue
         col = 0
-        for nm in names:
+        for nm in names:  # weight (d_out, ...) then bias (d_out,), its last column
             w = named[nm]
-            if owners[nm][1] == "bias":
-                out[nm] = mat[..., col]
-                col += 1
-            else:
-                width = w.numel() // w.shape[0]
-                out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
-                col += width
+            width = w.numel() // w.shape[0]
+            out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
+            col += width
     return out

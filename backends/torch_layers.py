@@ -1,20 +1,12 @@
 r"""The torch layer types with structured per-sample gradients: one home per layer type.
 
-For ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.LayerNorm`` (over the last
-axis) this module says which module classes qualify (:data:`FORWARD`, :func:`layer_type`),
-which axis of a call may carry the samples (:func:`sample_axis_ok`), how a call's input
-unfolds into the factor a (N, S, d_in [+ 1]) (:func:`input_factor`), how the gradient at its
-output shapes into g (N, S, O, d_out) (:func:`output_factor`), and how the two form the
-layer's block (:func:`layer_block`).  Its clients are the torch provider
-(``torch_jacobian``, which finds the calls and runs the passes) and the ``SENG`` optimizer
-(``torch_seng``, whose hooks capture the same calls during training); KIP (``torch_kip``)
-gets its blocks from the provider.  Adding a layer type means an entry in :data:`FORWARD` and
-a branch in each of these functions.
-
-Layouts (bit-for-bit those of the provider's module docstring): the (d_out, d_in) matrix of a
-Linear / Conv block is ``[weight.reshape(d_out, -1), bias[:, None]]`` (the ones column of a
-is the *last* input feature); patches are in the weight's (C_in, k_1, ..., k_d) order; an
-Embedding block is :math:`W^\top` with one-hot inputs.
+For ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and ``nn.LayerNorm`` (last axis):
+which classes qualify (:data:`FORWARD`), which axis may carry the samples, how a call's input
+unfolds into a (N, S, d_in [+ 1]), how its output gradients shape into g (N, S, O, d_out) and
+how the two form the layer's block, in the layouts of the provider's module docstring (bias
+as the last column of [W | b], patches in the weight's (C_in, k_1, ...) order, Embedding as
+:math:`W^\top`).  Clients: the provider (``torch_jacobian``) and ``SENG`` (``torch_seng``),
+which only find the calls and their gradients; KIP gets its blocks from the provider.
 """
 
 from __future__ import annotations
@@ -57,9 +49,6 @@ def sample_axis_ok(mod: nn.Module, axis: int, ndim: int) -> bool:
     return not (isinstance(mod, nn.Linear | nn.LayerNorm) and axis == ndim - 1)
 
 
-# --------------------------------------------------------------------------------------------
-# the factors of one call
-# --------------------------------------------------------------------------------------------
 def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
     """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
     order, with a trailing ones column if ``ones``; written with a single copy, so that
@@ -142,9 +131,6 @@ def output_factor(mod: nn.Module, gr: torch.Tensor, n: int, lead: int,
     return g4 if lead == 1 else g4.contiguous()
 
 
-# --------------------------------------------------------------------------------------------
-# the block of a layer
-# --------------------------------------------------------------------------------------------
 def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tensor], n: int,
                 name: str, *, weight: bool = True,
                 bias: bool = True) -> DenseBlock | KroneckerBlock:

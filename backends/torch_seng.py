@@ -16,8 +16,9 @@ layers, see ``ntkcore.sketch.sketch_jacobian``).
 
 Per-sample gradients come from the ONE backward of the batch loss that the user runs anyway:
 
-* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1): forward hooks keep the layer input
-  (unfolded into patches for convolutions) and a hook on the layer output keeps
+* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1) with torch's own ``forward`` (a subclass
+  overriding it is a dense layer): forward hooks keep the layer input (unfolded into patches
+  for convolutions, by ``torch_layers`` as in the provider) and a hook on the output keeps
   :math:`\partial L / \partial y`; with a mean-reduced loss that is
   :math:`\tfrac{1}{N}\partial \ell_n / \partial y_n`, so the per-sample gradient is the
   Kronecker block with ``a`` = inputs (plus a ones column for the bias) and
@@ -37,11 +38,9 @@ as they are.
 The sample axis
 ---------------
 Slice n of a hooked layer's output gradient is :math:`\partial \ell_n / \partial y_n` only
-along the axis that carries the samples, and a length equal to N proves nothing: a positional
-table ``proj(pos(torch.arange(T)))`` or a fixed buffer (T, d) fed to a Linear has first length
-N whenever T == N (and any other first length otherwise), a sequence-first (T, N, d) tensor
-(``nn.TransformerEncoderLayer`` with ``batch_first=False``) leads with T.  So on a refresh SENG
-decides, per Linear / Conv layer (``_unit_plan``):
+along the axis that carries the samples, and a length equal to N proves nothing (see "The
+sample axis" in ``torch_jacobian``).  So on a refresh SENG decides, per Linear / Conv layer
+(``_unit_plan``):
 
 * its weight (and bias) must be used only by the layer's hooked calls: counted in the autograd
   graph of the model output (not so for ``nn.MultiheadAttention.out_proj``, whose weight the
@@ -121,17 +120,10 @@ class _Unit:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def flat_grad(self, wd: float) -> torch.Tensor:
-        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,)."""
-        w = self.weight
-        gw = _grad(w).reshape(w.shape[0], -1)
-        if wd:
-            gw = gw + wd * w.detach().reshape(w.shape[0], -1)
-        if self.bias is not None:
-            gb = _grad(self.bias)
-            if wd:
-                gb = gb + wd * self.bias.detach()
-            gw = torch.cat([gw, gb[:, None]], dim=1)
-        return gw.reshape(-1)
+        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,): the
+        layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
+        mats = [_grad(p, wd).reshape(self.weight.shape[0], -1) for p in self.params]
+        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)).reshape(-1)
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
         w = self.weight
@@ -150,13 +142,7 @@ class _DenseGroup:
     params: list[nn.Parameter]
 
     def flat_grad(self, wd: float) -> torch.Tensor:
-        parts = []
-        for p in self.params:
-            g = _grad(p)
-            if wd:
-                g = g + wd * p.detach()
-            parts.append(g.reshape(-1))
-        return torch.cat(parts)
+        return torch.cat([_grad(p, wd).reshape(-1) for p in self.params])
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
@@ -166,8 +152,10 @@ class _DenseGroup:
         return out
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(p) if p.grad is None else p.grad.detach()
+def _grad(p: torch.Tensor, wd: float = 0.0) -> torch.Tensor:
+    """``p``'s gradient (zero if None) plus ``wd * p``."""
+    g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+    return g + wd * p.detach() if wd else g
 
 
 def _inside_functorch(x: torch.Tensor) -> bool:
@@ -223,23 +211,13 @@ class _Thin:
         return torch.mm(self.gt * cs, self.a).reshape(-1)
 
 
-class _Direction:
-    r"""The SMW direction of one block for new gradients, from a prepared :class:`SMWSolver`.
-
-    Computes :meth:`SMWSolver.solve` for a 1-D gradient (the same operations up to the
-    order of float32 sums), with the factors reshaped once at the refresh:
-    :math:`b = L^{-\top} L^{-1} (s\,\Xi^\top \Omega g)` in float64 (:math:`L` the solver's
-    Cholesky factor, :math:`\Xi = \Omega U`), :math:`d = (g - U b)/\lambda` in g's dtype.
-    """
-
-    def __init__(self, solver: SMWSolver, jac: Jacobian) -> None:
-        self.solver = solver
-        self.full = _Thin(jac)
-        xi = solver.sketched_factor
-        self.sketched = self.full if xi is jac else _Thin(xi)
-
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        return self.solver.solve_with(g, self.sketched.t_mul, self.full.mul)
+def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], torch.Tensor]:
+    r"""``g -> d`` of one block: :meth:`SMWSolver.solve_with` (:math:`d = (g - U b)/\lambda`,
+    the small solve in float64) with the products of :class:`_Thin`, reshaped once."""
+    full = _Thin(jac)
+    xi = solver.sketched_factor
+    sketched = full if xi is jac else _Thin(xi)
+    return lambda g: solver.solve_with(g, sketched.t_mul, full.mul)
 
 
 class SENG(torch.optim.Optimizer):
@@ -379,7 +357,7 @@ class SENG(torch.optim.Optimizer):
         self._step = 0
         self._refreshes = 0
         self._solvers: dict[str, SMWSolver] = {}
-        self._directions: dict[str, _Direction] = {}
+        self._directions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._curvature: dict[str, Jacobian] = {}
         self._sketch_seeds: dict[str, int | None] = {}
         self._root_calls: list[dict[str, Any]] = []
@@ -551,12 +529,10 @@ class SENG(torch.optim.Optimizer):
         module's ``forward``, e.g. ``nn.MultiheadAttention.out_proj``, or tied to another
         module) and (2) every used call has a sample axis: an axis of its input and output of
         length N that becomes p when the model runs on p != N samples (a probe forward, see
-        ``torch_jacobian._probe_sample_axes``).  A length equal to N proves nothing: a
-        positional table ``pos(arange(T))``, a buffer (T, d) or a sequence-first (T, N, d)
-        tensor have T == N for some batches.  The answer depends on the model and on the
-        shapes of the forward, not on values, so it is cached per shape signature (the
-        arguments' shapes and dtypes and the shapes of every hooked call): the probe runs once
-        per new signature.
+        ``torch_jacobian._probe_sample_axes``; a length equal to N proves nothing).  The answer
+        depends on the model and on the shapes of the forward, not on values, so it is cached
+        per shape signature (the arguments' shapes and dtypes and the shapes of every hooked
+        call): the probe runs once per new signature.
         """
         def sig(a: Any) -> Any:
             return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
@@ -714,7 +690,7 @@ class SENG(torch.optim.Optimizer):
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
         self._solvers[name] = solver
-        self._directions[name] = _Direction(solver, jac)
+        self._directions[name] = _direction(solver, jac)
 
     def _refresh(self) -> None:
         if self._coupling is not None:

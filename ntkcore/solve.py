@@ -335,29 +335,15 @@ class SMWSolver:
         return d
 
     def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
-        r""":meth:`solve` for one ``g`` (P,) in U's dtype, with products supplied by the caller.
+        r""":meth:`solve` for one ``g`` (P,) in U's dtype with the caller's products, unchecked.
 
-        For a caller that keeps U's factors in a layout of its own (SENG's per-layer
-        Kronecker factors, reshaped once per refresh) and solves for a new ``g`` every step:
-        no checks, no promotion.
-
-        Parameters
-        ----------
-        g : array (P,)
-            Right-hand side, U's dtype; not modified.
-        t_mul : callable
-            ``t_mul(v)`` = :math:`\Xi^\top v` (rho,) for v = :math:`\Omega g` (q,)
-            (:attr:`sketched_factor` is :math:`\Xi`; :math:`\Omega = I` without a sketch).
-        mul : callable
-            ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.
-
-        Returns
-        -------
-        d : array (P,)
-            :math:`(g - U b)/\lambda` in g's dtype, with
-            :math:`b = L^{-\top} L^{-1} s\,\Xi^\top \Omega g` by two triangular solves in
-            float64 (where available).  Raises ValueError as :meth:`solve` when ``d`` is not
-            finite though ``g`` is (non-finite rows of U outside the sketch).
+        For a caller that keeps U's factors in a layout of its own (SENG, every step):
+        ``t_mul(v)`` = :math:`\Xi^\top v` (rho,) for v = :math:`\Omega g` (q,)
+        (:math:`\Xi` = :attr:`sketched_factor`, :math:`\Omega = I` without a sketch) and
+        ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.  Returns
+        :math:`d = (g - U b)/\lambda` in g's dtype, :math:`b = L^{-\top} L^{-1} s\,\Xi^\top
+        \Omega g` by two triangular solves in float64 (where available); raises ValueError as
+        :meth:`solve` does.
         """
         xp, be, chol = self.xp, self.backend, self._chol
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
