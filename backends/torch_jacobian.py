@@ -32,7 +32,7 @@ module                 block
                        ``padding_idx`` rows get zero gradient as in torch.
 ``nn.LayerNorm``       over the last axis: a DenseBlock (N, O, 2 d) assembled from the same
                        hooks and output gradients, :math:`\sum_s g \odot \hat x` and
-                       :math:`\sum_s g` (no torch.func pass; see :func:`_layer_norm_block`).
+                       :math:`\sum_s g` (no torch.func pass; see ``torch_layers``).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (LayerNorm over several axes, BatchNorm in eval
@@ -142,19 +142,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 
-__all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
+from .torch_layers import CONV, layer_block, layer_type, output_factor, sample_axis_ok
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_STRUCTURED = (nn.Linear, *_CONV, nn.Embedding, nn.LayerNorm)
-# Structured only when the class keeps torch's own forward (a subclass may compute anything).
-_FORWARD = {nn.Linear: nn.Linear.forward, nn.Conv1d: nn.Conv1d.forward,
-            nn.Conv2d: nn.Conv2d.forward, nn.Conv3d: nn.Conv3d.forward,
-            nn.Embedding: nn.Embedding.forward, nn.LayerNorm: nn.LayerNorm.forward}
+__all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,12 +243,8 @@ def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]
     units: dict[str, _Unit] = {}
     for mpath, names in by_module.items():
         mod = model.get_submodule(mpath) if mpath else model
-        cls = type(mod)
-        base = next((c for c in _STRUCTURED if isinstance(mod, c)), None)
-        if base is None or cls.forward is not _FORWARD[base]:
+        if layer_type(mod) is None:  # see torch_layers.FORWARD
             continue
-        if base is nn.LayerNorm and len(mod.normalized_shape) != 1:
-            continue  # normalised over several axes: torch.func (dense) instead
         if any(registrations[id(named[n])] > 1 for n in names):
             continue
         locals_ = {owners[n][1] for n in names}
@@ -421,11 +411,10 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
                  used: dict[str, list[int]]) -> dict[str, list[int]]:
     r"""The sample axis of every used call of each unit, for the units where it exists.
 
-    A length equal to N proves nothing (a positional table ``pos(arange(T))`` or a buffer
-    (T, d) with T == N, a sequence-first (T, N, d) tensor), so the model is run a second time
+    A length equal to N proves nothing (module docstring), so the model is run a second time
     on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) and the calls of
-    each unit are matched by order (:func:`_probe_sample_axes`, shared with the ``SENG``
-    optimizer).  A unit gets a list of axes (one per call in ``used[path]``, indices into
+    each unit are matched by order (:func:`_probe_sample_axes`, shared with ``SENG``).  A
+    unit gets a list of axes (one per call in ``used[path]``, indices into
     ``units[path].calls``) only if every used call has one; otherwise it is left out and
     becomes a DenseBlock.  So is every unit when the probe fails.
 
@@ -477,13 +466,13 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
     pass on n samples (calls whose input or output is not a tensor are not counted, in either
     pass), ``used[path]`` the indices of the calls that need an axis.  The sample axis of a
     call is the one axis of its input *and* output that has length n in the real pass and p in
-    the probe, every other axis being unchanged (:func:`_tracking_axis`); it must not be the
-    feature axis of a Linear / LayerNorm, and must be 0 for a convolution ((N, C, *L) is its
-    only batched layout).  Returns ``{path: [axis per used call]}`` for the modules where every
-    used call has one and the probe called the module as often as the real pass; raises
-    :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.  Autograd stays
-    enabled in the probe so that it takes the same code path as a training forward (PyTorch's
-    fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the submodule calls).
+    the probe, every other axis being unchanged (:func:`_tracking_axis`), that the layer type
+    allows (``torch_layers.sample_axis_ok``).  Returns ``{path: [axis per used call]}`` for
+    the modules where every used call has one and the probe called the module as often as the
+    real pass; raises :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.
+    Autograd stays enabled in the probe so that it takes the same code path as a training
+    forward (PyTorch's fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the
+    submodule calls).
     """
     seen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in used}
     me = threading.get_ident()
@@ -514,180 +503,25 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
         for i in idx:
             a_ax = _tracking_axis(calls[i][0], probes[i][0], n, p)
             y_ax = _tracking_axis(calls[i][1], probes[i][1], n, p)
-            if a_ax is None or a_ax != y_ax:
+            if a_ax is None or a_ax != y_ax or not sample_axis_ok(mod, a_ax,
+                                                                  len(calls[i][0])):
                 break
-            if isinstance(mod, _CONV) and a_ax != 0:
-                break  # (N, C, *L) is the only batched layout of a convolution
-            if isinstance(mod, nn.Linear | nn.LayerNorm) and a_ax == len(calls[i][0]) - 1:
-                break  # the feature axis
             found.append(a_ax)
         else:
             axes[path] = found
     return axes
 
 
-# --------------------------------------------------------------------------------------------
-# factors
-# --------------------------------------------------------------------------------------------
-def _conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
-    """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
-    order, with a trailing ones column if ``ones``; written with a single copy."""
-    nd = len(mod.kernel_size)
-    pads: list[tuple[int, int]] = []
-    for i in range(nd):
-        k, d = mod.kernel_size[i], mod.dilation[i]
-        if isinstance(mod.padding, str):
-            if mod.padding == "valid":
-                lo = hi = 0
-            else:  # 'same' (torch pads the extra element on the right)
-                total = d * (k - 1)
-                lo, hi = total // 2, total - total // 2
-        else:
-            lo = hi = mod.padding[i]
-        pads.append((lo, hi))
-    flat = [v for lo_hi in reversed(pads) for v in lo_hi]  # F.pad wants the last dim first
-    if any(flat):
-        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-        a = F.pad(a, flat, mode=mode)
-    for i in range(nd):
-        k, d, s = mod.kernel_size[i], mod.dilation[i], mod.stride[i]
-        span = d * (k - 1) + 1
-        a = a.unfold(2 + i, span, s)  # appends a window axis
-        if d > 1:
-            a = a[..., ::d]
-    n, c = a.shape[0], a.shape[1]
-    lens = tuple(a.shape[2:2 + nd])
-    # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd), a strided view
-    view = a.permute([0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)])
-    dk = c * math.prod(mod.kernel_size)
-    out = a.new_empty((n, math.prod(lens), dk + int(ones)))
-    if ones:
-        out[..., dk] = 1
-    out[..., :dk].unflatten(2, (c, *mod.kernel_size)).unflatten(1, lens).copy_(view)
-    return out
-
-
-def _with_ones(a: torch.Tensor) -> torch.Tensor:
-    return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
-
-
-def _unit_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
-                detach: bool) -> DenseBlock | KroneckerBlock:
-    """The block of one structured module from its hooked calls and output gradients
-    ``gs[i]`` (N, S_i, O, d_out) (see :func:`_output_grads`)."""
-    mod = unit.module
-    if isinstance(mod, nn.LayerNorm):
-        return _layer_norm_block(unit, calls, gs, n, detach)
-    groups = getattr(mod, "groups", 1)
-    ones = unit.has_bias and unit.has_weight and groups == 1
-    a_parts = []
-    for call, g_c in zip(calls, gs, strict=True):
-        s_c = g_c.shape[1]
-        if not unit.has_weight:  # bias only: the ones column is the whole input
-            a_parts.append(g_c.new_ones((n, s_c, 1)))
-            continue
-        a_in = call.a.detach() if detach else call.a
-        if isinstance(mod, nn.Linear):
-            a_c = a_in.reshape(n, -1, mod.in_features)
-            a_parts.append(_with_ones(a_c) if ones else a_c)
-        elif isinstance(mod, nn.Embedding):
-            a_c = F.one_hot(a_in.reshape(n, -1), mod.num_embeddings).to(g_c.dtype)
-            if mod.padding_idx is not None:
-                a_c[..., mod.padding_idx] = 0
-            a_parts.append(a_c)
-        else:
-            a_parts.append(_conv_patches(mod, a_in, ones))
-    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
-    g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
-    if groups > 1:
-        return _grouped_conv_block(unit, a, g, groups)
-    return KroneckerBlock(a.contiguous(), g, unit.path)
-
-
-def _layer_norm_block(unit: _Unit, calls: list[_Call], gs: list[torch.Tensor], n: int,
-                      detach: bool) -> DenseBlock:
-    r"""The DenseBlock (N, O, 2 d) of a LayerNorm over the last axis, from its hooked calls.
-
-    The module computes :math:`y = \hat x \odot \gamma + \beta` with
-    :math:`\hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}` per position, so with the output
-    gradients g (N, S, O, d) taken at y,
-
-    .. math:: J_\gamma[n, o, :] = \sum_s g[n, s, o, :] \odot \hat x[n, s, :], \qquad
-              J_\beta[n, o, :] = \sum_s g[n, s, o, :],
-
-    summed over every call (tied modules).  :math:`\hat x` is recomputed from the recorded
-    input (differentiably when the Jacobian must be).  Cost O(N S O d): no torch.func pass.
-    """
-    mod = unit.module
-    d = int(mod.normalized_shape[0])
-    jw: torch.Tensor | None = None
-    jb: torch.Tensor | None = None
-    for call, g_c in zip(calls, gs, strict=True):
-        if unit.has_weight:
-            a_in = call.a.detach() if detach else call.a
-            xhat = F.layer_norm(a_in, (d,), None, None, mod.eps).reshape(n, -1, d)
-            w_c = torch.einsum("nsod,nsd->nod", g_c, xhat.to(g_c.dtype))
-            jw = w_c if jw is None else jw + w_c
-        if unit.has_bias:
-            b_c = g_c.sum(dim=1)
-            jb = b_c if jb is None else jb + b_c
-    pieces = [p for p in (jw, jb) if p is not None]  # DenseBlock layout: [weight, bias]
-    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-    return DenseBlock(jac, unit.path)
-
-
-def _grouped_conv_block(unit: _Unit, a: torch.Tensor, g: torch.Tensor,
-                        groups: int) -> DenseBlock | KroneckerBlock:
-    r"""A grouped convolution: a (N, L, C_in*k), g (N, L, O, C_out).
-
-    Output channel c belongs to group c // (C_out/G) and sees only that group's input channels
-    (contiguous in the patch vector).  With the G groups as extra positions,
-    a'[n, (G,L), C_in/G*k] and g'[n, (G,L), o, c] = g[n, L, o, c] if c is in group G else 0,
-    :math:`\sum_{(G,L)} g' a'^\top` is the (C_out, C_in/G*k) weight gradient exactly.
-    """
-    n, s, o, cout = g.shape
-    if not unit.has_weight:  # bias only: the groups do not matter
-        return KroneckerBlock(a, g, unit.path)
-    cg_in = a.shape[2] // groups
-    cg_out = cout // groups
-    a4 = a.reshape(n, s, groups, cg_in)
-    kron_size = n * groups * s * (o * cout + cg_in + 1)
-    dense_size = n * o * cout * (cg_in + 1)
-    if kron_size <= dense_size:
-        ap = a4.permute(0, 2, 1, 3).reshape(n, groups * s, cg_in)
-        g5 = g.new_zeros((n, groups, s, o, cout))
-        for gi in range(groups):
-            sl = slice(gi * cg_out, (gi + 1) * cg_out)
-            g5[:, gi, :, :, sl] = g[..., sl]
-        gp = g5.reshape(n, groups * s, o, cout)
-        if not unit.has_weight:
-            ap = ap.new_ones((n, groups * s, 1))
-        elif unit.has_bias:
-            ap = _with_ones(ap)
-        return KroneckerBlock(ap.contiguous(), gp, unit.path)
-    # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
-    gg = g.reshape(n, s, o, groups, cg_out)
-    dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
-    pieces = []  # DenseBlock layout: [weight.flatten(), bias]
-    if unit.has_weight:
-        pieces.append(dw.reshape(n, o, -1))
-    if unit.has_bias:
-        pieces.append(g.sum(dim=1))
-    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-    return DenseBlock(jac, unit.path)
-
-
-def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
+def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Module],
                   pseudo: bool, create_graph: bool, batched: bool,
                   axes: list[int] | None = None) -> list[torch.Tensor]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
     as g (N, S, O, d_out) (O = 1 for the pseudo-NTK).
 
-    ``ys[i]`` is (N, *mid, d_out) for a Linear / Embedding output and (N, C_out, *L) for a
-    convolution (``convs[i]``); for a convolution g is a view of an (N, O, C_out, S) array, the
-    layout in which the per-sample weight gradient ``g^T a`` is a plain batched GEMM.  When
-    ``axes[i]`` is not 0, the sample axis of ``ys[i]`` (not a convolution) is that axis, e.g.
-    (T, N, d_out) for a sequence-first layer, and is moved to the front of g.
+    ``ys[i]`` is the output of a call of ``mods[i]``, shaped into g by
+    :func:`torch_layers.output_factor` (for a convolution a view of an (N, O, C_out, S)
+    array).  When ``axes[i]`` is not 0, the sample axis of ``ys[i]`` (not a convolution) is
+    that axis, e.g. (T, N, d_out) for a sequence-first layer, and is moved to the front of g.
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
@@ -700,23 +534,12 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
     n, o = out2.shape
     axes = [0] * len(ys) if axes is None else axes
 
-    def shaped(gr: torch.Tensor, conv: bool, lead: int, ax: int) -> torch.Tensor:
-        # gr: (lead, *y.shape) -> (N, S, lead, d) with at most one copy (none when lead == 1
-        # and the sample axis leads)
-        if conv:
-            g4 = gr.reshape(lead, n, gr.shape[2], -1).transpose(0, 1)  # (N, lead, C, S)
-            return (g4 if lead == 1 else g4.contiguous()).permute(0, 3, 1, 2)
-        if ax:
-            gr = gr.movedim(1 + ax, 1)
-        g4 = gr.reshape(lead, n, -1, gr.shape[-1]).permute(1, 2, 0, 3)  # (N, S, lead, d)
-        return g4 if lead == 1 else g4.contiguous()
-
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                     allow_unused=True, materialize_grads=True)
-        return [shaped(gr[None], cv, 1, ax)
-                for gr, cv, ax in zip(grads, convs, axes, strict=True)]
+        return [output_factor(m, gr[None], n, 1, ax)
+                for gr, m, ax in zip(grads, mods, axes, strict=True)]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
     if batched:
@@ -726,9 +549,11 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], convs: list[bool],
                 grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                             retain_graph=True, allow_unused=True,
                                             materialize_grads=True, is_grads_batched=True)
-            return [shaped(gr, cv, o, ax) for gr, cv, ax in zip(grads, convs, axes, strict=True)]
+            return [output_factor(m, gr, n, o, ax)
+                    for gr, m, ax in zip(grads, mods, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
+    convs = [isinstance(m, CONV) for m in mods]  # the loop's buffers: g's layout, as above
     bufs = []
     for y, cv in zip(ys, convs, strict=True):
         if cv:
@@ -981,16 +806,18 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
         else:
             batched = backward == "batched"
-        convs = [isinstance(kron[p][0].module, _CONV) for p in paths for _ in kron[p][1]]
+        mods = [kron[p][0].module for p in paths for _ in kron[p][1]]
         axes_of = [ax for p in paths for ax in kron[p][2]]
-        gs = _output_grads(out2, ys, convs, pseudo, create_graph, batched, axes_of)
+        gs = _output_grads(out2, ys, mods, pseudo, create_graph, batched, axes_of)
         k = 0
         for p in paths:
             unit, calls, axs = kron[p]
             # inputs with the sample axis moved to the front, as the output gradients are
-            front = [c if ax == 0 else _Call(c.a.movedim(ax, 0), c.y, c.a_version, c.y_version)
-                     for c, ax in zip(calls, axs, strict=True)]
-            blocks[p] = _unit_block(unit, front, gs[k:k + len(calls)], n, detach)
+            front = [c.a if ax == 0 else c.a.movedim(ax, 0) for c, ax in zip(calls, axs,
+                                                                           strict=True)]
+            blocks[p] = layer_block(unit.module, [a.detach() if detach else a for a in front],
+                                    gs[k:k + len(calls)], n, p, weight=unit.has_weight,
+                                    bias=unit.has_bias)
             k += len(calls)
     del out, out2, units
     if dense_groups:
@@ -1046,7 +873,6 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
         column of a Kronecker block's matrix, Embedding tables transposed).
     """
     named = dict(model.named_parameters())
-    owners, _ = _owner_map(model)
     cols = []
     for _b, names, kind in _block_layout(model, jac, params):
         mats = []
@@ -1058,9 +884,7 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
                 cols.append(t.reshape(*lead, -1))
             elif kind == "embedding":
                 mats.append(t.transpose(-1, -2))
-            elif owners[nm][1] == "bias":
-                mats.append(t.reshape(*lead, -1, 1))
-            else:  # weight (d_out, ...) -> (d_out, d_in)
+            else:  # weight (d_out, ...) -> (d_out, d_in), bias (d_out,) -> (d_out, 1)
                 mats.append(t.reshape(*lead, named[nm].shape[0], -1))
         if mats:
             mat = mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)
@@ -1079,7 +903,6 @@ def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
         raise ValueError(f"v must have a last axis of size P={jac.num_params}; got shape "
                          f"{tuple(v.shape)}")
     named = dict(model.named_parameters())
-    owners, _ = _owner_map(model)
     out: dict[str, torch.Tensor] = {}
     lead = v.shape[:-1]
     start = 0
@@ -1098,13 +921,9 @@ def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
             out[names[0]] = mat.transpose(-1, -2).reshape(*lead, *named[names[0]].shape)
             continue
         col = 0
-        for nm in names:
+        for nm in names:  # weight (d_out, ...) then bias (d_out,), its last column
             w = named[nm]
-            if owners[nm][1] == "bias":
-                out[nm] = mat[..., col]
-                col += 1
-            else:
-                width = w.numel() // w.shape[0]
-                out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
-                col += width
+            width = w.numel() // w.shape[0]
+            out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
+            col += width
     return out

@@ -16,8 +16,9 @@ layers, see ``ntkcore.sketch.sketch_jacobian``).
 
 Per-sample gradients come from the ONE backward of the batch loss that the user runs anyway:
 
-* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1): forward hooks keep the layer input
-  (unfolded into patches for convolutions) and a hook on the layer output keeps
+* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1) with torch's own ``forward`` (a subclass
+  overriding it is a dense layer): forward hooks keep the layer input (unfolded into patches
+  for convolutions, by ``torch_layers`` as in the provider) and a hook on the output keeps
   :math:`\partial L / \partial y`; with a mean-reduced loss that is
   :math:`\tfrac{1}{N}\partial \ell_n / \partial y_n`, so the per-sample gradient is the
   Kronecker block with ``a`` = inputs (plus a ones column for the bias) and
@@ -37,11 +38,9 @@ as they are.
 The sample axis
 ---------------
 Slice n of a hooked layer's output gradient is :math:`\partial \ell_n / \partial y_n` only
-along the axis that carries the samples, and a length equal to N proves nothing: a positional
-table ``proj(pos(torch.arange(T)))`` or a fixed buffer (T, d) fed to a Linear has first length
-N whenever T == N (and any other first length otherwise), a sequence-first (T, N, d) tensor
-(``nn.TransformerEncoderLayer`` with ``batch_first=False``) leads with T.  So on a refresh SENG
-decides, per Linear / Conv layer (``_unit_plan``):
+along the axis that carries the samples, and a length equal to N proves nothing (see "The
+sample axis" in ``torch_jacobian``).  So on a refresh SENG decides, per Linear / Conv layer
+(``_unit_plan``):
 
 * its weight (and bias) must be used only by the layer's hooked calls: counted in the autograd
   graph of the model output (not so for ``nn.MultiheadAttention.out_proj``, whose weight the
@@ -90,7 +89,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.lowrank import low_rank as _low_rank
 from ntkcore.sketch import SketchSpec, spawn_seed
-from ntkcore.solve import _NONFINITE_U, SMWSolver
+from ntkcore.solve import SMWSolver
 
 from .torch_jacobian import (
     _check_sample_coupling,
@@ -101,10 +100,9 @@ from .torch_jacobian import (
     _provider_pass,
     in_provider_pass,
 )
+from .torch_layers import CONV, layer_block, layer_type, output_factor
 
 __all__ = ["SENG"]
-
-_STRUCTURED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 @dataclass
@@ -122,17 +120,10 @@ class _Unit:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def flat_grad(self, wd: float) -> torch.Tensor:
-        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,)."""
-        w = self.weight
-        gw = _grad(w).reshape(w.shape[0], -1)
-        if wd:
-            gw = gw + wd * w.detach().reshape(w.shape[0], -1)
-        if self.bias is not None:
-            gb = _grad(self.bias)
-            if wd:
-                gb = gb + wd * self.bias.detach()
-            gw = torch.cat([gw, gb[:, None]], dim=1)
-        return gw.reshape(-1)
+        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,): the
+        layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
+        mats = [_grad(p, wd).reshape(self.weight.shape[0], -1) for p in self.params]
+        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)).reshape(-1)
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
         w = self.weight
@@ -151,13 +142,7 @@ class _DenseGroup:
     params: list[nn.Parameter]
 
     def flat_grad(self, wd: float) -> torch.Tensor:
-        parts = []
-        for p in self.params:
-            g = _grad(p)
-            if wd:
-                g = g + wd * p.detach()
-            parts.append(g.reshape(-1))
-        return torch.cat(parts)
+        return torch.cat([_grad(p, wd).reshape(-1) for p in self.params])
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
@@ -167,36 +152,10 @@ class _DenseGroup:
         return out
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(p) if p.grad is None else p.grad.detach()
-
-
-def _patches(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Input patches of a groups=1 ConvNd, (N, L, C_in * prod(kernel)), in the weight's
-    (C_in, k_1, ..., k_d) order, so that ``y[n, :, l] = W.reshape(C_out, -1) @ a[n, l]``."""
-    import torch.nn.functional as F
-
-    dims = len(conv.kernel_size)
-    widths = []  # (before, after) padding per spatial axis
-    for i in range(dims):
-        span = conv.dilation[i] * (conv.kernel_size[i] - 1)
-        if conv.padding == "valid":
-            widths.append((0, 0))
-        elif conv.padding == "same":  # torch puts the odd element at the end
-            widths.append((span // 2, span - span // 2))
-        else:
-            widths.append((conv.padding[i], conv.padding[i]))
-    pad = [w for pair in reversed(widths) for w in pair]  # F.pad: last axis first
-    if any(pad):
-        x = F.pad(x, pad, mode="constant" if conv.padding_mode == "zeros"
-                  else conv.padding_mode)
-    for i in range(dims):
-        span = conv.dilation[i] * (conv.kernel_size[i] - 1) + 1
-        x = x.unfold(2 + i, span, conv.stride[i])[..., ::conv.dilation[i]]
-    n, c = x.shape[0], x.shape[1]
-    # (N, C, L_1..L_d, k_1..k_d) -> (N, L_1..L_d, C, k_1..k_d)
-    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
-    return x.permute(order).reshape(n, -1, c * math.prod(conv.kernel_size))
+def _grad(p: torch.Tensor, wd: float = 0.0) -> torch.Tensor:
+    """``p``'s gradient (zero if None) plus ``wd * p``."""
+    g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+    return g + wd * p.detach() if wd else g
 
 
 def _inside_functorch(x: torch.Tensor) -> bool:
@@ -252,35 +211,13 @@ class _Thin:
         return torch.mm(self.gt * cs, self.a).reshape(-1)
 
 
-class _Direction:
-    r"""The SMW direction of one block for new gradients, from a prepared :class:`SMWSolver`.
-
-    Computes :meth:`SMWSolver.solve` for a 1-D gradient (the same operations up to the
-    order of float32 sums), with the factors reshaped once at the refresh:
-    :math:`b = L^{-\top} L^{-1} (s\,\Xi^\top \Omega g)` in float64 (:math:`L` the solver's
-    Cholesky factor, :math:`\Xi = \Omega U`), :math:`d = (g - U b)/\lambda` in g's dtype.
-    """
-
-    def __init__(self, solver: SMWSolver, jac: Jacobian) -> None:
-        self.solver = solver
-        self.full = _Thin(jac)
-        if solver.sketch_vec is None:
-            self.sketched = self.full
-        else:
-            self.sketched = _Thin(solver.sketch_op.J)
-
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        sv = self.solver
-        sg = g if sv.sketch_vec is None else sv.sketch_vec(g)
-        rhs = (self.sketched.t_mul(sg).to(sv.wide) * sv.scale)[:, None]
-        chol = sv.cholesky_factor  # b = L^-T L^-1 rhs: two triangular solves
-        b = torch.linalg.solve_triangular(
-            chol.mT, torch.linalg.solve_triangular(chol, rhs, upper=False), upper=True)[:, 0]
-        d = torch.sub(g, self.full.mul(b.to(sv.dtype))).div_(sv.damping).to(g.dtype)
-        if sv.sketch_vec is not None and not bool(torch.isfinite(d).all()):
-            if bool(torch.isfinite(g).all()):  # as SMWSolver.solve: NaN outside the sketch
-                raise ValueError(_NONFINITE_U)
-        return d
+def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], torch.Tensor]:
+    r"""``g -> d`` of one block: :meth:`SMWSolver.solve_with` (:math:`d = (g - U b)/\lambda`,
+    the small solve in float64) with the products of :class:`_Thin`, reshaped once."""
+    full = _Thin(jac)
+    xi = solver.sketched_factor
+    sketched = full if xi is jac else _Thin(xi)
+    return lambda g: solver.solve_with(g, sketched.t_mul, full.mul)
 
 
 class SENG(torch.optim.Optimizer):
@@ -420,7 +357,7 @@ class SENG(torch.optim.Optimizer):
         self._step = 0
         self._refreshes = 0
         self._solvers: dict[str, SMWSolver] = {}
-        self._directions: dict[str, _Direction] = {}
+        self._directions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._curvature: dict[str, Jacobian] = {}
         self._sketch_seeds: dict[str, int | None] = {}
         self._root_calls: list[dict[str, Any]] = []
@@ -447,7 +384,8 @@ class SENG(torch.optim.Optimizer):
         self.dense: list[_DenseGroup] = []
         covered: set[int] = set()
         for name, mod in inner.named_modules():
-            if not isinstance(mod, _STRUCTURED) or getattr(mod, "groups", 1) != 1:
+            # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
+            if layer_type(mod) not in (nn.Linear, *CONV) or getattr(mod, "groups", 1) != 1:
                 continue
             w, b = mod.weight, mod.bias
             if id(w) not in owned or (b is not None and id(b) not in owned):
@@ -591,12 +529,10 @@ class SENG(torch.optim.Optimizer):
         module's ``forward``, e.g. ``nn.MultiheadAttention.out_proj``, or tied to another
         module) and (2) every used call has a sample axis: an axis of its input and output of
         length N that becomes p when the model runs on p != N samples (a probe forward, see
-        ``torch_jacobian._probe_sample_axes``).  A length equal to N proves nothing: a
-        positional table ``pos(arange(T))``, a buffer (T, d) or a sequence-first (T, N, d)
-        tensor have T == N for some batches.  The answer depends on the model and on the
-        shapes of the forward, not on values, so it is cached per shape signature (the
-        arguments' shapes and dtypes and the shapes of every hooked call): the probe runs once
-        per new signature.
+        ``torch_jacobian._probe_sample_axes``; a length equal to N proves nothing).  The answer
+        depends on the model and on the shapes of the forward, not on values, so it is cached
+        per shape signature (the arguments' shapes and dtypes and the shapes of every hooked
+        call): the probe runs once per new signature.
         """
         def sig(a: Any) -> Any:
             return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
@@ -676,27 +612,16 @@ class SENG(torch.optim.Optimizer):
     def _unit_block(self, unit: _Unit, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
         mod = unit.module
-        a_parts, g_parts = [], []
-        for c, ax in zip(calls, axes, strict=True):
-            x, gy = c["x"], c["gy"]
-            if ax:  # sample axis moved to the front (a sequence-first (T, N, d) call)
-                x, gy = x.movedim(ax, 0), gy.movedim(ax, 0)
-            n = x.shape[0]
-            if isinstance(mod, nn.Linear):
-                a = x.reshape(n, -1, x.shape[-1])
-                g = gy.reshape(n, -1, gy.shape[-1])
-            else:
-                a = _patches(mod, x)  # (N, L, C_in * prod(k))
-                g = gy.reshape(n, gy.shape[1], -1).transpose(1, 2)  # (N, L, C_out)
-            if unit.bias is not None:
-                a = torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
-            a_parts.append(a)
-            g_parts.append(g)
-        a = torch.cat(a_parts, dim=1) if len(a_parts) > 1 else a_parts[0]
-        g = torch.cat(g_parts, dim=1) if len(g_parts) > 1 else g_parts[0]
-        if self.loss_reduction == "mean":
-            g = g * a.shape[0]
-        return KroneckerBlock(a.contiguous(), g[:, :, None, :].contiguous(), unit.name)
+        n = int(calls[0]["x"].shape[axes[0]])
+        # the factors of torch_layers, the sample axis moved to the front (a sequence-first
+        # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
+        xs = [c["x"].movedim(ax, 0) if ax else c["x"] for c, ax in zip(calls, axes, strict=True)]
+        gs = [output_factor(mod, c["gy"][None], n, 1, ax) for c, ax in zip(calls, axes,
+                                                                          strict=True)]
+        block = layer_block(mod, xs, gs, n, unit.name, bias=unit.bias is not None)
+        assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
+        g = block.g * n if self.loss_reduction == "mean" else block.g
+        return KroneckerBlock(block.a, g.contiguous(), unit.name)
 
     def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
         """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units
@@ -765,7 +690,7 @@ class SENG(torch.optim.Optimizer):
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
         self._solvers[name] = solver
-        self._directions[name] = _Direction(solver, jac)
+        self._directions[name] = _direction(solver, jac)
 
     def _refresh(self) -> None:
         if self._coupling is not None:

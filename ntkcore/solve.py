@@ -286,6 +286,13 @@ class SMWSolver:
         r"""Lower-triangular :math:`L` with :math:`L L^\top = \lambda I + s\,\Xi^\top\Xi`."""
         return self._chol
 
+    @property
+    def sketched_factor(self) -> Array | Jacobian:
+        r""":math:`\Xi = \Omega U`, whose Gram is factored: the sketched Jacobian (for a
+        Jacobian U) or array (q, rho); U itself (the same object) without a sketch."""
+        op = self.sketch_op
+        return op.J if isinstance(op, _JacobianOp) else op.u
+
     def set_damping(self, damping: float) -> None:
         """Change :math:`\\lambda` and refactor the small system (the Gram is kept)."""
         damping = check_scalar(damping, "damping", positive=True)
@@ -324,11 +331,37 @@ class SMWSolver:
         b = self.coefficients(gp)
         ub = self.op.mul(xp.astype(b, self.dtype))
         d = xp.astype((gp - ub) / self.damping, g.dtype)
+        self._check_direction(g, d)
+        return d
+
+    def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
+        r""":meth:`solve` for one ``g`` (P,) in U's dtype with the caller's products, unchecked.
+
+        For a caller that keeps U's factors in a layout of its own (SENG, every step):
+        ``t_mul(v)`` = :math:`\Xi^\top v` (rho,) for v = :math:`\Omega g` (q,)
+        (:math:`\Xi` = :attr:`sketched_factor`, :math:`\Omega = I` without a sketch) and
+        ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.  Returns
+        :math:`d = (g - U b)/\lambda` in g's dtype, :math:`b = L^{-\top} L^{-1} s\,\Xi^\top
+        \Omega g` by two triangular solves in float64 (where available); raises ValueError as
+        :meth:`solve` does.
+        """
+        xp, be, chol = self.xp, self.backend, self._chol
+        sg = g if self.sketch_vec is None else self.sketch_vec(g)
+        rhs = xp.astype(t_mul(sg), self.wide, copy=False) * self.scale
+        b = be.solve_triangular(chol, be.solve_triangular(chol, rhs, lower=True), lower=True,
+                                transpose=True)
+        d = g - mul(xp.astype(b, self.dtype, copy=False))
+        d /= self.damping  # in place where the namespace allows (d is a new array)
+        d = xp.astype(d, g.dtype, copy=False)
+        self._check_direction(g, d)
+        return d
+
+    def _check_direction(self, g: Array, d: Array) -> None:
+        """Rows of U outside the sketch never reach the Gram; a NaN there shows up in U b."""
+        xp = self.xp
         if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
-            # rows outside the sketch never reach the Gram; a NaN there shows up in U b
             if bool(xp.all(xp.isfinite(g))):
                 raise ValueError(_NONFINITE_U)
-        return d
 
 
 # -- public functions -------------------------------------------------------------------------

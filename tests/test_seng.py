@@ -480,3 +480,25 @@ def test_non_finite_direction_raises_and_leaves_parameters_and_momentum():
     for p in model.parameters():
         assert torch.equal(opt.state[p]["momentum_buffer"], bufs[id(p)])
     assert opt._step == 2
+
+
+class _DoubledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own, y = W (2 x) + b: not the Kronecker factors
+    (x, dL/dy) of torch's Linear; SENG must take it as a dense layer (torch_layers.FORWARD)."""
+
+    def forward(self, x):
+        return nn.functional.linear(2 * x, self.weight, self.bias)
+
+
+def test_linear_subclass_with_its_own_forward_gets_exact_per_sample_gradients():
+    model = _model(3)
+    fc = _DoubledLinear(48, 5).double()
+    fc.load_state_dict(model.fc.state_dict())
+    model.fc = fc
+    x, y = _data(seed=3)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = SENG(model, lr=LR, damping=LAM)
+    _loss_backward(model, x, y)
+    mean_g = {k: v.mean(0) for k, v in _per_sample(model, params, x, y).items()}
+    opt.step()
+    _assert_params(model, _step_reference(model, params, x, y, mean_g, LAM))

@@ -121,6 +121,29 @@ def test_sketched_solve_matches_formula(backend, rng):
     np.testing.assert_allclose(d, (g - u @ b) / lam, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("sketched", [False, True])
+def test_solve_with_caller_products_matches_formula(backend, rng, sketched):
+    """SMWSolver.solve_with (SENG's per-step path) with products built on sketched_factor."""
+    p, rho, q, lam, scale = 60, 5, 20, 0.3, 0.5
+    u, g = rng.standard_normal((p, rho)), rng.standard_normal(p)
+    ua = backend.asarray(u)
+    s = sk.leverage(ua, q, seed=4) if sketched else None
+    solver = SMWSolver(ua, lam, sketch=s, scale=scale)
+    xi = solver.sketched_factor
+    assert sketched or xi is ua
+    d = backend.to_numpy(solver.solve_with(backend.asarray(g), lambda v: v @ xi,
+                                           lambda b: ua @ b))
+    om = backend.to_numpy(s.matrix()) if sketched else np.eye(p)
+    eps = np.finfo(np.float64).eps  # Omega U: p products per entry
+    np.testing.assert_allclose(backend.to_numpy(xi), om @ u, rtol=0,
+                               atol=2 * p * eps * np.abs(om).max() * np.abs(u).max())
+    c = lam * np.eye(rho) + scale * (om @ u).T @ (om @ u)
+    b = np.linalg.solve(c, scale * (om @ u).T @ (om @ g))
+    ref = (g - u @ b) / lam
+    tol = solve_tol(np.float64, np.linalg.cond(c), computations=4)
+    np.testing.assert_allclose(d, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("kind", ["uniform", "leverage", "gaussian"])
 def test_sketched_solve_error_falls_with_q(kind):
     rng = np.random.default_rng(0)
