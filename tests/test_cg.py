@@ -440,6 +440,7 @@ def test_kernel_operator_resolves_the_default_budget_once(monkeypatch, rng):
     once per tile; every tile gets that budget, still marked as the default (so gram's plan
     cache rounds it), and the products match the dense kernel."""
     from ntkcore.backends.numpy import NumpyBackend
+
     from ntkcore.operators import KernelOperator
 
     reads = []
