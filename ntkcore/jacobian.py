@@ -28,6 +28,7 @@ from typing import Any
 import array_api_compat
 
 from ._typing import Array
+from .support import capabilities
 
 __all__ = ["DenseBlock", "Jacobian", "KroneckerBlock"]
 
@@ -233,6 +234,7 @@ def _take_samples(x: Array, idx: Any) -> Array:
     return xp.take(x, idx, axis=0)
 
 
+@capabilities()
 @dataclass(frozen=True, eq=False)
 class Jacobian:
     """A per-sample Jacobian as a sequence of blocks in parameter order.
