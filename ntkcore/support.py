@@ -1,4 +1,4 @@
-"""Which public function runs on which backend: the single declaration behind docs and test skips.
+"""Which public function runs on which backend, declared beside each function; docs/backends.md.
 
 Each public function or class declares its support where it is defined, with the
 :func:`capabilities` decorator::
@@ -9,8 +9,8 @@ Each public function or class declares its support where it is defined, with the
 which registers one :class:`Support` entry per backend under the function's public name
 (its ``__qualname__`` unless ``name=`` says otherwise).  ``SUPPORT[function][backend]`` reads
 the registry, in the page order of :data:`ROWS`; ``docs/backends.md`` is generated from it
-(:func:`support_markdown`; ``python -m ntkcore support`` writes it) and :func:`supports` answers
-whether a (function, backend) pair is declared to run, so docs and tests cannot drift apart.
+(:func:`support_markdown`; ``python -m ntkcore support`` writes it, a test checks it) and
+:func:`supports` answers whether a (function, backend) pair is declared to run.
 
 The framework layers (``backends.torch.*``, ``backends.jax.*``, ``distributed.*``) declare
 theirs the same way; their modules import torch, JAX or Dask, so the table reads those
@@ -194,7 +194,12 @@ ROWS = (
 
 
 def _table() -> dict[str, dict[str, Support]]:
-    """The complete table in :data:`ROWS` order (imports :data:`_MODULES` first)."""
+    """The complete table in :data:`ROWS` order.
+
+    Imports :data:`_MODULES` (their decorators register) and reads the declarations of
+    :data:`_SOURCE_MODULES` from source; raises ``RuntimeError`` when the declared names and
+    :data:`ROWS` differ.
+    """
     for module in _MODULES:
         importlib.import_module(module)
     declared = {k: v for m in _SOURCE_MODULES for k, v in _declared_in_source(m)}
