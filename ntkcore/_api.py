@@ -69,11 +69,10 @@ from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
+from .modes import Mode, check_mode
 from .providers import Provider, find_provider
 
 __all__ = ["ntk", "pseudo_ntk"]
-
-_MODES = ("full", "trace", "diagonal")
 
 
 def _jac_bytes(j: Jacobian) -> int:
@@ -303,8 +302,7 @@ def _requires_grad(x: Any) -> bool:
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
             checkpoint: Any = "auto", check_finite: bool = True) -> Array:
-    if not isinstance(mode, str) or mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if checkpoint not in (True, False, "auto"):
         raise ValueError(f"checkpoint must be True, False or 'auto'; got {checkpoint!r}")
     if not isinstance(layerwise, bool):
@@ -445,7 +443,7 @@ def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: 
 
 def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
               probe: Jacobian | None, per_sample: float, budget: Budget, batch_size: Any,
-              mode: str, layerwise: bool, dtype: Any, progress: Any, xp: Any,
+              mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
               call2: Callable[[Any], Jacobian] | None = None,
               check_finite: bool = True) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
@@ -457,9 +455,7 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
     todo = [(i, j) for i in range(len(rows)) for j in range(len(cols)) if not symmetric or j >= i]
     report, bar = _progress_fn(progress, len(todo), "ntk")
     xc = x1 if symmetric else x2
-    swap_tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
     lead = 1 if layerwise else 0
-    swap = tuple(range(lead)) + tuple(a + lead for a in (1, 0, *swap_tail))
     tiles: dict[tuple[int, int], Array] = {}
     rest = budget.share(2)
     try:
@@ -489,7 +485,7 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
             bar.close()
     out_rows = []
     for i in range(len(rows)):
-        row = [xp.permute_dims(tiles[(j, i)], swap) if symmetric and j < i else tiles[(i, j)]
+        row = [mode.transpose(xp, tiles[(j, i)], lead) if symmetric and j < i else tiles[(i, j)]
                for j in range(len(cols))]
         out_rows.append(row[0] if len(row) == 1 else xp.concat(row, axis=lead + 1))
     return out_rows[0] if len(out_rows) == 1 else xp.concat(out_rows, axis=lead)

@@ -92,10 +92,10 @@ from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .modes import Mode, check_mode
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
-MODES = ("full", "trace", "diagonal")
 STRATEGIES = ("positions", "materialise")
 
 #: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
@@ -705,19 +705,12 @@ def _writable(xp: Any, dtype: Any, device: Any) -> bool:
     return _WRITABLE[key]
 
 
-def _swap(mode: str, lead: int) -> tuple[int, ...]:
-    """Axes permutation transposing a tile: Theta[m,n,p,o] = Theta[n,m,o,p]."""
-    tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
-    base = (1, 0, *tail)
-    return tuple(range(lead)) + tuple(a + lead for a in base)
-
-
 @dataclass
 class _Setup:
     xp: Any
     ops: _Ops
     pairs: list[_Pair]
-    mode: str
+    mode: Mode
     n1: int
     n2: int
     o: int
@@ -728,8 +721,7 @@ class _Setup:
 
 def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: Any,
            strategy: str | None) -> _Setup:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if not isinstance(layerwise, bool):
         raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
     if strategy is not None and strategy not in STRATEGIES:
@@ -881,7 +873,7 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     xp, plan, mode = st.xp, st.plan, st.mode
     symmetric = plan.symmetric
-    tail = {"trace": (), "diagonal": (st.o,), "full": (st.o, st.o)}[mode]
+    tail = mode.tail(st.o)
     nb = len(st.pairs)
     lead = (nb,) if layerwise else ()
     out_shape = (*lead, st.n1, st.n2, *tail)
@@ -896,8 +888,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
     grid: dict[tuple[int, int], Array] = {}
-    swap1 = _swap(mode, 0)
-    swapl = _swap(mode, 1)
+    swap1 = mode.swap(0)
+    swapl = mode.swap(1)
 
     def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
         return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t

@@ -34,10 +34,10 @@ from ._typing import Array
 from ._validation import namespace_of
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .modes import check_mode
 
 __all__ = ["KernelOperator"]
 
-_MODES = ("trace", "full")
 _METHODS = ("tiles", "factors", "auto")
 _TILE_BYTES = 64 * 2**20
 
@@ -107,8 +107,7 @@ class KernelOperator(LinearOperator):
             if self.J2.num_outputs != self.J1.num_outputs:
                 raise ValueError(f"J1 has O={self.J1.num_outputs} outputs but J2 has "
                                  f"O={self.J2.num_outputs}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES} for an operator; got {mode!r}")
+        mode = check_mode(mode, ("trace", "full"), " for an operator")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}; got {method!r}")
         reg = float(reg)
@@ -186,15 +185,11 @@ class KernelOperator(LinearOperator):
 
     def _tile(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, same: bool) -> Array:
         """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
-        xp = self.xp
         a = self.J1.select(slice(i0, i1))
         b = None if same else self._j2.select(slice(j0, j1))
         t = _gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
         self.tiles_computed += 1
-        if self.mode == "full":
-            bi, bj, o = t.shape[0], t.shape[1], t.shape[2]
-            t = xp.reshape(xp.permute_dims(t, (0, 2, 1, 3)), (bi * o, bj * o))
-        return t
+        return self.mode.matrix(self.xp, t)
 
     # -- products -------------------------------------------------------------------------
     def matmat(self, v: Array) -> Array:

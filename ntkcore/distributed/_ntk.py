@@ -24,10 +24,9 @@ import dask
 import dask.array as da
 import numpy as np
 
+from ..modes import Mode, check_mode
 from ..providers import find_provider
 from ._cluster import get_client, worker_memory_limits
-
-_MODES = ("trace", "full", "diagonal")
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -77,9 +76,8 @@ def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any) -> np.n
     return np.ascontiguousarray(_to_numpy(t))
 
 
-def _transpose_task(t: np.ndarray, mode: str) -> np.ndarray:
-    axes = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}[mode]
-    return np.ascontiguousarray(np.transpose(t, axes))
+def _transpose_task(t: np.ndarray, mode: Mode) -> np.ndarray:
+    return np.ascontiguousarray(np.transpose(t, mode.swap()))
 
 
 def _bounds(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -153,8 +151,7 @@ def ntk_dask(
         Bad ``mode``/``chunk``, inputs with different trailing shapes, or a chunk that would
         not fit a worker (the message suggests a chunk that fits).
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer; got {chunk!r}")
     for name, x in (("x1", x1), ("x2", x2)):
@@ -176,7 +173,7 @@ def ntk_dask(
     o = int(probe.num_outputs)
     probe_tile = _tile_task(probe, None, mode, None, dtype)
     out_dtype = probe_tile.dtype
-    tail = {"trace": (), "diagonal": (o,), "full": (o, o)}[mode]
+    tail = mode.tail(o)
     limits = [m for m in worker_memory_limits(client) if m > 0]
     if max_memory is None:
         max_memory = max(32 * 2**20, min(limits) // 8) if limits else 256 * 2**20
