@@ -93,6 +93,7 @@ from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 from .modes import Mode, check_mode
+from .tiling import TileGrid
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
@@ -879,11 +880,10 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     out_shape = (*lead, st.n1, st.n2, *tail)
     if st.n1 == 0 or st.n2 == 0:
         return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
-    r, c = plan.tile_rows, plan.tile_cols
-    row_sl = [slice(i, min(i + r, st.n1)) for i in range(0, st.n1, r)]
-    col_sl = row_sl if symmetric else [slice(j, min(j + c, st.n2)) for j in range(0, st.n2, c)]
-    todo = [(i, j) for i in range(len(row_sl)) for j in range(len(col_sl))
-            if not symmetric or j >= i]
+    tg = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=symmetric)
+    row_sl = [slice(a, b) for a, b in tg.rows]
+    col_sl = row_sl if symmetric else [slice(a, b) for a, b in tg.cols]
+    todo = tg.schedule()
     report, bar = _progress_fn(progress, len(todo))
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
@@ -986,15 +986,4 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     if writable:
         return out
     # assemble by concatenation (namespaces without item assignment, e.g. JAX)
-    ax = 1 if layerwise else 0
-    swap = swapl if layerwise else swap1
-    rows = []
-    for i in range(len(row_sl)):
-        tiles = []
-        for j in range(len(col_sl)):
-            if symmetric and j < i:
-                tiles.append(xp.permute_dims(grid[(j, i)], swap))
-            else:
-                tiles.append(grid[(i, j)])
-        rows.append(tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=ax + 1))
-    return rows[0] if len(rows) == 1 else xp.concat(rows, axis=ax)
+    return tg.assemble(xp, grid, mode, 1 if layerwise else 0)

@@ -35,6 +35,7 @@ from ._validation import namespace_of
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 from .modes import check_mode
+from .tiling import TileGrid, bounds
 
 __all__ = ["KernelOperator"]
 
@@ -208,19 +209,17 @@ class KernelOperator(LinearOperator):
     def _matmat_tiles(self, v: Array) -> Array:
         xp, q, bs = self.xp, self._q, self.block
         dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
-        n1, n2 = self.J1.num_samples, self._j2.num_samples
-        rows = [(s, min(n1, s + bs)) for s in range(0, n1, bs)]
-        cols = rows if self.symmetric else [(s, min(n2, s + bs)) for s in range(0, n2, bs)]
-        out: list[Array | None] = [None] * len(rows)
+        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, bs,
+                        symmetric=self.symmetric)
+        out: list[Array | None] = [None] * len(grid.rows)
 
         def add(idx: int, term: Array) -> None:
             cur = out[idx]
             out[idx] = term if cur is None else cur + term
 
-        for i, (i0, i1) in enumerate(rows):
-            start = i if self.symmetric else 0
-            for j in range(start, len(cols)):
-                j0, j1 = cols[j]
+        for i, (i0, i1) in enumerate(grid.rows):
+            for j in grid.row_tiles(i):  # off the diagonal of a symmetric K: both products
+                j0, j1 = grid.cols[j]
                 t = xp.astype(self._tile(i0, i1, j0, j1, dtype, self.symmetric and i == j),
                               v.dtype)
                 add(i, t @ v[j0 * q:j1 * q, :])
@@ -272,10 +271,9 @@ class KernelOperator(LinearOperator):
         if not self.symmetric:
             raise ValueError("diagonal() needs a symmetric operator (J2=None)")
         xp, bs = self.xp, self.block
-        n = self.J1.num_samples
         parts = []
-        for s in range(0, n, bs):
-            part = self.J1.select(slice(s, min(n, s + bs)))
+        for s, e in bounds(self.J1.num_samples, bs):
+            part = self.J1.select(slice(s, e))
             if self.mode == "trace":
                 t = _gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
                 parts.append(xp.linalg.diagonal(t))
