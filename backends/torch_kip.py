@@ -93,21 +93,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import array_api_compat.torch as _xp
 import torch
 from torch import nn
 
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.modes import Mode, check_mode
 from ntkcore.support import capabilities
 
 from .torch import TorchBackend
 from .torch_jacobian import jacobian
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
-
-_MODES = ("full", "trace", "diagonal")
-
 
 # --------------------------------------------------------------------------------------------
 # block layout of the support side
@@ -221,7 +220,7 @@ class _Spec:
     x_target: torch.Tensor  # detached
     chunks: list[tuple[int, int]]
     layout: _Layout
-    mode: str
+    mode: Mode
     layerwise: bool
     pseudo: bool
     params: Any
@@ -265,7 +264,8 @@ class _Spec:
 
 
 def _check(model: Any, x1: Any, x2: Any, mode: Any, layerwise: Any, pseudo: bool,
-           batch_size: Any) -> None:
+           batch_size: Any) -> Mode:
+    """Validate the arguments of the public functions; the mode as a :class:`Mode`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     for name, x in (("x1", x1), ("x2", x2)):
@@ -274,8 +274,7 @@ def _check(model: Any, x1: Any, x2: Any, mode: Any, layerwise: Any, pseudo: bool
         if x.ndim < 1 or x.shape[0] == 0:
             raise ValueError(f"{name} must lead with a non-empty sample axis N; got shape "
                              f"{tuple(x.shape)}")
-    if not isinstance(mode, str) or mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if pseudo and mode != "trace":
         raise ValueError(f"pseudo=True gives a single-output kernel: mode must be 'trace'; "
                          f"got {mode!r}")
@@ -284,9 +283,10 @@ def _check(model: Any, x1: Any, x2: Any, mode: Any, layerwise: Any, pseudo: bool
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be None or a positive integer; got {batch_size!r}")
+    return mode
 
 
-def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
+def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode,
              layerwise: bool, pseudo: bool, params: Any, max_memory: Any, dtype: Any,
              batch_size: int | None,
              timings: dict[str, float] | None) -> tuple[_Spec, list[torch.Tensor]]:
@@ -310,13 +310,12 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: str,
     chunk = min(chunk, n)
     support = layout.support_arrays(js)
     del js
-    tail = {"trace": (), "diagonal": (o,), "full": (o, o)}[mode]
     lead = (len(layout.names),) if layerwise else ()
     spec = _Spec(model=model, x_target=xt, chunks=[(i, min(n, i + chunk))
                                                    for i in range(0, n, chunk)],
                  layout=layout, mode=mode, layerwise=layerwise, pseudo=pseudo, params=params,
                  dtype=dtype, gram_budget=budget.share(4),
-                 out_shape=(*lead, n, m, *tail), out_dtype=out_dtype, timer=timer)
+                 out_shape=(*lead, n, m, *mode.tail(o)), out_dtype=out_dtype, timer=timer)
     timer.add("support_s", t0)
     if timings is not None:
         timings["chunk_size"] = float(chunk)
@@ -400,9 +399,8 @@ class _CheckpointedKernel(torch.autograd.Function):
 
 
 def _swap(mode: str, lead: int) -> tuple[int, ...]:
-    """Axes permutation transposing a kernel: Theta[m,n,p,o] = Theta[n,m,o,p]."""
-    tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
-    return tuple(range(lead)) + tuple(a + lead for a in (1, 0, *tail))
+    """Axes permutation transposing a kernel (see :meth:`ntkcore.modes.Mode.swap`)."""
+    return check_mode(mode).swap(lead)
 
 
 def _jac_bytes(j: Jacobian) -> int:
@@ -483,7 +481,7 @@ def checkpointed_ntk(
         Both inputs require grad, an unknown ``mode``, ``pseudo`` with a mode other than
         trace, empty inputs or a bad ``batch_size``.
     """
-    _check(model, x1, x2, mode, layerwise, pseudo, batch_size)
+    mode = _check(model, x1, x2, mode, layerwise, pseudo, batch_size)
     if x1.requires_grad and x2.requires_grad:
         raise ValueError("checkpointed_ntk bounds the backward when exactly one of x1, x2 "
                          "requires grad (the support set); both do. Use ntkcore.ntk(..., "
@@ -495,27 +493,13 @@ def checkpointed_ntk(
                              batch_size=batch_size, timings=timings)
     k = _CheckpointedKernel.apply(spec, *support)
     if support_first:
-        k = k.permute(_swap(mode, 1 if layerwise else 0))
+        k = k.permute(mode.swap(1 if layerwise else 0))
     return k
 
 
 # --------------------------------------------------------------------------------------------
 # the fused KIP loss
 # --------------------------------------------------------------------------------------------
-def _flat(k: torch.Tensor, mode: str) -> torch.Tensor:
-    """trace: K (c, M) as is; full: K[n,m,o,p] -> (c O, M O) with rows (n, o), cols (m, p)."""
-    if mode == "trace":
-        return k
-    c, m, o, _ = k.shape
-    return k.permute(0, 2, 1, 3).reshape(c * o, m * o)
-
-
-def _unflat(kf: torch.Tensor, mode: str, o: int) -> torch.Tensor:
-    if mode == "trace":
-        return kf
-    return kf.reshape(kf.shape[0] // o, o, kf.shape[1] // o, o).permute(0, 2, 1, 3)
-
-
 class _FusedKipLoss(torch.autograd.Function):
     r""":math:`L = \frac1{R}\sum (K_{ts}\alpha - Y_t)^2` in one pass over the target chunks.
 
@@ -547,10 +531,10 @@ class _FusedKipLoss(torch.autograd.Function):
 
             def grad_k(k: torch.Tensor, yc: torch.Tensor = yc,
                        state: dict[str, torch.Tensor] = state) -> torch.Tensor:
-                kf = _flat(k, mode)
+                kf = mode.matrix(_xp, k)
                 res = kf @ a - yc  # (rows, C') residual of the chunk
                 state["kf"], state["res"] = kf, res
-                return _unflat((2.0 / rows_total) * (res @ a.T), mode, o)
+                return mode.unmatrix(_xp, (2.0 / rows_total) * (res @ a.T), o)
 
             if wanted:
                 _, grads = spec.support_grads(jt, leaves, wanted, grad_k)
@@ -651,9 +635,8 @@ def kip_loss(
     """
     import ntkcore
 
-    if mode not in ("trace", "full"):
-        raise ValueError(f"mode must be 'trace' or 'full'; got {mode!r}")
-    _check(model, x_support, x_target, mode, False, pseudo, batch_size)
+    mode = _check(model, x_support, x_target, check_mode(mode, ("trace", "full")), False,
+                  pseudo, batch_size)
     reg = float(reg)
     if not math.isfinite(reg) or reg < 0:
         raise ValueError(f"reg must be a finite non-negative number; got {reg!r}")
@@ -683,12 +666,11 @@ def kip_loss(
         k_ss = (ntkcore.pseudo_ntk(model, x_support, checkpoint=False, **kw) if pseudo
                 else ntkcore.ntk(model, x_support, mode=mode, checkpoint=False, **kw))
     ys, yt = y_support, y_target.detach()
-    m = int(x_support.shape[0])
     if mode == "full":
         o = int(k_ss.shape[2])
         if ys.shape[1] != o:
             raise ValueError(f"mode='full' needs labels with O={o} columns; got {ys.shape[1]}")
-        k_ss = k_ss.permute(0, 2, 1, 3).reshape(m * o, m * o)
+        k_ss = mode.matrix(_xp, k_ss)
         ys, yt = ys.reshape(-1, 1), yt.reshape(-1, 1)
     # lambda = reg * mean(diag K_ss) stays on the graph: the loss is a function of x_support
     # through the ridge too, and its gradient is exact.
@@ -699,7 +681,7 @@ def kip_loss(
         k_ts = (ntkcore.pseudo_ntk(model, x_target, x_support, checkpoint=True, **kw) if pseudo
                 else ntkcore.ntk(model, x_target, x_support, mode=mode, checkpoint=True, **kw))
         t0 = timer.add("target_kernel_s", t0)
-        k_ts = _flat(k_ts, mode)
+        k_ts = mode.matrix(_xp, k_ts)
         pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
         timer.add("solve_s", t0)
         return torch.mean((pred - yt) ** 2)

@@ -69,12 +69,12 @@ from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
+from .modes import Mode, check_mode
 from .providers import Provider, find_provider
 from .support import capabilities
+from .tiling import TileGrid
 
 __all__ = ["ntk", "pseudo_ntk"]
-
-_MODES = ("full", "trace", "diagonal")
 
 
 def _jac_bytes(j: Jacobian) -> int:
@@ -304,8 +304,7 @@ def _requires_grad(x: Any) -> bool:
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
             checkpoint: Any = "auto", check_finite: bool = True) -> Array:
-    if not isinstance(mode, str) or mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if checkpoint not in (True, False, "auto"):
         raise ValueError(f"checkpoint must be True, False or 'auto'; got {checkpoint!r}")
     if not isinstance(layerwise, bool):
@@ -446,31 +445,25 @@ def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: 
 
 def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
               probe: Jacobian | None, per_sample: float, budget: Budget, batch_size: Any,
-              mode: str, layerwise: bool, dtype: Any, progress: Any, xp: Any,
+              mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
               call2: Callable[[Any], Jacobian] | None = None,
               check_finite: bool = True) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
     batch = batch_size or batch_samples(per_sample, budget / 4)
-    rows = [(i, min(n1, i + block)) for i in range(0, n1, block)]
     symmetric = x2 is None
-    cols = rows if symmetric else [(j, min(n2, j + block)) for j in range(0, n2, block)]
-    todo = [(i, j) for i in range(len(rows)) for j in range(len(cols)) if not symmetric or j >= i]
-    report, bar = _progress_fn(progress, len(todo), "ntk")
+    grid = TileGrid(n1, n2, block, symmetric=symmetric)
+    report, bar = _progress_fn(progress, len(grid.schedule()), "ntk")
     xc = x1 if symmetric else x2
-    swap_tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
-    lead = 1 if layerwise else 0
-    swap = tuple(range(lead)) + tuple(a + lead for a in (1, 0, *swap_tail))
     tiles: dict[tuple[int, int], Array] = {}
     rest = budget.share(2)
     try:
-        for i, (r0, r1) in enumerate(rows):
+        for i, (r0, r1) in enumerate(grid.rows):
             first = probe if probe is not None and r0 == 0 and \
                 probe.num_samples <= r1 - r0 else None
             ji = _jacobians(call, x1, r0, r1, batch, first)
-            for j, (c0, c1) in enumerate(cols):
-                if symmetric and j < i:
-                    continue
+            for j in grid.row_tiles(i):
+                c0, c1 = grid.cols[j]
                 if symmetric and j == i:
                     tiles[(i, j)] = gram(ji, None, mode=mode, layerwise=layerwise,
                                          max_memory=rest, dtype=dtype,
@@ -488,12 +481,7 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
     finally:
         if bar is not None:
             bar.close()
-    out_rows = []
-    for i in range(len(rows)):
-        row = [xp.permute_dims(tiles[(j, i)], swap) if symmetric and j < i else tiles[(i, j)]
-               for j in range(len(cols))]
-        out_rows.append(row[0] if len(row) == 1 else xp.concat(row, axis=lead + 1))
-    return out_rows[0] if len(out_rows) == 1 else xp.concat(out_rows, axis=lead)
+    return grid.assemble(xp, tiles, mode, 1 if layerwise else 0)
 
 
 @capabilities(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",

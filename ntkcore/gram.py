@@ -92,11 +92,12 @@ from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .modes import Mode, check_mode
 from .support import capabilities
+from .tiling import TileGrid
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
-MODES = ("full", "trace", "diagonal")
 STRATEGIES = ("positions", "materialise")
 
 #: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
@@ -706,19 +707,12 @@ def _writable(xp: Any, dtype: Any, device: Any) -> bool:
     return _WRITABLE[key]
 
 
-def _swap(mode: str, lead: int) -> tuple[int, ...]:
-    """Axes permutation transposing a tile: Theta[m,n,p,o] = Theta[n,m,o,p]."""
-    tail = {"trace": (), "diagonal": (2,), "full": (3, 2)}[mode]
-    base = (1, 0, *tail)
-    return tuple(range(lead)) + tuple(a + lead for a in base)
-
-
 @dataclass
 class _Setup:
     xp: Any
     ops: _Ops
     pairs: list[_Pair]
-    mode: str
+    mode: Mode
     n1: int
     n2: int
     o: int
@@ -729,8 +723,7 @@ class _Setup:
 
 def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: Any,
            strategy: str | None) -> _Setup:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if not isinstance(layerwise, bool):
         raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
     if strategy is not None and strategy not in STRATEGIES:
@@ -884,23 +877,22 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     xp, plan, mode = st.xp, st.plan, st.mode
     symmetric = plan.symmetric
-    tail = {"trace": (), "diagonal": (st.o,), "full": (st.o, st.o)}[mode]
+    tail = mode.tail(st.o)
     nb = len(st.pairs)
     lead = (nb,) if layerwise else ()
     out_shape = (*lead, st.n1, st.n2, *tail)
     if st.n1 == 0 or st.n2 == 0:
         return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
-    r, c = plan.tile_rows, plan.tile_cols
-    row_sl = [slice(i, min(i + r, st.n1)) for i in range(0, st.n1, r)]
-    col_sl = row_sl if symmetric else [slice(j, min(j + c, st.n2)) for j in range(0, st.n2, c)]
-    todo = [(i, j) for i in range(len(row_sl)) for j in range(len(col_sl))
-            if not symmetric or j >= i]
+    tg = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=symmetric)
+    row_sl = [slice(a, b) for a, b in tg.rows]
+    col_sl = row_sl if symmetric else [slice(a, b) for a, b in tg.cols]
+    todo = tg.schedule()
     report, bar = _progress_fn(progress, len(todo))
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
     grid: dict[tuple[int, int], Array] = {}
-    swap1 = _swap(mode, 0)
-    swapl = _swap(mode, 1)
+    swap1 = mode.swap(0)
+    swapl = mode.swap(1)
 
     def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
         return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t
@@ -997,15 +989,4 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     if writable:
         return out
     # assemble by concatenation (namespaces without item assignment, e.g. JAX)
-    ax = 1 if layerwise else 0
-    swap = swapl if layerwise else swap1
-    rows = []
-    for i in range(len(row_sl)):
-        tiles = []
-        for j in range(len(col_sl)):
-            if symmetric and j < i:
-                tiles.append(xp.permute_dims(grid[(j, i)], swap))
-            else:
-                tiles.append(grid[(i, j)])
-        rows.append(tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=ax + 1))
-    return rows[0] if len(rows) == 1 else xp.concat(rows, axis=ax)
+    return tg.assemble(xp, grid, mode, 1 if layerwise else 0)

@@ -34,11 +34,12 @@ from ._typing import Array
 from ._validation import namespace_of
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .modes import check_mode
 from .support import capabilities
+from .tiling import TileGrid, bounds
 
 __all__ = ["KernelOperator"]
 
-_MODES = ("trace", "full")
 _METHODS = ("tiles", "factors", "auto")
 _TILE_BYTES = 64 * 2**20
 
@@ -109,8 +110,7 @@ class KernelOperator(LinearOperator):
             if self.J2.num_outputs != self.J1.num_outputs:
                 raise ValueError(f"J1 has O={self.J1.num_outputs} outputs but J2 has "
                                  f"O={self.J2.num_outputs}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES} for an operator; got {mode!r}")
+        mode = check_mode(mode, ("trace", "full"), " for an operator")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}; got {method!r}")
         reg = float(reg)
@@ -188,15 +188,11 @@ class KernelOperator(LinearOperator):
 
     def _tile(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, same: bool) -> Array:
         """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
-        xp = self.xp
         a = self.J1.select(slice(i0, i1))
         b = None if same else self._j2.select(slice(j0, j1))
         t = _gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
         self.tiles_computed += 1
-        if self.mode == "full":
-            bi, bj, o = t.shape[0], t.shape[1], t.shape[2]
-            t = xp.reshape(xp.permute_dims(t, (0, 2, 1, 3)), (bi * o, bj * o))
-        return t
+        return self.mode.matrix(self.xp, t)
 
     # -- products -------------------------------------------------------------------------
     def matmat(self, v: Array) -> Array:
@@ -215,19 +211,17 @@ class KernelOperator(LinearOperator):
     def _matmat_tiles(self, v: Array) -> Array:
         xp, q, bs = self.xp, self._q, self.block
         dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
-        n1, n2 = self.J1.num_samples, self._j2.num_samples
-        rows = [(s, min(n1, s + bs)) for s in range(0, n1, bs)]
-        cols = rows if self.symmetric else [(s, min(n2, s + bs)) for s in range(0, n2, bs)]
-        out: list[Array | None] = [None] * len(rows)
+        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, bs,
+                        symmetric=self.symmetric)
+        out: list[Array | None] = [None] * len(grid.rows)
 
         def add(idx: int, term: Array) -> None:
             cur = out[idx]
             out[idx] = term if cur is None else cur + term
 
-        for i, (i0, i1) in enumerate(rows):
-            start = i if self.symmetric else 0
-            for j in range(start, len(cols)):
-                j0, j1 = cols[j]
+        for i, (i0, i1) in enumerate(grid.rows):
+            for j in grid.row_tiles(i):  # off the diagonal of a symmetric K: both products
+                j0, j1 = grid.cols[j]
                 t = xp.astype(self._tile(i0, i1, j0, j1, dtype, self.symmetric and i == j),
                               v.dtype)
                 add(i, t @ v[j0 * q:j1 * q, :])
@@ -279,10 +273,9 @@ class KernelOperator(LinearOperator):
         if not self.symmetric:
             raise ValueError("diagonal() needs a symmetric operator (J2=None)")
         xp, bs = self.xp, self.block
-        n = self.J1.num_samples
         parts = []
-        for s in range(0, n, bs):
-            part = self.J1.select(slice(s, min(n, s + bs)))
+        for s, e in bounds(self.J1.num_samples, bs):
+            part = self.J1.select(slice(s, e))
             if self.mode == "trace":
                 t = _gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
                 parts.append(xp.linalg.diagonal(t))

@@ -41,6 +41,7 @@ from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
 from .support import CHOLESKY_SOLVE, capabilities
 
@@ -89,13 +90,9 @@ def _jacobian_gram(J: Jacobian) -> Array:
     """
     from .gram import gram
 
-    xp = J.xp
-    n, o = J.num_samples, J.num_outputs
     # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
     k = gram(J, mode="full", check_finite=False)  # (N, N, O, O)
-    if o == 1:
-        return xp.reshape(k, (n, n))
-    return xp.reshape(xp.permute_dims(k, (0, 2, 1, 3)), (n * o, n * o))
+    return FULL.matrix(J.xp, k)
 
 
 # -- operators standing for U ----------------------------------------------------------------

@@ -24,11 +24,11 @@ import dask
 import dask.array as da
 import numpy as np
 
+from ..modes import Mode, check_mode
 from ..providers import find_provider
 from ..support import capabilities
+from ..tiling import TileGrid
 from ._cluster import get_client, worker_memory_limits
-
-_MODES = ("trace", "full", "diagonal")
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -78,13 +78,8 @@ def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any) -> np.n
     return np.ascontiguousarray(_to_numpy(t))
 
 
-def _transpose_task(t: np.ndarray, mode: str) -> np.ndarray:
-    axes = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}[mode]
-    return np.ascontiguousarray(np.transpose(t, axes))
-
-
-def _bounds(n: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
+def _transpose_task(t: np.ndarray, mode: Mode) -> np.ndarray:
+    return np.ascontiguousarray(np.transpose(t, mode.swap()))
 
 
 def _factor_bytes_per_sample(jac: Any) -> int:
@@ -158,8 +153,7 @@ def ntk_dask(
         Bad ``mode``/``chunk``, inputs with different trailing shapes, or a chunk that would
         not fit a worker (the message suggests a chunk that fits).
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+    mode = check_mode(mode)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive integer; got {chunk!r}")
     for name, x in (("x1", x1), ("x2", x2)):
@@ -181,7 +175,7 @@ def ntk_dask(
     o = int(probe.num_outputs)
     probe_tile = _tile_task(probe, None, mode, None, dtype)
     out_dtype = probe_tile.dtype
-    tail = {"trace": (), "diagonal": (o,), "full": (o, o)}[mode]
+    tail = mode.tail(o)
     limits = [m for m in worker_memory_limits(client) if m > 0]
     if max_memory is None:
         max_memory = max(32 * 2**20, min(limits) // 8) if limits else 256 * 2**20
@@ -215,29 +209,23 @@ def ntk_dask(
         return dask.delayed(_identity, pure=True)((token, data))
 
     model_d, fn_d = blob(model), blob(jacfn)
-    b1 = _bounds(n1, chunk)
-    b2 = b1 if x2 is None else _bounds(n2, chunk)
+    grid = TileGrid(n1, n2, chunk, symmetric=x2 is None)
     jac_task = dask.delayed(_remote_jacobian_task, pure=True)
     tile_task = dask.delayed(_tile_task, pure=True)
     t_task = dask.delayed(_transpose_task, pure=True)
-    j1 = [jac_task(fn_d, model_d, _slice(x1, s, e), params) for s, e in b1]
+    j1 = [jac_task(fn_d, model_d, _slice(x1, s, e), params) for s, e in grid.rows]
     j2 = j1 if x2 is None else [jac_task(fn_d, model_d, _slice(x2, s, e), params)
-                                for s, e in b2]
+                                for s, e in grid.cols]
     meta = np.empty((0,) * (2 + len(tail)), dtype=out_dtype)
     tiles: dict[tuple[int, int], Any] = {}
-    for i in range(len(b1)):
-        for j in range(len(b2)):
-            if x2 is None and j < i:
-                continue
-            same = x2 is None and i == j
-            tiles[i, j] = tile_task(j1[i], None if same else j2[j], mode, max_memory, dtype)
+    for i, j in grid.schedule():
+        same = x2 is None and i == j
+        tiles[i, j] = tile_task(j1[i], None if same else j2[j], mode, max_memory, dtype)
     rows = []
-    for i, (s1, e1) in enumerate(b1):
+    for i, (s1, e1) in enumerate(grid.rows):
         row = []
-        for j, (s2, e2) in enumerate(b2):
-            t = tiles[j, i] if (x2 is None and j < i) else tiles[i, j]
-            if x2 is None and j < i:
-                t = t_task(t, mode)
+        for j, (s2, e2) in enumerate(grid.cols):
+            t = t_task(tiles[j, i], mode) if grid.mirrored(i, j) else tiles[i, j]
             shape = (e1 - s1, e2 - s2, *tail)
             row.append(da.from_delayed(t, shape=shape, dtype=out_dtype, meta=meta))
         rows.append(row)
