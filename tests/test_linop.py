@@ -180,3 +180,25 @@ def test_bad_compositions_are_named(rng):
     with pytest.raises(NotImplementedError, match="NoAdjoint has no adjoint"):
         NoAdjoint().T @ np.ones(3)
     assert isinstance(NoAdjoint().T, AdjointOperator)
+
+
+@pytest.mark.parametrize("positions", [1, 3])
+def test_seng_layer_factor_is_an_operator(rng, positions):
+    """SENG's per-layer U = J_b^T (P_b, N) is a LinearOperator equal to the dense Jacobian."""
+    torch = pytest.importorskip("torch")
+    from ntkcore.backends.torch_seng import _Thin
+
+    n = 6
+    a = torch.as_tensor(rng.standard_normal((n, positions, 5)))
+    g = torch.as_tensor(rng.standard_normal((n, positions, 1, 4)))
+    for J in (Jacobian([KroneckerBlock(a, g)]),
+              Jacobian([DenseBlock(torch.as_tensor(rng.standard_normal((n, 1, 7))))])):
+        u = J.to_dense()[:, 0, :].T.numpy()  # (P_b, N)
+        op = _Thin(J)
+        assert isinstance(op, LinearOperator) and tuple(op.shape) == u.shape
+        c, v = rng.standard_normal(n), rng.standard_normal(u.shape[0])
+        tol = gamma(np.float64, 2 * positions * 20)
+        np.testing.assert_allclose(op.matvec(torch.as_tensor(c)).numpy(), u @ c, rtol=0,
+                                   atol=tol * (np.abs(u) @ np.abs(c)).max())
+        np.testing.assert_allclose((op.T @ torch.as_tensor(v)).numpy(), u.T @ v, rtol=0,
+                                   atol=tol * (np.abs(u.T) @ np.abs(v)).max())
