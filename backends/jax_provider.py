@@ -61,6 +61,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.support import capabilities
 
 __all__ = ["jacobian", "provider"]
 
@@ -300,6 +301,9 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
                  batched=batched)
 
 
+@capabilities(name="backends.jax.jacobian",
+              fast={"jax": "jax.vmap(jax.jacrev), Kronecker for recognised dense layers"},
+              missing=("numpy", "torch", "cupy", "array_api_strict"))
 def jacobian(
     apply_fn: Callable[[Any, Any], Any],
     params: Any,

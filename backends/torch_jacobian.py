@@ -145,6 +145,7 @@ import torch
 from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.support import capabilities
 
 from .torch_layers import CONV, layer_block, layer_type, output_factor, sample_axis_ok
 
@@ -676,6 +677,10 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
 # --------------------------------------------------------------------------------------------
 # the provider
 # --------------------------------------------------------------------------------------------
+@capabilities(name="backends.torch.jacobian", fast={
+    "torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
+    note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
+    missing=("numpy", "cupy", "jax", "array_api_strict"))
 def jacobian(
     model: nn.Module,
     x: torch.Tensor,

@@ -99,6 +99,7 @@ from torch import nn
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.support import capabilities
 
 from .torch import TorchBackend
 from .torch_jacobian import jacobian
@@ -408,6 +409,10 @@ def _jac_bytes(j: Jacobian) -> int:
     return sum(_nbytes(arr) for b in j.blocks for arr in b.arrays())
 
 
+@capabilities(name="backends.torch.checkpointed_ntk", fast={
+    "torch": "custom autograd Function, target chunks recomputed in backward"},
+    note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
+    missing=("numpy", "cupy", "jax", "array_api_strict"))
 def checkpointed_ntk(
     model: nn.Module,
     x1: torch.Tensor,
@@ -570,6 +575,10 @@ class _FusedKipLoss(torch.autograd.Function):
         return (None, None, ga, *[None if g is None else g * grad_loss for g in g_support])
 
 
+@capabilities(name="backends.torch.kip_loss",
+              fast={"torch": "one pass over target chunks, Cholesky regression"},
+              note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
+              missing=("numpy", "cupy", "jax", "array_api_strict"))
 def kip_loss(
     model: nn.Module,
     x_support: torch.Tensor,

@@ -91,6 +91,7 @@ from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
 from ntkcore.sketch import SketchSpec, spawn_seed
 from ntkcore.solve import SMWSolver
+from ntkcore.support import capabilities
 
 from .torch_jacobian import (
     _check_sample_coupling,
@@ -223,6 +224,9 @@ def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], tor
     return lambda g: solver.solve_with(g, sketched.rmatvec, full.matvec)
 
 
+@capabilities(name="backends.torch.SENG", fast={
+    "torch": "hooks (Linear/Conv) + torch.func for the rest; torch.distributed"},
+    note={"torch": "CPU and CUDA"}, missing=("numpy", "cupy", "jax", "array_api_strict"))
 class SENG(torch.optim.Optimizer):
     r"""Sketchy empirical natural gradient (layer-wise SMW with Cholesky), one backward per step.
 

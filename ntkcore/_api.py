@@ -70,6 +70,7 @@ from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .providers import Provider, find_provider
+from .support import capabilities
 
 __all__ = ["ntk", "pseudo_ntk"]
 
@@ -495,6 +496,8 @@ def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: in
     return out_rows[0] if len(out_rows) == 1 else xp.concat(out_rows, axis=lead)
 
 
+@capabilities(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
+                    "jax": "(apply_fn, params) or models.MLP"})
 def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         layerwise: bool = False, max_memory: Any = None, params: Any = None,
         progress: Any = None, dtype: Any = None, batch_size: int | None = None,
@@ -580,6 +583,8 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
                    batch_size=batch_size, checkpoint=checkpoint, check_finite=check_finite)
 
 
+@capabilities(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
+                    "jax": "(apply_fn, params) or models.MLP"})
 def pseudo_ntk(model: Any, x1: Array, x2: Array | None = None, *, layerwise: bool = False,
                max_memory: Any = None, params: Any = None, progress: Any = None,
                dtype: Any = None, batch_size: int | None = None,

@@ -40,6 +40,7 @@ import array_api_compat
 from ._typing import Array
 from ._validation import check_array, namespace_of
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .support import BACKENDS, capabilities
 
 __all__ = [
     "centered_kernel_alignment",
@@ -78,6 +79,7 @@ def _frob_inner(xp: Any, a: Array, b: Array) -> Array:
     return xp.sum(a * b)
 
 
+@capabilities(name="analysis.kernel_alignment")
 def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
     r"""(Centered) kernel alignment of two kernels of the same shape.
 
@@ -110,6 +112,7 @@ def centered_kernel_alignment(k1: Array, k2: Array) -> Array:
     return kernel_alignment(k1, k2, centered=True)
 
 
+@capabilities(name="analysis.relative_kernel_distance")
 def relative_kernel_distance(k: Array, k_ref: Array) -> Array:
     r""":math:`\lVert K - K_{ref}\rVert_F / \lVert K_{ref}\rVert_F`.
 
@@ -133,6 +136,8 @@ def relative_kernel_distance(k: Array, k_ref: Array) -> Array:
     return _scalar(xp, xp.sqrt(xp.sum(d * d)) / xp.sqrt(xp.sum(k_ref * k_ref)))
 
 
+@capabilities(name="analysis.kernel_spectrum",
+              fast={b: "xp.linalg.eigvalsh" for b in BACKENDS})
 def kernel_spectrum(k: Array) -> Array:
     """Eigenvalues of a symmetric kernel, largest first.
 
@@ -155,6 +160,8 @@ def kernel_spectrum(k: Array) -> Array:
     return xp.flip(ev, axis=0)
 
 
+@capabilities(name="analysis.effective_rank",
+              fast={b: "xp.linalg.eigvalsh" for b in BACKENDS})
 def effective_rank(k: Array, *, method: str = "entropy") -> Array:
     r"""Effective rank of a kernel or of its eigenvalues.
 
@@ -220,6 +227,7 @@ def layer_traces(J: Jacobian) -> Array:
     return xp.stack(out)
 
 
+@capabilities(name="analysis.trace_share")
 def trace_share(k: Array | Jacobian, names: Sequence[str] | None = None) -> Array | dict:
     r"""Share of each block in the trace of the eNTK.
 

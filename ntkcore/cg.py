@@ -77,6 +77,7 @@ from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, check_symmetric
 from .backend import Backend, get_backend
 from .linop import ArrayOperator, IdentityOperator, LinearOperator
+from .support import GENERATOR, capabilities
 
 __all__ = [
     "CGReport",
@@ -486,6 +487,9 @@ def _default_tol(xp: Any, dtype: Any) -> float:
     return max(1e-6, 100.0 * float(xp.finfo(dtype).eps))
 
 
+@capabilities(fast=GENERATOR, note={
+    "numpy": "k may also be a dask array or a linear operator",
+    "jax": "works; slow in eager mode (one dispatch per operation per iteration)"})
 def cg_solve(
     k: Any,
     y: Array,

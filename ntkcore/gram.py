@@ -92,6 +92,7 @@ from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .support import capabilities
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
@@ -780,6 +781,8 @@ def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = 
     return _setup(J1, J2, mode, layerwise, max_memory, dtype, strategy).plan
 
 
+@capabilities(note={"torch": "differentiable (autograd)",
+                    "jax": "tiles assembled by concatenation (no in-place writes)"})
 def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
          max_memory: Any = None, dtype: Any = None, progress: Any = None,
          check_finite: bool = True) -> Array:

@@ -29,6 +29,7 @@ import array_api_compat
 
 from ._typing import Array
 from .linop import LinearOperator
+from .support import capabilities
 
 __all__ = ["DenseBlock", "Jacobian", "JacobianOperator", "KroneckerBlock"]
 
@@ -234,6 +235,7 @@ def _take_samples(x: Array, idx: Any) -> Array:
     return xp.take(x, idx, axis=0)
 
 
+@capabilities()
 @dataclass(frozen=True, eq=False)
 class Jacobian:
     """A per-sample Jacobian as a sequence of blocks in parameter order.

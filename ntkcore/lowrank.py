@@ -12,10 +12,13 @@ import array_api_compat
 from ._typing import Array
 from ._validation import check_size
 from .jacobian import Jacobian, KroneckerBlock
+from .support import BACKENDS, capabilities
 
 __all__ = ["low_rank"]
 
 
+@capabilities(name="lowrank.low_rank",
+              fast={b: "xp.linalg.qr + xp.linalg.svd" for b in BACKENDS})
 def low_rank(J: Jacobian | KroneckerBlock, rank: int) -> tuple[Any, Array]:
     """Compress Kronecker blocks with S positions to ``rank`` positions (SENG's implicit mode).
 

@@ -83,6 +83,7 @@ from ._typing import Array
 from ._validation import check_floating, check_scalar, namespace_of
 from .backend import get_backend
 from .jacobian import Jacobian, KroneckerBlock
+from .support import DIFFERENTIABLE, capabilities
 
 __all__ = ["ACTIVATIONS", "MLP", "erf"]
 
@@ -226,6 +227,7 @@ def _resolve_namespace(xp: Any) -> Any:
                         f"array_api_strict, ...); got {xp!r}") from None
 
 
+@capabilities(name="models.MLP", note=DIFFERENTIABLE)
 class MLP:
     r"""A fully-connected network with a hand-written per-sample Jacobian.
 

@@ -34,6 +34,7 @@ from ._typing import Array
 from ._validation import namespace_of
 from .cg import LinearOperator
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .support import capabilities
 
 __all__ = ["KernelOperator"]
 
@@ -50,6 +51,7 @@ def _gram(*args: Any, **kwargs: Any) -> Array:
 
 
 
+@capabilities(note={"jax": "tiles via gram (concatenation)"})
 class KernelOperator(LinearOperator):
     r"""The eNTK :math:`J_1 J_2^\top + \lambda I` as a linear operator (never stored).
 

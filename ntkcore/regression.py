@@ -45,6 +45,7 @@ from ._typing import Array
 from ._validation import check_array, check_scalar, check_symmetric, namespace_of
 from .backend import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
+from .support import DIFFERENTIABLE, GENERATOR, TRIANGULAR_SOLVE, capabilities
 
 __all__ = [
     "GPPosterior",
@@ -162,6 +163,7 @@ def _check_regression_inputs(
     return check_symmetric(xp, k_train, "k_train", backend)
 
 
+@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
 class KernelRidge:
     """Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
 
@@ -255,6 +257,8 @@ class KernelRidge:
         return k_test_train @ self.alpha_
 
 
+@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
+@capabilities(name="kernel_regression(solver='cg')", fast=GENERATOR)
 def kernel_regression(
     k_train: Array,
     y_train: Array,
@@ -326,6 +330,7 @@ def kernel_regression(
     return KernelRidge(reg=reg, jitter=jitter).fit(k_train, y_train).predict(k_test_train)
 
 
+@capabilities(note=DIFFERENTIABLE)
 def gd_mse_predict(
     k_train: Array,
     y_train: Array,
@@ -465,6 +470,7 @@ class GPPosterior:
     jitter: float
 
 
+@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
 def gp_inference(
     k_train: Array,
     y_train: Array,

@@ -67,6 +67,7 @@ from ._validation import check_size
 from .backend import get_backend
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .lowrank import low_rank
+from .support import BACKENDS, GENERATOR, capabilities
 
 __all__ = [
     "GaussianSketch",
@@ -537,6 +538,7 @@ class SparseSignSketch(Sketch):
 
 
 # -- constructors ---------------------------------------------------------------------------
+@capabilities(name="sketch.uniform", fast=GENERATOR)
 def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
             like: Any = None) -> RowSketch:
     """Uniform row sampling of ``q`` out of ``n`` rows, scaled by :math:`\\sqrt{n/q}`.
@@ -570,6 +572,8 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
     return sk
 
 
+@capabilities(name="sketch.leverage", fast=GENERATOR,
+              note={b: "without replacement: systematic PPS (unbiased)" for b in BACKENDS})
 def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True) -> RowSketch:
     """Row sampling with probabilities proportional to squared row norms of ``U``.
 
@@ -676,6 +680,7 @@ def _normalise(xp: Any, w: Array, what: str) -> Array:
     return w / total
 
 
+@capabilities(name="sketch.gaussian", fast=GENERATOR)
 def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
     """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
     sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed))
@@ -684,6 +689,8 @@ def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> Ga
     return sk
 
 
+@capabilities(name="sketch.sparse_sign", fast=GENERATOR,
+              note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS})
 def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
                 like: Any = None) -> SparseSignSketch:
     """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
@@ -824,6 +831,7 @@ def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | Non
     return _oblivious_sketch(method, axis_len, q, seed, replace, x, "method")
 
 
+@capabilities(name="sketch.sketch_jacobian", fast=GENERATOR)
 def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
                     replace: bool = True, return_sketch: bool = False
                     ) -> Jacobian | tuple[Jacobian, JacobianSketch]:

@@ -43,6 +43,7 @@ from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .linop import AdjointOperator, ArrayOperator
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
+from .support import CHOLESKY_SOLVE, capabilities
 
 __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 
@@ -340,6 +341,8 @@ class SMWSolver:
 
 
 # -- public functions -------------------------------------------------------------------------
+@capabilities(fast=CHOLESKY_SOLVE,
+              note={"numpy": "U^T U through BLAS syrk (matmul detects it)"})
 def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = None) -> Array:
     r"""Solve :math:`(\lambda I + U U^\top) d = g` through a rho x rho Cholesky factorisation.
 
@@ -389,6 +392,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
     return SMWSolver(U, damping, sketch=sketch).solve(g)
 
 
+@capabilities(fast=CHOLESKY_SOLVE)
 def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: Any = None,
                      blockwise: bool = False) -> Array:
     r"""Empirical natural-gradient direction :math:`(\lambda I + J^\top J / N)\, d = g`.

@@ -1,9 +1,21 @@
-"""Which public function runs on which backend: the single declaration behind docs and test skips.
+"""Which public function runs on which backend, declared beside each function; docs/backends.md.
 
-``SUPPORT[function][backend]`` is a :class:`Support` entry.  ``docs/backends.md`` is generated
-from this table (:func:`support_markdown`; ``python -m ntkcore support`` writes it) and the test
-suite skips a (function, backend) pair exactly when the table says it is unsupported, so the
-two cannot drift apart.
+Each public function or class declares its support where it is defined, with the
+:func:`capabilities` decorator::
+
+    @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
+    def kernel_regression(...): ...
+
+which registers one :class:`Support` entry per backend under the function's public name
+(its ``__qualname__`` unless ``name=`` says otherwise).  ``SUPPORT[function][backend]`` reads
+the registry, in the page order of :data:`ROWS`; ``docs/backends.md`` is generated from it
+(:func:`support_markdown`; ``python -m ntkcore support`` writes it, a test checks it) and
+:func:`supports` answers whether a (function, backend) pair is declared to run.
+
+The framework layers (``backends.torch.*``, ``backends.jax.*``, ``distributed.*``) declare
+theirs the same way; their modules import torch, JAX or Dask, so the table reads those
+declarations from the source text (:data:`_SOURCE_MODULES`) rather than importing them: the
+page is the same whether or not the frameworks are installed.
 
 Backends: ``numpy``, ``torch`` (CPU and CUDA), ``cupy`` (CUDA), ``jax`` (CPU and GPU) and
 ``array_api_strict`` (standing in for any other array-API namespace, served by the generic
@@ -12,7 +24,14 @@ backend).
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 BACKENDS = ("numpy", "torch", "cupy", "jax", "array_api_strict")
 
@@ -36,33 +55,36 @@ class Support:
     note: str = ""
 
 
-def _all(fast: dict[str, str] | None = None, note: dict[str, str] | None = None,
+def _all(fast: Mapping[str, str] | None = None, note: Mapping[str, str] | None = None,
          missing: tuple[str, ...] = ()) -> dict[str, Support]:
     fast = fast or {}
     note = note or {}
+    unknown = (set(fast) | set(note) | set(missing)) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backend(s) {sorted(unknown)}; expected some of {BACKENDS}")
     return {
         b: Support(ok=b not in missing, fast_path=fast.get(b, ""), note=note.get(b, ""))
         for b in BACKENDS
     }
 
 
-_TRIANGULAR = {
+# Fast paths and notes shared by several functions (used in their ``@capabilities``).
+TRIANGULAR_SOLVE = {
     "numpy": "scipy.linalg.solve_triangular",
     "torch": "torch.linalg.solve_triangular",
     "cupy": "cupyx.scipy.linalg.solve_triangular",
     "jax": "jax.scipy.linalg.solve_triangular",
     "array_api_strict": "xp.linalg.solve (generic)",
 }
-_DIFF = {"torch": "differentiable (autograd)", "jax": "differentiable (jax.grad)"}
-
-_CHOLESKY_SOLVE = {
+DIFFERENTIABLE = {"torch": "differentiable (autograd)", "jax": "differentiable (jax.grad)"}
+CHOLESKY_SOLVE = {
     "numpy": "scipy.linalg.cho_solve",
     "torch": "torch.cholesky_solve",
     "cupy": "cupyx.scipy.linalg (triangular solves)",
     "jax": "jax.scipy.linalg (triangular solves)",
     "array_api_strict": "xp.linalg.solve (generic)",
 }
-_GENERATOR = {
+GENERATOR = {
     "numpy": "numpy PCG64",
     "torch": "torch.Generator on the tensor's device",
     "cupy": "cupy.random on the device",
@@ -70,88 +92,142 @@ _GENERATOR = {
     "array_api_strict": "host numpy PCG64 (generic)",
 }
 
-SUPPORT: dict[str, dict[str, Support]] = {
-    "kernel_regression": _all(_TRIANGULAR, _DIFF),
-    "KernelRidge": _all(_TRIANGULAR, _DIFF),
-    "gd_mse_predict": _all(note=_DIFF),
-    "gp_inference": _all(_TRIANGULAR, _DIFF),
-    # explicit MLP (ntkcore/models.py): pure array API everywhere; erf/gelu use the pure
-    # array-API erf unless the backend offers a native ``erf`` hook.
-    "models.MLP": _all(note={"torch": "differentiable (autograd)",
-                             "jax": "differentiable (jax.grad)"}),
-    # JAX provider (backends/jax_provider.py): jax arrays and (apply_fn, params) pairs only.
-    "backends.jax.jacobian": _all(
-        fast={"jax": "jax.vmap(jax.jacrev), Kronecker for recognised dense layers"},
-        missing=("numpy", "torch", "cupy", "array_api_strict")),
-    # ntk / pseudo_ntk (ntkcore/_api.py): pure array API around the provider of the model's
-    # type; the inputs' namespace is the one that provider works in.
-    "ntk": _all(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
-                      "jax": "(apply_fn, params) or models.MLP"}),
-    "pseudo_ntk": _all(note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
-                             "jax": "(apply_fn, params) or models.MLP"}),
-    # torch provider (backends/torch_jacobian.py): hooks + batched output gradients.
-    "backends.torch.jacobian": _all(
-        fast={"torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
-        note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
-        missing=("numpy", "cupy", "jax", "array_api_strict")),
-    # KIP (backends/torch_kip.py): checkpointed eNTK (targets' factors recomputed per chunk in
-    # the backward pass) and the fused one-pass KIP loss; torch.nn.Module models only.
-    "backends.torch.checkpointed_ntk": _all(
-        fast={"torch": "custom autograd Function, target chunks recomputed in backward"},
-        note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
-        missing=("numpy", "cupy", "jax", "array_api_strict")),
-    "backends.torch.kip_loss": _all(
-        fast={"torch": "one pass over target chunks, Cholesky regression"},
-        note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
-        missing=("numpy", "cupy", "jax", "array_api_strict")),
-    # gram engine (ntkcore/gram.py): pure array API; tiles written in place where the
-    # namespace allows item assignment, concatenated otherwise (JAX).
-    "gram": _all(note={"torch": "differentiable (autograd)",
-                       "jax": "tiles assembled by concatenation (no in-place writes)"}),
-    "Jacobian": _all(),
-    # kernel analysis helpers (ntkcore/analysis.py): pure array API.
-    "analysis.kernel_alignment": _all(),
-    "analysis.relative_kernel_distance": _all(),
-    "analysis.kernel_spectrum": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
-    "analysis.effective_rank": _all(fast={b: "xp.linalg.eigvalsh" for b in BACKENDS}),
-    "analysis.trace_share": _all(),
-    # sketches and SMW (ntkcore/sketch.py, ntkcore/solve.py): pure array API; random numbers
-    # from backend.generator; Cholesky of the small system through the backend.
-    "smw_solve": _all(fast=_CHOLESKY_SOLVE,
-                      note={"numpy": "U^T U through BLAS syrk (matmul detects it)"}),
-    "natural_gradient": _all(fast=_CHOLESKY_SOLVE),
-    "sketch.uniform": _all(fast=_GENERATOR),
-    "sketch.leverage": _all(fast=_GENERATOR,
-                            note={b: "without replacement: systematic PPS (unbiased)"
-                                  for b in BACKENDS}),
-    "sketch.gaussian": _all(fast=_GENERATOR),
-    "sketch.sparse_sign": _all(fast=_GENERATOR,
-                               note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS}),
-    "sketch.sketch_jacobian": _all(fast=_GENERATOR),
-    "lowrank.low_rank": _all(fast={b: "xp.linalg.qr + xp.linalg.svd" for b in BACKENDS}),
-    # SENG optimizer (backends/torch_seng.py): torch only.
-    "backends.torch.SENG": _all(
-        fast={"torch": "hooks (Linear/Conv) + torch.func for the rest; torch.distributed"},
-        note={"torch": "CPU and CUDA"},
-        missing=("numpy", "cupy", "jax", "array_api_strict")),
-    # conjugate gradients and the implicit kernel operator (ntkcore/cg.py, operators.py):
-    # pure array API; triangular solves / Cholesky / RNG of the preconditioners from the
-    # backend; dask kernels through ntkcore.distributed.DaskMatrixOperator (host namespaces).
-    "cg_solve": _all(fast=_GENERATOR, note={
-        "numpy": "k may also be a dask array or a linear operator",
-        "jax": "works; slow in eager mode (one dispatch per operation per iteration)"}),
-    "kernel_regression(solver='cg')": _all(fast=_GENERATOR),
-    "KernelOperator": _all(note={"jax": "tiles via gram (concatenation)"}),
-    # ntkcore.distributed (Dask + Zarr): tiles leave the workers as host numpy arrays.
-    "distributed.ntk_dask": _all(
-        note={"numpy": "models.MLP", "torch": "torch.nn.Module (tiles copied to host)",
-              "jax": "(apply_fn, params)", "cupy": "tiles copied to host"},
-        missing=("array_api_strict",)),
-    "distributed.ntk_to_zarr": _all(missing=("array_api_strict",)),
-    "distributed.cholesky_regression": _all(
-        fast={"numpy": "dask.array.linalg.cholesky"},
-        missing=("torch", "cupy", "jax", "array_api_strict")),
-}
+#: name -> (owner "module.qualname", entries); filled by :func:`capabilities` at import time.
+_REGISTRY: dict[str, tuple[str, dict[str, Support]]] = {}
+
+_T = TypeVar("_T")
+
+
+def capabilities(*, name: str | None = None, fast: Mapping[str, str] | None = None,
+                 note: Mapping[str, str] | None = None,
+                 missing: tuple[str, ...] = ()) -> Callable[[_T], _T]:
+    """Declare, at its definition, on which backends a public function or class runs.
+
+    Parameters
+    ----------
+    name : str, optional
+        Public name of the entry (a row of ``docs/backends.md``); default ``__qualname__``.
+        Must be listed in :data:`ROWS`.
+    fast : mapping backend -> str, optional
+        The backend primitive used where the array API standard lacks one.
+    note : mapping backend -> str, optional
+        Anything a user should know on that backend.
+    missing : tuple of str
+        Backends on which it does not run.
+
+    Returns
+    -------
+    decorator
+        Registers the entry and returns the decorated object unchanged.
+    """
+    entries = _all(fast, note, missing)
+
+    def register(obj: _T) -> _T:
+        key = name or obj.__qualname__
+        owner = f"{obj.__module__}.{obj.__qualname__}"
+        if key in _REGISTRY and _REGISTRY[key][0] != owner:
+            raise ValueError(f"support entry {key!r} is declared twice: by {_REGISTRY[key][0]} "
+                             f"and by {owner}")
+        _REGISTRY[key] = (owner, entries)
+        return obj
+
+    return register
+
+
+#: Framework modules (torch, JAX, Dask): their ``@capabilities`` are read from their source
+#: text (:func:`_declared_in_source`), never imported here, so that the page is the same whether
+#: or not those frameworks are installed (and generating it does not import them).
+_SOURCE_MODULES = ("ntkcore.backends.jax_provider", "ntkcore.backends.torch_jacobian",
+                   "ntkcore.backends.torch_kip", "ntkcore.backends.torch_seng",
+                   "ntkcore.distributed._ntk", "ntkcore.distributed._zarr",
+                   "ntkcore.distributed._solve")
+
+
+@functools.cache
+def _declared_in_source(module: str) -> tuple[tuple[str, dict[str, Support]], ...]:
+    """The ``@capabilities(...)`` entries of ``module``, read from its source without running it.
+
+    Only the parent package is imported (to locate the file); the decorator's arguments must be
+    literals there (``ast.literal_eval``).
+    """
+    parent, _, leaf = module.rpartition(".")
+    spec = importlib.util.find_spec(parent)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"cannot locate package {parent!r} to read {module}")
+    path = Path(spec.submodule_search_locations[0]) / f"{leaf}.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        for deco in node.decorator_list:
+            if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name)
+                    and deco.func.id == "capabilities"):
+                continue
+            try:
+                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in deco.keywords}
+            except ValueError as exc:
+                raise ValueError(f"{path}:{deco.lineno}: @capabilities arguments must be "
+                                 f"literals in framework modules") from exc
+            key = kwargs.pop("name", None) or node.name
+            found.append((key, _all(**kwargs)))
+    return tuple(found)
+
+
+#: Modules whose ``@capabilities`` declarations make up the table (imported on first use).
+_MODULES = ("ntkcore.regression", "ntkcore.models", "ntkcore._api", "ntkcore.gram",
+            "ntkcore.jacobian", "ntkcore.analysis", "ntkcore.solve", "ntkcore.sketch",
+            "ntkcore.lowrank", "ntkcore.cg", "ntkcore.operators")
+
+#: Row order of the table and of ``docs/backends.md``; every entry is listed exactly once.
+ROWS = (
+    "kernel_regression", "KernelRidge", "gd_mse_predict", "gp_inference", "models.MLP",
+    "backends.jax.jacobian", "ntk", "pseudo_ntk", "backends.torch.jacobian",
+    "backends.torch.checkpointed_ntk", "backends.torch.kip_loss", "gram", "Jacobian",
+    "analysis.kernel_alignment", "analysis.relative_kernel_distance",
+    "analysis.kernel_spectrum", "analysis.effective_rank", "analysis.trace_share",
+    "smw_solve", "natural_gradient", "sketch.uniform", "sketch.leverage", "sketch.gaussian",
+    "sketch.sparse_sign", "sketch.sketch_jacobian", "lowrank.low_rank", "backends.torch.SENG",
+    "cg_solve", "kernel_regression(solver='cg')", "KernelOperator", "distributed.ntk_dask",
+    "distributed.ntk_to_zarr", "distributed.cholesky_regression",
+)
+
+
+def _table() -> dict[str, dict[str, Support]]:
+    """The complete table in :data:`ROWS` order.
+
+    Imports :data:`_MODULES` (their decorators register) and reads the declarations of
+    :data:`_SOURCE_MODULES` from source; raises ``RuntimeError`` when the declared names and
+    :data:`ROWS` differ.
+    """
+    for module in _MODULES:
+        importlib.import_module(module)
+    declared = {k: v for m in _SOURCE_MODULES for k, v in _declared_in_source(m)}
+    declared.update((k, v) for k, (_, v) in _REGISTRY.items())  # same text if also imported
+    unlisted = set(declared) - set(ROWS)
+    undeclared = set(ROWS) - set(declared)
+    if unlisted or undeclared or len(set(ROWS)) != len(ROWS):
+        raise RuntimeError(f"support table inconsistent: missing from ROWS {sorted(unlisted)}, "
+                           f"never declared {sorted(undeclared)}, ROWS has duplicates: "
+                           f"{len(set(ROWS)) != len(ROWS)}")
+    return {fn: declared[fn] for fn in ROWS}
+
+
+class _SupportTable(Mapping[str, dict[str, Support]]):
+    """Read-only view of the registry; complete (all :data:`_MODULES` imported) on access."""
+
+    def __getitem__(self, function: str) -> dict[str, Support]:
+        return _table()[function]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_table())
+
+    def __len__(self) -> int:
+        return len(_table())
+
+
+#: ``SUPPORT[function][backend]``: a :class:`Support` entry, rows in :data:`ROWS` order.
+SUPPORT: Mapping[str, dict[str, Support]] = _SupportTable()
 
 
 def supports(function: str, backend: str) -> bool:
@@ -165,9 +241,10 @@ _SUPPORT_INTRO = """\
 <!-- Generated by `python -m ntkcore support --out docs/backends.md` from ntkcore/support.py.
      Do not edit by hand: tests/test_docs.py checks that this file equals the generated one. -->
 
-Which public function runs on which array backend, as declared once in `ntkcore/support.py`
-(the same table the test suite uses to decide what it skips, so this page and the tests cannot
-disagree).
+Which public function runs on which array backend, as each function declares it where it is
+defined (the `@capabilities` decorator of `ntkcore/support.py`).  The tests run the array
+functions on numpy, torch, array_api_strict and jax, and on CuPy and torch-cuda where a GPU is
+present.
 
 - **numpy**: NumPy arrays; SciPy's LAPACK for triangular and Cholesky solves.
 - **torch**: `torch.Tensor` on CPU or CUDA; autograd flows through the linear algebra.
@@ -184,21 +261,22 @@ def support_markdown() -> str:
     A summary matrix (function x backend, "yes" / "no") followed by, for every function, the
     fast path and notes of each supported backend.
     """
+    table = _table()
     lines = [_SUPPORT_INTRO]
     lines.append("## Summary\n")
     lines.append("| function | " + " | ".join(BACKENDS) + " |")
     lines.append("|---|" + "---|" * len(BACKENDS))
-    for fn in SUPPORT:
-        cells = ["yes" if SUPPORT[fn][b].ok else "no" for b in BACKENDS]
+    for fn in table:
+        cells = ["yes" if table[fn][b].ok else "no" for b in BACKENDS]
         lines.append(f"| `{fn}` | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("## Details\n")
-    for fn in SUPPORT:
+    for fn in table:
         lines.append(f"### `{fn}`\n")
         lines.append("| backend | supported | fast path | note |")
         lines.append("|---|---|---|---|")
         for b in BACKENDS:
-            s = SUPPORT[fn][b]
+            s = table[fn][b]
             fast = f"`{s.fast_path}`" if s.fast_path else "array API standard"
             if not s.ok:
                 fast = "-"

@@ -22,6 +22,41 @@ def test_backends_page_is_generated_from_support_table():
         "docs/backends.md is stale: run `python -m ntkcore support --out docs/backends.md`")
 
 
+def test_support_declared_at_definitions():
+    """Each row of the table is declared by ``@capabilities`` on the object it describes; the
+    framework modules' declarations are read from their source without importing torch/JAX/Dask,
+    and equal what the decorator registers when the module is imported."""
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'jax', 'dask', 'distributed', 'zarr', 'cupy'): sys.modules[m] = None\n"
+        "from ntkcore import support\n"
+        "sys.stdout.write(support.support_markdown())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (DOCS / "backends.md").read_text(encoding="utf-8")
+
+    import ntkcore
+    from ntkcore import support
+    from ntkcore.regression import kernel_regression
+
+    assert list(support.SUPPORT) == list(support.ROWS)
+    assert support._REGISTRY["kernel_regression"][0] == "ntkcore.regression.kernel_regression"
+    assert support._REGISTRY["analysis.kernel_alignment"][0] == (
+        "ntkcore.analysis.kernel_alignment")
+    assert support.capabilities(name="kernel_regression")(kernel_regression) is kernel_regression
+    with pytest.raises(ValueError, match="declared twice"):
+        support.capabilities(name="kernel_regression")(ntkcore.gram)
+    with pytest.raises(ValueError, match="unknown backend"):
+        support.capabilities(missing=("numpyy",))
+    pytest.importorskip("torch")
+    import ntkcore.backends.torch_seng  # registers backends.torch.SENG
+
+    from_source = dict(support._declared_in_source("ntkcore.backends.torch_seng"))
+    assert support._REGISTRY["backends.torch.SENG"][1] == from_source["backends.torch.SENG"]
+    assert support.supports("backends.torch.SENG", "torch")
+    assert not support.supports("backends.torch.SENG", "numpy")
+
+
 def test_every_page_is_in_a_toctree():
     index = (DOCS / "index.md").read_text(encoding="utf-8")
     listed = set(re.findall(r"^([a-z][\w-]*)$", index, re.M))

@@ -25,6 +25,7 @@ import dask.array as da
 import numpy as np
 
 from ..providers import find_provider
+from ..support import capabilities
 from ._cluster import get_client, worker_memory_limits
 
 _MODES = ("trace", "full", "diagonal")
@@ -99,6 +100,10 @@ def _slice(x: Any, s: int, e: int) -> Any:
     return x[s:e, ...]
 
 
+@capabilities(name="distributed.ntk_dask", note={
+    "numpy": "models.MLP", "torch": "torch.nn.Module (tiles copied to host)",
+    "jax": "(apply_fn, params)", "cupy": "tiles copied to host"},
+    missing=("array_api_strict",))
 def ntk_dask(
     model: Any,
     x1: Any,

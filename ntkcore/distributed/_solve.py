@@ -21,6 +21,7 @@ import numpy as np
 
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
+from ..support import capabilities
 from ._ntk import _to_numpy
 from ._zarrop import ZarrMatrixOperator, _accumulate
 
@@ -119,6 +120,9 @@ class DaskMatrixOperator(LinearOperator):
         return _back(xp, out, like)
 
 
+@capabilities(name="distributed.cholesky_regression",
+              fast={"numpy": "dask.array.linalg.cholesky"},
+              missing=("torch", "cupy", "jax", "array_api_strict"))
 def cholesky_regression(
     k_train: Any,
     y_train: Any,

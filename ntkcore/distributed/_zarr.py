@@ -40,6 +40,7 @@ import numpy as np
 import zarr
 
 from .._version import __version__
+from ..support import capabilities
 from . import _fingerprint as fp
 from ._cluster import get_client, wait_with_progress
 
@@ -493,6 +494,7 @@ def _to_zarr(
     return status
 
 
+@capabilities(name="distributed.ntk_to_zarr", missing=("array_api_strict",))
 def ntk_to_zarr(
     model: Any,
     x1: Any,
