@@ -102,37 +102,17 @@ class ConvergenceWarning(RuntimeWarning):
 # Linear operators (the interface lives in ntkcore.linop)
 # ---------------------------------------------------------------------------------------------
 class _DuckOperator(LinearOperator):
-    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``."""
+    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``:
+    its ``matmat``, ``matvec``, ``sketch``, ``columns`` and ``diagonal`` where it has them,
+    the :class:`~ntkcore.linop.LinearOperator` defaults otherwise."""
 
     def __init__(self, op: Any) -> None:
         self.op = op
         self.shape = tuple(int(s) for s in op.shape)  # type: ignore[assignment]
         self.dtype = getattr(op, "dtype", None)
-
-    def matmat(self, v: Array) -> Array:
-        if hasattr(self.op, "matmat"):
-            return self.op.matmat(v)
-        return LinearOperator.matmat(self, v)
-
-    def matvec(self, v: Array) -> Array:
-        if hasattr(self.op, "matvec"):
-            return self.op.matvec(v)
-        return self.op.matmat(v[:, None])[:, 0]
-
-    def sketch(self, v: Array) -> Array:
-        if hasattr(self.op, "sketch"):
-            return self.op.sketch(v)
-        return self.matmat(v)
-
-    def columns(self, idx: list[int], like: Array) -> Array:
-        if hasattr(self.op, "columns"):
-            return self.op.columns(idx, like)
-        return LinearOperator.columns(self, idx, like)
-
-    def diagonal(self, like: Array) -> Array:
-        if hasattr(self.op, "diagonal"):
-            return self.op.diagonal(like)
-        return LinearOperator.diagonal(self, like)
+        for method in ("matmat", "matvec", "sketch", "columns", "diagonal"):
+            if hasattr(op, method):
+                setattr(self, method, getattr(op, method))
 
 
 class _Adapter(NamedTuple):
