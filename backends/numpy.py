@@ -1,12 +1,15 @@
-"""NumPy backend: SciPy's LAPACK wrappers and NumPy's PCG64 generator."""
+"""NumPy backend: SciPy's LAPACK wrappers, NumPy's PCG64 generator and SciPy operators."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import scipy.linalg
 import scipy.special
 
 from ntkcore.backend import Array, Device
+from ntkcore.linop import LinearOperator
 
 from ._host import host_free_memory
 from .generic import GenericBackend, _HostGenerator
@@ -52,3 +55,20 @@ class NumpyBackend(GenericBackend):
 
     def free_memory(self, device: Device) -> int | None:
         return host_free_memory()
+
+
+def to_scipy(op: LinearOperator) -> Any:
+    """``op`` (M, N) acting on NumPy arrays as a ``scipy.sparse.linalg.LinearOperator``.
+
+    Its ``matvec`` / ``matmat`` / ``rmatvec`` / ``rmatmat`` call ``op``'s (vectors flattened
+    to (N,) first: SciPy may pass (N, 1)); the adjoint ones raise where ``op`` has no adjoint.
+    """
+    if not isinstance(op, LinearOperator):
+        raise TypeError(f"op must be an ntkcore.linop.LinearOperator; got {type(op).__name__}")
+    import scipy.sparse.linalg  # lazily: importing it costs more than the rest of the backend
+
+    return scipy.sparse.linalg.LinearOperator(
+        tuple(op.shape), dtype=None if op.dtype is None else np.dtype(op.dtype),
+        matvec=lambda v: op.matvec(np.reshape(v, (-1,))),
+        rmatvec=lambda w: op.rmatvec(np.reshape(w, (-1,))),
+        matmat=op.matmat, rmatmat=op.rmatmat)

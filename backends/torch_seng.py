@@ -87,6 +87,7 @@ import torch
 from torch import nn
 
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
 from ntkcore.sketch import SketchSpec, spawn_seed
 from ntkcore.solve import SMWSolver
@@ -171,8 +172,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-class _Thin:
-    r""":math:`U^\top v` and :math:`U c` for one block, with the factors cached as 2-D tensors.
+class _Thin(LinearOperator):
+    r"""U (P_b, N) of one block as a linear operator: :math:`U c` (``matvec``) and
+    :math:`U^\top v` (``rmatvec``), with the factors cached as 2-D tensors.
 
     ``U = J_b^\top`` for a one-block Jacobian with O = 1 (per-sample loss gradients):
 
@@ -186,11 +188,12 @@ class _Thin:
     def __init__(self, jac: Jacobian) -> None:
         (block,) = jac.blocks
         self.n = jac.num_samples
+        self.shape, self.dtype, self.device = (jac.num_params, self.n), jac.dtype, jac.device
         if isinstance(block, KroneckerBlock):
             s = block.num_positions
             self.kron = True
             self.s = s
-            self.shape = (block.d_out, block.d_in)
+            self.w_shape = (block.d_out, block.d_in)
             self.a = block.a.reshape(self.n * s, block.d_in)
             self.g = block.g.reshape(self.n * s, block.d_out)
             self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
@@ -198,14 +201,14 @@ class _Thin:
             self.kron = False
             self.jac = block.jac.reshape(self.n, block.num_params)
 
-    def t_mul(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
+    def rmatvec(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
         if not self.kron:
             return self.jac @ v
-        y = torch.mm(self.a, v.reshape(self.shape).t())  # rows a_{n,s}^T V^T, (N S, d_out)
+        y = torch.mm(self.a, v.reshape(self.w_shape).t())  # rows a_{n,s}^T V^T, (N S, d_out)
         r = torch.linalg.vecdot(y, self.g)  # g_{n,s} . V a_{n,s}
         return r if self.s == 1 else r.reshape(self.n, self.s).sum(1)
 
-    def mul(self, c: torch.Tensor) -> torch.Tensor:  # (N,) -> (P_b,)
+    def matvec(self, c: torch.Tensor) -> torch.Tensor:  # (N,) -> (P_b,)
         if not self.kron:
             return c @ self.jac
         cs = c if self.s == 1 else c.repeat_interleave(self.s)
@@ -218,7 +221,7 @@ def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], tor
     full = _Thin(jac)
     xi = solver.sketched_factor
     sketched = full if xi is jac else _Thin(xi)
-    return lambda g: solver.solve_with(g, sketched.t_mul, full.mul)
+    return lambda g: solver.solve_with(g, sketched.rmatvec, full.matvec)
 
 
 @capabilities(name="backends.torch.SENG", fast={

@@ -9,8 +9,9 @@ touching :math:`K` only through products :math:`K V`.  :math:`K` may be
 
 * an in-memory array of any array-API namespace (numpy, torch, jax, cupy, array_api_strict),
 * a dask array (the products are computed by Dask; see :mod:`ntkcore.distributed`),
-* any *linear operator*: an object with ``shape`` (N, N), ``dtype`` and ``matmat(V)``
-  (N, k) -> (N, k) or ``matvec(v)`` (N,) -> (N,), for example
+* any *linear operator* (:class:`ntkcore.linop.LinearOperator`, which composes: ``K + c * I``)
+  or object with ``shape`` (N, N), ``dtype`` and ``matmat(V)`` (N, k) -> (N, k) or
+  ``matvec(v)`` (N,) -> (N,), for example
   :class:`ntkcore.KernelOperator`, which recomputes kernel tiles from Jacobian factors and never
   stores the N x N kernel.  Optional methods ``diagonal()`` -> (N,) and ``columns(idx)`` ->
   (N, len(idx)) make the pivoted-Cholesky preconditioner cheap.
@@ -75,6 +76,7 @@ import array_api_compat
 from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, check_symmetric
 from .backend import Backend, get_backend
+from .linop import ArrayOperator, IdentityOperator, LinearOperator
 from .support import GENERATOR, capabilities
 
 __all__ = [
@@ -97,117 +99,20 @@ class ConvergenceWarning(RuntimeWarning):
 
 
 # ---------------------------------------------------------------------------------------------
-# Linear operators
+# Linear operators (the interface lives in ntkcore.linop)
 # ---------------------------------------------------------------------------------------------
-class LinearOperator:
-    """Base class (and duck-type description) of a symmetric N x N operator.
-
-    Subclasses set ``shape`` and ``dtype`` and implement :meth:`matmat` (or :meth:`matvec`).
-    :meth:`diagonal` and :meth:`columns` have generic (slow: one product per column) fallbacks.
-    """
-
-    shape: tuple[int, int]
-    dtype: Any
-
-    def matmat(self, v: Array) -> Array:
-        """:math:`K V` for ``v`` (N, k) -> (N, k)."""
-        xp = array_api_compat.array_namespace(v)
-        return xp.stack([self.matvec(v[:, j]) for j in range(v.shape[1])], axis=1)
-
-    def matvec(self, v: Array) -> Array:
-        """:math:`K v` for ``v`` (N,) -> (N,)."""
-        return self.matmat(v[:, None])[:, 0]
-
-    def __matmul__(self, v: Array) -> Array:
-        return self.matvec(v) if v.ndim == 1 else self.matmat(v)
-
-    def sketch(self, v: Array) -> Array:
-        """:math:`K V` for building a preconditioner (N, r) -> (N, r).
-
-        A preconditioner only has to be approximate, so an operator may compute this product
-        faster and less precisely than :meth:`matmat` (for example in the dtype of a float32
-        stored kernel); the default is :meth:`matmat`.
-        """
-        return self.matmat(v)
-
-    def columns(self, idx: list[int], like: Array) -> Array:
-        """Columns ``K[:, idx]`` (N, len(idx)) in the namespace/device/dtype of ``like``."""
-        xp = array_api_compat.array_namespace(like)
-        dev = array_api_compat.device(like)
-        rows = xp.asarray(idx, dtype=xp.int64, device=dev)
-        grid = xp.arange(self.shape[0], dtype=xp.int64, device=dev)
-        # one-hot (N, len(idx)) built by comparison: no in-place writes (jax, array_api_strict)
-        e = xp.astype(grid[:, None] == rows[None, :], like.dtype)
-        return self.matmat(e)
-
-    def diagonal(self, like: Array) -> Array:
-        """The diagonal of K (N,); the generic fallback costs N products (avoid it)."""
-        xp = array_api_compat.array_namespace(like)
-        n = self.shape[0]
-        step = 256
-        parts = []
-        for start in range(0, n, step):
-            idx = list(range(start, min(n, start + step)))
-            cols = self.columns(idx, like)
-            parts.append(xp.stack([cols[i, j] for j, i in enumerate(idx)]))
-        return xp.concat(parts)
-
-
 class _DuckOperator(LinearOperator):
-    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``."""
+    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``:
+    its ``matmat``, ``matvec``, ``sketch``, ``columns`` and ``diagonal`` where it has them,
+    the :class:`~ntkcore.linop.LinearOperator` defaults otherwise."""
 
     def __init__(self, op: Any) -> None:
         self.op = op
         self.shape = tuple(int(s) for s in op.shape)  # type: ignore[assignment]
         self.dtype = getattr(op, "dtype", None)
-
-    def matmat(self, v: Array) -> Array:
-        if hasattr(self.op, "matmat"):
-            return self.op.matmat(v)
-        return LinearOperator.matmat(self, v)
-
-    def matvec(self, v: Array) -> Array:
-        if hasattr(self.op, "matvec"):
-            return self.op.matvec(v)
-        return self.op.matmat(v[:, None])[:, 0]
-
-    def sketch(self, v: Array) -> Array:
-        if hasattr(self.op, "sketch"):
-            return self.op.sketch(v)
-        return self.matmat(v)
-
-    def columns(self, idx: list[int], like: Array) -> Array:
-        if hasattr(self.op, "columns"):
-            return self.op.columns(idx, like)
-        return LinearOperator.columns(self, idx, like)
-
-    def diagonal(self, like: Array) -> Array:
-        if hasattr(self.op, "diagonal"):
-            return self.op.diagonal(like)
-        return LinearOperator.diagonal(self, like)
-
-
-class _ArrayOperator(LinearOperator):
-    """An in-memory kernel array of any array-API namespace."""
-
-    def __init__(self, k: Array) -> None:
-        self.k = k
-        self.shape = (int(k.shape[0]), int(k.shape[1]))
-        self.dtype = k.dtype
-        self.xp = array_api_compat.array_namespace(k)
-
-    def matmat(self, v: Array) -> Array:
-        return self.k @ v
-
-    def matvec(self, v: Array) -> Array:
-        return self.k @ v
-
-    def columns(self, idx: list[int], like: Array) -> Array:
-        ind = self.xp.asarray(idx, dtype=self.xp.int64, device=array_api_compat.device(self.k))
-        return self.xp.take(self.k, ind, axis=1)
-
-    def diagonal(self, like: Array) -> Array:
-        return self.xp.linalg.diagonal(self.k)
+        for method in ("matmat", "matvec", "sketch", "columns", "diagonal"):
+            if hasattr(op, method):
+                setattr(self, method, getattr(op, method))
 
 
 class _Adapter(NamedTuple):
@@ -271,7 +176,7 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
     elif _is_array(k):
         if k.ndim != 2:
             raise ValueError(f"{name} must have shape (N, N); got shape {tuple(k.shape)}")
-        op = _ArrayOperator(k)
+        op = ArrayOperator(k)
     else:
         raise TypeError(
             f"{name} must be an array, a dask array or a linear operator with shape, dtype and "
@@ -639,19 +544,21 @@ def cg_solve(
     n = op.shape[0]
     if y.shape[0] != n:
         raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
-    if isinstance(op, _ArrayOperator):
+    if isinstance(op, ArrayOperator):
         if op.xp is not xp:
             raise TypeError(
-                f"{name} is a {type(op.k).__module__} array but y is a {type(y).__module__} "
-                "array; pass arrays of one library"
+                f"{name} is a {type(op.array).__module__} array but y is a "
+                f"{type(y).__module__} array; pass arrays of one library"
             )
-        check_array(xp, op.k, name, (2,), "(N, N)")
-        op = _ArrayOperator(check_symmetric(xp, op.k, name))
+        check_array(xp, op.array, name, (2,), "(N, N)")
+        op = ArrayOperator(check_symmetric(xp, op.array, name))
     reg = check_scalar(reg, "reg", nonnegative=True)
-    op_reg = getattr(op, "reg", 0.0)
-    if isinstance(op_reg, float) and op_reg > 0 and hasattr(op, "with_reg"):
-        # an operator carrying its own ridge (KernelOperator): precondition K, shift by both
-        op, reg = op.with_reg(0.0), reg + op_reg
+    base, shift = op.split_identity()
+    if base is not None and shift > 0:
+        # an operator carrying its own ridge (K + s I, e.g. KernelOperator(reg=s)):
+        # precondition K, shift by both
+        op, reg = base, reg + shift
+    a = op + reg * IdentityOperator(n) if reg else op  # A = K + reg I
     tol_v = _default_tol(xp, y.dtype) if tol is None else check_scalar(tol, "tol", positive=True)
     if maxiter is None:
         maxiter_v = max(10 * n, 1)
@@ -670,12 +577,6 @@ def cg_solve(
     else:
         xmat = xp.zeros_like(ymat)
 
-    def apply_a(v: Array) -> Array:
-        kv = op.matmat(v)
-        if reg:
-            kv = kv + reg * v
-        return kv
-
     t0 = time.perf_counter()
     precond = _make_preconditioner(preconditioner, op, rank, reg, seed, ymat, name)
     setup = time.perf_counter() - t0
@@ -685,7 +586,7 @@ def cg_solve(
     t1 = time.perf_counter()
     ynorm = xp.linalg.vector_norm(ymat, axis=0)  # (k,)
     ynorm_safe = xp.where(ynorm > 0, ynorm, xp.ones_like(ynorm))
-    r = ymat - apply_a(xmat) if x0 is not None else ymat
+    r = ymat - a.matmat(xmat) if x0 is not None else ymat
     z = precond.apply(r) if precond is not None else r
     p = z
     rz = xp.sum(r * z, axis=0)
@@ -695,7 +596,7 @@ def cg_solve(
     done = bool(xp.all(res <= tol_v))
     while not done and it < maxiter_v:
         active = res > tol_v
-        ap = apply_a(p)
+        ap = a.matmat(p)
         pap = xp.sum(p * ap, axis=0)
         ok = active & (pap > 0)
         step = xp.where(ok, rz / xp.where(ok, pap, xp.ones_like(pap)), xp.zeros_like(pap))
@@ -722,7 +623,7 @@ def cg_solve(
         p = z + beta * p
         rz = xp.where(ok, rz_new, rz)
     # honest final residual (the recursive one drifts in low precision)
-    true_res = xp.linalg.vector_norm(ymat - apply_a(xmat), axis=0) / ynorm_safe
+    true_res = xp.linalg.vector_norm(ymat - a.matmat(xmat), axis=0) / ynorm_safe
     residuals = tuple(float(v) for v in _to_list(xp, true_res))
     if not all(math.isfinite(v) for v in residuals):
         raise ValueError(f"the final residual of conjugate gradients is NaN or Inf: {name} "

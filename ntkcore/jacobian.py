@@ -28,9 +28,10 @@ from typing import Any
 import array_api_compat
 
 from ._typing import Array
+from .linop import LinearOperator
 from .support import capabilities
 
-__all__ = ["DenseBlock", "Jacobian", "KroneckerBlock"]
+__all__ = ["DenseBlock", "Jacobian", "JacobianOperator", "KroneckerBlock"]
 
 
 def _same_device(d1: Any, d2: Any) -> bool:
@@ -370,6 +371,11 @@ class Jacobian:
             raise ValueError(f"c must have shape ({n}, {o}); got {tuple(c.shape)}")
         return self._xp.concat([b.vjp(c) for b in self.blocks], axis=0)
 
+    def as_operator(self) -> JacobianOperator:
+        """J as an (N O, P) :class:`~ntkcore.linop.LinearOperator` (products :meth:`jvp`,
+        adjoint :meth:`vjp`; row ``n * O + o``)."""
+        return JacobianOperator(self)
+
     def contract_outputs(self, w: Array) -> Jacobian:
         """The Jacobian of :math:`\\sum_o w_o f_o` (one output): ``w`` has shape (O,).
 
@@ -422,6 +428,23 @@ class Jacobian:
                 blocks.append(KroneckerBlock(xp.concat([p.a for p in kron], axis=0),
                                              xp.concat([p.g for p in kron], axis=0), b.name))
         return Jacobian(blocks)
+
+
+class JacobianOperator(LinearOperator):
+    r"""A Jacobian J (N, O, P) as the (N O, P) operator :math:`v \mapsto J v` (row ``n O + o``),
+    adjoint :math:`c \mapsto J^\top c`; products one column at a time (``jvp`` / ``vjp``)."""
+
+    def __init__(self, J: Jacobian) -> None:
+        self.J, self.xp = J, J.xp
+        self.n, self.o = J.num_samples, J.num_outputs
+        self.shape = (self.n * self.o, J.num_params)
+        self.dtype, self.device = J.dtype, J.device
+
+    def matvec(self, v: Array) -> Array:
+        return self.xp.reshape(self.J.jvp(v), (self.shape[0],))
+
+    def rmatvec(self, w: Array) -> Array:
+        return self.J.vjp(self.xp.reshape(w, (self.n, self.o)))
 
 
 def as_jacobian(j: Any, name: str) -> Jacobian:

@@ -156,6 +156,10 @@ class KernelOperator(LinearOperator):
         new.tiles_computed = 0
         return new
 
+    def split_identity(self) -> tuple[LinearOperator | None, float]:
+        """``(K, reg)``: this operator is :math:`K + \\lambda I` (see ``LinearOperator``)."""
+        return (self.with_reg(0.0), self.reg) if self.reg else (self, 0.0)
+
     def _choose(self, method: str) -> str:
         if method != "auto":
             return method

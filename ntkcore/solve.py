@@ -41,6 +41,7 @@ from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
 from .support import CHOLESKY_SOLVE, capabilities
@@ -96,53 +97,27 @@ def _jacobian_gram(J: Jacobian) -> Array:
 
 
 # -- operators standing for U ----------------------------------------------------------------
-class _ArrayOp:
-    """U as a (P, rho) array."""
+class _ArrayOp(ArrayOperator):
+    """U as a (P, rho) array, with its Gram."""
 
     def __init__(self, xp: Any, u: Array) -> None:
-        self.xp = xp
-        self.u = u
-        self.num_rows = int(u.shape[0])
-        self.num_cols = int(u.shape[1])
+        super().__init__(u)
+        self.xp, self.num_rows = xp, self.shape[0]
 
     def gram(self) -> Array:
-        return sym_gram(self.xp, self.u)
-
-    def t_mul(self, g: Array) -> Array:  # U^T g: (P,)/(P,k) -> (rho,)/(rho,k)
-        return self.xp.matrix_transpose(self.u) @ g if g.ndim == 2 else g @ self.u
-
-    def mul(self, b: Array) -> Array:  # U b
-        return self.u @ b
+        return sym_gram(self.xp, self.array)
 
 
-class _JacobianOp:
-    """U = J^T for a Jacobian J (N, O, P): columns are the N*O rows of J."""
+class _JacobianOp(AdjointOperator):
+    """U = J^T (P, N*O) for a Jacobian J: columns are the N*O rows of J, with their Gram."""
 
     def __init__(self, J: Jacobian) -> None:
+        super().__init__(J.as_operator())
         self.J = J
-        self.xp = J.xp
-        self.n, self.o = J.num_samples, J.num_outputs
-        self.num_rows = J.num_params
-        self.num_cols = self.n * self.o
+        self.num_rows = self.shape[0]
 
     def gram(self) -> Array:
         return _jacobian_gram(self.J)
-
-    def _t_mul_vec(self, g: Array) -> Array:
-        return self.xp.reshape(self.J.jvp(g), (self.num_cols,))
-
-    def t_mul(self, g: Array) -> Array:
-        if g.ndim == 1:
-            return self._t_mul_vec(g)
-        return self.xp.stack([self._t_mul_vec(g[:, j]) for j in range(int(g.shape[1]))], axis=1)
-
-    def _mul_vec(self, b: Array) -> Array:
-        return self.J.vjp(self.xp.reshape(b, (self.n, self.o)))
-
-    def mul(self, b: Array) -> Array:
-        if b.ndim == 1:
-            return self._mul_vec(b)
-        return self.xp.stack([self._mul_vec(b[:, j]) for j in range(int(b.shape[1]))], axis=1)
 
 
 def _jacobian_as_float(J: Jacobian, xp: Any, dtype: Any) -> Jacobian:
@@ -255,7 +230,7 @@ class SMWSolver:
             if self.gram_dtype == "wide" and isinstance(op, _JacobianOp):
                 gram = _jacobian_gram(_jacobian_as_float(op.J, xp, self.wide))
             elif self.gram_dtype == "wide":
-                gram = sym_gram(xp, xp.astype(op.u, self.wide))
+                gram = sym_gram(xp, xp.astype(op.array, self.wide))
             else:
                 gram = op.gram()
             gram = xp.astype(gram, self.wide)
@@ -289,7 +264,7 @@ class SMWSolver:
         r""":math:`\Xi = \Omega U`, whose Gram is factored: the sketched Jacobian (for a
         Jacobian U) or array (q, rho); U itself (the same object) without a sketch."""
         op = self.sketch_op
-        return op.J if isinstance(op, _JacobianOp) else op.u
+        return op.J if isinstance(op, _JacobianOp) else op.array
 
     def set_damping(self, damping: float) -> None:
         """Change :math:`\\lambda` and refactor the small system (the Gram is kept)."""
@@ -311,7 +286,7 @@ class SMWSolver:
         xp = self.xp
         g = self._promote(g)
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = xp.astype(self.sketch_op.t_mul(sg), self.wide) * self.scale
+        rhs = xp.astype(self.sketch_op.T @ sg, self.wide) * self.scale
         return self.backend.cho_solve(self._chol, rhs)
 
     def solve(self, g: Array) -> Array:
@@ -327,7 +302,7 @@ class SMWSolver:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
         gp = self._promote(g)
         b = self.coefficients(gp)
-        ub = self.op.mul(xp.astype(b, self.dtype))
+        ub = self.op @ xp.astype(b, self.dtype)
         d = xp.astype((gp - ub) / self.damping, g.dtype)
         self._check_direction(g, d)
         return d
