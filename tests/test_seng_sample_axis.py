@@ -22,6 +22,8 @@ from ntkcore.backends.torch import SENG  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
+from tests.sample_axis_models import Buffer, BufferConv, SeqFirst  # noqa: E402
+
 DT = torch.float64
 LAM = 0.5
 LR = 0.3
@@ -43,32 +45,8 @@ class PosProj(nn.Module):
         return self.out(torch.tanh(h)).mean(1)
 
 
-class Buffer(nn.Module):
-    """A fixed buffer (T, 3) into a Linear: its output is shared by every sample.  Every
-    trainable layer is a Linear (no dense layer besides the one the shared input forces)."""
-
-    def __init__(self, t: int = 5) -> None:
-        super().__init__()
-        self.register_buffer("z", torch.randn(t, 3))
-        self.a = nn.Linear(3, 4)
-        self.b = nn.Linear(4, 3)
-
-    def forward(self, x):  # x (N, T)
-        return self.b(x @ torch.tanh(self.a(self.z)))
 
 
-class SeqFirst(nn.Module):
-    """``nn.TransformerEncoderLayer`` with ``batch_first=False``: its Linears see (T, N, d)
-    (sample axis 1); its attention's ``out_proj`` weight is used outside the Linear's
-    ``forward`` (no hooked call at all)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0)
-        self.o = nn.Linear(4, 3)
-
-    def forward(self, x):  # x (N, T, d)
-        return self.o(self.enc(x.transpose(0, 1)).mean(0))
 
 
 class SeqFirstMLP(nn.Module):
@@ -83,17 +61,6 @@ class SeqFirstMLP(nn.Module):
         return self.b(torch.tanh(self.a(x.transpose(0, 1)))).mean(0)
 
 
-class BufferConv(nn.Module):
-    """A Conv1d on a fixed unbatched (C, L) buffer with C_in == C_out == T."""
-
-    def __init__(self, t: int = 5) -> None:
-        super().__init__()
-        self.register_buffer("z", torch.randn(t, 8))
-        self.c = nn.Conv1d(t, t, 3)
-        self.l = nn.Linear(t, 3)
-
-    def forward(self, x):  # x (N, 6)
-        return self.l(x @ torch.tanh(self.c(self.z)).T)
 
 
 class TiedHead(nn.Module):

@@ -15,6 +15,8 @@ hundred parameters with entries of order one, as in ``test_torch_provider``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from ntkcore.backends.torch_jacobian import jacobian, to_block_order
@@ -23,6 +25,7 @@ from torch import nn
 import ntkcore
 from ntkcore import KroneckerBlock
 from tests.references import autograd_jacobian_graph
+from tests.sample_axis_models import Buffer, BufferConv, SeqFirst
 from tests.test_torch_provider import check_model, dense_reference, reference, rel
 
 DT = torch.float64
@@ -65,30 +68,8 @@ class GPT(nn.Module):
         return self.out(torch.tanh(self.tok(i) + self.pos(torch.arange(i.shape[1])))).mean(1)
 
 
-class Buffer(nn.Module):
-    """A fixed buffer (T, d) into a Linear: its output is shared by every sample."""
-
-    def __init__(self, t=5):
-        super().__init__()
-        self.register_buffer("z", torch.randn(t, 3))
-        self.a = nn.Linear(3, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x):  # x (N, T)
-        return self.b(x @ torch.tanh(self.a(self.z)))
 
 
-class SeqFirst(nn.Module):
-    """``nn.TransformerEncoderLayer`` with its default ``batch_first=False``: its Linear and
-    LayerNorm layers see (T, N, d) tensors, whose sample axis is axis 1."""
-
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0)
-        self.o = nn.Linear(4, 2)
-
-    def forward(self, x):  # x (N, T, d)
-        return self.o(self.enc(x.transpose(0, 1)).mean(0))
 
 
 class Flattened(nn.Module):
@@ -129,17 +110,6 @@ class SeqFirstEmbedding(nn.Module):
         return self.l(torch.tanh(self.e(i.T))).sum(0)
 
 
-class BufferConv(nn.Module):
-    """A Conv1d on a fixed unbatched (C, L) buffer, C_in == C_out == T."""
-
-    def __init__(self, t=5):
-        super().__init__()
-        self.register_buffer("z", torch.randn(t, 8))
-        self.c = nn.Conv1d(t, t, 3)
-        self.l = nn.Linear(t, 2)
-
-    def forward(self, x):  # x (N, 6)
-        return self.l(x @ torch.tanh(self.c(self.z)).T)
 
 
 def tokens(n, t=6):
@@ -149,12 +119,13 @@ def tokens(n, t=6):
 # (model factory, input factory N -> x, T, block kinds whatever N is)
 CASES = {
     "gpt": (GPT, lambda n: tokens(n), 6, "KDK"),
-    "buffer": (Buffer, lambda n: torch.randn(n, 5, dtype=DT), 5, "DK"),
-    "seq_first_transformer": (SeqFirst, lambda n: torch.randn(n, 5, 4, dtype=DT), 5, "DDKKDDK"),
+    "buffer": (partial(Buffer, out=2), lambda n: torch.randn(n, 5, dtype=DT), 5, "DK"),
+    "seq_first_transformer": (partial(SeqFirst, out=2), lambda n: torch.randn(n, 5, 4, dtype=DT),
+                              5, "DDKKDDK"),
     "flattened": (Flattened, lambda n: torch.randn(n, 3, 3, dtype=DT), 3, "DK"),
     "tied_mixed": (TiedMixed, lambda n: torch.randint(0, 7, (n, 4)), 4, "DK"),
     "seq_first_embedding": (SeqFirstEmbedding, lambda n: torch.randint(0, 9, (n, 4)), 4, "KK"),
-    "buffer_conv": (BufferConv, lambda n: torch.randn(n, 6, dtype=DT), 5, "DK"),
+    "buffer_conv": (partial(BufferConv, out=2), lambda n: torch.randn(n, 6, dtype=DT), 5, "DK"),
 }
 
 
@@ -177,7 +148,7 @@ def test_one_sample_has_the_same_blocks(case):
 
 
 def test_seq_first_linears_are_kronecker_over_tokens():
-    model = SeqFirst().to(DT).eval()
+    model = SeqFirst(out=2).to(DT).eval()
     j = check_model(model, torch.randn(5, 5, 4, dtype=DT), tol=TOL)
     by_name = dict(zip(j.names, j.blocks, strict=True))
     assert by_name["enc.linear1"].num_positions == 5  # the T tokens of each sample
@@ -188,7 +159,7 @@ def test_seq_first_linears_are_kronecker_over_tokens():
 @pytest.mark.parametrize("pseudo", [False, True], ids=["ntk", "pseudo"])
 def test_seq_first_every_backward_path(backward, pseudo):
     """The moved sample axis in each way of taking the output gradients."""
-    model = SeqFirst().to(DT).eval()
+    model = SeqFirst(out=2).to(DT).eval()
     x = torch.randn(5, 5, 4, dtype=DT)
     j = jacobian(model, x, backward=backward, pseudo=pseudo)
     assert kinds(j) == "DDKKDDK"
