@@ -534,7 +534,7 @@ def ntk_to_zarr(
     kernel = ntk_dask(model, x1, x2, mode=mode, chunk=chunk, client=client, params=params,
                       **ntk_options)
     fingerprint = fp.kernel_fingerprint(model, x1, x2, mode=mode, params=params,
-                                                  options=ntk_options)
+                                        options=ntk_options)
     return _to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
                     progress=progress, symmetric=x2 is None and mode == "trace",
                     checksums=checksums, fingerprint=fingerprint)
