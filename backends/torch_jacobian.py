@@ -157,9 +157,9 @@ __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to
 # --------------------------------------------------------------------------------------------
 def _select_params(model: nn.Module, params: Any) -> list[str]:
     """Names of the selected parameters in ``named_parameters`` order."""
-    named = list(model.named_parameters())
+    named = dict(model.named_parameters())
     if params is None:
-        chosen = [n for n, p in named if p.requires_grad]
+        chosen = [n for n, p in named.items() if p.requires_grad]
         if not chosen:
             raise ValueError("model has no parameter that requires grad; pass params= or set "
                              "requires_grad on the parameters of interest")
@@ -173,7 +173,7 @@ def _select_params(model: nn.Module, params: Any) -> list[str]:
                         f"got {type(params).__name__}") from None
     if not items:
         raise ValueError("params is empty: select at least one parameter")
-    by_id = {id(p): n for n, p in named}
+    by_id = {id(p): n for n, p in named.items()}
     all_named = dict(model.named_parameters(remove_duplicate=False))
     wanted: set[str] = set()
     for item in items:
@@ -188,8 +188,8 @@ def _select_params(model: nn.Module, params: Any) -> list[str]:
         else:
             raise TypeError(f"params entries must be names or tensors; got {type(item).__name__}")
         wanted.add(name)
-    chosen = [n for n, _ in named if n in wanted]
-    frozen = [n for n in chosen if not dict(named)[n].requires_grad]
+    chosen = [n for n in named if n in wanted]
+    frozen = [n for n in chosen if not named[n].requires_grad]
     if frozen:
         raise ValueError(f"params: {frozen} do not require grad; set requires_grad=True on them")
     return chosen
@@ -337,39 +337,44 @@ def _provider_pass(model: nn.Module) -> Iterator[None]:
             _PROVIDER_PASS.reset(token)
 
 
-def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 clone: bool) -> torch.Tensor:
-    handles = []
+@contextlib.contextmanager
+def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
+    """Forward hooks calling ``record(key, input, output)`` for each call of ``modules[key]``
+    with tensor input and output made by this thread (another thread's forward of the same
+    module is not our pass); its return value replaces the output.  Runs with autograd on."""
     me = threading.get_ident()
-    for unit in units.values():
-        unit.calls = []
 
-        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any,
-                 unit: _Unit = unit) -> Any:
-            if threading.get_ident() != me:
-                return None  # another thread's forward of the same module: not our pass
+    def hook_of(key: str) -> Any:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             a = args[0] if args else kwargs.get("input")
-            if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
-                return None
-            if clone:
-                a = a.clone()
-                y = out
-                out = out.clone()
-            else:
-                y = out
-            unit.calls.append(_Call(a, y, a._version, y._version))
-            return out if clone else None
+            if (threading.get_ident() == me and isinstance(out, torch.Tensor)
+                    and isinstance(a, torch.Tensor)):
+                return record(key, a, out)
+            return None
+        return hook
 
-        handles.append(unit.module.register_forward_hook(hook, with_kwargs=True))
+    handles = [m.register_forward_hook(hook_of(k), with_kwargs=True) for k, m in modules.items()]
     try:
         with torch.enable_grad():
-            out = model(x)
+            yield
     finally:
         for h in handles:
             h.remove()
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the model must return a tensor (N, ...); got {type(out).__name__}")
-    return out
+
+
+def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                 clone: bool) -> torch.Tensor:
+    for unit in units.values():
+        unit.calls = []
+
+    def record(path: str, a: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if clone:  # keep the recorded tensors out of reach of later in-place ops
+            a, out = a.clone(), y.clone()
+        units[path].calls.append(_Call(a, y, a._version, y._version))
+        return out if clone else None
+
+    with _hooked({path: u.module for path, u in units.items()}, record):
+        return _check_output(model(x))
 
 
 def _graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[int, int]]:
@@ -410,21 +415,13 @@ def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int
 
 def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
                  used: dict[str, list[int]]) -> dict[str, list[int]]:
-    r"""The sample axis of every used call of each unit, for the units where it exists.
-
-    A length equal to N proves nothing (module docstring), so the model is run a second time
-    on p != N samples (p = 1, or 2 when N = 1; the first sample, repeated) and the calls of
-    each unit are matched by order (:func:`_probe_sample_axes`, shared with ``SENG``).  A
-    unit gets a list of axes (one per call in ``used[path]``, indices into
-    ``units[path].calls``) only if every used call has one; otherwise it is left out and
-    becomes a DenseBlock.  So is every unit when the probe fails.
+    r"""``{path: [sample axis of each call in used[path]]}`` for the units where every used
+    call has one, from a probe forward on the first sample repeated p != N times (see "The
+    sample axis" in the module docstring); ``{}`` when the probe fails.
 
     Why that is exact: with samples independent, slice n of the layer output along that axis
     influences only f(x_n), so :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`
-    with both factors taken with the sample axis moved to the front.  A call with no such
-    axis has an input shared by all samples: no per-sample factor exists.  The result does not
-    depend on N (the same units, for any N), so Jacobians of different batches concatenate.
-    The probe costs one forward pass on p samples.
+    with both factors taken with the sample axis moved to the front.
     """
     n = int(x.shape[0])
     p = _probe_size(n)
@@ -442,7 +439,6 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
 
 
 def _probe_size(n: int) -> int:
-    """The number of samples p != n of the probe forward (1, or 2 when n == 1)."""
     return 2 if n == 1 else 1
 
 
@@ -450,51 +446,47 @@ class _ProbeFailed(Exception):
     """The probe forward raised (the original exception is the ``__cause__``)."""
 
 
-def _check_output(out: Any) -> Any:
+def _check_output(out: Any) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the model must return a tensor (N, ...); got {type(out).__name__}")
     return out
 
 
+def _check_inputs(model: Any, **inputs: Any) -> None:
+    """TypeError / ValueError unless ``model`` is an ``nn.Module`` and each input a tensor
+    with a non-empty leading sample axis (messages name the argument)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    for name, x in inputs.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (N, ...); got "
+                            f"{type(x).__name__}")
+        if x.ndim < 1 or x.shape[0] < 1:
+            raise ValueError(f"{name} must lead with a non-empty sample axis N; got shape "
+                             f"{tuple(x.shape)}")
+
+
 def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
                        real: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
                        used: dict[str, list[int]], n: int, p: int) -> dict[str, list[int]]:
-    """Run ``run()`` (a forward of the model on p != n samples, with autograd enabled) while
-    recording the input and output shapes of every call of ``modules[path]``, and find the
-    sample axis of the used calls of each module.
+    """The sample axes of the ``used[path]`` calls of ``modules[path]`` (shared with ``SENG``).
 
-    ``real[path]`` lists the (input shape, output shape) of *every* call of that module in the
-    pass on n samples (calls whose input or output is not a tensor are not counted, in either
-    pass), ``used[path]`` the indices of the calls that need an axis.  The sample axis of a
-    call is the one axis of its input *and* output that has length n in the real pass and p in
-    the probe, every other axis being unchanged (:func:`_tracking_axis`), that the layer type
-    allows (``torch_layers.sample_axis_ok``).  Returns ``{path: [axis per used call]}`` for
-    the modules where every used call has one and the probe called the module as often as the
-    real pass; raises :class:`_ProbeFailed` (from the model's error) when ``run()`` raises.
-    Autograd stays enabled in the probe so that it takes the same code path as a training
-    forward (PyTorch's fused inference paths, e.g. ``nn.TransformerEncoderLayer``'s, skip the
-    submodule calls).
+    ``run()`` is a forward on p != n samples; ``real[path]`` the (input shape, output shape)
+    of every tensor call of that module in the pass on n samples.  A call's sample axis is the
+    one axis of its input *and* output with length n there and p in the probe, every other
+    axis unchanged (:func:`_tracking_axis`), that ``torch_layers.sample_axis_ok`` allows.
+    Returns ``{path: [axis per used call]}`` where every used call has one and the probe called
+    the module as often; raises :class:`_ProbeFailed` from the model's error.  Autograd stays
+    on in the probe so that it takes the training code path (PyTorch's fused inference paths,
+    e.g. ``nn.TransformerEncoderLayer``'s, skip the submodule calls).
     """
     seen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in used}
-    me = threading.get_ident()
-    handles = []
-    for path in used:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any, path: str = path) -> None:
-            if threading.get_ident() != me:
-                return  # another thread's forward of the same module: not the probe
-            a = args[0] if args else kwargs.get("input")
-            if isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor):
-                seen[path].append((tuple(a.shape), tuple(out.shape)))
-
-        handles.append(modules[path].register_forward_hook(hook, with_kwargs=True))
     try:
-        with torch.enable_grad():
+        with _hooked({path: modules[path] for path in used},
+                     lambda path, a, y: seen[path].append((tuple(a.shape), tuple(y.shape)))):
             run()
     except Exception as exc:
         raise _ProbeFailed(str(exc)) from exc
-    finally:
-        for h in handles:
-            h.remove()
     axes: dict[str, list[int]] = {}
     for path, idx in used.items():
         mod, calls, probes = modules[path], real[path], seen[path]
@@ -515,26 +507,17 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
 
 def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Module],
                   pseudo: bool, create_graph: bool, batched: bool,
-                  axes: list[int] | None = None) -> list[torch.Tensor]:
-    """Gradients of every output column of ``out2`` (N, O) with respect to each ``ys[i]``,
-    as g (N, S, O, d_out) (O = 1 for the pseudo-NTK).
-
-    ``ys[i]`` is the output of a call of ``mods[i]``, shaped into g by
-    :func:`torch_layers.output_factor` (for a convolution a view of an (N, O, C_out, S)
-    array).  When ``axes[i]`` is not 0, the sample axis of ``ys[i]`` (not a convolution) is
-    that axis, e.g. (T, N, d_out) for a sequence-first layer, and is moved to the front of g.
+                  axes: list[int]) -> list[torch.Tensor]:
+    """Gradients of every output column of ``out2`` (N, O) with respect to each call output
+    ``ys[i]`` of ``mods[i]`` (samples on ``axes[i]``), as g (N, S, O, d_out) shaped by
+    :func:`torch_layers.output_factor` (O = 1 for the pseudo-NTK).
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
-    passes are either one ``is_grads_batched`` pass (vmap over the O one-hot cotangents: one
-    big GEMM per layer) or a loop of O passes writing into preallocated arrays; the loop is
-    used when ``batched`` is False (convolutions, whose vmapped backward is slower than O plain
-    ones) and when an op has no batching rule.  Either way no weight gradient is computed:
-    only the ``ys`` are inputs.
+    passes are one ``is_grads_batched`` pass, or (``batched`` False, or an op without a
+    batching rule) a loop of O passes into preallocated arrays.  No weight gradient is formed.
     """
     n, o = out2.shape
-    axes = [0] * len(ys) if axes is None else axes
-
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
@@ -576,14 +559,17 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
                   o: int, pseudo: bool, chunk_size: int | None,
                   create_graph: bool) -> dict[str, DenseBlock]:
-    """DenseBlocks by torch.func: vmap over samples of jacrev w.r.t. the listed parameters."""
+    """DenseBlocks of ``groups`` (block name, parameter names): ``vmap`` over chunks of samples
+    of ``jacrev`` w.r.t. those parameters, or plain autograd (:func:`_dense_blocks_graph`)
+    with ``create_graph`` or where ``torch.func`` cannot run the model (a RuntimeError; see
+    the module docstring).  Out-of-memory errors are not retried."""
     from torch.func import functional_call, jacrev, vmap
 
     if create_graph:
         return _dense_blocks_graph(model, x, groups, o, pseudo)
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
-    pdict = {k: (named[k] if create_graph else named[k].detach()) for k in names}
+    pdict = {k: named[k].detach() for k in names}
     scale = 1.0 / math.sqrt(o)
 
     def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
@@ -596,56 +582,34 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     if chunk_size is None:  # keep each chunk's Jacobian around 64 MB
         chunk_size = max(1, min(n, (2**26) // max(1, o * p_total * x.element_size())))
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
-    with torch.enable_grad() if create_graph else torch.no_grad():
-        for start in range(0, n, chunk_size):
-            res = jf(pdict, x[start:start + chunk_size])
-            for k in names:
-                pieces[k].append(res[k].reshape(res[k].shape[0], res[k].shape[1], -1))
-    blocks = {}
-    for bname, ns in groups:
-        cols = [torch.cat(pieces[k], dim=0) if len(pieces[k]) > 1 else pieces[k][0] for k in ns]
-        jac = cols[0] if len(cols) == 1 else torch.cat(cols, dim=2)
-        blocks[bname] = DenseBlock(jac, bname)
-    return blocks
-
-
-def _dense_blocks_or_autograd(model: nn.Module, x: torch.Tensor,
-                              groups: list[tuple[str, list[str]]], o: int, pseudo: bool,
-                              chunk_size: int | None, create_graph: bool) -> dict[str, DenseBlock]:
-    """:func:`_dense_blocks`, or :func:`_dense_blocks_graph` (plain autograd, one sample at a
-    time) when ``torch.func`` cannot run the model.
-
-    ``vmap(jacrev)`` raises a RuntimeError for ops without a batching rule or whose rule is
-    wrong (torch 2.13: ``nn.GRU`` / ``nn.RNN`` / multi-layer or bidirectional ``nn.LSTM`` with
-    the default ``hx``, ``nn.PReLU``) and for data-dependent Python control flow (``if
-    x.all():``, ``.item()``).  The per-sample path runs the model exactly as the user does, so
-    it is exact wherever the model itself runs on one sample; a genuine error of the model
-    (e.g. a shape that only fits the full batch) is raised again by it, with the ``torch.func``
-    error attached as its context.  Out-of-memory errors are not retried.  The fallback is
-    silent: it is exact, only slower (N * O backward passes instead of a vectorised one).
-    """
     try:
-        return _dense_blocks(model, x, groups, o, pseudo, chunk_size, create_graph)
+        with torch.no_grad():
+            for start in range(0, n, chunk_size):
+                res = jf(pdict, x[start:start + chunk_size])
+                for k in names:
+                    pieces[k].append(res[k].reshape(res[k].shape[0], res[k].shape[1], -1))
     except torch.cuda.OutOfMemoryError:
         raise
-    except RuntimeError:
-        if create_graph:
-            raise  # that was already the per-sample autograd path
+    except RuntimeError:  # no batching rule, or data-dependent control flow
         return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
+    return _grouped(groups, {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in pieces.items()})
+
+
+def _grouped(groups: list[tuple[str, list[str]]],
+             cols: dict[str, torch.Tensor]) -> dict[str, DenseBlock]:
+    """One DenseBlock per group from per-parameter Jacobians (N, O, P_k), concatenated."""
+    return {b: DenseBlock(torch.cat([cols[k] for k in ns], dim=2) if len(ns) > 1
+                          else cols[ns[0]], b) for b, ns in groups}
 
 
 def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
                         o: int, pseudo: bool, create_graph: bool = True) -> dict[str, DenseBlock]:
-    """DenseBlocks by plain autograd: one backward per sample and output, differentiable in
-    ``x`` when ``create_graph``.
+    """DenseBlocks by plain autograd: one backward per sample and output (differentiable in
+    ``x`` when ``create_graph``; detached otherwise).
 
-    ``torch.func``'s ``vmap`` (also the one inside ``jacrev``/``jacfwd``) composed with an
-    outer autograd graph gives wrong gradients with respect to ``x`` for some ops (LayerNorm
-    in torch 2.13: the input gradient of its weight-gradient formula), so the graph-keeping
-    path uses ordinary ``autograd.grad(..., create_graph=True)``: N * O passes (N * 1 for the
-    pseudo-NTK), meant for the small support sets that require grad.  With ``create_graph``
-    False it is the fallback for modules that ``torch.func`` cannot run
-    (:func:`_dense_blocks_or_autograd`); the blocks are then detached.
+    ``torch.func``'s ``vmap`` composed with an outer autograd graph gives wrong gradients with
+    respect to ``x`` for some ops (LayerNorm in torch 2.13), so the graph-keeping path uses
+    ordinary ``autograd.grad(..., create_graph=True)``, meant for small support sets.
     """
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
@@ -667,11 +631,7 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
                 per_o = [tuple(torch.zeros_like(q) for q in ps)] * out.shape[0]
             for j, k in enumerate(names):
                 rows[k].append(torch.stack([g[j].reshape(-1) for g in per_o]))
-    blocks = {}
-    for bname, ns in groups:
-        cols = [torch.stack(rows[k]) for k in ns]  # (N, O, P_k)
-        blocks[bname] = DenseBlock(cols[0] if len(cols) == 1 else torch.cat(cols, dim=2), bname)
-    return blocks
+    return _grouped(groups, {k: torch.stack(v) for k, v in rows.items()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -728,13 +688,7 @@ def jacobian(
         sample axis" in the module docstring), a DenseBlock (N, O, P_b) for everything else.
         Block names are module paths; the blocks do not depend on N.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor of shape (N, ...); got {type(x).__name__}")
-    if x.ndim < 1 or x.shape[0] < 1:
-        raise ValueError(f"x must lead with a non-empty sample axis N; got shape "
-                         f"{tuple(x.shape)}")
+    _check_inputs(model, x=x)
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
@@ -747,7 +701,6 @@ def jacobian(
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
                      backward: str) -> Jacobian:
-    """The body of :func:`jacobian`, run while holding the model's lock."""
     selected = _select_params(model, params)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
@@ -787,21 +740,17 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                 unit = units[path]
                 kron[path] = (unit, [unit.calls[i] for i in idx], axes[path])
 
-    # Blocks in parameter order.
+    # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
+    # one module (a root parameter alone).
     owners, _ = _owner_map(model)
-    order: list[tuple[str, str]] = []  # (kind, block name)
+    order: dict[str, None] = {}
     dense_groups: dict[str, list[str]] = {}
     for nm in selected:
-        mpath, _local = owners[nm]
-        if mpath in kron:
-            if ("kron", mpath) not in order:
-                order.append(("kron", mpath))
-            continue
-        bname = mpath if mpath else nm
-        if bname not in dense_groups:
-            dense_groups[bname] = []
-            order.append(("dense", bname))
-        dense_groups[bname].append(nm)
+        mpath = owners[nm][0]
+        bname = mpath if mpath in kron or mpath else nm
+        order[bname] = None
+        if mpath not in kron:
+            dense_groups.setdefault(bname, []).append(nm)
 
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if kron:
@@ -826,9 +775,9 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             k += len(calls)
     del out, out2, units
     if dense_groups:
-        blocks.update(_dense_blocks_or_autograd(model, x, list(dense_groups.items()), o, pseudo,
-                                                chunk_size, create_graph))
-    return Jacobian([blocks[name] for _, name in order])
+        blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
+                                    create_graph))
+    return Jacobian([blocks[name] for name in order])
 
 
 # --------------------------------------------------------------------------------------------
