@@ -97,14 +97,15 @@ import array_api_compat.torch as _xp
 import torch
 from torch import nn
 
+from ntkcore._api import _jac_bytes
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.modes import Mode, check_mode
-from ntkcore.support import capabilities
+from ntkcore.tiling import bounds
 
 from .torch import TorchBackend
-from .torch_jacobian import jacobian
+from .torch_jacobian import _check_inputs, jacobian, torch_only
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
 
@@ -162,10 +163,6 @@ def _target_jacobian(model: nn.Module, x: torch.Tensor, params: Any,
         return jacobian(model, x, params=params, pseudo=pseudo, create_graph=False)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
                    itemsize: int) -> _Layout:
     """Kronecker blocks to materialise (see *Strategy* in the module docstring)."""
@@ -199,17 +196,12 @@ def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
 # --------------------------------------------------------------------------------------------
 # shared set-up
 # --------------------------------------------------------------------------------------------
-class _Timer:
-    """Adds wall-clock seconds per phase into a user's dict (``timings=``), or does nothing."""
-
-    def __init__(self, out: dict[str, float] | None) -> None:
-        self.out = out
-
-    def add(self, phase: str, t0: float) -> float:
-        now = time.perf_counter()
-        if self.out is not None:
-            self.out[phase] = self.out.get(phase, 0.0) + (now - t0)
-        return now
+def _timed(timings: dict[str, float] | None, phase: str, t0: float) -> float:
+    """Add the seconds since ``t0`` to ``timings[phase]`` (if ``timings``); the time now."""
+    now = time.perf_counter()
+    if timings is not None:
+        timings[phase] = timings.get(phase, 0.0) + (now - t0)
+    return now
 
 
 @dataclass
@@ -228,7 +220,7 @@ class _Spec:
     gram_budget: Budget
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
-    timer: _Timer
+    timings: dict[str, float] | None
 
     def target(self, start: int, stop: int) -> Jacobian:
         """Factors of target samples ``start:stop``, no graph, ``"mat"`` blocks materialised."""
@@ -236,12 +228,15 @@ class _Spec:
         j = _target_jacobian(self.model, self.x_target[start:stop], self.params, self.pseudo)
         with torch.no_grad():
             j = self.layout.convert(j)
-        self.timer.add("target_factors_s", t0)
+        _timed(self.timings, "target_factors_s", t0)
         return j
 
     def contract(self, jt: Jacobian, js: Jacobian) -> torch.Tensor:
-        return gram(jt, js, mode=self.mode, layerwise=self.layerwise,
-                    max_memory=self.gram_budget, dtype=self.dtype)
+        t0 = time.perf_counter()
+        k = gram(jt, js, mode=self.mode, layerwise=self.layerwise, max_memory=self.gram_budget,
+                 dtype=self.dtype)
+        _timed(self.timings, "contract_s", t0)
+        return k
 
     def rows(self, start: int, stop: int) -> tuple[slice, ...]:
         """Index of target rows ``start:stop`` in the output (after a layerwise axis)."""
@@ -253,27 +248,19 @@ class _Spec:
         """The chunk's kernel ``k`` and the gradient of ``<grad_k, k>`` with respect to the
         ``wanted`` support leaves (``grad_k``: a tensor, or a function of the detached ``k``
         returning it)."""
-        t0 = time.perf_counter()
         with torch.enable_grad():
             k = self.contract(jt, self.layout.from_arrays(leaves))
-            t0 = self.timer.add("contract_s", t0)
+            t0 = time.perf_counter()
             gk = grad_k(k.detach()) if callable(grad_k) else grad_k
             grads = torch.autograd.grad(k, wanted, gk, allow_unused=True)
-        self.timer.add("support_grad_s", t0)
+        _timed(self.timings, "support_grad_s", t0)
         return k.detach(), grads
 
 
-def _check(model: Any, x1: Any, x2: Any, mode: Any, layerwise: Any, pseudo: bool,
+def _check(model: Any, inputs: dict[str, Any], mode: Any, layerwise: Any, pseudo: bool,
            batch_size: Any) -> Mode:
     """Validate the arguments of the public functions; the mode as a :class:`Mode`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    for name, x in (("x1", x1), ("x2", x2)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (N, ...); got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[0] == 0:
-            raise ValueError(f"{name} must lead with a non-empty sample axis N; got shape "
-                             f"{tuple(x.shape)}")
+    _check_inputs(model, **inputs)
     mode = check_mode(mode)
     if pseudo and mode != "trace":
         raise ValueError(f"pseudo=True gives a single-output kernel: mode must be 'trace'; "
@@ -291,7 +278,6 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode
              batch_size: int | None,
              timings: dict[str, float] | None) -> tuple[_Spec, list[torch.Tensor]]:
     """Support arrays (with their graph) and the chunk plan for targets ``xt``."""
-    timer = _Timer(timings)
     t0 = time.perf_counter()
     xt = xt.detach()
     n, m = int(xt.shape[0]), int(xs.shape[0])
@@ -306,17 +292,15 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode
                     for b, kind in zip(probe.blocks, layout.kinds, strict=True) if kind == "mat")
     o = probe.num_outputs
     del probe
-    chunk = batch_size or batch_samples(per_sample, budget / 2, 2 * mat_bytes)
-    chunk = min(chunk, n)
+    chunk = min(batch_size or batch_samples(per_sample, budget / 2, 2 * mat_bytes), n)
     support = layout.support_arrays(js)
     del js
     lead = (len(layout.names),) if layerwise else ()
-    spec = _Spec(model=model, x_target=xt, chunks=[(i, min(n, i + chunk))
-                                                   for i in range(0, n, chunk)],
-                 layout=layout, mode=mode, layerwise=layerwise, pseudo=pseudo, params=params,
-                 dtype=dtype, gram_budget=budget.share(4),
-                 out_shape=(*lead, n, m, *mode.tail(o)), out_dtype=out_dtype, timer=timer)
-    timer.add("support_s", t0)
+    spec = _Spec(model=model, x_target=xt, chunks=bounds(n, chunk), layout=layout, mode=mode,
+                 layerwise=layerwise, pseudo=pseudo, params=params, dtype=dtype,
+                 gram_budget=budget.share(4), out_shape=(*lead, n, m, *mode.tail(o)),
+                 out_dtype=out_dtype, timings=timings)
+    _timed(timings, "support_s", t0)
     if timings is not None:
         timings["chunk_size"] = float(chunk)
         timings["num_chunks"] = float(len(spec.chunks))
@@ -347,18 +331,12 @@ def _accumulate(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | N
 
 
 def _expand(acc: list[torch.Tensor | None], leaves: Sequence[torch.Tensor],
-            need: Sequence[bool], scale: Any = None) -> list[torch.Tensor | None]:
+            need: Sequence[bool]) -> list[torch.Tensor | None]:
     """Per support input: its accumulated gradient (zeros if unused), or None if not needed."""
     it = iter(acc)
-    out: list[torch.Tensor | None] = []
-    for leaf, q in zip(leaves, need, strict=True):
-        if not q:
-            out.append(None)
-            continue
-        g = next(it)
-        g = torch.zeros_like(leaf) if g is None else g
-        out.append(g if scale is None else g * scale)
-    return out
+    grads = [next(it) if q else None for q in need]
+    return [torch.zeros_like(leaf) if q and g is None else g
+            for leaf, q, g in zip(leaves, need, grads, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,11 +350,7 @@ class _CheckpointedKernel(torch.autograd.Function):
         js = spec.layout.from_arrays([s.detach() for s in support])
         out = torch.empty(spec.out_shape, dtype=spec.out_dtype, device=support[0].device)
         for start, stop in spec.chunks:
-            jt = spec.target(start, stop)
-            t0 = time.perf_counter()
-            out[spec.rows(start, stop)] = spec.contract(jt, js)
-            spec.timer.add("contract_s", t0)
-            del jt
+            out[spec.rows(start, stop)] = spec.contract(spec.target(start, stop), js)
         ctx.spec = spec
         ctx.save_for_backward(*support)
         return out
@@ -398,19 +372,9 @@ class _CheckpointedKernel(torch.autograd.Function):
         return (None, *_expand(acc, leaves, need))
 
 
-def _swap(mode: str, lead: int) -> tuple[int, ...]:
-    """Axes permutation transposing a kernel (see :meth:`ntkcore.modes.Mode.swap`)."""
-    return check_mode(mode).swap(lead)
-
-
-def _jac_bytes(j: Jacobian) -> int:
-    return sum(_nbytes(arr) for b in j.blocks for arr in b.arrays())
-
-
-@capabilities(name="backends.torch.checkpointed_ntk", fast={
-    "torch": "custom autograd Function, target chunks recomputed in backward"},
-    note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
-    missing=("numpy", "cupy", "jax", "array_api_strict"))
+@torch_only("backends.torch.checkpointed_ntk",
+            "custom autograd Function, target chunks recomputed in backward",
+            "CPU and CUDA; first-order gradients w.r.t. the support input")
 def checkpointed_ntk(
     model: nn.Module,
     x1: torch.Tensor,
@@ -481,7 +445,7 @@ def checkpointed_ntk(
         Both inputs require grad, an unknown ``mode``, ``pseudo`` with a mode other than
         trace, empty inputs or a bad ``batch_size``.
     """
-    mode = _check(model, x1, x2, mode, layerwise, pseudo, batch_size)
+    mode = _check(model, {"x1": x1, "x2": x2}, mode, layerwise, pseudo, batch_size)
     if x1.requires_grad and x2.requires_grad:
         raise ValueError("checkpointed_ntk bounds the backward when exactly one of x1, x2 "
                          "requires grad (the support set); both do. Use ntkcore.ntk(..., "
@@ -540,9 +504,7 @@ class _FusedKipLoss(torch.autograd.Function):
                 _, grads = spec.support_grads(jt, leaves, wanted, grad_k)
                 _accumulate(acc, grads)
             else:
-                t0 = time.perf_counter()
                 grad_k(spec.contract(jt, js))
-                spec.timer.add("contract_s", t0)
             kf, res = state["kf"], state["res"]
             sq = sq + torch.sum(res * res)
             if grad_alpha:
@@ -559,10 +521,8 @@ class _FusedKipLoss(torch.autograd.Function):
         return (None, None, ga, *[None if g is None else g * grad_loss for g in g_support])
 
 
-@capabilities(name="backends.torch.kip_loss",
-              fast={"torch": "one pass over target chunks, Cholesky regression"},
-              note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
-              missing=("numpy", "cupy", "jax", "array_api_strict"))
+@torch_only("backends.torch.kip_loss", "one pass over target chunks, Cholesky regression",
+            "CPU and CUDA; first-order gradients w.r.t. support inputs/labels")
 def kip_loss(
     model: nn.Module,
     x_support: torch.Tensor,
@@ -635,8 +595,8 @@ def kip_loss(
     """
     import ntkcore
 
-    mode = _check(model, x_support, x_target, check_mode(mode, ("trace", "full")), False,
-                  pseudo, batch_size)
+    mode = _check(model, {"x_support": x_support, "x_target": x_target},
+                  check_mode(mode, ("trace", "full")), False, pseudo, batch_size)
     reg = float(reg)
     if not math.isfinite(reg) or reg < 0:
         raise ValueError(f"reg must be a finite non-negative number; got {reg!r}")
@@ -651,7 +611,6 @@ def kip_loss(
     if x_target.requires_grad:
         raise ValueError("x_target requires grad: kip_loss differentiates with respect to the "
                          "support set only; pass x_target.detach()")
-    timer = _Timer(timings)
     kw: dict[str, Any] = {"params": params, "max_memory": max_memory,
                           "batch_size": batch_size}
     if fused:  # the support side once: its arrays give K_ss and enter the target pass
@@ -676,16 +635,16 @@ def kip_loss(
     # through the ridge too, and its gradient is exact.
     k_reg = k_ss + (reg * torch.diagonal(k_ss).mean()) * torch.eye(
         k_ss.shape[0], dtype=k_ss.dtype, device=k_ss.device)
-    t0 = timer.add("support_kernel_s", t0)
+    t0 = _timed(timings, "support_kernel_s", t0)
     if not fused:
         k_ts = (ntkcore.pseudo_ntk(model, x_target, x_support, checkpoint=True, **kw) if pseudo
                 else ntkcore.ntk(model, x_target, x_support, mode=mode, checkpoint=True, **kw))
-        t0 = timer.add("target_kernel_s", t0)
+        t0 = _timed(timings, "target_kernel_s", t0)
         k_ts = mode.matrix(_xp, k_ts)
         pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
-        timer.add("solve_s", t0)
+        _timed(timings, "solve_s", t0)
         return torch.mean((pred - yt) ** 2)
     alpha = ntkcore.KernelRidge().fit(k_reg, ys).alpha_
-    timer.add("solve_s", t0)
+    _timed(timings, "solve_s", t0)
     yt = yt.to(spec.out_dtype)
     return _FusedKipLoss.apply(spec, yt, alpha, *support)

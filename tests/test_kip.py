@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd import gradcheck
 
 import ntkcore
+from ntkcore.modes import check_mode
 from tests.references import autograd_jacobian_graph
 
 DT = torch.float64
@@ -178,10 +179,10 @@ def test_checkpointed_equals_untiled(monkeypatch, mode, layout):
         g = torch.autograd.grad((k * w).sum(), xs)[0]
         assert rel(k, k0) < 1e-13 and rel(g, g0) < 1e-12, chunk
     # support as x1: the transposed kernel
-    wt = w.permute(torch_kip._swap(mode, 0))
+    wt = w.permute(check_mode(mode).swap(0))
     k = checkpointed_ntk(model, xs, xt, mode=mode, batch_size=2)
     g = torch.autograd.grad((k * wt).sum(), xs)[0]
-    assert rel(k, k0.permute(torch_kip._swap(mode, 0))) < 1e-13 and rel(g, g0) < 1e-12
+    assert rel(k, k0.permute(check_mode(mode).swap(0))) < 1e-13 and rel(g, g0) < 1e-12
 
 
 def test_checkpointed_layerwise_pseudo_and_dense_blocks():
