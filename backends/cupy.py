@@ -12,26 +12,21 @@ from typing import Any
 import cupy
 import cupyx.scipy.linalg
 
-from ntkcore.backend import Array, Backend, Device
+from ntkcore.backend import Array, Device
+
+from .generic import GenericBackend
 
 
-class CupyBackend(Backend):
-    """Backend for ``cupy.ndarray``."""
+class CupyBackend(GenericBackend):
+    """Backend for ``cupy.ndarray`` (``cupy.linalg.cholesky`` reports failure as NaNs, or
+    raises when debug checks are on: :meth:`GenericBackend.cholesky` handles both)."""
 
     name = "cupy"
 
-    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
-        # cupy.linalg.cholesky reports failure as NaNs (or raises, when debug checks are on).
-        if shift:
-            a = a.copy()
-            a[cupy.diag_indices(a.shape[0])] += shift
-        try:
-            l = cupy.linalg.cholesky(a)
-        except cupy.linalg.LinAlgError:
-            return None
-        if not bool(cupy.all(cupy.isfinite(l))):
-            return None
-        return l
+    def _shifted(self, a: Array, shift: float) -> Array:
+        a = a.copy()
+        a[cupy.diag_indices(a.shape[0])] += shift
+        return a
 
     def solve_triangular(
         self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 from ntkcore.backend import Array, Backend, Device
@@ -18,34 +19,33 @@ from ntkcore.backend import Array, Backend, Device
 from ._host import host_free_memory
 
 
-def _device(x: Array) -> Device:
-    import array_api_compat
-
-    return array_api_compat.device(x)
-
-
-def _is_linalg_error(exc: Exception) -> bool:
-    return "LinAlgError" in type(exc).__name__ or "positive" in str(exc).lower()
-
-
 class GenericBackend(Backend):
-    """Backend built from the array API standard alone (plus host RNG)."""
+    """Backend built from the array API standard alone (plus host RNG).
+
+    Its :meth:`cholesky` serves the CuPy and JAX backends too, which override only how the
+    shift is added (:meth:`_shifted`) or which factors can be checked (:meth:`_finite`).
+    """
 
     name = "generic"
 
     def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
-        xp = self.xp
         if shift:
-            a = a + shift * xp.eye(a.shape[0], dtype=a.dtype, device=_device(a))
+            a = self._shifted(a, shift)
         try:
-            l = xp.linalg.cholesky(a)
+            l = self.xp.linalg.cholesky(a)
         except Exception as exc:  # each library raises its own LinAlgError
-            if _is_linalg_error(exc):
+            if "LinAlgError" in type(exc).__name__ or "positive" in str(exc).lower():
                 return None
             raise
-        if not bool(xp.all(xp.isfinite(l))):
-            return None
-        return l
+        # Libraries that do not raise report a failed factorisation with non-finite entries.
+        return l if self._finite(l) else None
+
+    def _shifted(self, a: Array, shift: float) -> Array:
+        xp = self.xp
+        return a + shift * xp.eye(a.shape[0], dtype=a.dtype, device=array_api_compat.device(a))
+
+    def _finite(self, l: Array) -> bool:
+        return bool(self.xp.all(self.xp.isfinite(l)))
 
     def solve_triangular(
         self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False

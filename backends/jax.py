@@ -14,25 +14,23 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 import jax.scipy.special
 
-from ntkcore.backend import Array, Backend, Device
+from ntkcore.backend import Array, Device
 
 from ._host import host_free_memory
+from .generic import GenericBackend
 
 
-class JaxBackend(Backend):
-    """Backend for ``jax.Array``."""
+class JaxBackend(GenericBackend):
+    """Backend for ``jax.Array`` (:meth:`GenericBackend.cholesky`, NaNs on failure)."""
 
     name = "jax"
 
-    def cholesky(self, a: Array, *, shift: float = 0.0) -> Array | None:
-        if shift:
-            a = a + shift * jnp.eye(a.shape[0], dtype=a.dtype)
-        l = jnp.linalg.cholesky(a)
-        if isinstance(l, jax.core.Tracer):  # under jit/grad tracing we cannot inspect values
-            return l
-        if not bool(jnp.all(jnp.isfinite(l))):
-            return None
-        return l
+    def _shifted(self, a: Array, shift: float) -> Array:
+        return a + shift * jnp.eye(a.shape[0], dtype=a.dtype)
+
+    def _finite(self, l: Array) -> bool:
+        # under jit/grad tracing the values cannot be inspected
+        return isinstance(l, jax.core.Tracer) or bool(jnp.all(jnp.isfinite(l)))
 
     def solve_triangular(
         self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False

@@ -11,7 +11,6 @@ import scipy.special
 from ntkcore.backend import Array, Device
 from ntkcore.linop import LinearOperator
 
-from ._host import host_free_memory
 from .generic import GenericBackend, _HostGenerator
 
 
@@ -52,9 +51,6 @@ class NumpyBackend(GenericBackend):
 
     def generator(self, seed: int | None, device: Device) -> _HostGenerator:
         return _HostGenerator(self.xp, np.random.default_rng(seed), None)
-
-    def free_memory(self, device: Device) -> int | None:
-        return host_free_memory()
 
 
 def to_scipy(op: LinearOperator) -> Any:

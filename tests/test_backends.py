@@ -55,6 +55,23 @@ def test_cholesky_failure_returns_none(backend):
     assert bk.cholesky(backend.asarray(k)) is None
 
 
+def test_cholesky_shift_leaves_input(backend, rng):
+    """``shift`` factorises ``a + shift I`` (an indefinite ``a`` made definite by it) without
+    touching ``a``; under ``jax.jit`` the factor is returned unchecked."""
+    k = np.array([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues 3 and -1
+    a = backend.asarray(k)
+    _, bk = namespace_and_backend(a)
+    l = bk.cholesky(a, shift=1.5)
+    np.testing.assert_allclose(backend.to_numpy(l), np.linalg.cholesky(k + 1.5 * np.eye(2)),
+                               rtol=1e-12)
+    np.testing.assert_array_equal(backend.to_numpy(a), k)
+    if bk.name == "jax":
+        import jax
+
+        lj = jax.jit(lambda m: bk.cholesky(m, shift=1.5))(a)
+        np.testing.assert_allclose(np.asarray(lj), backend.to_numpy(l), rtol=1e-12)
+
+
 def test_generator_seeded_and_on_device(backend):
     x = backend.asarray(np.ones(3))
     _, bk = namespace_and_backend(x)
