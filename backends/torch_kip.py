@@ -125,34 +125,19 @@ class _Layout:
     kinds: tuple[str, ...]
 
     def support_arrays(self, j: Jacobian) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for b, kind in zip(j.blocks, self.kinds, strict=True):
-            if kind == "kron":
-                out += [b.a, b.g]
-            elif kind == "mat":
-                out.append(b.to_dense())
-            else:
-                out.append(b.jac)
-        return out
+        return [arr for b, kind in zip(j.blocks, self.kinds, strict=True)
+                for arr in ((b.to_dense(),) if kind == "mat" else b.arrays())]
 
     def from_arrays(self, arrays: Sequence[torch.Tensor]) -> Jacobian:
-        blocks: list[DenseBlock | KroneckerBlock] = []
-        i = 0
-        for name, kind in zip(self.names, self.kinds, strict=True):
-            if kind == "kron":
-                blocks.append(KroneckerBlock(arrays[i], arrays[i + 1], name))
-                i += 2
-            else:
-                blocks.append(DenseBlock(arrays[i], name))
-                i += 1
-        return Jacobian(blocks)
+        it = iter(arrays)
+        return Jacobian([KroneckerBlock(next(it), next(it), name) if kind == "kron"
+                         else DenseBlock(next(it), name)
+                         for name, kind in zip(self.names, self.kinds, strict=True)])
 
     def convert(self, j: Jacobian) -> Jacobian:
         """Materialise the ``"mat"`` blocks of a (target) Jacobian."""
-        blocks: list[DenseBlock | KroneckerBlock] = []
-        for b, kind in zip(j.blocks, self.kinds, strict=True):
-            blocks.append(DenseBlock(b.to_dense(), b.name) if kind == "mat" else b)
-        return Jacobian(blocks)
+        return Jacobian([DenseBlock(b.to_dense(), b.name) if kind == "mat" else b
+                         for b, kind in zip(j.blocks, self.kinds, strict=True)])
 
 
 def _target_jacobian(model: nn.Module, x: torch.Tensor, params: Any,
@@ -243,18 +228,32 @@ class _Spec:
         lead = (slice(None),) if self.layerwise else ()
         return (*lead, slice(start, stop))
 
-    def support_grads(self, jt: Jacobian, leaves: list[torch.Tensor],
-                      wanted: list[torch.Tensor], grad_k: Any) -> tuple[torch.Tensor, tuple]:
-        """The chunk's kernel ``k`` and the gradient of ``<grad_k, k>`` with respect to the
-        ``wanted`` support leaves (``grad_k``: a tensor, or a function of the detached ``k``
-        returning it)."""
-        with torch.enable_grad():
-            k = self.contract(jt, self.layout.from_arrays(leaves))
-            t0 = time.perf_counter()
-            gk = grad_k(k.detach()) if callable(grad_k) else grad_k
-            grads = torch.autograd.grad(k, wanted, gk, allow_unused=True)
-        _timed(self.timings, "support_grad_s", t0)
-        return k.detach(), grads
+    def sweep(self, support: Sequence[torch.Tensor], need: Sequence[bool],
+              visit: Any) -> list[torch.Tensor | None]:
+        r"""One pass over the target chunks: ``visit(start, stop, k)`` gets each chunk's
+        detached kernel ``k`` and returns :math:`\bar K_c`; the result is the gradient of
+        :math:`\sum_c \langle \bar K_c, K_c\rangle` with respect to the support arrays
+        where ``need`` (zeros if unused), None elsewhere."""
+        leaves = [s.detach().requires_grad_(bool(q)) for s, q in zip(support, need, strict=True)]
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        js = self.layout.from_arrays(leaves)
+        acc: list[torch.Tensor | None] = [None] * len(wanted)
+        for start, stop in self.chunks:
+            jt = self.target(start, stop)
+            with torch.enable_grad():
+                k = self.contract(jt, js)
+                t0 = time.perf_counter()
+                gk = visit(start, stop, k.detach())
+                grads = torch.autograd.grad(k, wanted, gk, allow_unused=True) if wanted else ()
+            for i, g in enumerate(grads):
+                if g is not None:
+                    acc[i] = g if acc[i] is None else acc[i] + g
+            _timed(self.timings, "support_grad_s", t0)
+            del jt, k, gk, grads
+        it = iter(acc)
+        out = [next(it) if q else None for q in need]
+        return [torch.zeros_like(leaf) if q and g is None else g
+                for leaf, q, g in zip(leaves, need, out, strict=True)]
 
 
 def _check(model: Any, inputs: dict[str, Any], mode: Any, layerwise: Any, pseudo: bool,
@@ -318,27 +317,6 @@ def _first_order_only() -> None:
                            "derivatives")
 
 
-def _leaves(support: Sequence[torch.Tensor],
-            need: Sequence[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    leaves = [s.detach().requires_grad_(bool(q)) for s, q in zip(support, need, strict=True)]
-    return leaves, [leaf for leaf, q in zip(leaves, need, strict=True) if q]
-
-
-def _accumulate(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
-    for i, g in enumerate(grads):
-        if g is not None:
-            acc[i] = g if acc[i] is None else acc[i] + g
-
-
-def _expand(acc: list[torch.Tensor | None], leaves: Sequence[torch.Tensor],
-            need: Sequence[bool]) -> list[torch.Tensor | None]:
-    """Per support input: its accumulated gradient (zeros if unused), or None if not needed."""
-    it = iter(acc)
-    grads = [next(it) if q else None for q in need]
-    return [torch.zeros_like(leaf) if q and g is None else g
-            for leaf, q, g in zip(leaves, need, grads, strict=True)]
-
-
 # --------------------------------------------------------------------------------------------
 # the checkpointed kernel
 # --------------------------------------------------------------------------------------------
@@ -359,17 +337,8 @@ class _CheckpointedKernel(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         _first_order_only()
         spec: _Spec = ctx.spec
-        need = list(ctx.needs_input_grad[1:])
-        leaves, wanted = _leaves(ctx.saved_tensors, need)
-        acc: list[torch.Tensor | None] = [None] * len(wanted)
-        if wanted:
-            for start, stop in spec.chunks:
-                jt = spec.target(start, stop)
-                _, grads = spec.support_grads(jt, leaves, wanted,
-                                              grad_out[spec.rows(start, stop)])
-                del jt
-                _accumulate(acc, grads)
-        return (None, *_expand(acc, leaves, need))
+        return (None, *spec.sweep(ctx.saved_tensors, ctx.needs_input_grad[1:],
+                                  lambda start, stop, k: grad_out[spec.rows(start, stop)]))
 
 
 @torch_only("backends.torch.checkpointed_ntk",
@@ -477,40 +446,24 @@ class _FusedKipLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: _Spec, y_target: torch.Tensor, alpha: torch.Tensor,
                 *support: torch.Tensor) -> torch.Tensor:
-        need = list(ctx.needs_input_grad[3:])
         grad_alpha = bool(ctx.needs_input_grad[2])
-        any_grad = grad_alpha or any(need)
         mode, o = spec.mode, (spec.out_shape[-1] if spec.mode == "full" else 1)
         a = alpha.detach()
         rows_total = y_target.numel()
-        leaves, wanted = _leaves(support, need if any_grad else [False] * len(need))
-        js = spec.layout.from_arrays(leaves)
-        acc: list[torch.Tensor | None] = [None] * len(wanted)
         g_alpha = torch.zeros_like(a)
         sq = torch.zeros((), dtype=spec.out_dtype, device=a.device)
-        for start, stop in spec.chunks:
-            jt = spec.target(start, stop)
-            yc = y_target[start * o:stop * o]
-            state: dict[str, torch.Tensor] = {}
 
-            def grad_k(k: torch.Tensor, yc: torch.Tensor = yc,
-                       state: dict[str, torch.Tensor] = state) -> torch.Tensor:
-                kf = mode.matrix(_xp, k)
-                res = kf @ a - yc  # (rows, C') residual of the chunk
-                state["kf"], state["res"] = kf, res
-                return mode.unmatrix(_xp, (2.0 / rows_total) * (res @ a.T), o)
-
-            if wanted:
-                _, grads = spec.support_grads(jt, leaves, wanted, grad_k)
-                _accumulate(acc, grads)
-            else:
-                grad_k(spec.contract(jt, js))
-            kf, res = state["kf"], state["res"]
+        def visit(start: int, stop: int, k: torch.Tensor) -> torch.Tensor:
+            nonlocal g_alpha, sq
+            kf = mode.matrix(_xp, k)
+            res = kf @ a - y_target[start * o:stop * o]  # (rows, C') residual of the chunk
             sq = sq + torch.sum(res * res)
             if grad_alpha:
                 g_alpha = g_alpha + (2.0 / rows_total) * (kf.T @ res)
-            del jt, kf, res, state
-        ctx.grads = (g_alpha if grad_alpha else None, _expand(acc, leaves, need))
+            return mode.unmatrix(_xp, (2.0 / rows_total) * (res @ a.T), o)
+
+        g_support = spec.sweep(support, ctx.needs_input_grad[3:], visit)
+        ctx.grads = (g_alpha if grad_alpha else None, g_support)
         return sq / rows_total
 
     @staticmethod
