@@ -147,7 +147,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
-from .torch_layers import CONV, layer_block, layer_type, output_factor, sample_axis_ok
+from .torch_layers import CONV, cat, layer_block, layer_type, output_factor, sample_axis_ok
 
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
@@ -592,14 +592,13 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
         raise
     except RuntimeError:  # no batching rule, or data-dependent control flow
         return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
-    return _grouped(groups, {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in pieces.items()})
+    return _grouped(groups, {k: cat(v, 0) for k, v in pieces.items()})
 
 
 def _grouped(groups: list[tuple[str, list[str]]],
              cols: dict[str, torch.Tensor]) -> dict[str, DenseBlock]:
     """One DenseBlock per group from per-parameter Jacobians (N, O, P_k), concatenated."""
-    return {b: DenseBlock(torch.cat([cols[k] for k in ns], dim=2) if len(ns) > 1
-                          else cols[ns[0]], b) for b, ns in groups}
+    return {b: DenseBlock(cat([cols[k] for k in ns], 2), b) for b, ns in groups}
 
 
 def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
@@ -727,7 +726,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     # every such call has a sample axis in its input and output, found by a probe at another
     # batch size (a length equal to N proves nothing; see _sample_axes).
     named = dict(model.named_parameters())
-    kron: dict[str, tuple[_Unit, list[_Call], list[int]]] = {}
+    kron: dict[str, list[tuple[_Call, int]]] = {}  # path -> (call, its sample axis)
     if units and out.grad_fn is not None:
         reachable, uses = _graph_uses(out)
         used: dict[str, list[int]] = {}  # indices of the calls that reach the output
@@ -740,10 +739,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                 continue
             used[path] = idx
         axes = _sample_axes(model, x, units, used) if used else {}
-        for path, idx in used.items():
-            if path in axes:
-                unit = units[path]
-                kron[path] = (unit, [unit.calls[i] for i in idx], axes[path])
+        kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
+                for path, idx in used.items() if path in axes}
 
     # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
     # one module (a root parameter alone).
@@ -759,21 +756,18 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if kron:
-        paths = list(kron)
-        ys = [c.y for p in paths for c in kron[p][1]]
         if backward == "auto":
             batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
         else:
             batched = backward == "batched"
-        mods = [kron[p][0].module for p in paths for _ in kron[p][1]]
-        axes_of = [ax for p in paths for ax in kron[p][2]]
-        gs = _output_grads(out2, ys, mods, pseudo, create_graph, batched, axes_of)
+        flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]
+        gs = _output_grads(out2, [c.y for _, c, _ in flat], [m for m, _, _ in flat], pseudo,
+                           create_graph, batched, [ax for _, _, ax in flat])
         k = 0
-        for p in paths:
-            unit, calls, axs = kron[p]
+        for p, calls in kron.items():
+            unit = units[p]
             # inputs with the sample axis moved to the front, as the output gradients are
-            front = [c.a if ax == 0 else c.a.movedim(ax, 0) for c, ax in zip(calls, axs,
-                                                                           strict=True)]
+            front = [c.a if ax == 0 else c.a.movedim(ax, 0) for c, ax in calls]
             blocks[p] = layer_block(unit.module, [a.detach() if detach else a for a in front],
                                     gs[k:k + len(calls)], n, p, weight=unit.has_weight,
                                     bias=unit.has_bias)
@@ -846,7 +840,7 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
             else:  # weight (d_out, ...) -> (d_out, d_in), bias (d_out,) -> (d_out, 1)
                 mats.append(t.reshape(*lead, named[nm].shape[0], -1))
         if mats:
-            mat = mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)
+            mat = cat(mats, -1)
             cols.append(mat.reshape(*mat.shape[:-2], -1))
     return torch.cat(cols, dim=-1)
 

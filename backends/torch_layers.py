@@ -11,6 +11,7 @@ which only find the calls and their gradients; KIP gets its blocks from the prov
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,8 +20,8 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["CONV", "FORWARD", "input_factor", "layer_block", "layer_type", "output_factor",
-           "sample_axis_ok"]
+__all__ = ["CONV", "FORWARD", "cat", "input_factor", "layer_block", "layer_type",
+           "output_factor", "sample_axis_ok"]
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Structured only when the class keeps torch's own forward (a subclass may compute anything).
@@ -88,6 +89,11 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
     return out
 
 
+def cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, or the one part itself (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _with_ones(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
 
@@ -152,8 +158,7 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
                    for a_c, g_c in zip(inputs, gs, strict=True)]
     else:  # bias only: the ones column is the whole input
         a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
-    a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
-    g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)
+    a, g = cat(a_parts, 1), cat(gs, 1)
     if groups > 1:
         return _grouped_conv_block(a, g, groups, name, weight, bias)
     return KroneckerBlock(a.contiguous(), g, name)
@@ -174,19 +179,15 @@ def _layer_norm_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch
     input (differentiably when the input is on a graph).  Cost O(N S O d): no torch.func pass.
     """
     d = int(mod.normalized_shape[0])
-    jw: torch.Tensor | None = None
-    jb: torch.Tensor | None = None
-    for a_in, g_c in zip(inputs, gs, strict=True):
-        if weight:
-            xhat = F.layer_norm(a_in, (d,), None, None, mod.eps).reshape(n, -1, d)
-            w_c = torch.einsum("nsod,nsd->nod", g_c, xhat.to(g_c.dtype))
-            jw = w_c if jw is None else jw + w_c
-        if bias:
-            b_c = g_c.sum(dim=1)
-            jb = b_c if jb is None else jb + b_c
-    pieces = [p for p in (jw, jb) if p is not None]  # DenseBlock layout: [weight, bias]
-    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-    return DenseBlock(jac, name)
+    pieces = []  # DenseBlock layout: [weight, bias]
+    if weight:
+        pieces.append(functools.reduce(torch.add, (
+            torch.einsum("nsod,nsd->nod", g_c, F.layer_norm(a_in, (d,), None, None, mod.eps)
+                         .reshape(n, -1, d).to(g_c.dtype))
+            for a_in, g_c in zip(inputs, gs, strict=True))))
+    if bias:
+        pieces.append(functools.reduce(torch.add, (g_c.sum(dim=1) for g_c in gs)))
+    return DenseBlock(cat(pieces, -1), name)
 
 
 def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str,
@@ -221,8 +222,5 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
     gg = g.reshape(n, s, o, groups, cg_out)
     dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
-    pieces = [dw.reshape(n, o, -1)]  # DenseBlock layout: [weight.flatten(), bias]
-    if bias:
-        pieces.append(g.sum(dim=1))
-    jac = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-    return DenseBlock(jac, name)
+    # DenseBlock layout: [weight.flatten(), bias]
+    return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1), name)
