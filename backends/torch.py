@@ -36,19 +36,16 @@ class TorchBackend(Backend):
     def solve_triangular(
         self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
     ) -> Array:
-        vector = b.ndim == 1
-        if vector:
-            b = b[:, None]
-        if transpose:
-            x = torch.linalg.solve_triangular(a.mT, b, upper=lower)
-        else:
-            x = torch.linalg.solve_triangular(a, b, upper=not lower)
-        return x[:, 0] if vector else x
+        if b.ndim == 1:
+            return self.solve_triangular(a, b[:, None], lower=lower, transpose=transpose)[:, 0]
+        # op(a) = a.mT is upper triangular exactly when a is lower
+        return torch.linalg.solve_triangular(a.mT if transpose else a, b,
+                                             upper=lower == transpose)
 
     def cho_solve(self, l: Array, b: Array) -> Array:
-        vector = b.ndim == 1
-        x = torch.cholesky_solve(b[:, None] if vector else b, l, upper=False)
-        return x[:, 0] if vector else x
+        if b.ndim == 1:
+            return self.cho_solve(l, b[:, None])[:, 0]
+        return torch.cholesky_solve(b, l, upper=False)
 
     def erf(self, x: Array) -> Array:
         return torch.special.erf(x)

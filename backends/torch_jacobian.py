@@ -112,21 +112,12 @@ Thread safety
 -------------
 Concurrent :func:`jacobian` calls (hence ``ntk``, ``pseudo_ntk``, ``gram``, KIP) on the same
 model from several threads are safe and give the same Jacobians as sequential calls: each call
-holds the model's re-entrant lock (:func:`model_lock`, one per model object) for all of its
-passes, so the forward hooks it installs and the in-place parameter swap of
-``torch.func.functional_call`` (DenseBlocks) never overlap another call on that model; the hooks
-record only the forward of the thread that installed them.  Calls on different model objects
-run in parallel (two model objects that share submodules are not serialised against each
-other).  A call leaves the model as it found it, also when it raises or is interrupted
-(``KeyboardInterrupt``): the same parameter objects with the same ``requires_grad``, the
-module hooks, buffers and ``training`` flags.  Your own forward or backward of the model in
-another thread *during* a call is not covered: while the DenseBlock pass runs, the parameters
-of non-Kronecker modules are temporarily detached copies, so a concurrent training pass would
-miss their gradients; hold ``model_lock(model)`` around such passes (not around a backward
-that itself runs ntkcore's passes, as KIP's checkpointed kernel does, which on a GPU runs in
-autograd's device thread and would wait for the lock forever).  ntkcore's own passes
-run with :func:`in_provider_pass` true in their thread, which hooks of others (the ``SENG``
-optimizer) use to ignore them.
+holds the model's re-entrant lock for all of its passes (:func:`model_lock` says what that
+covers, and when to hold it yourself), and its hooks record only the forward of the thread
+that installed them.  Calls on different model objects run in parallel (two model objects that
+share submodules are not serialised against each other).  ntkcore's own passes run with
+:func:`in_provider_pass` true in their thread, which hooks of others (the ``SENG`` optimizer)
+use to ignore them.
 """
 
 from __future__ import annotations
@@ -180,14 +171,12 @@ def _select_params(model: nn.Module, params: Any) -> list[str]:
         if isinstance(item, str):
             if item not in all_named:
                 raise ValueError(f"params: {item!r} is not a parameter name of the model")
-            name = by_id[id(all_named[item])]
-        elif isinstance(item, torch.Tensor):
-            if id(item) not in by_id:
-                raise ValueError("params: a tensor passed is not a parameter of the model")
-            name = by_id[id(item)]
-        else:
+            item = all_named[item]
+        elif not isinstance(item, torch.Tensor):
             raise TypeError(f"params entries must be names or tensors; got {type(item).__name__}")
-        wanted.add(name)
+        if id(item) not in by_id:
+            raise ValueError("params: a tensor passed is not a parameter of the model")
+        wanted.add(by_id[id(item)])
     chosen = [n for n in named if n in wanted]
     frozen = [n for n in chosen if not named[n].requires_grad]
     if frozen:
@@ -234,8 +223,8 @@ class _Unit:
     calls: list[_Call] = field(default_factory=list)
 
 
-def _structured_units(model: nn.Module, selected: list[str]) -> dict[str, _Unit]:
-    owners, registrations = _owner_map(model)
+def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
+                      registrations: dict[int, int]) -> dict[str, _Unit]:
     named = dict(model.named_parameters())
     by_module: dict[str, list[str]] = {}
     for n in selected:
@@ -276,14 +265,10 @@ def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
 # --------------------------------------------------------------------------------------------
 # thread safety
 # --------------------------------------------------------------------------------------------
-# One re-entrant lock per model object, held for the whole of a provider call: its forward
-# hooks are registered on the model's modules and ``torch.func.functional_call`` swaps the
-# modules' parameters in place, neither of which is safe against another call on the same
-# model at the same time.  Keyed by id (a module may be unhashable), dropped with the model.
+# model_lock's locks, keyed by id (a module may be unhashable), dropped with the model; and
+# in_provider_pass's flag.
 _LOCKS: dict[int, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
-# True while this thread (context) runs a provider pass, so that hooks of others on the same
-# model (e.g. an attached SENG optimizer) can ignore ntkcore's own forwards and backwards.
 _PROVIDER_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("ntkcore_provider_pass",
                                                                       default=False)
 
@@ -711,7 +696,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     detach = not create_graph
     n = int(x.shape[0])
 
-    units = _structured_units(model, selected)
+    owners, registrations = _owner_map(model)
+    units = _structured_units(model, selected, owners, registrations)
     out = _run_forward(model, x, units, clone=False)
     if any(c.a._version != c.a_version or c.y._version != c.y_version
            for u in units.values() for c in u.calls):
@@ -744,7 +730,6 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 
     # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
     # one module (a root parameter alone).
-    owners, _ = _owner_map(model)
     order: dict[str, None] = {}
     dense_groups: dict[str, list[str]] = {}
     for nm in selected:

@@ -87,6 +87,7 @@ keeps the network fixed.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -564,8 +565,9 @@ def kip_loss(
     if x_target.requires_grad:
         raise ValueError("x_target requires grad: kip_loss differentiates with respect to the "
                          "support set only; pass x_target.detach()")
-    kw: dict[str, Any] = {"params": params, "max_memory": max_memory,
-                          "batch_size": batch_size}
+    kernel = functools.partial(ntkcore.pseudo_ntk if pseudo else ntkcore.ntk, model,
+                               params=params, max_memory=max_memory, batch_size=batch_size,
+                               **({} if pseudo else {"mode": mode}))
     if fused:  # the support side once: its arrays give K_ss and enter the target pass
         spec, support = _prepare(model, x_support, x_target, mode=mode, layerwise=False,
                                  pseudo=pseudo, params=params, max_memory=max_memory,
@@ -575,8 +577,7 @@ def kip_loss(
                     max_memory=spec.gram_budget)
     else:
         t0 = time.perf_counter()
-        k_ss = (ntkcore.pseudo_ntk(model, x_support, checkpoint=False, **kw) if pseudo
-                else ntkcore.ntk(model, x_support, mode=mode, checkpoint=False, **kw))
+        k_ss = kernel(x_support, checkpoint=False)
     ys, yt = y_support, y_target.detach()
     if mode == "full":
         o = int(k_ss.shape[2])
@@ -590,8 +591,7 @@ def kip_loss(
         k_ss.shape[0], dtype=k_ss.dtype, device=k_ss.device)
     t0 = _timed(timings, "support_kernel_s", t0)
     if not fused:
-        k_ts = (ntkcore.pseudo_ntk(model, x_target, x_support, checkpoint=True, **kw) if pseudo
-                else ntkcore.ntk(model, x_target, x_support, mode=mode, checkpoint=True, **kw))
+        k_ts = kernel(x_target, x_support, checkpoint=True)
         t0 = _timed(timings, "target_kernel_s", t0)
         k_ts = mode.matrix(_xp, k_ts)
         pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
