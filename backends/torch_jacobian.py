@@ -759,8 +759,11 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 # layout helpers
 # --------------------------------------------------------------------------------------------
 def _block_layout(model: nn.Module, jac: Jacobian,
-                  params: Any) -> list[tuple[Any, list[str], str]]:
-    """Per block: (block, parameter names, kind) with kind 'dense', 'kron' or 'embedding'."""
+                  params: Any) -> list[tuple[Any, list[str], int, bool]]:
+    """Per block: (block, parameter names, rows, transposed).  The block's parameter vector
+    is a (rows, P_b / rows) matrix, row-major: each parameter ``t`` fills the next
+    ``t.numel() / rows`` columns as ``t.reshape(rows, -1)`` (rows = 1 for a DenseBlock, d_out
+    for a KroneckerBlock), or is the whole matrix transposed (``transposed``: an Embedding)."""
     selected = _select_params(model, params)
     owners, _ = _owner_map(model)
     out = []
@@ -772,11 +775,9 @@ def _block_layout(model: nn.Module, jac: Jacobian,
             names = [nm for nm in selected if owners[nm][0] == b.name]
         if not names:
             raise ValueError(f"block {b.name!r} matches no selected parameter of the model")
-        kind = "dense"
-        if isinstance(b, KroneckerBlock):
-            mod = model.get_submodule(b.name)
-            kind = "embedding" if isinstance(mod, nn.Embedding) else "kron"
-        out.append((b, names, kind))
+        kron = isinstance(b, KroneckerBlock)
+        out.append((b, names, b.d_out if kron else 1,
+                    kron and isinstance(model.get_submodule(b.name), nn.Embedding)))
         covered += names
     if sorted(covered) != sorted(selected):
         raise ValueError("the Jacobian's blocks do not match the selected parameters")
@@ -803,21 +804,14 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
     """
     named = dict(model.named_parameters())
     cols = []
-    for _b, names, kind in _block_layout(model, jac, params):
+    for _b, names, rows, transposed in _block_layout(model, jac, params):
         mats = []
         for nm in names:
             t = per_param[nm]
-            pdim = named[nm].ndim
-            lead = t.shape[:t.ndim - pdim]
-            if kind == "dense":
-                cols.append(t.reshape(*lead, -1))
-            elif kind == "embedding":
-                mats.append(t.transpose(-1, -2))
-            else:  # weight (d_out, ...) -> (d_out, d_in), bias (d_out,) -> (d_out, 1)
-                mats.append(t.reshape(*lead, named[nm].shape[0], -1))
-        if mats:
-            mat = cat(mats, -1)
-            cols.append(mat.reshape(*mat.shape[:-2], -1))
+            lead = t.shape[:t.ndim - named[nm].ndim]
+            mats.append(t.transpose(-1, -2) if transposed else t.reshape(*lead, rows, -1))
+        mat = cat(mats, -1)
+        cols.append(mat.reshape(*mat.shape[:-2], -1))
     return torch.cat(cols, dim=-1)
 
 
@@ -835,24 +829,14 @@ def from_block_order(model: nn.Module, jac: Jacobian, v: torch.Tensor,
     out: dict[str, torch.Tensor] = {}
     lead = v.shape[:-1]
     start = 0
-    for b, names, kind in _block_layout(model, jac, params):
-        piece = v[..., start:start + b.num_params]
+    for b, names, rows, transposed in _block_layout(model, jac, params):
+        mat = v[..., start:start + b.num_params].reshape(*lead, rows, -1)
         start += b.num_params
-        if kind == "dense":
-            off = 0
-            for nm in names:
-                size = named[nm].numel()
-                out[nm] = piece[..., off:off + size].reshape(*lead, *named[nm].shape)
-                off += size
-            continue
-        mat = piece.reshape(*lead, b.d_out, b.d_in)
-        if kind == "embedding":
-            out[names[0]] = mat.transpose(-1, -2).reshape(*lead, *named[names[0]].shape)
-            continue
         col = 0
-        for nm in names:  # weight (d_out, ...) then bias (d_out,), its last column
+        for nm in names:
             w = named[nm]
-            width = w.numel() // w.shape[0]
-            out[nm] = mat[..., col:col + width].reshape(*lead, *w.shape)
+            width = w.numel() // rows
+            part = mat[..., col:col + width]
+            out[nm] = (part.transpose(-1, -2) if transposed else part).reshape(*lead, *w.shape)
             col += width
     return out
