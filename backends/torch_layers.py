@@ -55,19 +55,13 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
     order, with a trailing ones column if ``ones``; written with a single copy, so that
     ``y[n, :, l] = [W.reshape(C_out, -1), b] @ a[n, l]``."""
     nd = len(mod.kernel_size)
-    pads: list[tuple[int, int]] = []
-    for i in range(nd):
-        k, d = mod.kernel_size[i], mod.dilation[i]
-        if isinstance(mod.padding, str):
-            if mod.padding == "valid":
-                lo = hi = 0
-            else:  # 'same' (torch pads the extra element on the right)
-                total = d * (k - 1)
-                lo, hi = total // 2, total - total // 2
+    flat: list[int] = []  # (lo, hi) per axis, the last axis first as F.pad wants
+    for i in reversed(range(nd)):
+        if mod.padding == "same":  # torch pads the extra element on the right
+            total = mod.dilation[i] * (mod.kernel_size[i] - 1)
+            flat += [total // 2, total - total // 2]
         else:
-            lo = hi = mod.padding[i]
-        pads.append((lo, hi))
-    flat = [v for lo_hi in reversed(pads) for v in lo_hi]  # F.pad wants the last dim first
+            flat += [0, 0] if mod.padding == "valid" else [mod.padding[i]] * 2
     if any(flat):
         mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
         a = F.pad(a, flat, mode=mode)
@@ -220,11 +214,10 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     dense_size = n * o * cout * (cg_in + 1)
     if kron_size <= dense_size:
         ap = a4.permute(0, 2, 1, 3).reshape(n, groups * s, cg_in)
-        g5 = g.new_zeros((n, groups, s, o, cout))
-        for gi in range(groups):
-            sl = slice(gi * cg_out, (gi + 1) * cg_out)
-            g5[:, gi, :, :, sl] = g[..., sl]
-        gp = g5.reshape(n, groups * s, o, cout)
+        # g6[n, G, l, o, G', c] = g[n, l, o, G' cg_out + c] where G == G', else 0
+        g6 = g.new_zeros((n, groups, s, o, groups, cg_out))
+        g6.diagonal(dim1=1, dim2=4).copy_(g.unflatten(-1, (groups, cg_out)).movedim(3, -1))
+        gp = g6.reshape(n, groups * s, o, cout)
         if bias:
             ap = _with_ones(ap)
         return KroneckerBlock(ap.contiguous(), gp, name)
