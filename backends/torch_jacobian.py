@@ -189,15 +189,13 @@ def _owner_map(model: nn.Module) -> tuple[dict[str, tuple[str, str]], dict[int, 
     register each parameter tensor (by id)."""
     owners: dict[str, tuple[str, str]] = {}
     registrations: dict[int, int] = {}
-    seen: set[int] = set()
     # named_modules() dedups shared modules and visits in the order named_parameters() uses.
     for mpath, mod in model.named_modules():
         for local, p in mod._parameters.items():
             if p is None:
                 continue
             registrations[id(p)] = registrations.get(id(p), 0) + 1
-            if id(p) not in seen:
-                seen.add(id(p))
+            if registrations[id(p)] == 1:
                 owners[f"{mpath}.{local}" if mpath else local] = (mpath, local)
     return owners, registrations
 
@@ -215,7 +213,6 @@ class _Call:
 
 @dataclass
 class _Unit:
-    path: str
     module: nn.Module
     names: list[str]  # selected params of this module, in order (weight before bias)
     has_weight: bool
@@ -240,7 +237,7 @@ def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, t
         locals_ = {owners[n][1] for n in names}
         if not locals_ <= {"weight", "bias"}:
             continue
-        units[mpath] = _Unit(mpath, mod, names, "weight" in locals_, "bias" in locals_)
+        units[mpath] = _Unit(mod, names, "weight" in locals_, "bias" in locals_)
     return units
 
 
