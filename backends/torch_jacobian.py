@@ -681,7 +681,6 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     selected = _select_params(model, params)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
-    detach = not create_graph
     n = int(x.shape[0])
 
     owners, registrations = _owner_map(model)
@@ -741,7 +740,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             unit = units[p]
             # inputs with the sample axis moved to the front, as the output gradients are
             front = [c.a if ax == 0 else c.a.movedim(ax, 0) for c, ax in calls]
-            blocks[p] = layer_block(unit.module, [a.detach() if detach else a for a in front],
+            blocks[p] = layer_block(unit.module, [a if create_graph else a.detach() for a in front],
                                     gs[k:k + len(calls)], n, p, weight=unit.has_weight,
                                     bias=unit.has_bias)
             k += len(calls)
