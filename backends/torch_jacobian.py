@@ -609,15 +609,10 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
 # --------------------------------------------------------------------------------------------
 # the provider
 # --------------------------------------------------------------------------------------------
-def torch_only(name: str, fast: str, note: str) -> Any:
-    """:func:`ntkcore.support.capabilities` of an entry that runs on torch alone."""
-    return capabilities(name=name, fast={"torch": fast}, note={"torch": note},
-                        missing=("numpy", "cupy", "jax", "array_api_strict"))
-
-
-@torch_only("backends.torch.jacobian",
-            "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest",
-            "CPU and CUDA; differentiable in x when x.requires_grad")
+@capabilities(name="backends.torch.jacobian", fast={
+    "torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
+    note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
+    missing=("numpy", "cupy", "jax", "array_api_strict"))
 def jacobian(
     model: nn.Module,
     x: torch.Tensor,

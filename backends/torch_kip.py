@@ -103,10 +103,11 @@ from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.modes import Mode, check_mode
+from ntkcore.support import capabilities
 from ntkcore.tiling import bounds
 
 from .torch import TorchBackend
-from .torch_jacobian import _check_inputs, jacobian, torch_only
+from .torch_jacobian import _check_inputs, jacobian
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
 
@@ -342,9 +343,10 @@ class _CheckpointedKernel(torch.autograd.Function):
                                   lambda start, stop, k: grad_out[spec.rows(start, stop)]))
 
 
-@torch_only("backends.torch.checkpointed_ntk",
-            "custom autograd Function, target chunks recomputed in backward",
-            "CPU and CUDA; first-order gradients w.r.t. the support input")
+@capabilities(name="backends.torch.checkpointed_ntk", fast={
+    "torch": "custom autograd Function, target chunks recomputed in backward"},
+    note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
+    missing=("numpy", "cupy", "jax", "array_api_strict"))
 def checkpointed_ntk(
     model: nn.Module,
     x1: torch.Tensor,
@@ -475,8 +477,10 @@ class _FusedKipLoss(torch.autograd.Function):
         return (None, None, ga, *[None if g is None else g * grad_loss for g in g_support])
 
 
-@torch_only("backends.torch.kip_loss", "one pass over target chunks, Cholesky regression",
-            "CPU and CUDA; first-order gradients w.r.t. support inputs/labels")
+@capabilities(name="backends.torch.kip_loss",
+              fast={"torch": "one pass over target chunks, Cholesky regression"},
+              note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
+              missing=("numpy", "cupy", "jax", "array_api_strict"))
 def kip_loss(
     model: nn.Module,
     x_support: torch.Tensor,
