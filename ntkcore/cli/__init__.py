@@ -1,22 +1,12 @@
 """The ``ntkcore`` command line (``python -m ntkcore`` or the ``ntkcore`` console script).
 
-Subcommands
------------
-``info``
-    Versions, the array backends and the devices this machine offers with their free memory
-    (:meth:`ntkcore.backend.Backend.free_memory`), BLAS threads.
-``demo``
-    The README's main job, end to end: the empirical NTK of a small PyTorch network on
-    scikit-learn's digits (computed by :func:`ntkcore.ntk` from the Kronecker structure of its
-    layers), Cholesky kernel regression (:class:`ntkcore.KernelRidge`), test accuracy,
-    kernel size, time and peak memory, per-layer kernel shares and a plot.  The pipeline is
-    :mod:`ntkcore.cli.demo`, which ``examples/ntk_regression_digits.py`` reuses.
-``bench``
-    Forwards its arguments to the benchmark runner, ``python -m benchmarks`` (source checkout
-    only: the benchmarks are not part of the installed package).
-``support``
-    The per-function / per-backend support table as Markdown
-    (:func:`ntkcore.support.support_markdown`); ``docs/backends.md`` is this output.
+Subcommands: ``info`` (versions, array backends, devices and their free memory as
+:meth:`ntkcore.backend.Backend.free_memory` reports it, BLAS threads); ``demo`` (the README's
+main job end to end: eNTK kernel regression of a small PyTorch network on scikit-learn's
+digits with accuracy, kernel size, time, peak memory, per-layer kernel shares and a plot; the
+pipeline is :mod:`ntkcore.cli.demo`, which ``examples/ntk_regression_digits.py`` reuses);
+``bench`` (forwards to ``python -m benchmarks``, in a source checkout only); ``support`` (the
+support table of :func:`ntkcore.support.support_markdown`, i.e. ``docs/backends.md``).
 
 This package is the application layer: unlike the rest of ``ntkcore/`` it may import NumPy,
 PyTorch, scikit-learn and matplotlib (lazily, inside the subcommands).  Exit codes: 0 success,
