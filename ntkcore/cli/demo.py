@@ -311,11 +311,12 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
         torch.cuda.reset_peak_memory_stats()
     tdtype = getattr(torch, dtype)
 
+    t = time.perf_counter()
     x_train, x_test, y_train, y_test = demo_data(n_train, seed, n_test)
+    times = {"data": time.perf_counter() - t}
     net = demo_model(model, width=width, seed=seed).to(device=device, dtype=tdtype)
     xtr, xte = (torch.as_tensor(x, dtype=tdtype, device=device) for x in (x_train, x_test))
     names, kinds = describe(net, xtr[:2])
-    times = {"data": time.perf_counter() - t_start}
     fit = entk_regression(net, xtr, y_train, xte, ridge=ridge, max_memory=max_memory,
                           progress=progress)
     times.update(fit.times, kernel=fit.times["train kernel"] + fit.times["test kernel"])
