@@ -144,9 +144,12 @@ def _print_info(info: dict[str, Any]) -> None:
         for d in b["devices"]:
             print(f"           {d['name']}: {fmt_bytes(d['free'])} free")
     print("\nBLAS thread pools (threadpoolctl)")
-    for p in [info["blas"]] if isinstance(info["blas"], str) else info["blas"] or ["none found"]:
-        print(f"  {p}" if isinstance(p, str) else f"  {p['library'] or '?':<9} "
-              f"{p['version'] or '':<10} {p['threads']} threads  {p['path']}")
+    blas = info["blas"]  # the pools, or why they are unknown
+    if isinstance(blas, str) or not blas:
+        print(f"  {blas or 'none found'}")
+    for p in [] if isinstance(blas, str) else blas:
+        print(f"  {p['library'] or '?':<9} {p['version'] or '':<10} {p['threads']} threads  "
+              f"{p['path']}")
     if info["env"]:
         print("\nenvironment\n" + "\n".join(f"  {k}={v}" for k, v in info["env"].items()))
 
