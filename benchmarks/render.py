@@ -20,6 +20,7 @@ import math
 import operator
 import re
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,11 @@ def family(r: dict[str, Any]) -> str:
     case = str(r["case"])
     n = p.get("N")
     if n is not None:
+        # "N=<n>" goes; another key swept with N keeps its name ("P=<n>" -> "P=N"); a bare
+        # number goes
         stripped = re.sub(rf"\b[Nn]\s*=\s*{n}\b", "", case)
+        if stripped == case:
+            stripped = re.sub(rf"\b(\w+)\s*=\s*{n}\b", r"\1=N", case)
         if stripped == case:
             stripped = re.sub(rf"\b{n}\b", "", case)
         case = re.sub(r"\s+", " ", stripped).strip(" ,;-_") or case
@@ -168,6 +173,19 @@ def _plt() -> Any:
     return plt
 
 
+def _wrap(text: str, width: int = 60) -> str:
+    """``text`` broken into lines of at most ``width`` characters (labels, titles)."""
+    return textwrap.fill(text, width, break_on_hyphens=False)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out and write ``fig``; the saved box grows to hold every label (nothing cut)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def plot_scaling(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
     """Median time (and peak memory, where measured) against N, one line per implementation."""
     series: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -193,18 +211,15 @@ def plot_scaling(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
             if mem:
                 axes[0][1].plot(*zip(*mem, strict=True), marker="o", label=label)
     axes[0][0].set(xscale="log", yscale="log", xlabel="N", ylabel="median time [s]",
-                   title=f"{title}: time")
+                   title=_wrap(f"{title}: time", 45 if has_mem else 50))
     axes[0][0].grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     if has_mem:
         axes[0][1].set(xscale="log", yscale="log", xlabel="N", ylabel="peak memory [MiB]",
-                       title=f"{title}: peak memory")
+                       title=_wrap(f"{title}: peak memory", 45))
         axes[0][1].grid(True, which="both", alpha=0.3)
         axes[0][1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -214,21 +229,20 @@ def plot_speedups(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
     if not rs:
         return False
     plt = _plt()
-    labels = [f"{r['case']} · {r['impl']} ({r['backend']}) vs {r['baseline']}" for r in rs]
+    labels = [_wrap(f"{r['case']} · {r['impl']} ({r['backend']}) vs {r['baseline']}", 55)
+              for r in rs]
     vals = [r["_speedup"] for r in rs]
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rs) + 1.2))
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(9, 0.16 * lines + 0.16 * len(rs) + 1.2))
     colors = ["tab:green" if v >= 1 else "tab:red" for v in vals]
     ax.barh(range(len(rs)), vals, color=colors)
     ax.set_yticks(range(len(rs)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="speed-up over baseline (x)", title=f"{title}: speed-up")
+    ax.set(xscale="log", xlabel="speed-up over baseline (x)", title=_wrap(f"{title}: speed-up"))
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:.3g}x", va="center", fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+import zlib
 from pathlib import Path
 
 import ntkcore
@@ -15,6 +17,7 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
+    "sphinx.ext.intersphinx",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
@@ -25,6 +28,10 @@ myst_heading_anchors = 3
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
 napoleon_use_rtype = False
+# "Attributes" sections as fields of their class, not as targets: otherwise the word "shape" in
+# every "array, shape (N, N)" type resolves to some class's ``shape`` attribute (ambiguous
+# since several classes have one).
+napoleon_use_ivar = True
 autodoc_typehints = "none"
 autodoc_member_order = "bysource"
 autosummary_generate = False
@@ -33,6 +40,33 @@ html_theme = "alabaster"
 html_static_path: list[str] = []
 suppress_warnings = ["myst.header"]
 nitpicky = False
+
+
+# Links to the libraries ntkcore works with.  Each project's own inventory is tried first; an
+# empty local one stands behind it, so that a build without network access (CI, the tests)
+# gets plain text instead of links rather than a warning that `-W` turns into a failure.
+def _empty_inventory() -> str:
+    path = Path(tempfile.gettempdir()) / "ntkcore-docs-empty-objects.inv"
+    path.write_bytes(b"# Sphinx inventory version 2\n# Project: none\n# Version: 0\n"
+                     b"# The remainder of this file is compressed using zlib.\n"
+                     + zlib.compress(b""))
+    return str(path)
+
+
+_EMPTY = _empty_inventory()
+intersphinx_mapping = {
+    name: (url, (None, _EMPTY)) for name, url in (
+        ("python", "https://docs.python.org/3/"),
+        ("numpy", "https://numpy.org/doc/stable/"),
+        ("scipy", "https://docs.scipy.org/doc/scipy/"),
+        ("torch", "https://docs.pytorch.org/docs/stable/"),
+        ("jax", "https://docs.jax.dev/en/latest/"),
+        ("dask", "https://docs.dask.org/en/stable/"),
+        ("distributed", "https://distributed.dask.org/en/stable/"),
+        ("zarr", "https://zarr.readthedocs.io/en/stable/"),
+    )
+}
+intersphinx_timeout = 10
 
 
 # Pages written by other tools that may be absent from a checkout: docs/benchmarks.md (rendered

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 import ntkcore
-from ntkcore.cli.demo import demo_data, demo_model, describe, entk_regression
+from ntkcore.cli.demo import demo_data, demo_model, describe, entk_regression, plot_shares
 
-# The data, the networks, the layer labels and the eNTK regression are those of
+# The data, the networks, the layer labels, the eNTK regression and the share bars are those of
 # `python -m ntkcore demo` (ntkcore/cli/demo.py); this script adds training and the comparison.
 
 
@@ -101,14 +101,9 @@ def plot(results: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(results) + 1, figsize=(5 * (len(results) + 1), 4.2))
     for ax, r in zip(axes, results, strict=False):
-        pos = np.arange(len(r["labels"]))
-        ax.bar(pos - 0.2, 100 * r["shares_init"], 0.4, label="at initialisation")
-        ax.bar(pos + 0.2, 100 * r["shares_trained"], 0.4, label="after training")
-        ax.set_xticks(pos)
-        ax.set_xticklabels(r["labels"], rotation=20, ha="right")
-        ax.set_ylabel("% of trace of the train eNTK")
+        plot_shares(ax, r["labels"], {"at initialisation": r["shares_init"],
+                                      "after training": r["shares_trained"]})
         ax.set_title(f"{r['kind']}: layerwise kernel contributions")
-        ax.legend()
     ax = axes[-1]
     kinds = list(results[0]["acc"])
     pos = np.arange(len(results))

@@ -239,3 +239,27 @@ def test_demo_cuda_unavailable(capsys):
 def test_default_plot_is_outside_the_repo():
     root = Path(__file__).resolve().parent.parent
     assert root not in cli.DEFAULT_PLOT.resolve().parents
+
+
+@pytest.mark.parametrize("module, extra", [("sklearn.datasets", "bench"), ("torch", "torch")])
+def test_missing_package_names_the_extra_for_a_wheel_install(module, extra, monkeypatch,
+                                                             capsys):
+    """After `pip install ntkcore` there is no source tree: the message names the extra as a
+    wheel user installs it, not `pip install -e ".[bench]"`."""
+    monkeypatch.setitem(sys.modules, module, None)  # the import fails as if not installed
+    assert cli.main(["demo", "--no-plot", "--no-progress", "--n-train", "20"]) == 1
+    err = capsys.readouterr().err
+    assert f'pip install "ntkcore[{extra}]"' in err and "-e" not in err.split("needs", 1)[1]
+
+
+def test_info_free_memory_is_the_backends_figure(monkeypatch, capsys):
+    """info reports what Backend.free_memory says (the figure default budgets are a share of)."""
+    from ntkcore.backend import get_backend
+
+    backend = get_backend(torch)
+    monkeypatch.setattr(type(backend), "free_memory", lambda self, device: 12345 * 2**20)
+    assert cli.main(["info", "--json"]) == 0
+    facts = {b["backend"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    assert [d["free"] for d in facts["torch"]["devices"]] == [12345 * 2**20] * len(
+        facts["torch"]["devices"])
+    assert all(d["gpu"] == d["name"].startswith("cuda") for d in facts["torch"]["devices"])

@@ -138,6 +138,91 @@ def test_sphinx_build_without_warnings(tmp_path):
         assert (out / f"{page}.html").is_file(), page
     api = (out / "api.html").read_text(encoding="utf-8")
     for name in ("ntkcore.ntk", "ntkcore.kernel_regression", "ntkcore.smw_solve",
-                 "ntkcore.Jacobian", "ntkcore.gram", "ntkcore.trace_share", "SENG"):
+                 "ntkcore.Jacobian", "ntkcore.gram", "ntkcore.trace_share", "SENG",
+                 "ntkcore.distributed.ntk_dask"):
         assert name in api, name
     assert 'class="math' in (out / "math.html").read_text(encoding="utf-8")
+
+
+def test_intersphinx_links_the_ecosystem():
+    import runpy
+
+    conf = runpy.run_path(str(DOCS / "conf.py"))
+    assert "sphinx.ext.intersphinx" in conf["extensions"]
+    mapping = conf["intersphinx_mapping"]
+    assert {"numpy", "scipy", "torch", "jax", "dask"} <= set(mapping)
+    for url, _inventories in mapping.values():
+        assert url.startswith("https://")
+
+
+def test_api_page_documents_distributed():
+    """Every public name of ntkcore.distributed has an autodoc entry on the API page."""
+    pytest.importorskip("dask")
+    pytest.importorskip("zarr")
+    import ntkcore.distributed as nd
+
+    page = (DOCS / "api.md").read_text(encoding="utf-8")
+    assert ".. automodule:: ntkcore.distributed" in page
+    missing = [n for n in nd.__all__
+               if not re.search(rf"\.\. auto\w+:: ntkcore\.distributed\.{n}$", page, re.M)]
+    assert not missing, missing
+
+
+# -- benchmark charts (benchmarks/render.py -> docs/img/) --------------------------------------
+
+def _render():
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import render
+    finally:
+        sys.path.remove(str(ROOT))
+    return render
+
+
+def test_chart_titles_keep_every_value():
+    """A case whose swept key is not N ("large P=<N> rho=64") keeps the key: "P=N", never the
+    "large P= rho=64" of a value cut out of its ``key=value``."""
+    render = _render()
+    for case, want in (("large P=1000000 rho=64", "large P=N rho=64"),
+                       ("vs dense P=4000 rho=64", "vs dense P=N rho=64"),
+                       ("mlp N=512 w=64", "mlp w=64"), ("cg 2000 samples", "cg samples")):
+        fam = render.family({"case": case, "params": {"N": int(re.findall(r"\d+", case)[0])}})
+        assert fam == want
+        assert not re.search(r"=(\s|$)", fam), fam
+
+
+def _captured(monkeypatch, render):
+    """The figures the render functions close, still drawable."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    return figs
+
+
+def _overhang(fig) -> float:
+    """Inches by which the drawn texts of ``fig`` (tick labels, titles, legend) reach outside
+    the figure: 0 when nothing is cut off."""
+    fig.canvas.draw()
+    tight = fig.get_tightbbox(fig.canvas.get_renderer())  # inches, drawn artists only
+    w, h = fig.get_size_inches()
+    return max(0.0, -tight.x0, -tight.y0, tight.x1 - w, tight.y1 - h)
+
+
+def test_chart_labels_are_not_cut_off(tmp_path, monkeypatch):
+    render = _render()
+    figs = _captured(monkeypatch, render)
+    long_case = "gram dense layer " + " ".join(f"option{i}=value{i}" for i in range(25))
+    rows = [{"case": f"{long_case} {i}", "impl": "ntkcore", "backend": "numpy",
+             "baseline": "a peer library with a long name", "_speedup": 1.5 + i}
+            for i in range(3)]
+    assert render.plot_speedups(rows, "suite", tmp_path / "s.png")
+    title = "panels · " + long_case
+    rows = [{"case": f"{long_case} N={n}", "impl": impl, "backend": "numpy",
+             "params": {"N": n}, "median_s": n * 1e-3, "peak_mem_bytes": n * 2**20}
+            for n in (100, 200, 400) for impl in ("ntkcore", "peer")]
+    assert render.plot_scaling(rows, title, tmp_path / "t.png")
+    assert len(figs) == 2
+    for fig in figs:
+        assert _overhang(fig) < 0.01

@@ -12,34 +12,51 @@ scikit-learn and matplotlib, lazily, inside the functions.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import DEFAULT_PLOT, CLIError, _fmt_bytes, _require
+__all__ = ["DEFAULT_PLOT", "CLIError", "DemoResult", "EntkFit", "demo_data", "demo_model",
+           "describe", "entk_regression", "plot_shares", "run_demo"]
 
-__all__ = ["DemoResult", "EntkFit", "demo_data", "demo_model", "describe", "entk_regression",
-           "run_demo"]
+DEFAULT_PLOT = Path(tempfile.gettempdir()) / "ntkcore-demo.png"
+
+
+class CLIError(Exception):
+    """A failure the command line reports as ``ntkcore <cmd>: error: ...`` with exit code 1."""
+
+
+def _require(module: str, purpose: str, extra: str) -> Any:
+    """Import ``module`` or raise a :class:`CLIError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise CLIError(f"{purpose} needs {module.split('.')[0]} ({exc}); install it with "
+                       f"pip install \"ntkcore[{extra}]\"") from None
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def _peak_rss() -> int | None:
-    """Peak resident memory of this process in bytes (``None`` when the OS does not say)."""
+    """Peak resident memory of this process in bytes (``None`` where ``resource`` is absent)."""
     try:
         import resource
     except ImportError:  # Windows
-        resource = None  # type: ignore[assignment]
-    if resource is not None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak) if sys.platform == "darwin" else int(peak) * 1024
-    try:
-        import psutil
-
-        info = psutil.Process().memory_info()
-        return int(getattr(info, "peak_wset", info.rss))
-    except Exception:
         return None
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass
@@ -105,14 +122,9 @@ def demo_data(n_train: int | None = None, seed: int = 0,
     datasets = _require("sklearn.datasets", "the digits demo", "bench")
     model_selection = _require("sklearn.model_selection", "the digits demo", "bench")
     x, y = datasets.load_digits(return_X_y=True)
-    x = x / 16.0
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
-        x, y, test_size=0.3, random_state=seed, stratify=y)
-    if n_train is not None:
-        x_train, y_train = x_train[:n_train], y_train[:n_train]
-    if n_test is not None:
-        x_test, y_test = x_test[:n_test], y_test[:n_test]
-    return x_train, x_test, y_train, y_test
+        x / 16.0, y, test_size=0.3, random_state=seed, stratify=y)
+    return x_train[:n_train], x_test[:n_test], y_train[:n_train], y_test[:n_test]
 
 
 def demo_model(kind: str = "mlp", *, width: int = 256, seed: int = 0, channels: int = 8) -> Any:
@@ -125,73 +137,16 @@ def demo_model(kind: str = "mlp", *, width: int = 256, seed: int = 0, channels: 
     """
     torch = _require("torch", "the demo", "torch")
     nn = torch.nn
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    if kind not in ("mlp", "cnn"):
+        raise ValueError(f"model must be 'mlp' or 'cnn'; got {kind!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         if kind == "mlp":
-            net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width),
-                                nn.ReLU(), nn.Linear(width, 10))
-        elif kind == "cnn":
-            net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
-                                nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
-                                nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1),
-                                nn.ReLU(), nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 10))
-        else:
-            raise ValueError(f"model must be 'mlp' or 'cnn'; got {kind!r}")
-    finally:
-        torch.random.set_rng_state(gen_state)
-    return net
-
-
-class _Stages:
-    """A tqdm bar over the demo's stages whose postfix shows the kernel tiles (or plain text)."""
-
-    def __init__(self, names: list[str], enabled: bool) -> None:
-        self.bar = None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=len(names), desc="demo", unit="stage", file=sys.stderr,
-                                bar_format="{desc:<34} {percentage:3.0f}%|{bar:20}| "
-                                           "{n_fmt}/{total_fmt} [{elapsed}]")
-            except ImportError:
-                pass
-
-    def start(self, name: str) -> None:
-        if self.bar is not None:
-            self.bar.set_description_str(f"demo: {name}")
-        elif self.enabled:
-            print(f"  ... {name}", file=sys.stderr, flush=True)
-
-    def tiles(self, name: str) -> Any:
-        def report(done: int, total: int) -> None:
-            if self.bar is not None:
-                self.bar.set_description_str(f"demo: {name} (tile {done}/{total})")
-
-        return report
-
-    def done(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _layer_label(name: str, module: Any) -> str:
-    """``"2:Linear(256,256)"`` for block ``"2"`` of a Sequential (the block name otherwise)."""
-    if module is None:
-        return name
-    kind = type(module).__name__
-    dims = ""
-    if hasattr(module, "in_features"):
-        dims = f"({module.in_features},{module.out_features})"
-    elif hasattr(module, "in_channels"):
-        dims = f"({module.in_channels},{module.out_channels})"
-    return f"{name}:{kind}{dims}"
+            return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width),
+                                 nn.ReLU(), nn.Linear(width, 10))
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, channels, 3, padding=1),
+                             nn.ReLU(), nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1),
+                             nn.ReLU(), nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 10))
 
 
 def describe(net: Any, x: Any) -> tuple[list[str], list[str]]:
@@ -201,8 +156,14 @@ def describe(net: Any, x: Any) -> tuple[list[str], list[str]]:
 
     jac = jacobian(net, x)
     modules = dict(net.named_modules())
-    return ([_layer_label(n, modules.get(n)) for n in jac.names],
-            [type(b).__name__ for b in jac.blocks])
+    labels = []
+    for name in jac.names:
+        m = modules.get(name)
+        dims = [str(getattr(m, a)) for a in ("in_features", "out_features", "in_channels",
+                                             "out_channels") if hasattr(m, a)]
+        labels.append(name if m is None else
+                      f"{name}:{type(m).__name__}" + (f"({','.join(dims)})" if dims else ""))
+    return labels, [type(b).__name__ for b in jac.blocks]
 
 
 @dataclass
@@ -222,7 +183,7 @@ class EntkFit:
     pred, pred_train : ndarray of int, shape (M,) and (N,)
         Predicted test / training labels.
     shares : list of float, length B
-        Share of each block in ``trace(k_train)`` (they sum to 1).
+        Share of each block in ``trace(k_train)`` (:func:`ntkcore.trace_share`; they sum to 1).
     times : dict
         Seconds of ``"train kernel"``, ``"test kernel"`` and ``"regression"``.
     """
@@ -238,7 +199,7 @@ class EntkFit:
 
 
 def entk_regression(net: Any, x_train: Any, y_train: Any, x_test: Any, *, ridge: float = 1e-3,
-                    max_memory: str | None = None, stages: _Stages | None = None) -> EntkFit:
+                    max_memory: str | None = None, progress: bool = False) -> EntkFit:
     r"""Trace-eNTK kernel regression of the class labels by the network ``net``.
 
     1. the layerwise trace eNTK of the training images,
@@ -258,8 +219,9 @@ def entk_regression(net: Any, x_train: Any, y_train: Any, x_test: Any, *, ridge:
         Ridge relative to the mean diagonal of the training kernel.
     max_memory : str, optional
         Working-memory budget passed to :func:`ntkcore.ntk`.
-    stages : optional
-        The demo's progress display (its ``start``, ``tiles`` and ``done`` are called).
+    progress : bool
+        Name each stage on stderr, and show :func:`ntkcore.ntk`'s tile bar when tqdm is
+        installed.
 
     Returns
     -------
@@ -269,46 +231,42 @@ def entk_regression(net: Any, x_train: Any, y_train: Any, x_test: Any, *, ridge:
 
     import ntkcore
 
-    stages = stages or _Stages([], enabled=False)
+    bar = progress and importlib.util.find_spec("tqdm") is not None
     times: dict[str, float] = {}
 
-    def timed(name: str, key: str, compute: Any) -> Any:
-        stages.start(name)
+    def timed(stage: str, compute: Any) -> Any:
+        if progress:
+            print(f"  ... {stage}", file=sys.stderr, flush=True)
         t = time.perf_counter()
         out = compute()
         if x_train.is_cuda:
             torch.cuda.synchronize()
-        times[key] = time.perf_counter() - t
-        stages.done()
+        times[stage] = time.perf_counter() - t
         return out
 
-    k_layers = timed("train kernel", "train kernel", lambda: ntkcore.ntk(
-        net, x_train, mode="trace", layerwise=True, max_memory=max_memory,
-        progress=stages.tiles("train kernel")))
+    k_layers = timed("train kernel", lambda: ntkcore.ntk(
+        net, x_train, mode="trace", layerwise=True, max_memory=max_memory, progress=bar))
+    k_test = timed("test kernel", lambda: ntkcore.ntk(
+        net, x_test, x_train, mode="trace", max_memory=max_memory, progress=bar))
     k_train = k_layers.sum(dim=0)
-    k_test = timed("test kernel", "test kernel", lambda: ntkcore.ntk(
-        net, x_test, x_train, mode="trace", max_memory=max_memory,
-        progress=stages.tiles("test kernel")))
-
     k64 = k_train.double()
     reg = ridge * float(torch.diagonal(k64).mean())
 
-    def regression() -> tuple[Any, Any]:
+    def regression() -> list[Any]:
         y = torch.nn.functional.one_hot(torch.as_tensor(y_train, device=k64.device), 10)
         fit = ntkcore.KernelRidge(reg=reg).fit(k64, y.double())
-        return tuple(fit.predict(k).argmax(dim=1).cpu().numpy() for k in (k_test.double(), k64))
+        return [fit.predict(k).argmax(dim=1).cpu().numpy() for k in (k_test.double(), k64)]
 
-    pred, pred_train = timed("kernel regression", "regression", regression)
-    traces = torch.diagonal(k_layers, dim1=1, dim2=2).sum(dim=1).double().cpu()
-    return EntkFit(k_layers, k_train, k_test, reg, pred, pred_train,
-                   [float(s) for s in traces / traces.sum()], times)
+    pred, pred_train = timed("regression", regression)
+    shares = [float(s) for s in ntkcore.trace_share(k_layers.double())]
+    return EntkFit(k_layers, k_train, k_test, reg, pred, pred_train, shares, times)
 
 
 def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | None = None,
-             width: int = 256,
-             ridge: float = 1e-3, dtype: str = "float32", device: str = "auto",
-             max_memory: str | None = None, seed: int = 0, out: str | Path | None = DEFAULT_PLOT,
-             progress: bool = True, verbose: bool = True) -> DemoResult:
+             width: int = 256, ridge: float = 1e-3, dtype: str = "float32",
+             device: str = "auto", max_memory: str | None = None, seed: int = 0,
+             out: str | Path | None = DEFAULT_PLOT, progress: bool = True,
+             verbose: bool = True) -> DemoResult:
     """eNTK kernel regression of a small torch network on scikit-learn's digits.
 
     :func:`demo_data`, :func:`demo_model` (untrained) and :func:`entk_regression`, with
@@ -335,7 +293,7 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
     out : path or None
         Where to write the PNG (``None``: no plot).
     progress, verbose : bool
-        Progress bar on stderr; report on stdout.
+        Progress on stderr; report on stdout.
 
     Returns
     -------
@@ -349,59 +307,37 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: torch sees no CUDA device (see `ntkcore info`)")
-    tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    tdtype = getattr(torch, dtype)
 
-    stages = _Stages(["data", "model", "train kernel", "test kernel", "regression", "plot"],
-                     progress)
-    times: dict[str, float] = {}
-    try:
-        stages.start("loading digits")
-        t = time.perf_counter()
-        x_train, x_test, y_train, y_test = demo_data(n_train, seed, n_test)
-        times["data"] = time.perf_counter() - t
-        stages.done()
-
-        stages.start("building the network")
-        net = demo_model(model, width=width, seed=seed).to(device=device, dtype=tdtype)
-        xtr = torch.as_tensor(x_train, dtype=tdtype, device=device)
-        xte = torch.as_tensor(x_test, dtype=tdtype, device=device)
-        num_params = sum(p.numel() for p in net.parameters())
-        names, kinds = describe(net, xtr[:2])
-        stages.done()
-
-        fit = entk_regression(net, xtr, y_train, xte, ridge=ridge, max_memory=max_memory,
-                              stages=stages)
-        times.update(fit.times)
-        result = DemoResult(
-            model=model, num_params=int(num_params), n_train=len(y_train), n_test=len(y_test),
-            accuracy=float((fit.pred == y_test).mean()),
-            train_accuracy=float((fit.pred_train == y_train).mean()),
-            kernel_bytes=int(fit.k_train.numel() * fit.k_train.element_size()
-                             + fit.k_test.numel() * fit.k_test.element_size()),
-            layer_names=names, layer_shares=fit.shares,
-            predictions=[int(p) for p in fit.pred])
-
-        stages.start("plot")
-        t = time.perf_counter()
-        if out is not None:
-            result.plot = _demo_plot(Path(out), fit.k_train, y_train, y_test, fit.pred, names,
-                                     fit.shares, result)
-        times["plot"] = time.perf_counter() - t
-        stages.done()
-    finally:
-        stages.close()
-
-    times["kernel"] = times["train kernel"] + times["test kernel"]
+    t = time.perf_counter()
+    x_train, x_test, y_train, y_test = demo_data(n_train, seed, n_test)
+    times = {"data": time.perf_counter() - t}
+    net = demo_model(model, width=width, seed=seed).to(device=device, dtype=tdtype)
+    xtr, xte = (torch.as_tensor(x, dtype=tdtype, device=device) for x in (x_train, x_test))
+    names, kinds = describe(net, xtr[:2])
+    fit = entk_regression(net, xtr, y_train, xte, ridge=ridge, max_memory=max_memory,
+                          progress=progress)
+    times.update(fit.times, kernel=fit.times["train kernel"] + fit.times["test kernel"])
+    r = DemoResult(
+        model=model, num_params=sum(p.numel() for p in net.parameters()), n_train=len(y_train),
+        n_test=len(y_test), accuracy=float((fit.pred == y_test).mean()),
+        train_accuracy=float((fit.pred_train == y_train).mean()),
+        kernel_bytes=sum(k.numel() * k.element_size() for k in (fit.k_train, fit.k_test)),
+        layer_names=names, layer_shares=fit.shares, times=times,
+        predictions=[int(p) for p in fit.pred])
+    t = time.perf_counter()
+    if out is not None:
+        r.plot = _demo_plot(Path(out).expanduser(), fit, y_train, y_test, r)
+    times["plot"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
-    result.times = times
-    result.peak_rss = _peak_rss()
+    r.peak_rss = _peak_rss()
     if device == "cuda":
-        result.peak_device = int(torch.cuda.max_memory_allocated())
+        r.peak_device = int(torch.cuda.max_memory_allocated())
     if verbose:
-        _print_demo(result, kinds, dtype, device, width, fit.reg)
-    return result
+        _print_demo(r, kinds, dtype, device, width, fit.reg)
+    return r
 
 
 def _print_demo(r: DemoResult, kinds: list[str], dtype: str, device: str, width: int,
@@ -410,32 +346,44 @@ def _print_demo(r: DemoResult, kinds: list[str], dtype: str, device: str, width:
 
     arch = (f"MLP 64-{width}-{width}-10 (ReLU)" if r.model == "mlp"
             else "CNN conv(8)-conv/2(16)-linear(10)")
-    nk = sum(k == "KroneckerBlock" for k in kinds)
     t = r.times
-    print(f"ntkcore {ntkcore.__version__} demo: empirical NTK kernel regression on digits")
-    print(f"  data        {r.n_train} train / {r.n_test} test images (8x8), 10 classes")
-    print(f"  network     torch {arch}, {r.num_params:,} parameters, untrained, "
-          f"{dtype} on {device}")
-    print(f"  Jacobian    {len(kinds)} blocks, {nk} Kronecker-factored (layer inputs x "
-          "output gradients)")
-    print(f"  kernel      trace eNTK {r.n_train} x {r.n_train} + {r.n_test} x {r.n_train}, "
-          f"{_fmt_bytes(r.kernel_bytes)}, {t['kernel']:.2f} s")
     shares = ", ".join(f"{n} {100 * s:.0f}%" for n, s in zip(r.layer_names, r.layer_shares,
                                                                 strict=True))
-    print(f"  layers      share of trace(K): {shares}")
-    print(f"  regression  Cholesky, ridge {reg:.3g}, float64, {t['regression']:.2f} s")
-    print(f"  accuracy    test {100 * r.accuracy:.2f}%  (train {100 * r.train_accuracy:.1f}%)")
-    mem = f"peak RSS {_fmt_bytes(r.peak_rss)}"
+    mem = f"peak RSS {fmt_bytes(r.peak_rss)}"
     if r.peak_device is not None:
-        mem += f", peak CUDA {_fmt_bytes(r.peak_device)}"
-    print(f"  memory      {mem}")
+        mem += f", peak CUDA {fmt_bytes(r.peak_device)}"
+    print(f"ntkcore {ntkcore.__version__} demo: empirical NTK kernel regression on digits\n"
+          f"  data        {r.n_train} train / {r.n_test} test images (8x8), 10 classes\n"
+          f"  network     torch {arch}, {r.num_params:,} parameters, untrained, "
+          f"{dtype} on {device}\n"
+          f"  Jacobian    {len(kinds)} blocks, {kinds.count('KroneckerBlock')} "
+          "Kronecker-factored (layer inputs x output gradients)\n"
+          f"  kernel      trace eNTK {r.n_train} x {r.n_train} + {r.n_test} x {r.n_train}, "
+          f"{fmt_bytes(r.kernel_bytes)}, {t['kernel']:.2f} s\n"
+          f"  layers      share of trace(K): {shares}\n"
+          f"  regression  Cholesky, ridge {reg:.3g}, float64, {t['regression']:.2f} s\n"
+          f"  accuracy    test {100 * r.accuracy:.2f}%  (train {100 * r.train_accuracy:.1f}%)\n"
+          f"  memory      {mem}")
     if r.plot:
         print(f"  plot        {r.plot}")
     print(f"  time        {t['total']:.2f} s in total")
 
 
-def _demo_plot(path: Path, k_train: Any, y_train: Any, y_test: Any, pred: Any,
-               names: list[str], shares: list[float], r: DemoResult) -> str:
+def plot_shares(ax: Any, labels: list[str], series: dict[str, list[float]]) -> None:
+    """Bars of each block's share of trace(K) on the matplotlib axes ``ax``: one group per
+    block (``labels``), one bar per entry of ``series`` (name -> shares; legend when > 1)."""
+    import numpy as np
+
+    pos, w = np.arange(len(labels)), 0.8 / len(series)
+    for i, shares in enumerate(series.values()):
+        ax.bar(pos + (i - (len(series) - 1) / 2) * w, 100 * np.asarray(shares), w)
+    ax.set_xticks(pos, labels, rotation=25, ha="right")
+    ax.set_ylabel("% of trace(K)")
+    if len(series) > 1:
+        ax.legend(list(series))
+
+
+def _demo_plot(path: Path, fit: EntkFit, y_train: Any, y_test: Any, r: DemoResult) -> str | None:
     try:
         import matplotlib
 
@@ -443,41 +391,23 @@ def _demo_plot(path: Path, k_train: Any, y_train: Any, y_test: Any, pred: Any,
         import matplotlib.pyplot as plt
     except ImportError:
         print("  (matplotlib not installed: no plot; pip install matplotlib)", file=sys.stderr)
-        return ""
+        return None
     import numpy as np
+    from sklearn.metrics import ConfusionMatrixDisplay
 
-    path = path.expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     order = np.argsort(y_train, kind="stable")
-    k = k_train.double().cpu().numpy()[np.ix_(order, order)]
+    k = fit.k_train.double().cpu().numpy()[np.ix_(order, order)]
     d = np.sqrt(np.diag(k))
-    corr = k / np.outer(d, d)
-
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    im = axes[0].imshow(corr, cmap="viridis", interpolation="nearest")
-    axes[0].set_title("normalised train eNTK, sorted by class")
-    axes[0].set_xlabel("train image")
-    axes[0].set_ylabel("train image")
+    im = axes[0].imshow(k / np.outer(d, d), cmap="viridis", interpolation="nearest")
+    axes[0].set(title="normalised train eNTK, sorted by class", xlabel="train image",
+                ylabel="train image")
     fig.colorbar(im, ax=axes[0], fraction=0.046)
-
-    axes[1].bar(range(len(names)), [100 * s for s in shares], color="tab:blue")
-    axes[1].set_xticks(range(len(names)))
-    axes[1].set_xticklabels(names, rotation=30, ha="right")
-    axes[1].set_ylabel("% of trace(K)")
+    plot_shares(axes[1], r.layer_names, {"": fit.shares})
     axes[1].set_title("layerwise kernel contributions")
-
-    conf = np.zeros((10, 10), dtype=int)
-    np.add.at(conf, (y_test, pred), 1)
-    axes[2].imshow(conf, cmap="Blues")
-    for i in range(10):
-        for j in range(10):
-            if conf[i, j]:
-                axes[2].text(j, i, str(conf[i, j]), ha="center", va="center", fontsize=7,
-                             color="white" if conf[i, j] > conf.max() / 2 else "black")
-    axes[2].set_xticks(range(10))
-    axes[2].set_yticks(range(10))
-    axes[2].set_xlabel("predicted")
-    axes[2].set_ylabel("true")
+    ConfusionMatrixDisplay.from_predictions(y_test, fit.pred, labels=list(range(10)),
+                                            ax=axes[2], cmap="Blues", colorbar=False)
     axes[2].set_title(f"test confusion, accuracy {100 * r.accuracy:.1f}%")
     fig.suptitle(f"ntkcore demo: eNTK kernel regression of an untrained {r.model.upper()} "
                  f"({r.num_params:,} parameters) on digits")
