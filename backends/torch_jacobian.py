@@ -138,7 +138,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
-from .torch_layers import cat, layer_block, layer_type, output_buffer, output_factor, sample_axis_ok
+from .torch_layers import CONV, cat, layer_block, layer_type, output_factor, sample_axis_ok
 
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
@@ -519,14 +519,23 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                     for gr, m, ax in zip(grads, mods, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    bufs = [output_buffer(m, y, n, o) for m, y in zip(mods, ys, strict=True)]
+    convs = [isinstance(m, CONV) for m in mods]  # the loop's buffers: g's layout, as above
+    bufs = []
+    for y, cv in zip(ys, convs, strict=True):
+        if cv:
+            bufs.append(y.new_empty((n, o, y.shape[1], y[0, 0].numel())))
+        else:
+            bufs.append(y.new_empty((n, y.numel() // (n * y.shape[-1]), o, y.shape[-1])))
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        for buf, gr, m, ax in zip(bufs, grads, mods, axes, strict=True):
-            buf[:, :, k].copy_(output_factor(m, gr[None], n, 1, ax)[:, :, 0])
-    return bufs
+        for buf, gr, cv, ax in zip(bufs, grads, convs, axes, strict=True):
+            if cv:
+                buf[:, k].copy_(gr.reshape(n, gr.shape[1], -1))
+            else:
+                buf[:, :, k].copy_(gr.movedim(ax, 0).reshape(n, -1, gr.shape[-1]))
+    return [buf.permute(0, 3, 1, 2) if cv else buf for buf, cv in zip(bufs, convs, strict=True)]
 
 
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],

@@ -21,7 +21,7 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
 __all__ = ["CONV", "FORWARD", "cat", "input_factor", "layer_block", "layer_type",
-           "output_buffer", "output_factor", "sample_axis_ok"]
+           "output_factor", "sample_axis_ok"]
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Structured only when the class keeps torch's own forward (a subclass may compute anything).
@@ -129,15 +129,6 @@ def output_factor(mod: nn.Module, gr: torch.Tensor, n: int, lead: int,
         gr = gr.movedim(1 + axis, 1)
     g4 = gr.reshape(lead, n, -1, gr.shape[-1]).permute(1, 2, 0, 3)  # (N, S, lead, d)
     return g4 if lead == 1 else g4.contiguous()
-
-
-def output_buffer(mod: nn.Module, y: torch.Tensor, n: int, o: int) -> torch.Tensor:
-    """An empty g (N, S, O, d_out) for the call output ``y`` (samples on axis 0 or, not for a
-    convolution, elsewhere) in the memory layout :func:`output_factor` gives, to be filled one
-    output at a time from ``output_factor(mod, gr[None], n, 1, axis)``."""
-    if isinstance(mod, CONV):
-        return y.new_empty((n, o, y.shape[1], y[0, 0].numel())).permute(0, 3, 1, 2)
-    return y.new_empty((n, y.numel() // (n * y.shape[-1]), o, y.shape[-1]))
 
 
 def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tensor], n: int,
