@@ -121,10 +121,10 @@ class _Unit:
     def params(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
-    def flat_grad(self, wd: float) -> torch.Tensor:
-        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,): the
-        layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
-        mats = [_grad(p, wd).reshape(self.weight.shape[0], -1) for p in self.params]
+    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
+        """inv * (grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,):
+        the layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
+        mats = [_grad(p, wd, inv).reshape(self.weight.shape[0], -1) for p in self.params]
         return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)).reshape(-1)
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
@@ -143,8 +143,8 @@ class _DenseGroup:
     names: list[str]
     params: list[nn.Parameter]
 
-    def flat_grad(self, wd: float) -> torch.Tensor:
-        return torch.cat([_grad(p, wd).reshape(-1) for p in self.params])
+    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
+        return torch.cat([_grad(p, wd, inv).reshape(-1) for p in self.params])
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
@@ -154,9 +154,10 @@ class _DenseGroup:
         return out
 
 
-def _grad(p: torch.Tensor, wd: float = 0.0) -> torch.Tensor:
-    """``p``'s gradient (zero if None) plus ``wd * p``."""
+def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
+    """``inv`` times ``p``'s gradient (zero if None) plus ``wd * p``."""
     g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+    g = g if inv == 1.0 else g * inv
     return g + wd * p.detach() if wd else g
 
 
@@ -166,10 +167,25 @@ def _inside_functorch(x: torch.Tensor) -> bool:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers."""
-    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        model = model.module
-    return model
+    """The module inside DistributedDataParallel / DataParallel / ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile(model)
+        else:
+            return model
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a module hook that runs eagerly when ``torch.compile`` traces the model (a
+    graph break there), so that it sees real tensors and can register tensor hooks on them."""
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return hook
 
 
 class _Thin(LinearOperator):
@@ -317,7 +333,8 @@ class SENG(torch.optim.Optimizer):
                  weight_decay: float = 0.0,
                  damping_schedule: Callable[[int], float] | None = None,
                  loss_reduction: str = "mean", low_rank: int | None = None,
-                 distributed: str | bool = "auto", seed: int | None = 0) -> None:
+                 distributed: str | bool = "auto", seed: int | None = 0,
+                 grad_scaler: Any = None) -> None:
         if isinstance(params_or_model, nn.Module):
             if model is not None and model is not params_or_model:
                 raise ValueError("pass the model either as the first argument or as model=")
@@ -350,6 +367,9 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
         if low_rank is not None and (int(low_rank) != low_rank or low_rank < 1):
             raise ValueError(f"low_rank must be None or a positive integer; got {low_rank}")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError("grad_scaler must be a torch.amp.GradScaler (or have get_scale()); "
+                            f"got {type(grad_scaler).__name__}")
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.model = model
@@ -361,6 +381,7 @@ class SENG(torch.optim.Optimizer):
         self.low_rank = None if low_rank is None else int(low_rank)
         self.distributed = distributed
         self.seed = seed
+        self.grad_scaler = grad_scaler
         self._step = 0
         self._refreshes = 0
         self._solvers: dict[str, SMWSolver] = {}
@@ -380,7 +401,20 @@ class SENG(torch.optim.Optimizer):
         self._build_units()
         self._sync_hooks()
 
+    # GradScaler.step(self) then sets self.grad_scale / self.found_inf and calls step()
+    _step_supports_amp_scaling = True
+
     # -- structure ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``; the layers are re-planned and the next
+        step refreshes the curvature of every block (the hooks are attached for it)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "units"):  # not from Optimizer.__init__
+            self._build_units()
+            self._solvers, self._directions, self._curvature = {}, {}, {}
+            self._drop_hooks()
+            self._sync_hooks()
+
     def _group_of(self) -> dict[int, dict[str, Any]]:
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
@@ -417,11 +451,12 @@ class SENG(torch.optim.Optimizer):
 
     def _install_hooks(self) -> None:
         inner = _unwrap(self.model)
-        self._handles = [inner.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
-                         inner.register_forward_hook(self._root_hook)]
+        self._handles = [
+            inner.register_forward_pre_hook(_eager(self._root_pre_hook), with_kwargs=True),
+            inner.register_forward_hook(_eager(self._root_hook))]
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit),
-                                                                   with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(
+                _eager(self._make_unit_hook(unit)), with_kwargs=True))
 
     def _drop_hooks(self) -> None:
         for h in self._handles:
@@ -622,13 +657,14 @@ class SENG(torch.optim.Optimizer):
         n = int(calls[0]["x"].shape[axes[0]])
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
-        xs = [c["x"].movedim(ax, 0) if ax else c["x"] for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(mod, c["gy"][None], n, 1, ax) for c, ax in zip(calls, axes,
-                                                                          strict=True)]
+        # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
+        dt = unit.weight.dtype
+        xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
+        gs = [output_factor(mod, c["gy"].to(dt)[None], n, 1, ax)
+              for c, ax in zip(calls, axes, strict=True)]
         block = layer_block(mod, xs, gs, n, unit.name, bias=unit.bias is not None)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
-        g = block.g * n if self.loss_reduction == "mean" else block.g
-        return KroneckerBlock(block.a, g.contiguous(), unit.name)
+        return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
 
     def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
         """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units
@@ -666,9 +702,10 @@ class SENG(torch.optim.Optimizer):
         # functional_call swaps the module's parameters in place: hold the model's lock so that
         # no ntkcore call on this model (another thread) runs meanwhile
         with _provider_pass(inner):
-            per_sample = vmap(one, in_dims=(0, *batched))(rec["gy"], *args)
+            gy = rec["gy"].to(next(iter(fb.values())).dtype)  # (autocast: as _unit_block)
+            per_sample = vmap(one, in_dims=(0, *batched))(gy, *args)
         n = rec["gy"].shape[0]
-        scale = n if self.loss_reduction == "mean" else 1.0
+        scale = self._sample_scale(n)
         blocks = []
         for grp in self.dense:
             flat = torch.cat([per_sample[k].reshape(n, -1) for k in grp.names], dim=1)
@@ -678,6 +715,11 @@ class SENG(torch.optim.Optimizer):
             mat = torch.cat([per_sample[k].reshape(n, d_out, -1) for k in ns], dim=2)
             blocks.append(DenseBlock((mat.reshape(n, -1) * scale)[:, None, :], u.name))
         return blocks
+
+    def _sample_scale(self, n: int) -> float:
+        """Per-sample gradients from captured output gradients: ``N * dL/dy`` for a mean
+        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale."""
+        return (n if self.loss_reduction == "mean" else 1.0) / self._loss_scale()
 
     def _damping(self, group: dict[str, Any]) -> float:
         if self.damping_schedule is not None:
@@ -766,11 +808,9 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _check_finite(self, owners: list[tuple[str, Any]], grads: list[torch.Tensor]) -> None:
+    def _raise_nonfinite(self, owners: list[tuple[str, Any]]) -> None:
         """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
-        the parameter itself) is not finite; one device synchronisation when all are."""
-        if bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            return
+        the parameter itself) is not finite."""
         groups = self._group_of()
         for _, owner in owners:
             for p in owner.params:
@@ -785,25 +825,39 @@ class SENG(torch.optim.Optimizer):
                                  "changed (check the loss, the data and the learning rate)")
         raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One SENG step (refreshing the curvature first when due); returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _loss_scale(self) -> float:
+        """The factor the loss was multiplied by in the captured backward (GradScaler)."""
+        if self.grad_scaler is not None:
+            return float(self.grad_scaler.get_scale())
+        scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (READY stage)
+        if scale is not None:
+            return float(scale)
+        if getattr(self, "found_inf", None) is not None:
+            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
+                             " so the scale of the captured output gradients is unknown; pass "
+                             "grad_scaler=scaler to SENG; no parameter was changed")
+        return 1.0
+
+    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[Any, torch.Tensor]] | None:
+        """(owner, direction) of every block, refreshing the curvature first when due; None
+        when ``skip_nonfinite`` and a gradient is not finite."""
         groups = self._group_of()
         owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
         owners += [("dense:" + g.name, g) for g in self.dense]
-        grads = [owner.flat_grad(groups[id(owner.params[0])]["weight_decay"])
+        scale = getattr(self, "grad_scale", None)  # GradScaler.step: the grads are still scaled
+        inv = 1.0 if scale is None else 1.0 / float(scale)
+        grads = [owner.flat_grad(groups[id(owner.params[0])]["weight_decay"], inv)
                  for _, owner in owners]
-        self._check_finite(owners, grads)  # before the refresh and before any write
+        # one device synchronisation; before the refresh and before any write
+        if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            if skip_nonfinite:
+                return None
+            self._raise_nonfinite(owners)
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
         for (name, owner), g in zip(owners, grads, strict=True):
-            group = groups[id(owner.params[0])]
-            self._solvers[name].set_damping(self._damping(group))
+            self._solvers[name].set_damping(self._damping(groups[id(owner.params[0])]))
             directions.append(self._directions[name](g))
         world = self._world()
         if world > 1:
@@ -817,43 +871,72 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
                              "(finite gradient; overflow in the curvature?); no parameter was "
                              "changed")
+        return [(owner, d) for (_, owner), d in zip(owners, directions, strict=True)]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SENG step (refreshing the curvature first when due); returns closure's loss.
+
+        Called by ``GradScaler.step(optimizer)``, it skips the step when the scaler found Inf
+        or NaN in the scaled gradients (as the scaler does for any optimizer) and otherwise
+        unscales the gradients and the captured output gradients itself.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
+        if found_inf is not None and bool(found_inf):
+            return loss
+        blocks = self._natural_directions(skip_nonfinite=False)
+        assert blocks is not None
         # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
         # (lr, momentum) with the foreach kernels of torch.optim
-        batches: dict[tuple[float, float], tuple[list[Any], list[Any]]] = {}
-        for (_name, owner), d in zip(owners, directions, strict=True):
+        groups = self._group_of()
+        batches: dict[tuple[float, float], list[tuple[Any, torch.Tensor]]] = {}
+        for owner, d in blocks:
             for p, dp in zip(owner.params, owner.split(d), strict=True):
                 group = groups[id(p)]
-                mu = group["momentum"]
-                if mu:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        state["momentum_buffer"] = dp.clone()
-                        dp = state["momentum_buffer"]
-                    else:
-                        # m <- mu m + d for all buffers of the batch below
-                        batches.setdefault((group["lr"], mu), ([], []))
-                        ps, ds = batches[(group["lr"], mu)]
-                        ps.append((p, buf))
-                        ds.append(dp)
-                        continue
-                batches.setdefault((group["lr"], 0.0), ([], []))
-                ps, ds = batches[(group["lr"], 0.0)]
-                ps.append((p, None))
-                ds.append(dp)
-        for (lr, mu), (pairs, ds) in batches.items():
+                batches.setdefault((group["lr"], group["momentum"]), []).append((p, dp))
+        for (lr, mu), pairs in batches.items():
             params = [p for p, _ in pairs]
+            ds = [dp.to(p.dtype) for p, dp in pairs]
             if mu:
-                bufs = [b for _, b in pairs]
-                torch._foreach_mul_(bufs, mu)
-                torch._foreach_add_(bufs, ds)
-                ds = bufs
-            ds = [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, ds,
-                                                                            strict=True)]
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                ds_ = [self.state[p]["momentum_buffer"] for p in params]
+                torch._foreach_mul_(ds_, mu)
+                torch._foreach_add_(ds_, ds)
+                ds = ds_
             torch._foreach_add_(params, ds, alpha=-lr)
         self._step += 1
         self._sync_hooks()
         return loss
+
+    @torch.no_grad()
+    def precondition(self) -> None:
+        r"""Replace every optimised parameter's ``.grad`` by its SENG direction :math:`d`.
+
+        The preconditioner form, to be followed by any ``torch.optim`` optimizer over the same
+        parameters (``loss.backward(); seng.precondition(); opt.step()``): the same direction,
+        curvature refreshes (every ``update_freq`` calls) and checks as :meth:`step`, with
+        ``weight_decay`` added before preconditioning; ``lr`` and ``momentum`` are not used.
+        With a ``GradScaler`` pass ``grad_scaler=`` and call ``scaler.unscale_(opt)`` first
+        (as for any change to ``.grad``): then a non-finite gradient leaves ``.grad`` as it is
+        for ``scaler.step(opt)`` to skip, where otherwise it raises ``ValueError``.
+        """
+        blocks = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
+        if blocks is None:
+            return
+        for owner, d in blocks:
+            for p, dp in zip(owner.params, owner.split(d), strict=True):
+                if p.grad is None:
+                    p.grad = dp.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(dp)
+        self._step += 1
+        self._sync_hooks()
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
