@@ -108,50 +108,39 @@ __all__ = ["SENG"]
 
 
 @dataclass
-class _Unit:
-    """One factored layer: weight (d_out, d_in) [+ bias] -> a Kronecker block."""
+class _Owner:
+    """Parameters updated as one block.  With ``module``: a Linear / groups=1 Conv layer, its
+    weight (d_out, ...) [+ bias] in the [W | b] row-major layout of its KroneckerBlock
+    (``torch_layers``, bias as the last column); without: the other trainable parameters of
+    one module, concatenated (key ``"dense:" + name``)."""
 
     name: str
-    module: nn.Module
-    weight: nn.Parameter
-    bias: nn.Parameter | None
+    params: list[nn.Parameter]
+    module: nn.Module | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def params(self) -> list[nn.Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+    def key(self) -> str:
+        return self.name if self.module is not None else "dense:" + self.name
+
+    def flat(self, ts: list[torch.Tensor], lead: tuple[int, ...] = ()) -> torch.Tensor:
+        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout."""
+        if self.module is None:
+            return torch.cat([t.reshape(*lead, -1) for t in ts], dim=-1)
+        mats = [t.reshape(*lead, self.params[0].shape[0], -1) for t in ts]
+        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)).reshape(*lead, -1)
 
     def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
-        """inv * (grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,):
-        the layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
-        mats = [_grad(p, wd, inv).reshape(self.weight.shape[0], -1) for p in self.params]
-        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)).reshape(-1)
+        """inv * gradient + wd * parameter, flattened in the block's layout."""
+        return self.flat([_grad(p, wd, inv) for p in self.params])
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        w = self.weight
-        mat = d.reshape(w.shape[0], -1)
-        if self.bias is None:
-            return [mat.reshape(w.shape)]
-        return [mat[:, :-1].reshape(w.shape), mat[:, -1].reshape(self.bias.shape)]
-
-
-@dataclass
-class _DenseGroup:
-    """Trainable parameters of one module without Kronecker structure."""
-
-    name: str
-    names: list[str]
-    params: list[nn.Parameter]
-
-    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
-        return torch.cat([_grad(p, wd, inv).reshape(-1) for p in self.params])
-
-    def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        out, start = [], 0
-        for p in self.params:
-            out.append(d[start:start + p.numel()].reshape(p.shape))
-            start += p.numel()
-        return out
+        if self.module is None:
+            parts = d.split([p.numel() for p in self.params])
+        else:
+            rows = self.params[0].shape[0]
+            parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
+        return [q.reshape(p.shape) for q, p in zip(parts, self.params, strict=True)]
 
 
 def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
@@ -421,8 +410,7 @@ class SENG(torch.optim.Optimizer):
     def _build_units(self) -> None:
         inner = _unwrap(self.model)
         owned = self._group_of()
-        self.units: list[_Unit] = []
-        self.dense: list[_DenseGroup] = []
+        self.units: list[_Owner] = []
         covered: set[int] = set()
         for name, mod in inner.named_modules():
             # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
@@ -433,15 +421,14 @@ class SENG(torch.optim.Optimizer):
                 continue
             if id(w) in covered or (b is not None and id(b) in covered):
                 continue  # a weight shared with an earlier layer: updated once, there
-            self.units.append(_Unit(name or "<root>", mod, w, b))
-            covered.update({id(w)} | ({id(b)} if b is not None else set()))
-        by_module: dict[str, _DenseGroup] = {}
+            unit = _Owner(name or "<root>", [w] if b is None else [w, b], mod)
+            self.units.append(unit)
+            covered.update(id(q) for q in unit.params)
+        by_module: dict[str, _Owner] = {}
         for pname, p in inner.named_parameters():
             if id(p) in owned and id(p) not in covered:
                 mname = pname.rpartition(".")[0] or "<root>"
-                grp = by_module.setdefault(mname, _DenseGroup(mname, [], []))
-                grp.names.append(pname)
-                grp.params.append(p)
+                by_module.setdefault(mname, _Owner(mname, [])).params.append(p)
                 covered.add(id(p))
         self.dense = list(by_module.values())
         self._names = {id(p): n for n, p in inner.named_parameters()}
@@ -534,7 +521,7 @@ class SENG(torch.optim.Optimizer):
 
             out.register_hook(keep)
 
-    def _make_unit_hook(self, unit: _Unit) -> Callable[..., None]:
+    def _make_unit_hook(self, unit: _Owner) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  out: torch.Tensor) -> None:
             x = args[0] if args else kwargs.get("input")
@@ -651,29 +638,29 @@ class SENG(torch.optim.Optimizer):
                                "merged with another)") for k in need}
 
     # -- per-sample factors ---------------------------------------------------------------
-    def _unit_block(self, unit: _Unit, axes: list[int]) -> KroneckerBlock:
+    def _unit_block(self, unit: _Owner, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
         mod = unit.module
         n = int(calls[0]["x"].shape[axes[0]])
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
-        dt = unit.weight.dtype
+        dt = unit.params[0].dtype
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
         gs = [output_factor(mod, c["gy"].to(dt)[None], n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
-        block = layer_block(mod, xs, gs, n, unit.name, bias=unit.bias is not None)
+        block = layer_block(mod, xs, gs, n, unit.name, bias=len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
         return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
 
-    def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
-        """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units
-        without a sample axis, in the [W | b] layout of their ``flat_grad``)."""
-        if not self.dense and not units:
+    def _dense_blocks(self, owners: list[_Owner]) -> list[DenseBlock]:
+        """The DenseBlocks of ``owners`` (dense groups and Linear/Conv layers without a
+        sample axis), each in the layout of its ``flat_grad``, from ``torch.func``."""
+        if not owners:
             return []
         rec = self._root_calls[0] if self._root_calls else None
         if rec is None or rec["gy"] is None:
-            what = [g.name for g in self.dense] + [u.name for u in units]
+            what = [o.name for o in owners]
             raise RuntimeError("SENG has no captured model-output gradient for the layers "
                                f"without Kronecker structure ({what}); run the forward and "
                                "backward before step() (the model must return one tensor "
@@ -683,10 +670,7 @@ class SENG(torch.optim.Optimizer):
         inner = _unwrap(self.model)
         base = {k: v.detach() for k, v in inner.named_parameters()}
         base.update({k: v.detach() for k, v in inner.named_buffers()})
-        unit_names = [[self._names[id(q)] for q in u.params] for u in units]
-        names = [n for grp in self.dense for n in grp.names] + [n for ns in unit_names
-                                                                 for n in ns]
-        fb = {n: base[n] for n in names}
+        fb = {self._names[id(q)]: base[self._names[id(q)]] for o in owners for q in o.params}
         args = rec["args"]
         batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
 
@@ -706,15 +690,8 @@ class SENG(torch.optim.Optimizer):
             per_sample = vmap(one, in_dims=(0, *batched))(gy, *args)
         n = rec["gy"].shape[0]
         scale = self._sample_scale(n)
-        blocks = []
-        for grp in self.dense:
-            flat = torch.cat([per_sample[k].reshape(n, -1) for k in grp.names], dim=1)
-            blocks.append(DenseBlock((flat * scale)[:, None, :], grp.name))
-        for u, ns in zip(units, unit_names, strict=True):
-            d_out = u.weight.shape[0]  # [W | b] row-major, as _Unit.flat_grad
-            mat = torch.cat([per_sample[k].reshape(n, d_out, -1) for k in ns], dim=2)
-            blocks.append(DenseBlock((mat.reshape(n, -1) * scale)[:, None, :], u.name))
-        return blocks
+        return [DenseBlock((o.flat([per_sample[self._names[id(q)]] for q in o.params], (n,))
+                            * scale)[:, None, :], o.name) for o in owners]
 
     def _sample_scale(self, n: int) -> float:
         """Per-sample gradients from captured output gradients: ``N * dL/dy`` for a mean
@@ -774,25 +751,18 @@ class SENG(torch.optim.Optimizer):
             kron[unit.name] = block
         self._suspended = True  # the torch.func forwards below must not be captured
         try:
-            dense_blocks = self._dense_blocks(demoted)
+            kron.update(zip([o.key for o in demoted + self.dense],
+                            self._dense_blocks(demoted + self.dense), strict=True))
         finally:
             self._suspended = False
-        by_name = dict(zip([g.name for g in self.dense] + [u.name for u in demoted],
-                           dense_blocks, strict=True))
         groups = self._group_of()
-        blocks: list[tuple[str, Any, dict[str, Any]]] = []
-        for unit in self.units:  # block order: the units, then the dense groups
-            blocks.append((unit.name, kron.get(unit.name, by_name.get(unit.name)),
-                           groups[id(unit.weight)]))
-        for grp in self.dense:
-            blocks.append(("dense:" + grp.name, by_name[grp.name], groups[id(grp.params[0])]))
         self._refreshes += 1
         self._curvature = {}
         self._solvers, self._directions = {}, {}
-        for i, (name, block, group) in enumerate(blocks):
-            self._curvature[name] = block
-            self._sketch_seeds[name] = spawn_seed(self.seed, self._refreshes, i)
-            self._build_solver(name, block, self._damping(group))
+        for i, o in enumerate(self.units + self.dense):  # the units, then the dense groups
+            self._curvature[o.key] = kron[o.key]
+            self._sketch_seeds[o.key] = spawn_seed(self.seed, self._refreshes, i)
+            self._build_solver(o.key, kron[o.key], self._damping(groups[id(o.params[0])]))
         for unit in self.units:
             unit.calls = []
         self._root_calls = []
@@ -808,11 +778,11 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _raise_nonfinite(self, owners: list[tuple[str, Any]]) -> None:
+    def _raise_nonfinite(self, owners: list[_Owner]) -> None:
         """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
         the parameter itself) is not finite."""
         groups = self._group_of()
-        for _, owner in owners:
+        for owner in owners:
             for p in owner.params:
                 name = self._names.get(id(p), "?")
                 if not bool(torch.isfinite(_grad(p)).all()):
@@ -838,16 +808,15 @@ class SENG(torch.optim.Optimizer):
                              "grad_scaler=scaler to SENG; no parameter was changed")
         return 1.0
 
-    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[Any, torch.Tensor]] | None:
+    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[_Owner,
+                                                                      torch.Tensor]] | None:
         """(owner, direction) of every block, refreshing the curvature first when due; None
         when ``skip_nonfinite`` and a gradient is not finite."""
         groups = self._group_of()
-        owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
-        owners += [("dense:" + g.name, g) for g in self.dense]
+        owners = self.units + self.dense
         scale = getattr(self, "grad_scale", None)  # GradScaler.step: the grads are still scaled
         inv = 1.0 if scale is None else 1.0 / float(scale)
-        grads = [owner.flat_grad(groups[id(owner.params[0])]["weight_decay"], inv)
-                 for _, owner in owners]
+        grads = [o.flat_grad(groups[id(o.params[0])]["weight_decay"], inv) for o in owners]
         # one device synchronisation; before the refresh and before any write
         if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             if skip_nonfinite:
@@ -856,9 +825,9 @@ class SENG(torch.optim.Optimizer):
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
-        for (name, owner), g in zip(owners, grads, strict=True):
-            self._solvers[name].set_damping(self._damping(groups[id(owner.params[0])]))
-            directions.append(self._directions[name](g))
+        for o, g in zip(owners, grads, strict=True):
+            self._solvers[o.key].set_damping(self._damping(groups[id(o.params[0])]))
+            directions.append(self._directions[o.key](g))
         world = self._world()
         if world > 1:
             flat = torch.cat(directions)
@@ -866,12 +835,12 @@ class SENG(torch.optim.Optimizer):
             flat /= world
             directions = list(torch.split(flat, [d.numel() for d in directions]))
         if not bool(torch.stack([torch.isfinite(d).all() for d in directions]).all()):
-            bad = [name for (name, _), d in zip(owners, directions, strict=True)
+            bad = [o.key for o, d in zip(owners, directions, strict=True)
                    if not bool(torch.isfinite(d).all())]
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
                              "(finite gradient; overflow in the curvature?); no parameter was "
                              "changed")
-        return [(owner, d) for (_, owner), d in zip(owners, directions, strict=True)]
+        return list(zip(owners, directions, strict=True))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -960,8 +929,7 @@ class SENG(torch.optim.Optimizer):
         self._refreshes = int(extra["refreshes"])
         self._sketch_seeds = dict(extra["sketch_seeds"])
         groups = self._group_of()
-        dev_of = {u.name: u.weight for u in self.units}
-        dev_of.update({"dense:" + g.name: g.params[0] for g in self.dense})
+        dev_of = {o.key: o.params[0] for o in self.units + self.dense}
         self._curvature, self._solvers, self._directions = {}, {}, {}
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]
