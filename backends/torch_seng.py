@@ -166,6 +166,11 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def _keep_grad(out: torch.Tensor, rec: dict[str, Any]) -> None:
+    """Store ``out``'s gradient in ``rec["gy"]`` when the backward reaches it."""
+    out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
+
+
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a module hook that runs eagerly when ``torch.compile`` traces the model (a
     graph break there), so that it sees real tensors and can register tensor hooks on them."""
@@ -218,15 +223,6 @@ class _Thin(LinearOperator):
             return c @ self.jac
         cs = c if self.s == 1 else c.repeat_interleave(self.s)
         return torch.mm(self.gt * cs, self.a).reshape(-1)
-
-
-def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], torch.Tensor]:
-    r"""``g -> d`` of one block: :meth:`SMWSolver.solve_with` (:math:`d = (g - U b)/\lambda`,
-    the small solve in float64) with the products of :class:`_Thin`, reshaped once."""
-    full = _Thin(jac)
-    xi = solver.sketched_factor
-    sketched = full if xi is jac else _Thin(xi)
-    return lambda g: solver.solve_with(g, sketched.rmatvec, full.matvec)
 
 
 @capabilities(name="backends.torch.SENG", fast={
@@ -515,11 +511,7 @@ class SENG(torch.optim.Optimizer):
         rec["outs"] = [t for t in torch.utils._pytree.tree_leaves(out)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if isinstance(out, torch.Tensor) and out.requires_grad:
-
-            def keep(grad: torch.Tensor) -> None:
-                rec["gy"] = grad.detach()
-
-            out.register_hook(keep)
+            _keep_grad(out, rec)
 
     def _make_unit_hook(self, unit: _Owner) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -529,13 +521,8 @@ class SENG(torch.optim.Optimizer):
                 return
             if not out.requires_grad or not self._capturing(out):
                 return
-            rec: dict[str, Any] = {"x": x.detach(), "gy": None}
-
-            def keep(grad: torch.Tensor) -> None:
-                rec["gy"] = grad.detach()
-
-            out.register_hook(keep)
-            unit.calls.append(rec)
+            unit.calls.append({"x": x.detach(), "gy": None})
+            _keep_grad(out, unit.calls[-1])
 
         return hook
 
@@ -549,20 +536,9 @@ class SENG(torch.optim.Optimizer):
                          "axis (N, ...); the last forward had no tensor argument")
 
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
-        r"""For every unit: the sample axis of each of its used calls (the Kronecker path), or
-        a string saying why it has none (then its per-sample gradients come from the
-        ``torch.func`` pass).
-
-        A unit is Kronecker only if (1) every use of its weight (and bias) in the graph of the
-        model output is one of its captured calls (not so for a weight used outside the
-        module's ``forward``, e.g. ``nn.MultiheadAttention.out_proj``, or tied to another
-        module) and (2) every used call has a sample axis: an axis of its input and output of
-        length N that becomes p when the model runs on p != N samples (a probe forward, see
-        ``torch_jacobian._probe_sample_axes``; a length equal to N proves nothing).  The answer
-        depends on the model and on the shapes of the forward, not on values, so it is cached
-        per shape signature (the arguments' shapes and dtypes and the shapes of every hooked
-        call): the probe runs once per new signature.
-        """
+        """For every unit: the sample axis of each of its used calls (Kronecker), or why it
+        has none (``torch.func``); see "The sample axis" in the module docstring.  Cached per
+        shape signature."""
         def sig(a: Any) -> Any:
             return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
 
@@ -598,8 +574,7 @@ class SENG(torch.optim.Optimizer):
 
     def _probe(self, rec: dict[str, Any],
                need: dict[str, list[int]]) -> dict[str, list[int] | str]:
-        """Run the model on p != N samples (the first sample of every argument that leads
-        with N, repeated p times) and find the sample axis of the ``need``-ed units' calls."""
+        """The sample axes of the ``need``-ed units' calls from a forward on p != N samples."""
         n = self._batch_size(rec)
         p = _probe_size(n)
 
@@ -708,15 +683,19 @@ class SENG(torch.optim.Optimizer):
         return float(group["damping"])
 
     def _build_solver(self, name: str, block: Any, damping: float) -> None:
-        """Factor block ``name``'s system into ``_solvers`` and its ``_directions`` entry."""
+        r"""Factor block ``name``'s system; its direction ``g -> d`` is
+        :meth:`SMWSolver.solve_with` (the small solve in float64) with :class:`_Thin`'s
+        products."""
         jac = Jacobian([block])
         spec = None
         if self.sketch is not None and jac.num_params > self.sketch_size:
             spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
+        full = _Thin(jac)
+        xi = _Thin(solver.sketched_factor) if solver.sketched_factor is not jac else full
         self._solvers[name] = solver
-        self._directions[name] = _direction(solver, jac)
+        self._directions[name] = lambda g: solver.solve_with(g, xi.rmatvec, full.matvec)
 
     def _refresh(self) -> None:
         if self._coupling is not None:
