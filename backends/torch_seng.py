@@ -37,34 +37,23 @@ as they are.
 
 The sample axis
 ---------------
-Slice n of a hooked layer's output gradient is :math:`\partial \ell_n / \partial y_n` only
-along the axis that carries the samples, and a length equal to N proves nothing (see "The
-sample axis" in ``torch_jacobian``).  So on a refresh SENG decides, per Linear / Conv layer
-(``_unit_plan``):
-
-* its weight (and bias) must be used only by the layer's hooked calls: counted in the autograd
-  graph of the model output (not so for ``nn.MultiheadAttention.out_proj``, whose weight the
-  attention uses directly, or a Linear tied to an Embedding);
-* each call's sample axis is found by the torch provider's probe
-  (``torch_jacobian._probe_sample_axes``): the model runs once more, on p != N samples (p = 1,
-  or 2 when N = 1; the first sample of every argument that leads with N, with autograd enabled
-  so that it takes the training code path, as ntkcore's own pass: invisible to these hooks,
-  under the model's lock, on a forked RNG), and the sample axis is the one axis of the call's
-  input and output whose length follows N -> p, every other length unchanged.
-
-Axis 0: the Kronecker block above.  Another axis (sequence-first; Linear only): the same block
-with that axis moved to the front (exact: :math:`\sum_s g_{n,s} a_{n,s}^\top` over the other
-positions).  No sample axis (an input shared by all samples, a sample axis merged with another
-as in an (N*T, d) reshape), a convolution whose sample axis is not axis 0, a weight used
-elsewhere, or a layer whose calls never reach the loss: its per-sample gradients come from
-the ``torch.func`` pass instead (exact, slower), in the same [W | b] layout.  A model that raises
-when run on p samples raises a ``ValueError`` at the refresh (its sample axes cannot be
-established), before anything changes.  The answer depends on the model and the shapes of the
-forward, not on values, so it is cached per shape signature (argument shapes and dtypes, and
-the input / output shapes of every hooked call): the probe runs on the first refresh of each
-new signature only (at most 64 are kept).  What the probe does not check is that slice n of a
-layer output feeds only output n (samples that interact through batch statistics are refused,
-see ``step()``).
+A Linear / Conv layer is a Kronecker block only where its input and output carry the sample
+axis, decided as in the provider (see "The sample axis" in ``torch_jacobian``; ``_unit_plan``):
+its weight (and bias) must be used only by the layer's hooked calls, counted in the autograd
+graph of the model output (not so for ``nn.MultiheadAttention.out_proj`` or a Linear tied to an
+Embedding), and each call's sample axis is found by the provider's probe
+(``torch_jacobian._probe_sample_axes``) on the first sample of every argument that leads with
+N (autograd enabled, as ntkcore's own pass: invisible to these hooks, under the model's lock,
+on a forked RNG).  Axis 0: the Kronecker block above; another axis (sequence-first; Linear
+only): the same block with that axis moved to the front (exact: :math:`\sum_s g_{n,s}
+a_{n,s}^\top` over the other positions).  Otherwise (no sample axis, a convolution whose sample
+axis is not axis 0, a weight used elsewhere, calls that never reach the loss) the layer's
+per-sample gradients come from the ``torch.func`` pass (exact, slower), in the same [W | b]
+layout.  A model that raises when run on p samples raises a ``ValueError`` at the refresh,
+before anything changes.  The answer depends on shapes, not values: it is cached per shape
+signature (argument shapes and dtypes, the input / output shapes of every hooked call; at most
+64), so the probe runs on the first refresh of each new signature only.  Samples that interact
+through batch statistics are refused (see ``step()``).
 
 The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
 steps from the batch of that step; in between, only the cheap products
@@ -107,7 +96,7 @@ from .torch_layers import CONV, layer_block, layer_type, output_factor
 __all__ = ["SENG"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Owner:
     """Parameters updated as one block.  With ``module``: a Linear / groups=1 Conv layer, its
     weight (d_out, ...) [+ bias] in the [W | b] row-major layout of its KroneckerBlock
@@ -267,11 +256,18 @@ class SENG(torch.optim.Optimizer):
         more than one worker).
     seed : int, optional
         Seed of the sketches (the k-th refresh uses a seed derived from it and k).
+    grad_scaler : torch.amp.GradScaler, optional
+        The scaler of the loss, whose ``get_scale()`` unscales the captured output gradients;
+        needed for :meth:`precondition` and after ``scaler.unscale_(opt)``.
 
     Notes
     -----
     Usage is that of any optimizer: ``opt.zero_grad(); loss = crit(model(x), y);
-    loss.backward(); opt.step()``.  On refresh steps the forward and backward must run after the
+    loss.backward(); opt.step()``, also with ``scaler.step(opt)`` of a ``GradScaler``, under
+    ``torch.autocast`` (the captured factors are cast to the parameters' dtype), after
+    ``add_param_group`` and with the model compiled before or after (``torch.compile``; the
+    hooks run eagerly, a graph break); :meth:`precondition` is the preconditioner form.  On
+    refresh steps the forward and backward must run after the
     previous ``step()`` (the hooks capture only while a refresh is due and autograd is
     enabled); the last forward before ``step()`` is the one used.  ``state_dict()`` stores the
     step counter, momentum buffers and the current curvature factors, so a loaded optimizer
@@ -719,15 +715,10 @@ class SENG(torch.optim.Optimizer):
                              f"{self._random} (the torch.func pass of the layers without "
                              f"Kronecker structure cannot replay its mask{why}); no parameter "
                              "was changed")
-        kron: dict[str, Any] = {}
-        for unit in self.units:
-            axes = plan[unit.name]
-            if isinstance(axes, str):
-                continue
-            block: Any = self._unit_block(unit, axes)
-            if self.low_rank is not None:
-                block, _err = _low_rank(block, self.low_rank)
-            kron[unit.name] = block
+        kron: dict[str, Any] = {u.name: self._unit_block(u, plan[u.name]) for u in self.units
+                                if u not in demoted}
+        if self.low_rank is not None:
+            kron = {k: _low_rank(b, self.low_rank)[0] for k, b in kron.items()}
         self._suspended = True  # the torch.func forwards below must not be captured
         try:
             kron.update(zip([o.key for o in demoted + self.dense],
@@ -889,11 +880,9 @@ class SENG(torch.optim.Optimizer):
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        curvature = {}
-        for name, block in self._curvature.items():
-            curvature[name] = {k: v.detach().clone() for k, v in zip(
-                ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
-                strict=True)}
+        curvature = {name: {k: v.detach().clone() for k, v in zip(
+            ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
+            strict=True)} for name, block in self._curvature.items()}
         sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
                       "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
         return sd
