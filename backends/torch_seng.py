@@ -267,18 +267,16 @@ class SENG(torch.optim.Optimizer):
     ``torch.autocast`` (the captured factors are cast to the parameters' dtype), after
     ``add_param_group`` and with the model compiled before or after (``torch.compile``; the
     hooks run eagerly, a graph break); :meth:`precondition` is the preconditioner form.  On
-    refresh steps the forward and backward must run after the
-    previous ``step()`` (the hooks capture only while a refresh is due and autograd is
-    enabled); the last forward before ``step()`` is the one used.  ``state_dict()`` stores the
-    step counter, momentum buffers and the current curvature factors, so a loaded optimizer
-    continues exactly.
+    refresh steps the forward and backward must run after the previous ``step()`` (the hooks
+    capture only while a refresh is due and autograd is enabled); the last forward before
+    ``step()`` is the one used.  ``state_dict()`` stores the step counter, momentum buffers
+    and the current curvature factors, so a loaded optimizer continues exactly.
 
-    Per-sample gradients of a Linear / Conv layer are Kronecker factors only where its input
-    and output carry the sample axis; that is established on the first refresh of every new
-    input shape signature by a probe forward on p != N samples (see "The sample axis" in the
-    module docstring): axis 0 or another axis (sequence-first layers) stays Kronecker, a layer
-    with a shared input (positional table, buffer) or whose weight is used outside its own
-    ``forward`` gets exact per-sample gradients from ``torch.func`` instead.
+    A Linear / Conv layer is a Kronecker block only where its input and output carry the
+    sample axis (a probe forward on p != N samples on the first refresh of each input shape
+    signature; "The sample axis" in the module docstring); a layer with a shared input
+    (positional table, buffer) or a weight used outside its own ``forward`` gets exact
+    per-sample gradients from ``torch.func`` instead.
 
     What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
     buffer or step counter changes):
@@ -391,7 +389,12 @@ class SENG(torch.optim.Optimizer):
         step refreshes the curvature of every block (the hooks are attached for it)."""
         super().add_param_group(param_group)
         if hasattr(self, "units"):  # not from Optimizer.__init__
-            self._build_units()
+            try:
+                self._build_units()
+            except ValueError:  # parameters outside the model: refused, nothing changed
+                self.param_groups.pop()
+                self._build_units()
+                raise
             self._solvers, self._directions, self._curvature = {}, {}, {}
             self._drop_hooks()
             self._sync_hooks()
@@ -443,11 +446,8 @@ class SENG(torch.optim.Optimizer):
         self._handles = []
 
     def _sync_hooks(self) -> None:
-        """Hooks are attached only while the next step refreshes the curvature.
-
-        Between refreshes the model runs without them (no Python hook calls, PyTorch's fast
-        module-call path); they are attached again at the end of the step before a refresh.
-        """
+        """Hooks are attached only while the next step refreshes the curvature (between
+        refreshes the model runs without Python hook calls, PyTorch's fast module-call path)."""
         if not self._hooks_wanted:
             return
         due = self._refresh_due()
@@ -523,14 +523,6 @@ class SENG(torch.optim.Optimizer):
         return hook
 
     # -- the sample axis of each hooked call ------------------------------------------------
-    def _batch_size(self, rec: dict[str, Any]) -> int:
-        """N: the leading length of the model's first tensor argument."""
-        for a in (*rec["args"], *rec["kwargs"].values()):
-            if isinstance(a, torch.Tensor) and a.ndim >= 1:
-                return int(a.shape[0])
-        raise ValueError("SENG needs the model's first tensor argument to lead with the sample "
-                         "axis (N, ...); the last forward had no tensor argument")
-
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
         """For every unit: the sample axis of each of its used calls (Kronecker), or why it
         has none (``torch.func``); see "The sample axis" in the module docstring.  Cached per
@@ -570,8 +562,13 @@ class SENG(torch.optim.Optimizer):
 
     def _probe(self, rec: dict[str, Any],
                need: dict[str, list[int]]) -> dict[str, list[int] | str]:
-        """The sample axes of the ``need``-ed units' calls from a forward on p != N samples."""
-        n = self._batch_size(rec)
+        """The sample axes of the ``need``-ed units' calls from a forward on p != N samples
+        (N: the leading length of the model's first tensor argument)."""
+        n = next((int(a.shape[0]) for a in (*rec["args"], *rec["kwargs"].values())
+                  if isinstance(a, torch.Tensor) and a.ndim >= 1), None)
+        if n is None:
+            raise ValueError("SENG needs the model's first tensor argument to lead with the "
+                             "sample axis (N, ...); the last forward had no tensor argument")
         p = _probe_size(n)
 
         def cut(a: Any) -> Any:
@@ -767,16 +764,13 @@ class SENG(torch.optim.Optimizer):
 
     def _loss_scale(self) -> float:
         """The factor the loss was multiplied by in the captured backward (GradScaler)."""
-        if self.grad_scaler is not None:
-            return float(self.grad_scaler.get_scale())
-        scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (READY stage)
-        if scale is not None:
-            return float(scale)
-        if getattr(self, "found_inf", None) is not None:
+        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
+                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
+        if scale is None and getattr(self, "found_inf", None) is not None:
             raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
                              " so the scale of the captured output gradients is unknown; pass "
                              "grad_scaler=scaler to SENG; no parameter was changed")
-        return 1.0
+        return 1.0 if scale is None else float(scale)
 
     def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[_Owner,
                                                                       torch.Tensor]] | None:

@@ -255,6 +255,9 @@ def test_param_group_added_between_steps_is_updated():
     opt.step()
     assert all(not torch.equal(p, h) for p, h in zip(model.fc2.parameters(), head, strict=True))
     assert opt._refreshes == 2
+    with pytest.raises(ValueError, match="do not belong to the model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 2 and len(opt.units) == 2  # refused, nothing changed
 
 
 # -- torch.compile -----------------------------------------------------------------------------
