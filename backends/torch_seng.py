@@ -67,7 +67,6 @@ paper).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ntkcore._validation import check_scalar
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
@@ -326,14 +326,11 @@ class SENG(torch.optim.Optimizer):
             params = params_or_model
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be positive and finite; got {lr}")
-        if not (damping > 0 and math.isfinite(damping)):
-            raise ValueError(f"damping must be positive and finite; got {damping}")
+        lr = check_scalar(lr, "lr", positive=True)
+        damping = check_scalar(damping, "damping", positive=True)
+        weight_decay = check_scalar(weight_decay, "weight_decay", nonnegative=True)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1); got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be non-negative; got {weight_decay}")
         if int(update_freq) != update_freq or update_freq < 1:
             raise ValueError(f"update_freq must be a positive integer; got {update_freq}")
         if sketch is not None and sketch not in ("uniform", "leverage", "gaussian",
@@ -668,11 +665,8 @@ class SENG(torch.optim.Optimizer):
 
     def _damping(self, group: dict[str, Any]) -> float:
         if self.damping_schedule is not None:
-            value = float(self.damping_schedule(self._step))
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"damping_schedule({self._step}) returned {value}; "
-                                 "damping must be positive and finite")
-            return value
+            return check_scalar(self.damping_schedule(self._step),
+                                f"damping_schedule({self._step})", positive=True)
         return float(group["damping"])
 
     def _build_solver(self, name: str, block: Any, damping: float) -> None:
