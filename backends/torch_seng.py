@@ -188,16 +188,14 @@ class _Thin(LinearOperator):
         (block,) = jac.blocks
         self.n = jac.num_samples
         self.shape, self.dtype, self.device = (jac.num_params, self.n), jac.dtype, jac.device
-        if isinstance(block, KroneckerBlock):
-            s = block.num_positions
-            self.kron = True
-            self.s = s
+        self.kron = isinstance(block, KroneckerBlock)
+        if self.kron:
+            self.s = s = block.num_positions
             self.w_shape = (block.d_out, block.d_in)
             self.a = block.a.reshape(self.n * s, block.d_in)
             self.g = block.g.reshape(self.n * s, block.d_out)
             self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
         else:
-            self.kron = False
             self.jac = block.jac.reshape(self.n, block.num_params)
 
     def rmatvec(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
@@ -803,11 +801,7 @@ class SENG(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One SENG step (refreshing the curvature first when due); returns closure's loss.
-
-        Called by ``GradScaler.step(optimizer)``, it skips the step when the scaler found Inf
-        or NaN in the scaled gradients (as the scaler does for any optimizer) and otherwise
-        unscales the gradients and the captured output gradients itself.
-        """
+        From ``GradScaler.step``: skipped when the scaler found Inf/NaN, else unscaled here."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -858,10 +852,7 @@ class SENG(torch.optim.Optimizer):
             return
         for owner, d in blocks:
             for p, dp in zip(owner.params, owner.split(d), strict=True):
-                if p.grad is None:
-                    p.grad = dp.to(p.dtype).clone()
-                else:
-                    p.grad.copy_(dp)
+                p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
         self._step += 1
         self._sync_hooks()
 
