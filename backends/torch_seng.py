@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -160,15 +161,12 @@ def _keep_grad(out: torch.Tensor, rec: dict[str, Any]) -> None:
     out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a module hook that runs eagerly when ``torch.compile`` traces the model (a
-    graph break there), so that it sees real tensors and can register tensor hooks on them."""
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(fn)(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return hook
+def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces the model (a graph
+    break there), so that a hook sees real tensors and can register tensor hooks on them."""
+    if torch.compiler.is_compiling():
+        return torch._dynamo.disable(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 class _Thin(LinearOperator):
@@ -429,11 +427,12 @@ class SENG(torch.optim.Optimizer):
     def _install_hooks(self) -> None:
         inner = _unwrap(self.model)
         self._handles = [
-            inner.register_forward_pre_hook(_eager(self._root_pre_hook), with_kwargs=True),
-            inner.register_forward_hook(_eager(self._root_hook))]
+            inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
+                                            with_kwargs=True),
+            inner.register_forward_hook(partial(_eager, self._root_hook))]
         for unit in self.units:
             self._handles.append(unit.module.register_forward_hook(
-                _eager(self._make_unit_hook(unit)), with_kwargs=True))
+                partial(_eager, self._make_unit_hook(unit)), with_kwargs=True))
 
     def _drop_hooks(self) -> None:
         for h in self._handles:
