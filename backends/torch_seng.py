@@ -825,10 +825,10 @@ class SENG(torch.optim.Optimizer):
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                ds_ = [self.state[p]["momentum_buffer"] for p in params]
-                torch._foreach_mul_(ds_, mu)
-                torch._foreach_add_(ds_, ds)
-                ds = ds_
+                bufs = [self.state[p]["momentum_buffer"] for p in params]
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, ds)
+                ds = bufs
             torch._foreach_add_(params, ds, alpha=-lr)
         self._step += 1
         self._sync_hooks()
