@@ -200,21 +200,15 @@ def _float_dtype(xp: Any, x: Array) -> Any:
     return x.dtype if xp.isdtype(x.dtype, "real floating") else xp.float64
 
 
-def _move_axis_first(xp: Any, x: Array, axis: int) -> tuple[Array, tuple[int, ...] | None]:
-    axis = axis % x.ndim
-    if axis == 0:
-        return x, None
-    perm = (axis, *[i for i in range(x.ndim) if i != axis])
-    return xp.permute_dims(x, perm), perm
-
-
-def _restore_axis(xp: Any, x: Array, perm: tuple[int, ...] | None) -> Array:
-    if perm is None:
-        return x
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return xp.permute_dims(x, tuple(inv))
+def _namespace(x: Any, name: str, rows: str = "") -> Any:
+    """The namespace of the array ``x`` (argument ``name``), which must have an axis."""
+    try:
+        xp = array_api_compat.array_namespace(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an array; got {type(x).__name__}") from None
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have at least one axis{rows}")
+    return xp
 
 
 # -- sketch objects ------------------------------------------------------------------------
@@ -238,7 +232,7 @@ class Sketch:
     def __init__(self, n: int, q: int, seed: int | None) -> None:
         self.n = n
         self.q = q
-        self.seed = seed
+        self.seed = _check_seed(seed)
         self._xp: Any = None
         self._device: Any = None
 
@@ -260,7 +254,7 @@ class Sketch:
         xp, dev = _resolve_like(like)
         if self._xp is None:
             self._xp, self._device = xp, dev
-            self._draw()
+            self._draw(xp, get_backend(xp).generator(self.seed, dev), _wide_float(xp, dev))
         elif self._xp is not xp or self._device != dev:
             raise ValueError(
                 f"this {self.kind} sketch was drawn for {self._xp.__name__} arrays on device "
@@ -273,16 +267,12 @@ class Sketch:
             raise RuntimeError(f"this {self.kind} sketch is not drawn yet: call .bind(like) "
                                "or .apply(X) first, or create it with like=...")
 
-    def _draw(self) -> None:  # pragma: no cover - abstract
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:  # pragma: no cover - abstract
+        """Draw the randomness from ``gen`` (real arrays in the dtype ``wide``)."""
         raise NotImplementedError
 
     def _check_operand(self, x: Array, axis: int) -> Any:
-        try:
-            xp = array_api_compat.array_namespace(x)
-        except TypeError:
-            raise TypeError(f"X must be an array; got {type(x).__name__}") from None
-        if x.ndim == 0:
-            raise ValueError("X must have at least one axis")
+        xp = _namespace(x, "X")
         if xp.isdtype(x.dtype, "complex floating"):
             raise TypeError(f"X must be real (floating, integer or boolean); got {x.dtype}: "
                             "the sketch is real, apply it to the real and imaginary parts "
@@ -303,6 +293,15 @@ class Sketch:
         ValueError
             ``X`` is 0-d or has not ``n`` entries along ``axis``.
         """
+        xp = self._check_operand(x, axis)
+        dtype = _float_dtype(xp, x)
+        xt = xp.moveaxis(x, axis, 0)
+        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+        out = xp.reshape(self._apply_rows(xp, flat, dtype), (self.q, *xt.shape[1:]))
+        return xp.moveaxis(out, 0, axis)
+
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:  # pragma: no cover
+        """:math:`\\Omega` times ``flat`` (n, m) in ``dtype``: (q, m)."""
         raise NotImplementedError
 
     def matrix(self, dtype: Any = None) -> Array:
@@ -330,14 +329,13 @@ class RowSketch(Sketch):
         The sampling distribution :math:`p` (None for uniform).
     """
 
-    def __init__(self, n: int, q: int, seed: int | None, *, replace: bool, kind: str,
-                 probabilities: Array | None = None) -> None:
+    def __init__(self, n: int, q: int, seed: Any, *, replace: bool, kind: str) -> None:
+        if not replace and q > n:
+            raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
         super().__init__(n, q, seed)
         self.kind = kind
         self.replace = bool(replace)
-        self.probabilities = probabilities
-        self._indices: Array = None
-        self._scale: Array = None
+        self.probabilities: Array | None = None  # leverage: set before drawing
         self._const_scale: float | None = None  # uniform: every row scaled by sqrt(n/q)
 
     @property
@@ -350,20 +348,15 @@ class RowSketch(Sketch):
         self._require_bound()
         return self._scale
 
-    def _draw(self) -> None:
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         # The rows of Omega are stored in increasing order of their index: a row permutation
         # of Omega leaves Omega^T Omega (and every sketched Gram) unchanged, and a sorted
         # gather reads the operand front to back (several times faster on wide operands).
-        xp, dev = self._xp, self._device
-        wide = _wide_float(xp, dev)
-        gen = get_backend(xp).generator(self.seed, dev)
+        dev = self._device
         n, q = self.n, self.q
         p = self.probabilities
         if p is None:
-            if self.replace:
-                idx = gen.integers(0, n, (q,))
-            else:
-                idx = gen.choice(n, q, replace=False)
+            idx = gen.integers(0, n, (q,)) if self.replace else gen.choice(n, q, replace=False)
             idx = xp.sort(xp.astype(idx, xp.int64))
             self._const_scale = math.sqrt(n / q)
             scale = xp.full((q,), self._const_scale, dtype=wide, device=dev)
@@ -390,14 +383,6 @@ class RowSketch(Sketch):
         shape[axis] = self.q
         scale = xp.reshape(xp.astype(self._scale, _float_dtype(xp, x)), tuple(shape))
         return out * scale
-
-    def matrix(self, dtype: Any = None) -> Array:
-        self._require_bound()
-        xp, dev = self._xp, self._device
-        dtype = dtype or _wide_float(xp, dev)
-        cols = xp.arange(self.n, dtype=xp.int64, device=dev)
-        onehot = xp.astype(self._indices[:, None] == cols[None, :], dtype)
-        return onehot * xp.astype(self._scale, dtype)[:, None]
 
 
 def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
@@ -465,10 +450,7 @@ class GaussianSketch(Sketch):
 
     kind = "gaussian"
 
-    def _draw(self) -> None:
-        xp, dev = self._xp, self._device
-        gen = get_backend(xp).generator(self.seed, dev)
-        wide = _wide_float(xp, dev)
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         self._omega = gen.normal((self.q, self.n), wide) / math.sqrt(self.q)
 
     @property
@@ -476,14 +458,8 @@ class GaussianSketch(Sketch):
         self._require_bound()
         return self._omega
 
-    def apply(self, x: Array, axis: int = 0) -> Array:
-        xp = self._check_operand(x, axis)
-        dtype = _float_dtype(xp, x)
-        xt, perm = _move_axis_first(xp, x, axis)
-        rest = tuple(xt.shape[1:])
-        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
-        out = xp.astype(self._omega, dtype) @ flat
-        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
+        return xp.astype(self._omega, dtype) @ flat
 
     def matrix(self, dtype: Any = None) -> Array:
         self._require_bound()
@@ -508,20 +484,12 @@ class SparseSignSketch(Sketch):
         super().__init__(n, q, seed)
         self.nnz = nnz
 
-    def _draw(self) -> None:
-        xp, dev = self._xp, self._device
-        gen = get_backend(xp).generator(self.seed, dev)
-        wide = _wide_float(xp, dev)
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         self.rows = gen.integers(0, self.q, (self.nnz, self.n))
         bits = gen.integers(0, 2, (self.nnz, self.n))
         self.signs = xp.astype(2 * bits - 1, wide) / math.sqrt(self.nnz)
 
-    def apply(self, x: Array, axis: int = 0) -> Array:
-        xp = self._check_operand(x, axis)
-        dtype = _float_dtype(xp, x)
-        xt, perm = _move_axis_first(xp, x, axis)
-        rest = tuple(xt.shape[1:])
-        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         buckets = xp.arange(self.q, dtype=xp.int64, device=self._device)[:, None]
         signs = xp.astype(self.signs, dtype)
         chunk = max(1, self._CHUNK_ELEMENTS // self.q)
@@ -534,7 +502,7 @@ class SparseSignSketch(Sketch):
                 tile = xp.astype(buckets == self.rows[k, start:stop][None, :], dtype)
                 term = (tile * signs[k, start:stop][None, :]) @ part
                 out = term if out is None else out + term
-        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
+        return out
 
 
 # -- constructors ---------------------------------------------------------------------------
@@ -562,14 +530,9 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
         ``.apply(X)`` gives :math:`\\Omega X` (q, ...) with :math:`\\mathbb{E}[\\Omega^\\top
         \\Omega] = I`.
     """
-    n = check_size(n, "n")
-    q = check_size(q, "q")
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="uniform")
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = RowSketch(check_size(n, "n"), check_size(q, "q"), seed, replace=replace,
+                   kind="uniform")
+    return sk if like is None else sk.bind(like)
 
 
 @capabilities(name="sketch.leverage", fast=GENERATOR,
@@ -603,33 +566,20 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
         ``U`` is 0-d or has no rows, ``q < 1``, ``q > n`` without replacement, or NaN/Inf
         in ``U``.
     """
-    try:
-        xp = array_api_compat.array_namespace(U)
-    except TypeError:
-        raise TypeError(f"U must be an array; got {type(U).__name__}") from None
-    if U.ndim == 0:
-        raise ValueError("U must have at least one axis (rows on axis 0)")
+    xp = _namespace(U, "U", " (rows on axis 0)")
     if not xp.isdtype(U.dtype, "real floating"):
         raise TypeError(f"U must have a real floating dtype; got {U.dtype}")
-    n = int(U.shape[0])
-    if n == 0:
+    if U.shape[0] == 0:
         raise ValueError(f"U has no rows to sample (shape {tuple(U.shape)})")
     q = check_size(q, "q")
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    return _leverage_from_weights(row_norms_squared(U), q, _check_seed(seed), replace, "U")
+    return _leverage_from_weights(row_norms_squared(U), q, seed, replace, "U")
 
 
-def _leverage_from_weights(w: Array, q: int, seed: int | None, replace: bool,
-                           what: str) -> RowSketch:
+def _leverage_from_weights(w: Array, q: int, seed: Any, replace: bool, what: str) -> RowSketch:
     """Leverage sketch with probabilities proportional to the squared norms ``w`` (n,)."""
-    xp = array_api_compat.array_namespace(w)
-    dev = array_api_compat.device(w)
-    n = int(w.shape[0])
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    p = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
-    sk = RowSketch(n, q, seed, replace=replace, kind="leverage", probabilities=p)
+    sk = RowSketch(int(w.shape[0]), q, seed, replace=replace, kind="leverage")
+    xp, dev = array_api_compat.array_namespace(w), array_api_compat.device(w)
+    sk.probabilities = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
     return sk.bind(w)
 
 
@@ -683,10 +633,8 @@ def _normalise(xp: Any, w: Array, what: str) -> Array:
 @capabilities(name="sketch.gaussian", fast=GENERATOR)
 def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
     """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
-    sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed))
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), seed)
+    return sk if like is None else sk.bind(like)
 
 
 @capabilities(name="sketch.sparse_sign", fast=GENERATOR,
@@ -694,11 +642,8 @@ def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> Ga
 def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
                 like: Any = None) -> SparseSignSketch:
     """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
-    sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed),
-                          check_size(nnz, "nnz"))
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), seed, check_size(nnz, "nnz"))
+    return sk if like is None else sk.bind(like)
 
 
 @dataclass(frozen=True)
@@ -821,16 +766,6 @@ class JacobianSketch:
         return xp.concat(pieces, axis=0)
 
 
-def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | None,
-                   replace: bool, weights: Array | None) -> Sketch | None:
-    if q >= axis_len:
-        return None
-    if method == "leverage":
-        assert weights is not None
-        return _leverage_from_weights(weights, q, seed, replace, "the Jacobian")
-    return _oblivious_sketch(method, axis_len, q, seed, replace, x, "method")
-
-
 @capabilities(name="sketch.sketch_jacobian", fast=GENERATOR)
 def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
                     replace: bool = True, return_sketch: bool = False
@@ -883,38 +818,34 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
     xp = J.xp
     sizes = J.block_sizes
     budgets = split_budget(q, sizes) if q < J.num_params else sizes
+
+    def factor(x: Array, d: int, q_f: int, b: int, which: int) -> Sketch | None:
+        """Sketch of the last axis (d) of ``x``; None when q_f >= d (kept exact)."""
+        if q_f >= d:
+            return None
+        seed_f = spawn_seed(seed, b, which)
+        if method == "leverage":  # p_j ~ squared norm of column j of x, one pass over x
+            w = column_norms_squared(xp.reshape(x, (-1, d)))
+            return _leverage_from_weights(w, q_f, seed_f, replace, "the Jacobian")
+        return _oblivious_sketch(method, d, q_f, seed_f, replace, x, "method")
+
     blocks: list[Any] = []
     sketches: list[Any] = []
     shapes: list[tuple[int, int] | None] = []
     for b, (block, q_b) in enumerate(zip(J.blocks, budgets, strict=True)):
-        if isinstance(block, DenseBlock):
-            shapes.append(None)
-            if q_b >= block.num_params:
-                blocks.append(block)
-                sketches.append(None)
-                continue
-            # leverage: p_j ~ sum_{n,o} J[n,o,j]^2 (one pass over the block)
-            w = (column_norms_squared(xp.reshape(block.jac, (-1, block.num_params)))
-                 if method == "leverage" else None)
-            sk = _factor_sketch(method, block.jac, block.num_params, q_b,
-                                spawn_seed(seed, b, 0), replace, w)
+        dense = isinstance(block, DenseBlock)
+        shapes.append(None if dense else (block.d_out, block.d_in))
+        if q_b >= block.num_params:
+            blocks.append(block)
+            sketches.append(None)
+        elif dense:
+            sk = factor(block.jac, block.num_params, q_b, b, 0)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
             sketches.append(sk)
         else:
-            shapes.append((block.d_out, block.d_in))
-            if q_b >= block.num_params:
-                blocks.append(block)
-                sketches.append(None)
-                continue
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
-            wa = wg = None
-            if method == "leverage":  # marginal factor norms, one pass over each factor
-                wa = column_norms_squared(xp.reshape(block.a, (-1, block.d_in)))  # (d_in,)
-                wg = column_norms_squared(xp.reshape(block.g, (-1, block.d_out)))  # (d_out,)
-            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, spawn_seed(seed, b, 1),
-                                  replace, wa)
-            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, spawn_seed(seed, b, 2),
-                                  replace, wg)
+            sk_a = factor(block.a, block.d_in, q_a, b, 1)
+            sk_g = factor(block.g, block.d_out, q_g, b, 2)
             a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
             blocks.append(KroneckerBlock(a, g, block.name))
