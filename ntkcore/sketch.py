@@ -43,10 +43,22 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch on the same backend; different backends draw from
-different generators.  Derived seeds (per block and factor, per SENG refresh and layer) follow
-NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).  A sketch made without an
-array to copy from (``like=None``) is *unbound*: its randomness is drawn at the first
-:meth:`apply`, in that array's namespace and on its device, and reused afterwards.
+different generators.
+
+**Seeds.**  A ``seed`` (here, in :class:`SketchSpec`, ``MLP.random`` and ``cg_solve``'s
+Nystrom preconditioner) is ``None`` (fresh entropy), a non-negative integer, or the caller's
+own generator: a ``numpy.random.Generator`` (one ``integers(2**63)`` draw), a
+``torch.Generator`` (one ``torch.randint`` draw, on its device) or one JAX PRNG key
+(``jax.random.key`` or ``jax.random.PRNGKey``; its ``jax.random.bits`` are read, the key is
+immutable as always in JAX: split it for a new sketch).  The generator is drawn from once, when
+the sketch or spec is created, and the integer drawn is then used exactly as an integer seed
+(:func:`ntkcore.backend.seed_from`): the same generator state gives the same sketch, and the
+generator moves on as after any draw.  Derived seeds (per block and factor, per SENG refresh
+and layer) follow NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).
+
+A sketch made without an array to copy from (``like=None``) is *unbound*: its randomness is
+drawn at the first :meth:`apply`, in that array's namespace and on its device, and reused
+afterwards.
 
 :func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
 sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
@@ -64,7 +76,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_size
-from .backend import get_backend
+from .backend import get_backend, seed_from
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .lowrank import low_rank
 from .support import BACKENDS, GENERATOR, capabilities
@@ -92,28 +104,27 @@ KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
 
 # -- helpers ------------------------------------------------------------------------------
 def _check_seed(seed: Any) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    """``seed`` as a non-negative int or None; generators and keys are drawn from (seed_from)."""
+    seed = seed_from(seed)
+    if seed is not None and (isinstance(seed, bool) or seed < 0):
         raise TypeError(f"seed must be None or a non-negative integer; got {seed!r}")
     return seed
 
 
-def spawn_seed(seed: int | None, *keys: int) -> int | None:
+def spawn_seed(seed: Any, *keys: int) -> int | None:
     """The seed of the child of ``seed`` at spawn key ``keys``; None stays None (fresh entropy).
 
     NumPy's convention: the child is ``numpy.random.SeedSequence(seed, spawn_key=keys)``, the
     sequence that ``SeedSequence(seed).spawn`` hands out (nested once per key), reduced to the
     low 63 bits of its first 64-bit state word, ``generate_state(1, numpy.uint64)[0] &
-    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed here in plain
-    Python with SeedSequence's hash (the core does not import NumPy): the entropy is ``seed``
-    and then ``keys`` as little-endian 32-bit words (``seed``'s padded to 4 words), mixed into
-    a pool of 4 words, of which the first two form the result.
+    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed by the host
+    (NumPy) backend through :func:`ntkcore.backend.seed_from`.
 
     Parameters
     ----------
-    seed : int or None
-        Non-negative master seed.
+    seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
+        Non-negative master seed; a generator or key is first drawn from once (module
+        docstring, "Seeds").
     *keys : int
         Non-negative spawn key, e.g. (block, factor).
 
@@ -122,69 +133,18 @@ def spawn_seed(seed: int | None, *keys: int) -> int | None:
     int or None
         A seed in [0, 2**63).
     """
-    if seed is None:
-        return None
-    spawn = [w for k in keys for w in _words32(k)]
-    run = _words32(seed)
-    if spawn:
-        run += [0] * (_POOL - len(run))
-    entropy = run + spawn
-    h = _INIT_A
-
-    def hashmix(v: int) -> int:
-        nonlocal h
-        v ^= h
-        h = (h * _MULT_A) & _M32
-        v = (v * h) & _M32
-        return v ^ (v >> 16)
-
-    def mix(x: int, y: int) -> int:
-        r = (_MIX_L * x - _MIX_R * y) & _M32
-        return r ^ (r >> 16)
-
-    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(_POOL)]
-    for src in range(_POOL):
-        for dst in range(_POOL):
-            if src != dst:
-                pool[dst] = mix(pool[dst], hashmix(pool[src]))
-    for v in entropy[_POOL:]:
-        for dst in range(_POOL):
-            pool[dst] = mix(pool[dst], hashmix(v))
-    out, h = 0, _INIT_B
-    for i in range(2):  # generate_state: two 32-bit words, little-endian
-        v = pool[i] ^ h
-        h = (h * _MULT_B) & _M32
-        v = (v * h) & _M32
-        out |= (v ^ (v >> 16)) << (32 * i)
-    return out & (2**63 - 1)
-
-
-#: numpy.random.SeedSequence's constants (numpy/random/bit_generator.pyx)
-_M32, _POOL = 0xFFFFFFFF, 4
-_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
-_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
-
-
-def _words32(n: int) -> list[int]:
-    """``n >= 0`` as little-endian 32-bit words, ``[0]`` for 0 (SeedSequence's reading)."""
-    words = [n & _M32]
-    while n > _M32:
-        n >>= 32
-        words.append(n & _M32)
-    return words
+    return seed_from(_check_seed(seed), keys)
 
 
 def _resolve_like(like: Any) -> tuple[Any, Any]:
     """(namespace, device) from an array or an array namespace."""
+    if not array_api_compat.is_array_api_obj(like) and hasattr(like, "asarray"):
+        like = like.zeros((1,))  # a namespace: its default device
     try:
-        xp = array_api_compat.array_namespace(like)
-        return xp, array_api_compat.device(like)
+        return array_api_compat.array_namespace(like), array_api_compat.device(like)
     except TypeError:
-        pass
-    if hasattr(like, "asarray") and hasattr(like, "zeros"):
-        probe = like.zeros((1,))
-        return array_api_compat.array_namespace(probe), array_api_compat.device(probe)
-    raise TypeError(f"like must be an array or an array namespace; got {type(like).__name__}")
+        raise TypeError("like must be an array or an array namespace; "
+                        f"got {type(like).__name__}") from None
 
 
 def _wide_float(xp: Any, device: Any) -> Any:
@@ -229,7 +189,7 @@ class Sketch:
 
     kind = "abstract"
 
-    def __init__(self, n: int, q: int, seed: int | None) -> None:
+    def __init__(self, n: int, q: int, seed: Any) -> None:
         self.n = n
         self.q = q
         self.seed = _check_seed(seed)
@@ -374,15 +334,12 @@ class RowSketch(Sketch):
     def apply(self, x: Array, axis: int = 0) -> Array:
         xp = self._check_operand(x, axis)
         axis = axis % x.ndim
-        out = _gather(xp, x, self._indices, axis)
+        out = xp.astype(_gather(xp, x, self._indices, axis), _float_dtype(xp, x), copy=False)
         if self._const_scale is not None:  # uniform: one scalar sqrt(n/q)
-            if not xp.isdtype(out.dtype, "real floating"):
-                out = xp.astype(out, _float_dtype(xp, x))
             return out * self._const_scale
         shape = [1] * x.ndim
         shape[axis] = self.q
-        scale = xp.reshape(xp.astype(self._scale, _float_dtype(xp, x)), tuple(shape))
-        return out * scale
+        return out * xp.reshape(xp.astype(self._scale, out.dtype), tuple(shape))
 
 
 def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
@@ -392,15 +349,13 @@ def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
     than on the (rows, n) view of the same memory; for contiguous arrays the reshapes are
     free.
     """
-    if x.ndim > 2 and axis == x.ndim - 1:
-        lead = tuple(x.shape[:-1])
-        out = xp.take(xp.reshape(x, (-1, int(x.shape[-1]))), idx, axis=1)
-        return xp.reshape(out, (*lead, int(idx.shape[0])))
-    if x.ndim > 2 and axis == 0:
-        rest = tuple(x.shape[1:])
-        out = xp.take(xp.reshape(x, (int(x.shape[0]), -1)), idx, axis=0)
-        return xp.reshape(out, (int(idx.shape[0]), *rest))
-    return xp.take(x, idx, axis=axis)
+    if x.ndim <= 2 or 0 < axis < x.ndim - 1:
+        return xp.take(x, idx, axis=axis)
+    shape = [int(d) for d in x.shape]
+    view = (shape[0], -1) if axis == 0 else (-1, shape[-1])
+    out = xp.take(xp.reshape(x, view), idx, axis=min(axis, 1))
+    shape[axis] = int(idx.shape[0])
+    return xp.reshape(out, tuple(shape))
 
 
 def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
@@ -461,10 +416,6 @@ class GaussianSketch(Sketch):
     def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         return xp.astype(self._omega, dtype) @ flat
 
-    def matrix(self, dtype: Any = None) -> Array:
-        self._require_bound()
-        return self._omega if dtype is None else self._xp.astype(self._omega, dtype)
-
 
 class SparseSignSketch(Sketch):
     """CountSketch-style sparse sign sketch with ``nnz`` entries per column.
@@ -480,7 +431,7 @@ class SparseSignSketch(Sketch):
     kind = "sparse_sign"
     _CHUNK_ELEMENTS = 1 << 22  # one-hot tile size (q x chunk)
 
-    def __init__(self, n: int, q: int, seed: int | None, nnz: int = 1) -> None:
+    def __init__(self, n: int, q: int, seed: Any, nnz: int = 1) -> None:
         super().__init__(n, q, seed)
         self.nnz = nnz
 
@@ -507,7 +458,7 @@ class SparseSignSketch(Sketch):
 
 # -- constructors ---------------------------------------------------------------------------
 @capabilities(name="sketch.uniform", fast=GENERATOR)
-def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
+def uniform(n: int, q: int, *, seed: Any = None, replace: bool = True,
             like: Any = None) -> RowSketch:
     """Uniform row sampling of ``q`` out of ``n`` rows, scaled by :math:`\\sqrt{n/q}`.
 
@@ -515,8 +466,9 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
     ----------
     n, q : int
         Rows of the operand and of the sketch.  Without replacement ``q <= n``.
-    seed : int, optional
-        Generator seed; the same seed gives the same rows on the same backend.
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Generator seed (module docstring, "Seeds"); the same seed gives the same rows on the
+        same backend.
     replace : bool
         Sample with replacement (i.i.d. rows) or a uniformly random subset.
     like : array or array namespace, optional
@@ -537,7 +489,7 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
 
 @capabilities(name="sketch.leverage", fast=GENERATOR,
               note={b: "without replacement: systematic PPS (unbiased)" for b in BACKENDS})
-def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True) -> RowSketch:
+def leverage(U: Array, q: int, *, seed: Any = None, replace: bool = True) -> RowSketch:
     """Row sampling with probabilities proportional to squared row norms of ``U``.
 
     Parameters
@@ -547,8 +499,8 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
         An all-zero ``U`` falls back to uniform probabilities.
     q : int
         Rows of the sketch (``q <= n`` without replacement).
-    seed : int, optional
-        Generator seed.
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Generator seed (as in :func:`uniform`).
     replace : bool
         With replacement: scale :math:`1/\\sqrt{q p_j}`.  Without: randomized systematic PPS
         sampling with Horvitz-Thompson scale :math:`1/\\sqrt{\\pi_j}` (module docstring).
@@ -561,7 +513,8 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     Raises
     ------
     TypeError
-        ``U`` is not a real floating array, or ``q``/``seed`` are not integers.
+        ``U`` is not a real floating array, ``q`` is not an integer, or ``seed`` is none
+        of the accepted kinds.
     ValueError
         ``U`` is 0-d or has no rows, ``q < 1``, ``q > n`` without replacement, or NaN/Inf
         in ``U``.
@@ -631,7 +584,7 @@ def _normalise(xp: Any, w: Array, what: str) -> Array:
 
 
 @capabilities(name="sketch.gaussian", fast=GENERATOR)
-def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
+def gaussian(n: int, q: int, *, seed: Any = None, like: Any = None) -> GaussianSketch:
     """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
     sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), seed)
     return sk if like is None else sk.bind(like)
@@ -639,7 +592,7 @@ def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> Ga
 
 @capabilities(name="sketch.sparse_sign", fast=GENERATOR,
               note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS})
-def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
+def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: Any = None,
                 like: Any = None) -> SparseSignSketch:
     """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
     sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), seed, check_size(nnz, "nnz"))
@@ -650,20 +603,22 @@ def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
 class SketchSpec:
     """A sketch to be drawn later for an operand: kind, size, seed, replacement.
 
+    A generator or key given as ``seed`` is drawn from once, here, into the integer ``seed``.
+
     ``smw_solve`` / ``natural_gradient`` accept a ``SketchSpec`` or the tuple shorthand
     ``(kind, q)`` / ``(kind, q, seed)``.
     """
 
     kind: str
     q: int
-    seed: int | None = None
+    seed: Any = None
     replace: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
         object.__setattr__(self, "q", check_size(self.q, "sketch size q"))
-        _check_seed(self.seed)
+        object.__setattr__(self, "seed", _check_seed(self.seed))  # a generator: drawn now
 
     @staticmethod
     def coerce(spec: Any) -> SketchSpec:
@@ -675,7 +630,7 @@ class SketchSpec:
                         f"got {spec!r}")
 
 
-def make_sketch(kind: str, operand: Array, q: int, *, seed: int | None = None,
+def make_sketch(kind: str, operand: Array, q: int, *, seed: Any = None,
                 replace: bool = True) -> Sketch:
     """A sketch of ``kind`` for the rows (axis 0) of ``operand``, drawn on its device."""
     if kind == "leverage":
@@ -744,7 +699,6 @@ class JacobianSketch:
         if v.ndim not in (1, 2) or v.shape[0] != self.num_params:
             raise ValueError(f"v must have shape ({self.num_params},) or ({self.num_params}, k); "
                              f"got {tuple(v.shape)}")
-        k = None if v.ndim == 1 else int(v.shape[1])
         pieces, start = [], 0
         for size, shape, sk in zip(self.sizes, self.shapes, self.block_sketches, strict=True):
             piece = v[start:start + size, ...]
@@ -756,18 +710,17 @@ class JacobianSketch:
             else:
                 d_out, d_in = shape
                 sk_a, sk_g = sk
-                mat = xp.reshape(piece, (d_out, d_in) if k is None else (d_out, d_in, k))
+                mat = xp.reshape(piece, (d_out, d_in, *piece.shape[1:]))
                 if sk_g is not None:
                     mat = sk_g.apply(mat, axis=0)  # Omega_G V
                 if sk_a is not None:
                     mat = sk_a.apply(mat, axis=1)  # V Omega_A^T
-                flat = int(mat.shape[0]) * int(mat.shape[1])
-                pieces.append(xp.reshape(mat, (flat,) if k is None else (flat, k)))
+                pieces.append(xp.reshape(mat, (-1, *piece.shape[1:])))
         return xp.concat(pieces, axis=0)
 
 
 @capabilities(name="sketch.sketch_jacobian", fast=GENERATOR)
-def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
+def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any = None,
                     replace: bool = True, return_sketch: bool = False
                     ) -> Jacobian | tuple[Jacobian, JacobianSketch]:
     """Sketch the parameter dimension of ``J``: ``gram(result)`` estimates ``gram(J)`` unbiasedly.
@@ -786,9 +739,10 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
         Kronecker blocks use the marginal factor norms
         :math:`p_A(i) \\propto \\sum_{n,s} a[n,s,i]^2` and
         :math:`p_G(j) \\propto \\sum_{n,s,o} g[n,s,o,j]^2`.
-    seed : int, optional
-        Master seed; block ``b`` gets ``spawn_seed(seed, b, 0)`` (dense) or
-        ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Master seed (a generator or key is drawn from once); block ``b`` gets
+        ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
+        ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
     replace : bool
         Row sampling with or without replacement (see the module docstring).
     return_sketch : bool
