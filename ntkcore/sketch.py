@@ -81,23 +81,9 @@ from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .lowrank import low_rank
 from .support import BACKENDS, GENERATOR, capabilities
 
-__all__ = [
-    "GaussianSketch",
-    "JacobianSketch",
-    "RowSketch",
-    "Sketch",
-    "SketchSpec",
-    "SparseSignSketch",
-    "gaussian",
-    "leverage",
-    "low_rank",
-    "make_sketch",
-    "sketch_jacobian",
-    "sparse_sign",
-    "spawn_seed",
-    "split_budget",
-    "uniform",
-]
+__all__ = ["GaussianSketch", "JacobianSketch", "RowSketch", "Sketch", "SketchSpec",
+           "SparseSignSketch", "gaussian", "leverage", "low_rank", "make_sketch",
+           "sketch_jacobian", "sparse_sign", "spawn_seed", "split_budget", "uniform"]
 
 KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
 
@@ -134,17 +120,6 @@ def spawn_seed(seed: Any, *keys: int) -> int | None:
         A seed in [0, 2**63).
     """
     return seed_from(_check_seed(seed), keys)
-
-
-def _resolve_like(like: Any) -> tuple[Any, Any]:
-    """(namespace, device) from an array or an array namespace."""
-    if not array_api_compat.is_array_api_obj(like) and hasattr(like, "asarray"):
-        like = like.zeros((1,))  # a namespace: its default device
-    try:
-        return array_api_compat.array_namespace(like), array_api_compat.device(like)
-    except TypeError:
-        raise TypeError("like must be an array or an array namespace; "
-                        f"got {type(like).__name__}") from None
 
 
 def _wide_float(xp: Any, device: Any) -> Any:
@@ -211,7 +186,13 @@ class Sketch:
 
     def bind(self, like: Any) -> Sketch:
         """Draw the randomness in the namespace/device of ``like`` (array or namespace)."""
-        xp, dev = _resolve_like(like)
+        if not array_api_compat.is_array_api_obj(like) and hasattr(like, "asarray"):
+            like = like.zeros((1,))  # a namespace: its default device
+        try:
+            xp, dev = array_api_compat.array_namespace(like), array_api_compat.device(like)
+        except TypeError:
+            raise TypeError("like must be an array or an array namespace; "
+                            f"got {type(like).__name__}") from None
         if self._xp is None:
             self._xp, self._device = xp, dev
             self._draw(xp, get_backend(xp).generator(self.seed, dev), _wide_float(xp, dev))
@@ -374,7 +355,6 @@ def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
         pi = xp.where(positive, xp.ones_like(p), xp.full_like(p, fill))
     else:
         certain = xp.zeros(p.shape, dtype=xp.bool, device=dev)
-        pi = q * p / xp.sum(p)
         for _ in range(q + 1):  # each pass adds at least one certain row, or stops
             k = int(xp.sum(xp.astype(certain, xp.int64)))
             rest = xp.sum(xp.where(certain, xp.zeros_like(p), p))
@@ -638,15 +618,13 @@ def make_sketch(kind: str, operand: Array, q: int, *, seed: Any = None,
     return _oblivious_sketch(kind, int(operand.shape[0]), q, seed, replace, operand, "sketch kind")
 
 
-def _oblivious_sketch(kind: str, n: int, q: int, seed: int | None, replace: bool, like: Array,
+def _oblivious_sketch(kind: str, n: int, q: int, seed: Any, replace: bool, like: Array,
                       what: str) -> Sketch:
     """A data-independent sketch of ``n`` rows (every kind but leverage)."""
     if kind == "uniform":
         return uniform(n, q, seed=seed, replace=replace, like=like)
-    if kind == "gaussian":
-        return gaussian(n, q, seed=seed, like=like)
-    if kind == "sparse_sign":
-        return sparse_sign(n, q, seed=seed, like=like)
+    if kind in ("gaussian", "sparse_sign"):
+        return (gaussian if kind == "gaussian" else sparse_sign)(n, q, seed=seed, like=like)
     raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
 
 
