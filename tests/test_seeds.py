@@ -187,3 +187,19 @@ def test_bad_seed_is_a_type_error_naming_seed(bad):
     for seed in (-1, True):  # integers keep their sketch-side check
         with pytest.raises(TypeError, match="seed"):
             sk.uniform(10, 2, seed=seed)
+
+
+@pytest.mark.gpu
+def test_cuda_torch_generator_draws_on_its_device():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+    def gen():
+        return torch.Generator(device="cuda").manual_seed(4)
+
+    expected = int(torch.randint(2**63 - 1, (), generator=gen(), device="cuda"))
+    x = torch.linspace(-1.0, 1.0, 40, dtype=torch.float64, device="cuda")
+    s1, s2 = sk.uniform(40, 6, seed=gen(), like=x), sk.uniform(40, 6, seed=expected, like=x)
+    assert s1.seed == expected
+    torch.testing.assert_close(s1.apply(x), s2.apply(x), rtol=0, atol=0)
