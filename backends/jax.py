@@ -54,6 +54,15 @@ class JaxBackend(Backend):
     def generator(self, seed: int | None, device: Device) -> JaxGenerator:
         return JaxGenerator(seed, device)
 
+    @staticmethod
+    def seed_from(seed: Any) -> int:
+        typed = isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+        raw = isinstance(seed, jax.Array) and seed.dtype == jnp.uint32 and seed.shape == (2,)
+        if (typed and seed.shape == ()) or raw:  # one key: typed, or raw threefry
+            lo, hi = (int(w) for w in jax.random.bits(seed, (2,), dtype=jnp.uint32))
+            return (lo | hi << 32) & (2**63 - 1)
+        return Backend.seed_from(seed)
+
     def free_memory(self, device: Device) -> int | None:
         if device is not None and getattr(device, "platform", "cpu") != "cpu":
             stats = device.memory_stats() or {}
