@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from ntkcore._validation import check_scalar
+from ntkcore.backend import seed_from
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
@@ -250,8 +251,9 @@ class SENG(torch.optim.Optimizer):
     distributed : {"auto", True, False}
         Average directions over ``torch.distributed`` workers (auto: when initialised with
         more than one worker).
-    seed : int, optional
-        Seed of the sketches (the k-th refresh uses a seed derived from it and k).
+    seed : int, numpy.random.Generator, torch.Generator or JAX key, optional
+        Seed of the sketches (the k-th refresh uses a seed derived from it and k); a generator
+        is drawn from once, at construction.
     grad_scaler : torch.amp.GradScaler, optional
         The scaler of the loss, whose ``get_scale()`` unscales the captured output gradients;
         needed for :meth:`precondition` and after ``scaler.unscale_(opt)``.
@@ -352,7 +354,7 @@ class SENG(torch.optim.Optimizer):
         self.loss_reduction = loss_reduction
         self.low_rank = None if low_rank is None else int(low_rank)
         self.distributed = distributed
-        self.seed = seed
+        self.seed = seed_from(seed)  # a generator is drawn from once, here
         self.grad_scaler = grad_scaler
         self._step = 0
         self._refreshes = 0

@@ -203,3 +203,31 @@ def test_cuda_torch_generator_draws_on_its_device():
     s1, s2 = sk.uniform(40, 6, seed=gen(), like=x), sk.uniform(40, 6, seed=expected, like=x)
     assert s1.seed == expected
     torch.testing.assert_close(s1.apply(x), s2.apply(x), rtol=0, atol=0)
+
+
+def test_seng_draws_from_a_generator_once() -> None:
+    """SENG takes one integer from a torch.Generator at construction, so a generator in the
+    same state gives the same steps, and the generator is not consumed by later refreshes."""
+    torch = pytest.importorskip("torch")
+    from ntkcore.backends.torch import SENG
+
+    def run(gen: object) -> list:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        opt = SENG(model, lr=0.1, damping=1.0, sketch_size=4, seed=gen)
+        x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    g = torch.Generator().manual_seed(11)
+    a = run(g)
+    after = torch.randint(2**62, (1,), generator=g)
+    g2 = torch.Generator().manual_seed(11)
+    b = run(g2)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    g3 = torch.Generator().manual_seed(11)
+    torch.randint(2**63 - 1, (1,), generator=g3)   # the one draw made at construction
+    assert torch.equal(after, torch.randint(2**62, (1,), generator=g3))
