@@ -27,17 +27,31 @@ Blocks
   is 1-D, reaches an ``add`` with the layer output only through ``reshape`` /
   ``broadcast_in_dim`` / ``convert_element_type`` (each used once) that place its axis on the
   output-feature axis, and the layer output feeds only that ``add``; its block is
-  ``KroneckerBlock(ones(N, S, 1), g)``.  Layers inside nested calls (``jax.jit``-ed inner
-  functions, ``custom_jvp`` bodies, scans) are not recognised and get dense blocks.
-  As a safeguard every recognised block is compared with the dense per-sample Jacobian of the
-  first sample, and falls back to a dense block (with a warning) if they disagree.
+  the ones column of ``a`` (as torch's ``Linear``) when it is in the weight's group (below),
+  else its own ``KroneckerBlock(ones(N, S, 1), g)``.  An ``apply_fn`` made by ``jax.jit`` is
+  traced through (its ``__wrapped__`` function); layers inside other nested calls
+  (``jax.jit``-ed inner functions, ``custom_jvp`` bodies, scans) are not recognised and get
+  dense blocks, with a ``RuntimeWarning`` (once per traced function) naming the leaves that
+  enter an inner ``jax.jit``.  As a safeguard every recognised block is compared with the
+  dense per-sample Jacobian of the first sample, and falls back to a dense block (with a
+  warning) if they disagree.
 
-  Flattening: a Kronecker block is ordered ``(d_out, d_in)`` row-major.  That is the leaf's own
-  order when ``W`` has shape (d_out, d_in) (``x @ W.T``) and the *transpose* of it for the
-  flax/haiku layout (d_in, d_out) (``x @ W``); such blocks are named with a ``.T`` suffix
-  (``"['dense0']['kernel'].T"``) to say so.
-* **DenseBlock** (``jax.vmap(jax.jacrev)``) for every other floating leaf, flattened row-major
-  in the leaf's own shape.
+  Flattening: a Kronecker block is ordered ``(d_out, d_in [+ 1 bias column])`` row-major.
+  For a weight alone that is the leaf's own order when ``W`` has shape (d_out, d_in)
+  (``x @ W.T``) and the *transpose* of it for the flax/haiku layout (d_in, d_out)
+  (``x @ W``); such blocks are named with a ``.T`` suffix (``"['w0'].T"``) to say so.
+* **DenseBlock** (``jax.vmap(jax.jacrev)``) for every other group, its leaves flattened
+  row-major in their own shapes and concatenated in leaf order.
+
+Groups (``layerwise=True`` gives one kernel per group, as torch gives one per module)
+----------------------------------------------------------------------------------------
+Leaves that are entries of one dict (or attribute node) below the top level form a group,
+named by that node's key path: ``{'dense1': {'w': ..., 'b': ...}}`` is one block
+``"['dense1']"``, as are flax's ``{'params': {'Dense_0': {'kernel', 'bias'}}}`` and equinox's
+``layers[0].weight`` / ``.bias``.  Top-level leaves and list entries (``{'w': [w0, w1]}``)
+are groups of their own.  A group is a KroneckerBlock when it is a recognised weight, alone or
+with its own bias, and one DenseBlock otherwise (a recognised layer in a group with other
+leaves is then evaluated densely: same values).
 
 Registry adapter
 ----------------
@@ -48,6 +62,7 @@ registry's *subset selection*: leaf names, passed on as ``select``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import OrderedDict
@@ -79,6 +94,7 @@ class _Layer:
     transposed: bool  # whether the leaf is stored (d_in, d_out)
     y_shape: tuple[int, ...]
     b_leaf: int | None = None
+    merged: bool = False  # the bias is a ones column of a (weight and bias in one group)
 
 
 def _uses(jaxpr: Any) -> dict[Any, list[int]]:
@@ -94,8 +110,8 @@ def _uses(jaxpr: Any) -> dict[Any, list[int]]:
     return uses
 
 
-def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int]) -> list[_Layer]:
-    uses = _uses(jaxpr)
+def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
+                 uses: dict[Any, list[int]]) -> list[_Layer]:
     producer = {v: k for k, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     var_leaf = {v: i for i, v in enumerate(leaf_vars)}
     layers: list[_Layer] = []
@@ -211,11 +227,7 @@ def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         subfuns: list[Any] = []
         if isinstance(bind_params, tuple):  # jax < 0.7 returned (subfuns, params)
             subfuns, bind_params = bind_params
-        ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-        if ctx is not None:
-            with ctx:
-                ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-        else:
+        with getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext():
             ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
         if k in record:
             recorded[k] = vals[record[k]]
@@ -227,19 +239,14 @@ def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return [read(v) for v in jaxpr.outvars], recorded
 
 
-def _leaf_names(params: Any) -> tuple[list[str], list[Any], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = [jax.tree_util.keystr(path) or "params" for path, _ in flat]
-    leaves = [leaf for _, leaf in flat]
-    return names, leaves, treedef
-
-
 @dataclass
 class _Plan:
     o: int
     dtype: Any
     layers: list[_Layer]
-    dense_idx: list[int]
+    dense: list[list[int]]  # leaves of each dense block
+    specs: list[tuple[str, int, str]]  # per block: ("dense", index into dense) or
+    # ("kron" / "bias", index into layers), and its name
     f_flat: Callable[..., Any]
     batched: Callable[..., Any]
     verified: bool = False
@@ -251,8 +258,42 @@ _PLANS: OrderedDict[Any, _Plan] = OrderedDict()
 _MAX_PLANS = 8
 
 
+def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]], names: list[str]
+                      ) -> tuple[list[_Layer], list[list[int]], list[tuple[str, int, str]]]:
+    """One block per group (module docstring): the layers kept, the dense leaf lists, specs."""
+    group_of = {i: key for key, idx in groups.items() for i in idx}
+    kept = []
+    for ly in layers:
+        own = {ly.w_leaf} | ({ly.b_leaf} - {None})
+        members = set(groups[group_of[ly.w_leaf]])
+        if members == own:
+            ly.merged = ly.b_leaf is not None
+        elif members == {ly.w_leaf}:
+            if ly.b_leaf is not None and len(groups[group_of[ly.b_leaf]]) > 1:
+                ly.b_leaf = None  # a bias in another multi-leaf group is dense there
+        else:
+            continue
+        kept.append(ly)
+    by_w = {ly.w_leaf: j for j, ly in enumerate(kept)}
+    by_b = {ly.b_leaf: j for j, ly in enumerate(kept) if ly.b_leaf is not None and not ly.merged}
+    dense: list[list[int]] = []
+    specs: list[tuple[str, int, str]] = []
+    for key, idx in groups.items():
+        w = [by_w[i] for i in idx if i in by_w]
+        if w:
+            single = len(idx) == 1 and kept[w[0]].transposed
+            specs.append(("kron", w[0], key + ".T" if single else key))
+        elif idx[0] in by_b:
+            specs.append(("bias", by_b[idx[0]], key))
+        else:
+            specs.append(("dense", len(dense), key))
+            dense.append(idx)
+    return kept, dense, specs
+
+
 def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
-               floating: list[int], pseudo: bool, structured: bool) -> _Plan:
+               groups: dict[str, list[int]], names: list[str], pseudo: bool,
+               structured: bool) -> _Plan:
     def f_flat(all_leaves: list[Any], xi: Any) -> Any:
         out = apply_fn(jax.tree_util.tree_unflatten(treedef, all_leaves), xi[None])
         return jnp.reshape(out[0], (-1,))
@@ -261,9 +302,20 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     jaxpr, consts = closed.jaxpr, closed.consts
     o = int(jaxpr.outvars[0].aval.shape[0])
     leaf_vars = list(jaxpr.invars[: len(leaves)])
-    layers = _find_layers(jaxpr, leaf_vars, set(floating)) if structured else []
-    in_layer = {ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers if ly.b_leaf is not None}
-    dense_idx = [i for i in floating if i not in in_layer]
+    floating = sorted(i for idx in groups.values() for i in idx)
+    uses = _uses(jaxpr)
+    layers = _find_layers(jaxpr, leaf_vars, set(floating), uses) if structured else []
+    layers, dense, specs = _blocks_of_groups(layers, groups, names)
+    dense_idx = [i for idx in dense for i in idx]
+    hidden = [names[i] for i in dense_idx if any(
+        k >= 0 and jaxpr.eqns[k].primitive.name in ("pjit", "jit") for k in uses.get(
+            leaf_vars[i], []))]
+    if structured and hidden:
+        warnings.warn(f"jax provider: {hidden} enter a jax.jit-compiled function called inside "
+                      "apply_fn, where dense layers are not recognised: they get dense blocks "
+                      "(same values, more memory and time). Call the function un-jitted inside "
+                      "apply_fn; ntkcore compiles the whole Jacobian itself", RuntimeWarning,
+                      stacklevel=3)
     perturb_eqns = [ly.eqn for ly in layers]
     record = {ly.eqn: ly.a_pos for ly in layers}
     scale = 1.0 / math.sqrt(o)
@@ -286,18 +338,21 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
                 for ly in layers]
         (jd, je), acts = jax.jacrev(fun, argnums=(0, 1), has_aux=True)(
             [all_leaves[i] for i in dense_idx], eps0)
-        res = [jnp.reshape(j, (o_eff, -1)).astype(dtype) for j in jd]
+        jd = iter(jnp.reshape(j, (o_eff, -1)).astype(dtype) for j in jd)
+        res = [jnp.concatenate([next(jd) for _ in idx], axis=1) for idx in dense]
         for ly, g, a in zip(layers, je, acts, strict=True):  # g: (O, *y_shape)
             if ly.w_first:  # y = (d_out, free...)
                 g = jnp.moveaxis(g, 1, -1)
             g = jnp.reshape(g, (o_eff, -1, g.shape[-1]))  # (O, S, d_out)
             a = jnp.moveaxis(a, ly.a_contract, -1)
-            res.append(jnp.transpose(g, (1, 0, 2)).astype(dtype))
-            res.append(jnp.reshape(a, (-1, a.shape[-1])).astype(dtype))
+            a = jnp.reshape(a, (-1, a.shape[-1])).astype(dtype)  # (S, d_in)
+            if ly.merged:
+                a = jnp.concatenate([a, jnp.ones_like(a[:, :1])], axis=1)
+            res += [jnp.transpose(g, (1, 0, 2)).astype(dtype), a]
         return res
 
     batched = jax.jit(jax.vmap(per_sample, in_axes=(None, 0)))
-    return _Plan(o=o, dtype=dtype, layers=layers, dense_idx=dense_idx, f_flat=f_flat,
+    return _Plan(o=o, dtype=dtype, layers=layers, dense=dense, specs=specs, f_flat=f_flat,
                  batched=batched)
 
 
@@ -319,7 +374,7 @@ def jacobian(
     Parameters
     ----------
     apply_fn : callable
-        ``apply_fn(params, x)`` -> (n, O) (module docstring).
+        ``apply_fn(params, x)`` -> (n, O) (module docstring); may be ``jax.jit(f)``.
     params : pytree
         The parameters; floating leaves get blocks.
     x : jax or numpy array, shape (N, ...)
@@ -331,15 +386,17 @@ def jacobian(
         Samples per ``vmap`` call (default: as many as keep the dense blocks of one chunk
         under 256 MiB).
     select : sequence of str, optional
-        Leaf names (key paths as in ``Jacobian.names``) to include; default all.
+        Leaf names (key paths as ``jax.tree_util.keystr`` writes them, ``"['dense0']['w']"``)
+        to include; default all.
     structured : bool
         Recognise dense layers (default); ``False`` gives dense blocks only.
 
     Returns
     -------
     Jacobian
-        One block per selected leaf in leaf order (a recognised weight and its bias are two
-        blocks), jax arrays in the promoted dtype of ``x`` and the parameters.
+        One block per group of selected leaves (module docstring: a layer's weight and bias
+        together), in leaf order, jax arrays in the promoted dtype of ``x`` and the
+        parameters.
     """
     if not callable(apply_fn):
         raise TypeError(f"apply_fn must be callable; got {type(apply_fn).__name__}")
@@ -354,38 +411,42 @@ def jacobian(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    names, leaves, treedef = _leaf_names(params)
-    leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+    while hasattr(apply_fn, "lower") and callable(getattr(apply_fn, "__wrapped__", None)):
+        apply_fn = apply_fn.__wrapped__  # jax.jit(f): trace f (the Jacobian is compiled anyway)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = [jax.tree_util.keystr(path) or "params" for path, _ in flat]
+    leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for _, leaf in flat]
     floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
     if select is not None:
-        if isinstance(select, str):
-            select = [select]
+        select = [select] if isinstance(select, str) else select
         unknown = [s for s in select if s not in names]
         if unknown:
             raise ValueError(f"select names unknown leaves {unknown}; leaves are {names}")
-        wanted = set(select)
-        floating = [i for i in floating if names[i] in wanted]
+        floating = [i for i in floating if names[i] in set(select)]
     if not floating:
         raise ValueError("params has no floating-point leaves to differentiate")
+    groups: dict[str, list[int]] = {}
+    for i in floating:
+        path = flat[i][0]
+        nested = len(path) > 1 and not isinstance(path[-1], jax.tree_util.SequenceKey)
+        groups.setdefault(jax.tree_util.keystr(path[:-1]) if nested else names[i], []).append(i)
     n = int(x.shape[0])
     key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
            tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(apply_fn, treedef, leaves, x[0], floating, pseudo, structured)
+        plan = _make_plan(apply_fn, treedef, leaves, x[0], groups, names, pseudo, structured)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
     else:
         _PLANS.move_to_end(key)
-    o, layers, dense_idx = plan.o, plan.layers, plan.dense_idx
-    o_eff = 1 if pseudo else o
 
     if chunk_size is None:
-        per = o_eff * (sum(int(leaves[i].size) for i in dense_idx)
-                       + sum(math.prod(ly.y_shape) for ly in layers))
-        per = max(per, 1) * jnp.dtype(plan.dtype).itemsize * 3
-        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // per)
+        per = (1 if pseudo else plan.o) * (sum(int(leaves[i].size) for idx in plan.dense
+                                               for i in idx)
+                                           + sum(math.prod(ly.y_shape) for ly in plan.layers))
+        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (max(per, 1) * plan.dtype.itemsize * 3))
     # few distinct compiled sizes: powers of two up to chunk_size
     chunk_size = min(chunk_size, 1 << max(0, (n - 1).bit_length()))
 
@@ -396,27 +457,24 @@ def jacobian(
         if m < chunk_size:  # pad to the compiled shape, drop the padding afterwards
             pad = jnp.broadcast_to(xc[-1:], (chunk_size - m, *xc.shape[1:]))
             xc = jnp.concatenate([xc, pad], axis=0)
-        out = plan.batched(leaves, xc)
-        parts.append([t[:m] if m < chunk_size else t for t in out])
+        parts.append([t[:m] for t in plan.batched(leaves, xc)])
 
     def cat(j: int) -> Any:
         return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
 
-    blocks: dict[int, Any] = {}
-    for j, i in enumerate(dense_idx):
-        blocks[i] = DenseBlock(cat(j), names[i])
-    nd = len(dense_idx)
-    for j, ly in enumerate(layers):
-        g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
-        suffix = ".T" if ly.transposed else ""
-        blocks[ly.w_leaf] = KroneckerBlock(a, g, names[ly.w_leaf] + suffix)
-        if ly.b_leaf is not None:
-            ones = jnp.ones((a.shape[0], a.shape[1], 1), dtype=a.dtype)
-            blocks[ly.b_leaf] = KroneckerBlock(ones, g, names[ly.b_leaf])
+    blocks = []
+    nd = len(plan.dense)
+    for kind, j, name in plan.specs:
+        if kind == "dense":
+            blocks.append(DenseBlock(cat(j), name))
+        else:
+            g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
+            blocks.append(KroneckerBlock(a if kind == "kron" else jnp.ones_like(a[..., :1]), g,
+                                         name))
 
     tracing = any(isinstance(t, jax.core.Tracer) for t in (x, *leaves))
-    if layers and not plan.verified and not tracing:  # (values are unknown under tracing)
-        bad = _verify(blocks, parts[0], nd, layers, leaves, plan.f_flat, x[0], pseudo, o)
+    if plan.layers and not plan.verified and not tracing:  # (values are unknown under tracing)
+        bad = _verify(blocks, plan, leaves, x[0], pseudo)
         if bad is not None:
             _PLANS.pop(key, None)
             warnings.warn(f"jax provider: the structured block {bad} disagreed with autodiff "
@@ -425,41 +483,39 @@ def jacobian(
             return jacobian(apply_fn, params, x, pseudo=pseudo, chunk_size=chunk_size,
                             select=select, structured=False)
         plan.verified = True
-    return Jacobian([blocks[i] for i in floating])
+    return Jacobian(blocks)
 
 
-def _verify(blocks: dict[int, Any], first: list[Any], nd: int, layers: list[_Layer],
-            leaves: list[Any], f_flat: Callable, x0: Any, pseudo: bool, o: int) -> str | None:
-    """Compare the recognised blocks with dense jacrev on the first sample; the name of the
-    first block that disagrees, or None.  ``first`` holds the first chunk's outputs (dense
-    blocks, then (g, a) per layer)."""
-    factors: dict[int, tuple[Any, Any]] = {}
-    for j, ly in enumerate(layers):
-        g = np.asarray(first[nd + 2 * j], dtype=np.float64)[0]  # (S, O, d_out)
-        a = np.asarray(first[nd + 2 * j + 1], dtype=np.float64)[0]  # (S, d_in)
-        factors[ly.w_leaf] = (a, g)
-        if ly.b_leaf is not None:
-            factors[ly.b_leaf] = (np.ones((a.shape[0], 1)), g)
-    struct = sorted({ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers
-                                                    if ly.b_leaf is not None})
+def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: bool
+            ) -> str | None:
+    """The name of the first Kronecker block that disagrees with dense ``jacrev`` on the first
+    sample (one compiled reverse pass; the comparison runs on the host), or None."""
+    struct = sorted({i for ly in plan.layers for i in (ly.w_leaf, ly.b_leaf) if i is not None})
 
     def f_sub(vals: list[Any], lv: list[Any], xi: Any) -> Any:
         args = list(lv)
         for i, v in zip(struct, vals, strict=True):
             args[i] = v
-        out = f_flat(args, xi)
-        return jnp.sum(out)[None] / math.sqrt(o) if pseudo else out
+        out = plan.f_flat(args, xi)
+        return jnp.sum(out)[None] / math.sqrt(plan.o) if pseudo else out
 
-    # one compiled reverse pass; the comparison runs on the host (no eager jax dispatches)
-    ref = jax.jit(jax.jacrev(f_sub))([leaves[i] for i in struct], leaves, x0)
-    for i, r in zip(struct, ref, strict=True):
-        blk = blocks[i]
-        a, g = factors[i]
-        got = np.einsum("sod,si->odi", g, a).reshape(g.shape[1], -1)
-        r = np.asarray(r, dtype=np.float64).reshape(g.shape[1], *leaves[i].shape)
-        if str(blk.name).endswith(".T"):
-            r = np.swapaxes(r, 1, 2)
-        r = r.reshape(got.shape)
+    jac = jax.jit(jax.jacrev(f_sub))([leaves[i] for i in struct], leaves, x0)
+    ref = {i: np.asarray(r, dtype=np.float64) for i, r in zip(struct, jac, strict=True)}
+    for blk, (kind, j, _) in zip(blocks, plan.specs, strict=True):
+        if kind == "dense":
+            continue
+        ly = plan.layers[j]
+        o = blk.num_outputs
+        got = KroneckerBlock(np.asarray(blk.a[:1], dtype=np.float64),
+                             np.asarray(blk.g[:1], dtype=np.float64)).to_dense()[0]
+        if kind == "bias":
+            r = ref[ly.b_leaf].reshape(o, -1)
+        else:
+            r = ref[ly.w_leaf].reshape(o, *leaves[ly.w_leaf].shape)
+            r = np.swapaxes(r, 1, 2) if ly.transposed else r  # (O, d_out, d_in)
+            if ly.merged:
+                r = np.concatenate([r, ref[ly.b_leaf].reshape(o, -1, 1)], axis=2)
+            r = r.reshape(o, -1)
         tol = 1e-4 if np.dtype(blk.a.dtype).itemsize <= 4 else 1e-9
         err = float(np.max(np.abs(got - r)))
         if not err <= tol * max(1.0, float(np.max(np.abs(r)))):
@@ -472,7 +528,4 @@ def provider(model: Any, x: Any, *, params: Any = None, pseudo: bool = False,
     """Registry adapter: ``model = (apply_fn, params)``; ``params=`` selects leaves by name."""
     if not (isinstance(model, tuple) and len(model) == 2):
         raise TypeError("a JAX model is an (apply_fn, params) pair")
-    apply_fn, tree = model
-    if params is not None and isinstance(params, str):
-        params = [params]
-    return jacobian(apply_fn, tree, x, pseudo=pseudo, select=params, **options)
+    return jacobian(*model, x, pseudo=pseudo, select=params, **options)
