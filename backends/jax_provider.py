@@ -1,63 +1,22 @@
 r"""The JAX Jacobian provider: ``jacobian(apply_fn, params, x)`` -> :class:`ntkcore.Jacobian`.
 
-Model convention
-----------------
-``apply_fn(params, x)`` maps a batch ``x`` of shape (n, ...) to outputs (n, O) (or (n,), read as
-O = 1; other trailing shapes are flattened), with samples processed independently (no batch
-statistics).  ``params`` is any pytree; every leaf with a floating dtype is a parameter, in
-``jax.tree_util`` leaf order, named by its key path (``"['dense0']['kernel']"``).  Per-sample
-Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``, ``chunk_size``
-samples at a time (one compiled function, reused for every chunk).
+``apply_fn(params, x)`` maps a batch ``x`` (n, ...) to outputs (n, O) (or (n,): O = 1; other
+trailing shapes are flattened), samples independently.  Every floating leaf of the pytree
+``params`` is a parameter, named by its key path (``"['dense0']['kernel']"``).  Per-sample
+Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``,
+``chunk_size`` samples at a time (one compiled function, reused for every chunk).
 
-Blocks
-------
-* **KroneckerBlock** for a *recognised dense layer*.  ``apply_fn`` is traced once
-  (``jax.make_jaxpr``, for one sample) and a weight leaf ``W`` is recognised when, in the
-  top-level program,
-
-  1. ``W`` is 2-D and used exactly once, by a ``dot_general`` without batch dimensions that
-     contracts one axis of ``W`` with one axis of the other operand ``A`` (the layer input,
-     any number of free axes: tokens, positions), possibly after one ``transpose`` of ``W``
-     used nowhere else (``x @ W.T``);
-
-  then the layer output :math:`y = A W` gets a zero perturbation :math:`\epsilon` in a
-  re-evaluation of the traced program, :math:`g = \partial f / \partial \epsilon` comes out of
-  the same reverse pass as the dense blocks, and :math:`a` is the recorded ``A`` with the
-  contracted axis last (S = product of its free axes).  A bias leaf ``b`` is recognised when it
-  is 1-D, reaches an ``add`` with the layer output only through ``reshape`` /
-  ``broadcast_in_dim`` / ``convert_element_type`` (each used once) that place its axis on the
-  output-feature axis, and the layer output feeds only that ``add``; its block is
-  the ones column of ``a`` (as torch's ``Linear``) when it is in the weight's group (below),
-  else its own ``KroneckerBlock(ones(N, S, 1), g)``.  An ``apply_fn`` made by ``jax.jit`` is
-  traced through (its ``__wrapped__`` function); layers inside other nested calls
-  (``jax.jit``-ed inner functions, ``custom_jvp`` bodies, scans) are not recognised and get
-  dense blocks, with a ``RuntimeWarning`` (once per traced function) naming the leaves that
-  enter an inner ``jax.jit``.  As a safeguard every recognised block is compared with the
-  dense per-sample Jacobian of the first sample, and falls back to a dense block (with a
-  warning) if they disagree.
-
-  Flattening: a Kronecker block is ordered ``(d_out, d_in [+ 1 bias column])`` row-major.
-  For a weight alone that is the leaf's own order when ``W`` has shape (d_out, d_in)
-  (``x @ W.T``) and the *transpose* of it for the flax/haiku layout (d_in, d_out)
-  (``x @ W``); such blocks are named with a ``.T`` suffix (``"['w0'].T"``) to say so.
-* **DenseBlock** (``jax.vmap(jax.jacrev)``) for every other group, its leaves flattened
-  row-major in their own shapes and concatenated in leaf order.
-
-Groups (``layerwise=True`` gives one kernel per group, as torch gives one per module)
-----------------------------------------------------------------------------------------
-Leaves that are entries of one dict (or attribute node) below the top level form a group,
-named by that node's key path: ``{'dense1': {'w': ..., 'b': ...}}`` is one block
-``"['dense1']"``, as are flax's ``{'params': {'Dense_0': {'kernel', 'bias'}}}`` and equinox's
-``layers[0].weight`` / ``.bias``.  Top-level leaves and list entries (``{'w': [w0, w1]}``)
-are groups of their own.  A group is a KroneckerBlock when it is a recognised weight, alone or
-with its own bias, and one DenseBlock otherwise (a recognised layer in a group with other
-leaves is then evaluated densely: same values).
-
-Registry adapter
-----------------
-The provider registry calls ``jacobian(model, x, *, params=None, pseudo=False, **options)``
-with ``model = (apply_fn, params)``; :func:`provider` adapts that form (its ``params`` is the
-registry's *subset selection*: leaf names, passed on as ``select``).
+``apply_fn`` is traced once (``jax.make_jaxpr``, one sample; a ``jax.jit`` function through
+its ``__wrapped__`` function).  A 2-D leaf ``W`` used once, by a ``dot_general`` (after at
+most one transpose), is a dense layer: its output :math:`y = A W` gets a zero perturbation
+:math:`\epsilon` in a re-evaluation of the traced program,
+:math:`g = \partial f / \partial \epsilon` comes out of the same reverse pass as the dense
+blocks, and :math:`a` is the recorded ``A`` with the contracted axis last (S = product of its
+free axes).  A 1-D leaf added to ``y`` only through reshapes and broadcasts onto the output-
+feature axis is its bias.  Leaves are grouped per layer, one block per group: a
+:class:`~ntkcore.KroneckerBlock` for a recognised weight alone or with its bias (a ones column
+of ``a``), else a :class:`~ntkcore.DenseBlock` (``jax.vmap(jax.jacrev)``).  docs/jax.md
+states the rules, the groups, the block layouts and the first-sample safeguard.
 """
 
 from __future__ import annotations
@@ -100,126 +59,92 @@ class _Layer:
 def _uses(jaxpr: Any) -> dict[Any, list[int]]:
     """Top-level use sites (equation indices; -1 for an output) of every variable."""
     uses: dict[Any, list[int]] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
+    for k, vs in [*((k, e.invars) for k, e in enumerate(jaxpr.eqns)), (-1, jaxpr.outvars)]:
+        for v in vs:
             if not isinstance(v, Literal):
                 uses.setdefault(v, []).append(k)
-    for v in jaxpr.outvars:
-        if not isinstance(v, Literal):
-            uses.setdefault(v, []).append(-1)
     return uses
 
 
 def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
                  uses: dict[Any, list[int]]) -> list[_Layer]:
-    producer = {v: k for k, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    def only_use(v: Any) -> Any:  # the one equation that reads v, or None
+        u = uses.get(v, [])
+        return jaxpr.eqns[u[0]] if len(u) == 1 and u[0] >= 0 else None
+
     var_leaf = {v: i for i, v in enumerate(leaf_vars)}
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     layers: list[_Layer] = []
     for i in sorted(candidates):
-        v = leaf_vars[i]
-        if len(v.aval.shape) != 2 or len(uses.get(v, [])) != 1 or uses[v][0] < 0:
-            continue
-        k = uses[v][0]
-        eqn = jaxpr.eqns[k]
-        perm = (0, 1)
-        w_var = v
-        if eqn.primitive.name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
+        w_var = leaf_vars[i]
+        eqn = only_use(w_var) if len(w_var.aval.shape) == 2 else None
+        transpose = eqn is not None and eqn.primitive.name == "transpose" and tuple(
+            eqn.params["permutation"]) == (1, 0)
+        if transpose:
             w_var = eqn.outvars[0]
-            if len(uses.get(w_var, [])) != 1 or uses[w_var][0] < 0:
-                continue
-            k = uses[w_var][0]
-            eqn = jaxpr.eqns[k]
-            perm = (1, 0)
-        if eqn.primitive.name != "dot_general":
+            eqn = only_use(w_var)
+        if eqn is None or eqn.primitive.name != "dot_general" or (
+                eqn.invars[0] is w_var) == (eqn.invars[1] is w_var):
             continue
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if lb or rb or len(lc) != 1 or len(rc) != 1:
+        w_pos = 0 if eqn.invars[0] is w_var else 1
+        a_var = eqn.invars[1 - w_pos]
+        if lb or rb or len(lc) != 1 or len(rc) != 1 or isinstance(a_var, Literal) \
+                or a_var in var_leaf:
             continue
-        if eqn.invars[1] is w_var and eqn.invars[0] is not w_var:
-            w_pos, a_pos = 1, 0
-        elif eqn.invars[0] is w_var and eqn.invars[1] is not w_var:
-            w_pos, a_pos = 0, 1
-        else:
-            continue
-        a_var = eqn.invars[a_pos]
-        if isinstance(a_var, Literal) or a_var in var_leaf:
-            continue
-        w_contract = (lc, rc)[w_pos][0]
-        # contracted axis of the stored leaf (through the transpose, if any)
-        leaf_contract = perm[w_contract]
-        layer = _Layer(w_leaf=i, eqn=k, a_pos=a_pos, a_contract=(lc, rc)[a_pos][0],
-                       w_first=(w_pos == 0), transposed=(leaf_contract == 0),
-                       y_shape=tuple(eqn.outvars[0].aval.shape))
-        layer.b_leaf = _find_bias(jaxpr, eqn.outvars[0], layer, uses, producer, var_leaf,
+        # the stored leaf is (d_in, d_out) when its contracted axis (through the transpose) is 0
+        leaf_contract = (lc, rc)[w_pos][0] ^ transpose
+        layer = _Layer(w_leaf=i, eqn=uses[w_var][0], a_pos=1 - w_pos,
+                       a_contract=(lc, rc)[1 - w_pos][0], w_first=(w_pos == 0),
+                       transposed=(leaf_contract == 0), y_shape=tuple(eqn.outvars[0].aval.shape))
+        layer.b_leaf = _find_bias(eqn.outvars[0], layer, only_use, producer, var_leaf,
                                   candidates)
         layers.append(layer)
     return layers
 
 
-def _find_bias(jaxpr: Any, y_var: Any, layer: _Layer, uses: dict, producer: dict,
-               var_leaf: dict, candidates: set[int]) -> int | None:
-    y_uses = uses.get(y_var, [])
-    if len(y_uses) != 1 or y_uses[0] < 0:
-        return None
-    add = jaxpr.eqns[y_uses[0]]
-    if add.primitive.name != "add" or len(add.invars) != 2:
+def _find_bias(y_var: Any, layer: _Layer, only_use: Callable, producer: dict, var_leaf: dict,
+               candidates: set[int]) -> int | None:
+    add = only_use(y_var)
+    if add is None or add.primitive.name != "add" or len(add.invars) != 2:
         return None
     other = add.invars[1] if add.invars[0] is y_var else add.invars[0]
-    if other is y_var or isinstance(other, Literal):
+    if other is y_var or isinstance(other, Literal) or tuple(add.outvars[0].aval.shape) != \
+            layer.y_shape or len(other.aval.shape) != len(layer.y_shape) or any(
+            so not in (1, sy) for so, sy in zip(other.aval.shape, layer.y_shape, strict=True)):
         return None
-    o_shape = tuple(other.aval.shape)
-    if tuple(add.outvars[0].aval.shape) != layer.y_shape or len(o_shape) != len(layer.y_shape) \
-            or any(so not in (1, sy) for so, sy in zip(o_shape, layer.y_shape, strict=True)):
-        return None
-    feature_axis = 0 if layer.w_first else len(layer.y_shape) - 1
-    d_out = layer.y_shape[feature_axis]
-    # walk back from the add to a 1-D leaf, tracking which axis carries the bias entries
-    chain = []
+    axis = 0 if layer.w_first else len(layer.y_shape) - 1  # the output-feature axis
+    d_out = layer.y_shape[axis]
+    # walk back from the add to a 1-D leaf, following the axis that carries the bias entries
     v = other
-    while v not in var_leaf:
-        if len(uses.get(v, [])) != 1 or v not in producer:
+    while d_out == 1 or (axis >= 0 and v.aval.shape[axis] == d_out):
+        if v in var_leaf:
+            b = var_leaf[v]
+            ok = b in candidates and tuple(v.aval.shape) == (d_out,) and only_use(v) is not None
+            return b if ok else None
+        eqn = producer.get(v)
+        if eqn is None or only_use(v) is None or eqn.primitive.name not in _BIAS_PATH_PRIMS \
+                or len(eqn.invars) != 1 or isinstance(eqn.invars[0], Literal):
             return None
-        eqn = jaxpr.eqns[producer[v]]
-        if eqn.primitive.name not in _BIAS_PATH_PRIMS or len(eqn.invars) != 1:
-            return None
-        chain.append(eqn)
-        v = eqn.invars[0]
-        if isinstance(v, Literal):
-            return None
-    b = var_leaf[v]
-    if b not in candidates or tuple(v.aval.shape) != (d_out,) or len(uses.get(v, [])) != 1:
-        return None
-    axis = 0
-    for eqn in reversed(chain):  # forward from the leaf to the add
-        out_shape = tuple(eqn.outvars[0].aval.shape)
         if eqn.primitive.name == "broadcast_in_dim":
-            axis = eqn.params["broadcast_dimensions"][axis]
+            dims = tuple(eqn.params["broadcast_dimensions"])
+            axis = dims.index(axis) if axis in dims else -1
         elif eqn.primitive.name == "reshape":
-            if d_out == 1:
-                axis = 0
-            else:
-                big = [j for j, s in enumerate(out_shape) if s != 1]
-                if big != [big[0]] or out_shape[big[0]] != d_out:
-                    return None
-                axis = big[0]
-    if d_out != 1 and axis != feature_axis:
-        return None
-    return b
+            big = [j for j, n in enumerate(eqn.invars[0].aval.shape) if n != 1]
+            axis = big[0] if len(big) == 1 else -1
+        v = eqn.invars[0]
+    return None
 
 
 def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
                perturb: dict[int, Any], record: dict[int, int]) -> tuple[list[Any], dict]:
     """Evaluate ``jaxpr`` adding ``perturb[k]`` to equation k's output and recording operand
     ``record[k]`` of equation k."""
-    env: dict[Any, Any] = {}
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
     recorded: dict[int, Any] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         vals = [read(v) for v in eqn.invars]
