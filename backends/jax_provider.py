@@ -183,7 +183,7 @@ _PLANS: OrderedDict[Any, _Plan] = OrderedDict()
 _MAX_PLANS = 8
 
 
-def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]], names: list[str]
+def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
                       ) -> tuple[list[_Layer], list[list[int]], list[tuple[str, int, str]]]:
     """One block per group (module docstring): the layers kept, the dense leaf lists, specs."""
     group_of = {i: key for key, idx in groups.items() for i in idx}
@@ -230,7 +230,7 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     floating = sorted(i for idx in groups.values() for i in idx)
     uses = _uses(jaxpr)
     layers = _find_layers(jaxpr, leaf_vars, set(floating), uses) if structured else []
-    layers, dense, specs = _blocks_of_groups(layers, groups, names)
+    layers, dense, specs = _blocks_of_groups(layers, groups)
     dense_idx = [i for idx in dense for i in idx]
     hidden = [names[i] for i in dense_idx if any(
         k >= 0 and jaxpr.eqns[k].primitive.name in ("pjit", "jit") for k in uses.get(
