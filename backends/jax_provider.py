@@ -350,11 +350,17 @@ def jacobian(
         floating = [i for i in floating if names[i] in set(select)]
     if not floating:
         raise ValueError("params has no floating-point leaves to differentiate")
-    groups: dict[str, list[int]] = {}
+    by_parent: dict[str, list[int]] = {}
     for i in floating:
         path = flat[i][0]
-        nested = len(path) > 1 and not isinstance(path[-1], jax.tree_util.SequenceKey)
-        groups.setdefault(jax.tree_util.keystr(path[:-1]) if nested else names[i], []).append(i)
+        by_parent.setdefault(jax.tree_util.keystr(path[:-1]) if len(path) > 1 else names[i],
+                             []).append(i)
+    groups: dict[str, list[int]] = {}
+    for key, idx in by_parent.items():  # split lists of like arrays and nodes of many matrices
+        ndims = [leaves[i].ndim for i in idx]
+        listed = isinstance(flat[idx[0]][0][-1], jax.tree_util.SequenceKey)
+        split = sum(d >= 2 for d in ndims) > 1 or (listed and len(set(ndims)) < len(ndims))
+        groups.update({names[i]: [i] for i in idx} if split else {key: idx})
     n = int(x.shape[0])
     key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
            tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)

@@ -218,6 +218,28 @@ def test_layerwise_groups_leaves_per_layer(rng):
         np.testing.assert_allclose(k, ref, rtol=0, atol=tol)
 
 
+def test_layer_groups_of_sequences(rng):
+    """stax-style [(W, b), ...] is one block per layer; {'w': [w0, w1], 'b': [b0, b1]} (lists
+    of like arrays) stays one block per leaf."""
+    r = rng.standard_normal
+    stax = [(jnp.asarray(r((3, 4))), jnp.asarray(r(4))), (jnp.asarray(r((4, 2))),
+                                                           jnp.asarray(r(2)))]
+
+    def f(q, x):
+        return jnp.tanh(x @ q[0][0] + q[0][1]) @ q[1][0] + q[1][1]
+
+    x = jnp.asarray(r((5, 3)))
+    J = jacobian(f, stax, x)
+    assert J.names == ("[0]", "[1]") and [b.d_in for b in J] == [4, 5]
+    refs, _ = _dense_reference(f, stax, x)
+    ref = _kernel(np.concatenate(refs, axis=2))
+    tol = kernel_tol(np.float64, sum(q.shape[2] for q in refs), computations=10)
+    np.testing.assert_allclose(_kernel(_np_full(J)), ref, rtol=0, atol=tol * np.abs(ref).max())
+    lists = {"w": [q[0] for q in stax], "b": [q[1] for q in stax]}
+    assert jacobian(lambda q, x: f(list(zip(q["w"], q["b"], strict=True)), x), lists, x).names \
+        == ("['b'][0]", "['b'][1]", "['w'][0].T", "['w'][1].T")
+
+
 def test_jitted_apply_fn_keeps_structure(rng):
     """ntk((jax.jit(apply_fn), params), x): the same blocks as the un-jitted function."""
     import warnings
@@ -354,6 +376,7 @@ def test_jax_provider_matches_torch_provider(rng):
     jt = torch_jacobian(torch_net, torch.as_tensor(x))
     jj = jacobian(apply_fn, params, jnp.asarray(x))
     assert all(isinstance(b, KroneckerBlock) for b in jj)
+    assert jj.names == ("[0]", "[1]", "[2]") and len(jj) == len(jt)  # torch's grouping
     k_t = _kernel(jt.to_dense().detach().numpy())
     k_j = _kernel(_np_full(jj))
     np.testing.assert_allclose(k_j, k_t, rtol=1e-11, atol=1e-12)
