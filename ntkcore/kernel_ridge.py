@@ -120,6 +120,11 @@ class KernelRidge:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if v != defaults[k])
         return f"{type(self).__name__}({args})"
 
+    _estimator_type = "regressor"  # scikit-learn < 1.6
+
+    def _more_tags(self) -> dict[str, bool]:  # scikit-learn < 1.6
+        return {"pairwise": True, "multioutput": True}
+
     def __sklearn_tags__(self) -> Any:
         """scikit-learn's tags: a regressor whose ``X`` is a pairwise (kernel) matrix."""
         from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
