@@ -66,7 +66,7 @@ class KernelRidge:
     r"""Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
 
     A scikit-learn regressor whose ``X`` is a kernel (``kernel="precomputed"`` in
-    :class:`sklearn.kernel_ridge.KernelRidge`): ``fit(k_train, y_train)`` with
+    :class:`sklearn.kernel_ridge.KernelRidge`): ``fit(k_train, y)`` with
     ``k_train`` (N, N), ``predict(k_test_train)`` with ``k_test_train`` (M, N).
 
     Parameters
