@@ -183,6 +183,22 @@ _PLANS: OrderedDict[Any, _Plan] = OrderedDict()
 _MAX_PLANS = 8
 
 
+def _groups(paths: list[Any], names: list[str], leaves: list[Any], floating: list[int]
+            ) -> dict[str, list[int]]:
+    """The leaves of each layer group (docs/jax.md), by group name."""
+    by_parent: dict[str, list[int]] = {}
+    for i in floating:
+        key = jax.tree_util.keystr(paths[i][:-1]) if len(paths[i]) > 1 else names[i]
+        by_parent.setdefault(key, []).append(i)
+    groups: dict[str, list[int]] = {}
+    for key, idx in by_parent.items():  # split lists of like arrays and nodes of many matrices
+        ndims = [leaves[i].ndim for i in idx]
+        listed = isinstance(paths[idx[0]][-1], jax.tree_util.SequenceKey)
+        split = sum(d >= 2 for d in ndims) > 1 or (listed and len(set(ndims)) < len(ndims))
+        groups.update({names[i]: [i] for i in idx} if split else {key: idx})
+    return groups
+
+
 def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
                       ) -> tuple[list[_Layer], list[list[int]], list[tuple[str, int, str]]]:
     """One block per group (module docstring): the layers kept, the dense leaf lists, specs."""
@@ -350,23 +366,14 @@ def jacobian(
         floating = [i for i in floating if names[i] in set(select)]
     if not floating:
         raise ValueError("params has no floating-point leaves to differentiate")
-    by_parent: dict[str, list[int]] = {}
-    for i in floating:
-        path = flat[i][0]
-        by_parent.setdefault(jax.tree_util.keystr(path[:-1]) if len(path) > 1 else names[i],
-                             []).append(i)
-    groups: dict[str, list[int]] = {}
-    for key, idx in by_parent.items():  # split lists of like arrays and nodes of many matrices
-        ndims = [leaves[i].ndim for i in idx]
-        listed = isinstance(flat[idx[0]][0][-1], jax.tree_util.SequenceKey)
-        split = sum(d >= 2 for d in ndims) > 1 or (listed and len(set(ndims)) < len(ndims))
-        groups.update({names[i]: [i] for i in idx} if split else {key: idx})
     n = int(x.shape[0])
     key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
            tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(apply_fn, treedef, leaves, x[0], groups, names, pseudo, structured)
+        paths = [path for path, _ in flat]
+        plan = _make_plan(apply_fn, treedef, leaves, x[0], _groups(paths, names, leaves, floating),
+                          names, pseudo, structured)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
@@ -388,7 +395,8 @@ def jacobian(
         if m < chunk_size:  # pad to the compiled shape, drop the padding afterwards
             pad = jnp.broadcast_to(xc[-1:], (chunk_size - m, *xc.shape[1:]))
             xc = jnp.concatenate([xc, pad], axis=0)
-        parts.append([t[:m] for t in plan.batched(leaves, xc)])
+        out = plan.batched(leaves, xc)
+        parts.append([t[:m] for t in out] if m < chunk_size else out)
 
     def cat(j: int) -> Any:
         return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
