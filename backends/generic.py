@@ -61,6 +61,18 @@ class GenericBackend(Backend):
     def generator(self, seed: int | None, device: Device) -> _HostGenerator:
         return _HostGenerator(self.xp, np.random.default_rng(seed), device)
 
+    @staticmethod
+    def seed_from(seed: Any) -> int:
+        if isinstance(seed, np.random.Generator):
+            return int(seed.integers(2**63))
+        return Backend.seed_from(seed)
+
+    @staticmethod
+    def spawn_seed(seed: int, spawn_key: tuple[int, ...]) -> int:
+        """``SeedSequence(seed, spawn_key=spawn_key)``'s first 64-bit word, low 63 bits."""
+        state = np.random.SeedSequence(seed, spawn_key=spawn_key).generate_state(1, np.uint64)
+        return int(state[0]) & (2**63 - 1)
+
     def free_memory(self, device: Device) -> int | None:
         return host_free_memory()
 

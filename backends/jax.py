@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 import jax.scipy.special
 
-from ntkcore.backend import Array, Device
+from ntkcore.backend import Array, Backend, Device
 
 from ._host import host_free_memory
 from .generic import GenericBackend
@@ -51,6 +51,15 @@ class JaxBackend(GenericBackend):
 
     def generator(self, seed: int | None, device: Device) -> JaxGenerator:
         return JaxGenerator(seed, device)
+
+    @staticmethod
+    def seed_from(seed: Any) -> int:
+        typed = isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+        raw = isinstance(seed, jax.Array) and seed.dtype == jnp.uint32 and seed.shape == (2,)
+        if (typed and seed.shape == ()) or raw:  # one key: typed, or raw threefry
+            lo, hi = (int(w) for w in jax.random.bits(seed, (2,), dtype=jnp.uint32))
+            return (lo | hi << 32) & (2**63 - 1)
+        return Backend.seed_from(seed)
 
     def free_memory(self, device: Device) -> int | None:
         if device is not None and getattr(device, "platform", "cpu") != "cpu":

@@ -1,53 +1,27 @@
 r"""The JAX Jacobian provider: ``jacobian(apply_fn, params, x)`` -> :class:`ntkcore.Jacobian`.
 
-Model convention
-----------------
-``apply_fn(params, x)`` maps a batch ``x`` of shape (n, ...) to outputs (n, O) (or (n,), read as
-O = 1; other trailing shapes are flattened), with samples processed independently (no batch
-statistics).  ``params`` is any pytree; every leaf with a floating dtype is a parameter, in
-``jax.tree_util`` leaf order, named by its key path (``"['dense0']['kernel']"``).  Per-sample
-Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``, ``chunk_size``
-samples at a time (one compiled function, reused for every chunk).
+``apply_fn(params, x)`` maps a batch ``x`` (n, ...) to outputs (n, O) (or (n,): O = 1; other
+trailing shapes are flattened), samples independently.  Every floating leaf of the pytree
+``params`` is a parameter, named by its key path (``"['dense0']['kernel']"``).  Per-sample
+Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``,
+``chunk_size`` samples at a time (one compiled function, reused for every chunk).
 
-Blocks
-------
-* **KroneckerBlock** for a *recognised dense layer*.  ``apply_fn`` is traced once
-  (``jax.make_jaxpr``, for one sample) and a weight leaf ``W`` is recognised when, in the
-  top-level program,
-
-  1. ``W`` is 2-D and used exactly once, by a ``dot_general`` without batch dimensions that
-     contracts one axis of ``W`` with one axis of the other operand ``A`` (the layer input,
-     any number of free axes: tokens, positions), possibly after one ``transpose`` of ``W``
-     used nowhere else (``x @ W.T``);
-
-  then the layer output :math:`y = A W` gets a zero perturbation :math:`\epsilon` in a
-  re-evaluation of the traced program, :math:`g = \partial f / \partial \epsilon` comes out of
-  the same reverse pass as the dense blocks, and :math:`a` is the recorded ``A`` with the
-  contracted axis last (S = product of its free axes).  A bias leaf ``b`` is recognised when it
-  is 1-D, reaches an ``add`` with the layer output only through ``reshape`` /
-  ``broadcast_in_dim`` / ``convert_element_type`` (each used once) that place its axis on the
-  output-feature axis, and the layer output feeds only that ``add``; its block is
-  ``KroneckerBlock(ones(N, S, 1), g)``.  Layers inside nested calls (``jax.jit``-ed inner
-  functions, ``custom_jvp`` bodies, scans) are not recognised and get dense blocks.
-  As a safeguard every recognised block is compared with the dense per-sample Jacobian of the
-  first sample, and falls back to a dense block (with a warning) if they disagree.
-
-  Flattening: a Kronecker block is ordered ``(d_out, d_in)`` row-major.  That is the leaf's own
-  order when ``W`` has shape (d_out, d_in) (``x @ W.T``) and the *transpose* of it for the
-  flax/haiku layout (d_in, d_out) (``x @ W``); such blocks are named with a ``.T`` suffix
-  (``"['dense0']['kernel'].T"``) to say so.
-* **DenseBlock** (``jax.vmap(jax.jacrev)``) for every other floating leaf, flattened row-major
-  in the leaf's own shape.
-
-Registry adapter
-----------------
-The provider registry calls ``jacobian(model, x, *, params=None, pseudo=False, **options)``
-with ``model = (apply_fn, params)``; :func:`provider` adapts that form (its ``params`` is the
-registry's *subset selection*: leaf names, passed on as ``select``).
+``apply_fn`` is traced once (``jax.make_jaxpr``, one sample; a ``jax.jit`` function through
+its ``__wrapped__`` function).  A 2-D leaf ``W`` used once, by a ``dot_general`` (after at
+most one transpose), is a dense layer: its output :math:`y = A W` gets a zero perturbation
+:math:`\epsilon` in a re-evaluation of the traced program,
+:math:`g = \partial f / \partial \epsilon` comes out of the same reverse pass as the dense
+blocks, and :math:`a` is the recorded ``A`` with the contracted axis last (S = product of its
+free axes).  A 1-D leaf added to ``y`` only through reshapes and broadcasts onto the output-
+feature axis is its bias.  Leaves are grouped per layer, one block per group: a
+:class:`~ntkcore.KroneckerBlock` for a recognised weight alone or with its bias (a ones column
+of ``a``), else a :class:`~ntkcore.DenseBlock` (``jax.vmap(jax.jacrev)``).  docs/jax.md
+states the rules, the groups, the block layouts and the first-sample safeguard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import OrderedDict
@@ -79,131 +53,98 @@ class _Layer:
     transposed: bool  # whether the leaf is stored (d_in, d_out)
     y_shape: tuple[int, ...]
     b_leaf: int | None = None
+    merged: bool = False  # the bias is a ones column of a (weight and bias in one group)
 
 
 def _uses(jaxpr: Any) -> dict[Any, list[int]]:
     """Top-level use sites (equation indices; -1 for an output) of every variable."""
     uses: dict[Any, list[int]] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
+    for k, vs in [*((k, e.invars) for k, e in enumerate(jaxpr.eqns)), (-1, jaxpr.outvars)]:
+        for v in vs:
             if not isinstance(v, Literal):
                 uses.setdefault(v, []).append(k)
-    for v in jaxpr.outvars:
-        if not isinstance(v, Literal):
-            uses.setdefault(v, []).append(-1)
     return uses
 
 
-def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int]) -> list[_Layer]:
-    uses = _uses(jaxpr)
-    producer = {v: k for k, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
+                 uses: dict[Any, list[int]]) -> list[_Layer]:
+    def only_use(v: Any) -> Any:  # the one equation that reads v, or None
+        u = uses.get(v, [])
+        return jaxpr.eqns[u[0]] if len(u) == 1 and u[0] >= 0 else None
+
     var_leaf = {v: i for i, v in enumerate(leaf_vars)}
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     layers: list[_Layer] = []
     for i in sorted(candidates):
-        v = leaf_vars[i]
-        if len(v.aval.shape) != 2 or len(uses.get(v, [])) != 1 or uses[v][0] < 0:
-            continue
-        k = uses[v][0]
-        eqn = jaxpr.eqns[k]
-        perm = (0, 1)
-        w_var = v
-        if eqn.primitive.name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
+        w_var = leaf_vars[i]
+        eqn = only_use(w_var) if len(w_var.aval.shape) == 2 else None
+        transpose = eqn is not None and eqn.primitive.name == "transpose" and tuple(
+            eqn.params["permutation"]) == (1, 0)
+        if transpose:
             w_var = eqn.outvars[0]
-            if len(uses.get(w_var, [])) != 1 or uses[w_var][0] < 0:
-                continue
-            k = uses[w_var][0]
-            eqn = jaxpr.eqns[k]
-            perm = (1, 0)
-        if eqn.primitive.name != "dot_general":
+            eqn = only_use(w_var)
+        if eqn is None or eqn.primitive.name != "dot_general" or (
+                eqn.invars[0] is w_var) == (eqn.invars[1] is w_var):
             continue
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if lb or rb or len(lc) != 1 or len(rc) != 1:
+        w_pos = 0 if eqn.invars[0] is w_var else 1
+        a_var = eqn.invars[1 - w_pos]
+        if lb or rb or len(lc) != 1 or len(rc) != 1 or isinstance(a_var, Literal) \
+                or a_var in var_leaf:
             continue
-        if eqn.invars[1] is w_var and eqn.invars[0] is not w_var:
-            w_pos, a_pos = 1, 0
-        elif eqn.invars[0] is w_var and eqn.invars[1] is not w_var:
-            w_pos, a_pos = 0, 1
-        else:
-            continue
-        a_var = eqn.invars[a_pos]
-        if isinstance(a_var, Literal) or a_var in var_leaf:
-            continue
-        w_contract = (lc, rc)[w_pos][0]
-        # contracted axis of the stored leaf (through the transpose, if any)
-        leaf_contract = perm[w_contract]
-        layer = _Layer(w_leaf=i, eqn=k, a_pos=a_pos, a_contract=(lc, rc)[a_pos][0],
-                       w_first=(w_pos == 0), transposed=(leaf_contract == 0),
-                       y_shape=tuple(eqn.outvars[0].aval.shape))
-        layer.b_leaf = _find_bias(jaxpr, eqn.outvars[0], layer, uses, producer, var_leaf,
+        # the stored leaf is (d_in, d_out) when its contracted axis (through the transpose) is 0
+        leaf_contract = (lc, rc)[w_pos][0] ^ transpose
+        layer = _Layer(w_leaf=i, eqn=uses[w_var][0], a_pos=1 - w_pos,
+                       a_contract=(lc, rc)[1 - w_pos][0], w_first=(w_pos == 0),
+                       transposed=(leaf_contract == 0), y_shape=tuple(eqn.outvars[0].aval.shape))
+        layer.b_leaf = _find_bias(eqn.outvars[0], layer, only_use, producer, var_leaf,
                                   candidates)
         layers.append(layer)
     return layers
 
 
-def _find_bias(jaxpr: Any, y_var: Any, layer: _Layer, uses: dict, producer: dict,
-               var_leaf: dict, candidates: set[int]) -> int | None:
-    y_uses = uses.get(y_var, [])
-    if len(y_uses) != 1 or y_uses[0] < 0:
-        return None
-    add = jaxpr.eqns[y_uses[0]]
-    if add.primitive.name != "add" or len(add.invars) != 2:
+def _find_bias(y_var: Any, layer: _Layer, only_use: Callable, producer: dict, var_leaf: dict,
+               candidates: set[int]) -> int | None:
+    add = only_use(y_var)
+    if add is None or add.primitive.name != "add" or len(add.invars) != 2:
         return None
     other = add.invars[1] if add.invars[0] is y_var else add.invars[0]
-    if other is y_var or isinstance(other, Literal):
+    if other is y_var or isinstance(other, Literal) or tuple(add.outvars[0].aval.shape) != \
+            layer.y_shape or len(other.aval.shape) != len(layer.y_shape) or any(
+            so not in (1, sy) for so, sy in zip(other.aval.shape, layer.y_shape, strict=True)):
         return None
-    o_shape = tuple(other.aval.shape)
-    if tuple(add.outvars[0].aval.shape) != layer.y_shape or len(o_shape) != len(layer.y_shape) \
-            or any(so not in (1, sy) for so, sy in zip(o_shape, layer.y_shape, strict=True)):
-        return None
-    feature_axis = 0 if layer.w_first else len(layer.y_shape) - 1
-    d_out = layer.y_shape[feature_axis]
-    # walk back from the add to a 1-D leaf, tracking which axis carries the bias entries
-    chain = []
+    axis = 0 if layer.w_first else len(layer.y_shape) - 1  # the output-feature axis
+    d_out = layer.y_shape[axis]
+    # walk back from the add to a 1-D leaf, following the axis that carries the bias entries
     v = other
-    while v not in var_leaf:
-        if len(uses.get(v, [])) != 1 or v not in producer:
+    while d_out == 1 or (axis >= 0 and v.aval.shape[axis] == d_out):
+        if v in var_leaf:
+            b = var_leaf[v]
+            ok = b in candidates and tuple(v.aval.shape) == (d_out,) and only_use(v) is not None
+            return b if ok else None
+        eqn = producer.get(v)
+        if eqn is None or only_use(v) is None or eqn.primitive.name not in _BIAS_PATH_PRIMS \
+                or len(eqn.invars) != 1 or isinstance(eqn.invars[0], Literal):
             return None
-        eqn = jaxpr.eqns[producer[v]]
-        if eqn.primitive.name not in _BIAS_PATH_PRIMS or len(eqn.invars) != 1:
-            return None
-        chain.append(eqn)
-        v = eqn.invars[0]
-        if isinstance(v, Literal):
-            return None
-    b = var_leaf[v]
-    if b not in candidates or tuple(v.aval.shape) != (d_out,) or len(uses.get(v, [])) != 1:
-        return None
-    axis = 0
-    for eqn in reversed(chain):  # forward from the leaf to the add
-        out_shape = tuple(eqn.outvars[0].aval.shape)
         if eqn.primitive.name == "broadcast_in_dim":
-            axis = eqn.params["broadcast_dimensions"][axis]
+            dims = tuple(eqn.params["broadcast_dimensions"])
+            axis = dims.index(axis) if axis in dims else -1
         elif eqn.primitive.name == "reshape":
-            if d_out == 1:
-                axis = 0
-            else:
-                big = [j for j, s in enumerate(out_shape) if s != 1]
-                if big != [big[0]] or out_shape[big[0]] != d_out:
-                    return None
-                axis = big[0]
-    if d_out != 1 and axis != feature_axis:
-        return None
-    return b
+            big = [j for j, n in enumerate(eqn.invars[0].aval.shape) if n != 1]
+            axis = big[0] if len(big) == 1 else -1
+        v = eqn.invars[0]
+    return None
 
 
 def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
                perturb: dict[int, Any], record: dict[int, int]) -> tuple[list[Any], dict]:
     """Evaluate ``jaxpr`` adding ``perturb[k]`` to equation k's output and recording operand
     ``record[k]`` of equation k."""
-    env: dict[Any, Any] = {}
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
     recorded: dict[int, Any] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         vals = [read(v) for v in eqn.invars]
@@ -211,11 +152,7 @@ def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         subfuns: list[Any] = []
         if isinstance(bind_params, tuple):  # jax < 0.7 returned (subfuns, params)
             subfuns, bind_params = bind_params
-        ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-        if ctx is not None:
-            with ctx:
-                ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-        else:
+        with getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext():
             ans = eqn.primitive.bind(*subfuns, *vals, **bind_params)
         if k in record:
             recorded[k] = vals[record[k]]
@@ -227,19 +164,14 @@ def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return [read(v) for v in jaxpr.outvars], recorded
 
 
-def _leaf_names(params: Any) -> tuple[list[str], list[Any], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = [jax.tree_util.keystr(path) or "params" for path, _ in flat]
-    leaves = [leaf for _, leaf in flat]
-    return names, leaves, treedef
-
-
 @dataclass
 class _Plan:
     o: int
     dtype: Any
     layers: list[_Layer]
-    dense_idx: list[int]
+    dense: list[list[int]]  # leaves of each dense block
+    specs: list[tuple[str, int, str]]  # per block: ("dense", index into dense) or
+    # ("kron" / "bias", index into layers), and its name
     f_flat: Callable[..., Any]
     batched: Callable[..., Any]
     verified: bool = False
@@ -251,8 +183,58 @@ _PLANS: OrderedDict[Any, _Plan] = OrderedDict()
 _MAX_PLANS = 8
 
 
+def _groups(paths: list[Any], names: list[str], leaves: list[Any], floating: list[int]
+            ) -> dict[str, list[int]]:
+    """The leaves of each layer group (docs/jax.md), by group name."""
+    by_parent: dict[str, list[int]] = {}
+    for i in floating:
+        key = jax.tree_util.keystr(paths[i][:-1]) if len(paths[i]) > 1 else names[i]
+        by_parent.setdefault(key, []).append(i)
+    groups: dict[str, list[int]] = {}
+    for key, idx in by_parent.items():  # split lists of like arrays and nodes of many matrices
+        ndims = [leaves[i].ndim for i in idx]
+        listed = isinstance(paths[idx[0]][-1], jax.tree_util.SequenceKey)
+        split = sum(d >= 2 for d in ndims) > 1 or (listed and len(set(ndims)) < len(ndims))
+        groups.update({names[i]: [i] for i in idx} if split else {key: idx})
+    return groups
+
+
+def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
+                      ) -> tuple[list[_Layer], list[list[int]], list[tuple[str, int, str]]]:
+    """One block per group (module docstring): the layers kept, the dense leaf lists, specs."""
+    group_of = {i: key for key, idx in groups.items() for i in idx}
+    kept = []
+    for ly in layers:
+        own = {ly.w_leaf} | ({ly.b_leaf} - {None})
+        members = set(groups[group_of[ly.w_leaf]])
+        if members == own:
+            ly.merged = ly.b_leaf is not None
+        elif members == {ly.w_leaf}:
+            if ly.b_leaf is not None and len(groups[group_of[ly.b_leaf]]) > 1:
+                ly.b_leaf = None  # a bias in another multi-leaf group is dense there
+        else:
+            continue
+        kept.append(ly)
+    by_w = {ly.w_leaf: j for j, ly in enumerate(kept)}
+    by_b = {ly.b_leaf: j for j, ly in enumerate(kept) if ly.b_leaf is not None and not ly.merged}
+    dense: list[list[int]] = []
+    specs: list[tuple[str, int, str]] = []
+    for key, idx in groups.items():
+        w = [by_w[i] for i in idx if i in by_w]
+        if w:
+            single = len(idx) == 1 and kept[w[0]].transposed
+            specs.append(("kron", w[0], key + ".T" if single else key))
+        elif idx[0] in by_b:
+            specs.append(("bias", by_b[idx[0]], key))
+        else:
+            specs.append(("dense", len(dense), key))
+            dense.append(idx)
+    return kept, dense, specs
+
+
 def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
-               floating: list[int], pseudo: bool, structured: bool) -> _Plan:
+               groups: dict[str, list[int]], names: list[str], pseudo: bool,
+               structured: bool) -> _Plan:
     def f_flat(all_leaves: list[Any], xi: Any) -> Any:
         out = apply_fn(jax.tree_util.tree_unflatten(treedef, all_leaves), xi[None])
         return jnp.reshape(out[0], (-1,))
@@ -261,9 +243,20 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     jaxpr, consts = closed.jaxpr, closed.consts
     o = int(jaxpr.outvars[0].aval.shape[0])
     leaf_vars = list(jaxpr.invars[: len(leaves)])
-    layers = _find_layers(jaxpr, leaf_vars, set(floating)) if structured else []
-    in_layer = {ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers if ly.b_leaf is not None}
-    dense_idx = [i for i in floating if i not in in_layer]
+    floating = sorted(i for idx in groups.values() for i in idx)
+    uses = _uses(jaxpr)
+    layers = _find_layers(jaxpr, leaf_vars, set(floating), uses) if structured else []
+    layers, dense, specs = _blocks_of_groups(layers, groups)
+    dense_idx = [i for idx in dense for i in idx]
+    hidden = [names[i] for i in dense_idx if any(
+        k >= 0 and jaxpr.eqns[k].primitive.name in ("pjit", "jit") for k in uses.get(
+            leaf_vars[i], []))]
+    if structured and hidden:
+        warnings.warn(f"jax provider: {hidden} enter a jax.jit-compiled function called inside "
+                      "apply_fn, where dense layers are not recognised: they get dense blocks "
+                      "(same values, more memory and time). Call the function un-jitted inside "
+                      "apply_fn; ntkcore compiles the whole Jacobian itself", RuntimeWarning,
+                      stacklevel=3)
     perturb_eqns = [ly.eqn for ly in layers]
     record = {ly.eqn: ly.a_pos for ly in layers}
     scale = 1.0 / math.sqrt(o)
@@ -286,18 +279,21 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
                 for ly in layers]
         (jd, je), acts = jax.jacrev(fun, argnums=(0, 1), has_aux=True)(
             [all_leaves[i] for i in dense_idx], eps0)
-        res = [jnp.reshape(j, (o_eff, -1)).astype(dtype) for j in jd]
+        jd = iter(jnp.reshape(j, (o_eff, -1)).astype(dtype) for j in jd)
+        res = [jnp.concatenate([next(jd) for _ in idx], axis=1) for idx in dense]
         for ly, g, a in zip(layers, je, acts, strict=True):  # g: (O, *y_shape)
             if ly.w_first:  # y = (d_out, free...)
                 g = jnp.moveaxis(g, 1, -1)
             g = jnp.reshape(g, (o_eff, -1, g.shape[-1]))  # (O, S, d_out)
             a = jnp.moveaxis(a, ly.a_contract, -1)
-            res.append(jnp.transpose(g, (1, 0, 2)).astype(dtype))
-            res.append(jnp.reshape(a, (-1, a.shape[-1])).astype(dtype))
+            a = jnp.reshape(a, (-1, a.shape[-1])).astype(dtype)  # (S, d_in)
+            if ly.merged:
+                a = jnp.concatenate([a, jnp.ones_like(a[:, :1])], axis=1)
+            res += [jnp.transpose(g, (1, 0, 2)).astype(dtype), a]
         return res
 
     batched = jax.jit(jax.vmap(per_sample, in_axes=(None, 0)))
-    return _Plan(o=o, dtype=dtype, layers=layers, dense_idx=dense_idx, f_flat=f_flat,
+    return _Plan(o=o, dtype=dtype, layers=layers, dense=dense, specs=specs, f_flat=f_flat,
                  batched=batched)
 
 
@@ -319,7 +315,7 @@ def jacobian(
     Parameters
     ----------
     apply_fn : callable
-        ``apply_fn(params, x)`` -> (n, O) (module docstring).
+        ``apply_fn(params, x)`` -> (n, O) (module docstring); may be ``jax.jit(f)``.
     params : pytree
         The parameters; floating leaves get blocks.
     x : jax or numpy array, shape (N, ...)
@@ -331,15 +327,17 @@ def jacobian(
         Samples per ``vmap`` call (default: as many as keep the dense blocks of one chunk
         under 256 MiB).
     select : sequence of str, optional
-        Leaf names (key paths as in ``Jacobian.names``) to include; default all.
+        Leaf names (key paths as ``jax.tree_util.keystr`` writes them, ``"['dense0']['w']"``)
+        to include; default all.
     structured : bool
         Recognise dense layers (default); ``False`` gives dense blocks only.
 
     Returns
     -------
     Jacobian
-        One block per selected leaf in leaf order (a recognised weight and its bias are two
-        blocks), jax arrays in the promoted dtype of ``x`` and the parameters.
+        One block per group of selected leaves (module docstring: a layer's weight and bias
+        together), in leaf order, jax arrays in the promoted dtype of ``x`` and the
+        parameters.
     """
     if not callable(apply_fn):
         raise TypeError(f"apply_fn must be callable; got {type(apply_fn).__name__}")
@@ -354,17 +352,18 @@ def jacobian(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    names, leaves, treedef = _leaf_names(params)
-    leaves = [jnp.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+    while hasattr(apply_fn, "lower") and callable(getattr(apply_fn, "__wrapped__", None)):
+        apply_fn = apply_fn.__wrapped__  # jax.jit(f): trace f (the Jacobian is compiled anyway)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = [jax.tree_util.keystr(path) or "params" for path, _ in flat]
+    leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for _, leaf in flat]
     floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
     if select is not None:
-        if isinstance(select, str):
-            select = [select]
+        select = [select] if isinstance(select, str) else select
         unknown = [s for s in select if s not in names]
         if unknown:
             raise ValueError(f"select names unknown leaves {unknown}; leaves are {names}")
-        wanted = set(select)
-        floating = [i for i in floating if names[i] in wanted]
+        floating = [i for i in floating if names[i] in set(select)]
     if not floating:
         raise ValueError("params has no floating-point leaves to differentiate")
     n = int(x.shape[0])
@@ -372,20 +371,20 @@ def jacobian(
            tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(apply_fn, treedef, leaves, x[0], floating, pseudo, structured)
+        paths = [path for path, _ in flat]
+        plan = _make_plan(apply_fn, treedef, leaves, x[0], _groups(paths, names, leaves, floating),
+                          names, pseudo, structured)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
     else:
         _PLANS.move_to_end(key)
-    o, layers, dense_idx = plan.o, plan.layers, plan.dense_idx
-    o_eff = 1 if pseudo else o
 
     if chunk_size is None:
-        per = o_eff * (sum(int(leaves[i].size) for i in dense_idx)
-                       + sum(math.prod(ly.y_shape) for ly in layers))
-        per = max(per, 1) * jnp.dtype(plan.dtype).itemsize * 3
-        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // per)
+        per = (1 if pseudo else plan.o) * (sum(int(leaves[i].size) for idx in plan.dense
+                                               for i in idx)
+                                           + sum(math.prod(ly.y_shape) for ly in plan.layers))
+        chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (max(per, 1) * plan.dtype.itemsize * 3))
     # few distinct compiled sizes: powers of two up to chunk_size
     chunk_size = min(chunk_size, 1 << max(0, (n - 1).bit_length()))
 
@@ -397,26 +396,24 @@ def jacobian(
             pad = jnp.broadcast_to(xc[-1:], (chunk_size - m, *xc.shape[1:]))
             xc = jnp.concatenate([xc, pad], axis=0)
         out = plan.batched(leaves, xc)
-        parts.append([t[:m] if m < chunk_size else t for t in out])
+        parts.append([t[:m] for t in out] if m < chunk_size else out)
 
     def cat(j: int) -> Any:
         return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
 
-    blocks: dict[int, Any] = {}
-    for j, i in enumerate(dense_idx):
-        blocks[i] = DenseBlock(cat(j), names[i])
-    nd = len(dense_idx)
-    for j, ly in enumerate(layers):
-        g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
-        suffix = ".T" if ly.transposed else ""
-        blocks[ly.w_leaf] = KroneckerBlock(a, g, names[ly.w_leaf] + suffix)
-        if ly.b_leaf is not None:
-            ones = jnp.ones((a.shape[0], a.shape[1], 1), dtype=a.dtype)
-            blocks[ly.b_leaf] = KroneckerBlock(ones, g, names[ly.b_leaf])
+    blocks = []
+    nd = len(plan.dense)
+    for kind, j, name in plan.specs:
+        if kind == "dense":
+            blocks.append(DenseBlock(cat(j), name))
+        else:
+            g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
+            blocks.append(KroneckerBlock(a if kind == "kron" else jnp.ones_like(a[..., :1]), g,
+                                         name))
 
     tracing = any(isinstance(t, jax.core.Tracer) for t in (x, *leaves))
-    if layers and not plan.verified and not tracing:  # (values are unknown under tracing)
-        bad = _verify(blocks, parts[0], nd, layers, leaves, plan.f_flat, x[0], pseudo, o)
+    if plan.layers and not plan.verified and not tracing:  # (values are unknown under tracing)
+        bad = _verify(blocks, plan, leaves, x[0], pseudo)
         if bad is not None:
             _PLANS.pop(key, None)
             warnings.warn(f"jax provider: the structured block {bad} disagreed with autodiff "
@@ -425,41 +422,39 @@ def jacobian(
             return jacobian(apply_fn, params, x, pseudo=pseudo, chunk_size=chunk_size,
                             select=select, structured=False)
         plan.verified = True
-    return Jacobian([blocks[i] for i in floating])
+    return Jacobian(blocks)
 
 
-def _verify(blocks: dict[int, Any], first: list[Any], nd: int, layers: list[_Layer],
-            leaves: list[Any], f_flat: Callable, x0: Any, pseudo: bool, o: int) -> str | None:
-    """Compare the recognised blocks with dense jacrev on the first sample; the name of the
-    first block that disagrees, or None.  ``first`` holds the first chunk's outputs (dense
-    blocks, then (g, a) per layer)."""
-    factors: dict[int, tuple[Any, Any]] = {}
-    for j, ly in enumerate(layers):
-        g = np.asarray(first[nd + 2 * j], dtype=np.float64)[0]  # (S, O, d_out)
-        a = np.asarray(first[nd + 2 * j + 1], dtype=np.float64)[0]  # (S, d_in)
-        factors[ly.w_leaf] = (a, g)
-        if ly.b_leaf is not None:
-            factors[ly.b_leaf] = (np.ones((a.shape[0], 1)), g)
-    struct = sorted({ly.w_leaf for ly in layers} | {ly.b_leaf for ly in layers
-                                                    if ly.b_leaf is not None})
+def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: bool
+            ) -> str | None:
+    """The name of the first Kronecker block that disagrees with dense ``jacrev`` on the first
+    sample (one compiled reverse pass; the comparison runs on the host), or None."""
+    struct = sorted({i for ly in plan.layers for i in (ly.w_leaf, ly.b_leaf) if i is not None})
 
     def f_sub(vals: list[Any], lv: list[Any], xi: Any) -> Any:
         args = list(lv)
         for i, v in zip(struct, vals, strict=True):
             args[i] = v
-        out = f_flat(args, xi)
-        return jnp.sum(out)[None] / math.sqrt(o) if pseudo else out
+        out = plan.f_flat(args, xi)
+        return jnp.sum(out)[None] / math.sqrt(plan.o) if pseudo else out
 
-    # one compiled reverse pass; the comparison runs on the host (no eager jax dispatches)
-    ref = jax.jit(jax.jacrev(f_sub))([leaves[i] for i in struct], leaves, x0)
-    for i, r in zip(struct, ref, strict=True):
-        blk = blocks[i]
-        a, g = factors[i]
-        got = np.einsum("sod,si->odi", g, a).reshape(g.shape[1], -1)
-        r = np.asarray(r, dtype=np.float64).reshape(g.shape[1], *leaves[i].shape)
-        if str(blk.name).endswith(".T"):
-            r = np.swapaxes(r, 1, 2)
-        r = r.reshape(got.shape)
+    jac = jax.jit(jax.jacrev(f_sub))([leaves[i] for i in struct], leaves, x0)
+    ref = {i: np.asarray(r, dtype=np.float64) for i, r in zip(struct, jac, strict=True)}
+    for blk, (kind, j, _) in zip(blocks, plan.specs, strict=True):
+        if kind == "dense":
+            continue
+        ly = plan.layers[j]
+        o = blk.num_outputs
+        got = KroneckerBlock(np.asarray(blk.a[:1], dtype=np.float64),
+                             np.asarray(blk.g[:1], dtype=np.float64)).to_dense()[0]
+        if kind == "bias":
+            r = ref[ly.b_leaf].reshape(o, -1)
+        else:
+            r = ref[ly.w_leaf].reshape(o, *leaves[ly.w_leaf].shape)
+            r = np.swapaxes(r, 1, 2) if ly.transposed else r  # (O, d_out, d_in)
+            if ly.merged:
+                r = np.concatenate([r, ref[ly.b_leaf].reshape(o, -1, 1)], axis=2)
+            r = r.reshape(o, -1)
         tol = 1e-4 if np.dtype(blk.a.dtype).itemsize <= 4 else 1e-9
         err = float(np.max(np.abs(got - r)))
         if not err <= tol * max(1.0, float(np.max(np.abs(r)))):
@@ -472,7 +467,4 @@ def provider(model: Any, x: Any, *, params: Any = None, pseudo: bool = False,
     """Registry adapter: ``model = (apply_fn, params)``; ``params=`` selects leaves by name."""
     if not (isinstance(model, tuple) and len(model) == 2):
         raise TypeError("a JAX model is an (apply_fn, params) pair")
-    apply_fn, tree = model
-    if params is not None and isinstance(params, str):
-        params = [params]
-    return jacobian(apply_fn, tree, x, pseudo=pseudo, select=params, **options)
+    return jacobian(*model, x, pseudo=pseudo, select=params, **options)

@@ -62,6 +62,12 @@ class TorchBackend(Backend):
     def generator(self, seed: int | None, device: Device) -> TorchGenerator:
         return TorchGenerator(seed, torch.device(device) if device is not None else None)
 
+    @staticmethod
+    def seed_from(seed: Any) -> int:
+        if isinstance(seed, torch.Generator):
+            return int(torch.randint(2**63 - 1, (), generator=seed, device=seed.device))
+        return Backend.seed_from(seed)
+
     def free_memory(self, device: Device) -> int | None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":

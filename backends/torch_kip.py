@@ -601,7 +601,7 @@ def kip_loss(
         pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
         _timed(timings, "solve_s", t0)
         return torch.mean((pred - yt) ** 2)
-    alpha = ntkcore.KernelRidge().fit(k_reg, ys).alpha_
+    alpha = ntkcore.KernelRidge().fit(k_reg, ys).dual_coef_
     _timed(timings, "solve_s", t0)
     yt = yt.to(spec.out_dtype)
     return _FusedKipLoss.apply(spec, yt, alpha, *support)

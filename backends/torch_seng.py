@@ -37,34 +37,23 @@ as they are.
 
 The sample axis
 ---------------
-Slice n of a hooked layer's output gradient is :math:`\partial \ell_n / \partial y_n` only
-along the axis that carries the samples, and a length equal to N proves nothing (see "The
-sample axis" in ``torch_jacobian``).  So on a refresh SENG decides, per Linear / Conv layer
-(``_unit_plan``):
-
-* its weight (and bias) must be used only by the layer's hooked calls: counted in the autograd
-  graph of the model output (not so for ``nn.MultiheadAttention.out_proj``, whose weight the
-  attention uses directly, or a Linear tied to an Embedding);
-* each call's sample axis is found by the torch provider's probe
-  (``torch_jacobian._probe_sample_axes``): the model runs once more, on p != N samples (p = 1,
-  or 2 when N = 1; the first sample of every argument that leads with N, with autograd enabled
-  so that it takes the training code path, as ntkcore's own pass: invisible to these hooks,
-  under the model's lock, on a forked RNG), and the sample axis is the one axis of the call's
-  input and output whose length follows N -> p, every other length unchanged.
-
-Axis 0: the Kronecker block above.  Another axis (sequence-first; Linear only): the same block
-with that axis moved to the front (exact: :math:`\sum_s g_{n,s} a_{n,s}^\top` over the other
-positions).  No sample axis (an input shared by all samples, a sample axis merged with another
-as in an (N*T, d) reshape), a convolution whose sample axis is not axis 0, a weight used
-elsewhere, or a layer whose calls never reach the loss: its per-sample gradients come from
-the ``torch.func`` pass instead (exact, slower), in the same [W | b] layout.  A model that raises
-when run on p samples raises a ``ValueError`` at the refresh (its sample axes cannot be
-established), before anything changes.  The answer depends on the model and the shapes of the
-forward, not on values, so it is cached per shape signature (argument shapes and dtypes, and
-the input / output shapes of every hooked call): the probe runs on the first refresh of each
-new signature only (at most 64 are kept).  What the probe does not check is that slice n of a
-layer output feeds only output n (samples that interact through batch statistics are refused,
-see ``step()``).
+A Linear / Conv layer is a Kronecker block only where its input and output carry the sample
+axis, decided as in the provider (see "The sample axis" in ``torch_jacobian``; ``_unit_plan``):
+its weight (and bias) must be used only by the layer's hooked calls, counted in the autograd
+graph of the model output (not so for ``nn.MultiheadAttention.out_proj`` or a Linear tied to an
+Embedding), and each call's sample axis is found by the provider's probe
+(``torch_jacobian._probe_sample_axes``) on the first sample of every argument that leads with
+N (autograd enabled, as ntkcore's own pass: invisible to these hooks, under the model's lock,
+on a forked RNG).  Axis 0: the Kronecker block above; another axis (sequence-first; Linear
+only): the same block with that axis moved to the front (exact: :math:`\sum_s g_{n,s}
+a_{n,s}^\top` over the other positions).  Otherwise (no sample axis, a convolution whose sample
+axis is not axis 0, a weight used elsewhere, calls that never reach the loss) the layer's
+per-sample gradients come from the ``torch.func`` pass (exact, slower), in the same [W | b]
+layout.  A model that raises when run on p samples raises a ``ValueError`` at the refresh,
+before anything changes.  The answer depends on shapes, not values: it is cached per shape
+signature (argument shapes and dtypes, the input / output shapes of every hooked call; at most
+64), so the probe runs on the first refresh of each new signature only.  Samples that interact
+through batch statistics are refused (see ``step()``).
 
 The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
 steps from the batch of that step; in between, only the cheap products
@@ -78,14 +67,16 @@ paper).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from ntkcore._validation import check_scalar
+from ntkcore.backend import seed_from
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
@@ -107,56 +98,46 @@ from .torch_layers import CONV, layer_block, layer_type, output_factor
 __all__ = ["SENG"]
 
 
-@dataclass
-class _Unit:
-    """One factored layer: weight (d_out, d_in) [+ bias] -> a Kronecker block."""
+@dataclass(eq=False)
+class _Owner:
+    """Parameters updated as one block.  With ``module``: a Linear / groups=1 Conv layer, its
+    weight (d_out, ...) [+ bias] in the [W | b] row-major layout of its KroneckerBlock
+    (``torch_layers``, bias as the last column); without: the other trainable parameters of
+    one module, concatenated (key ``"dense:" + name``)."""
 
     name: str
-    module: nn.Module
-    weight: nn.Parameter
-    bias: nn.Parameter | None
+    params: list[nn.Parameter]
+    module: nn.Module | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def params(self) -> list[nn.Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+    def key(self) -> str:
+        return self.name if self.module is not None else "dense:" + self.name
 
-    def flat_grad(self, wd: float) -> torch.Tensor:
-        """(grad W | grad b) + wd * (W | b), flattened row-major (d_out * d_in_aug,): the
-        layout of the layer's KroneckerBlock (``torch_layers``, bias as the last column)."""
-        mats = [_grad(p, wd).reshape(self.weight.shape[0], -1) for p in self.params]
-        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)).reshape(-1)
+    def flat(self, ts: list[torch.Tensor], lead: tuple[int, ...] = ()) -> torch.Tensor:
+        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout."""
+        if self.module is None:
+            return torch.cat([t.reshape(*lead, -1) for t in ts], dim=-1)
+        mats = [t.reshape(*lead, self.params[0].shape[0], -1) for t in ts]
+        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)).reshape(*lead, -1)
 
-    def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        w = self.weight
-        mat = d.reshape(w.shape[0], -1)
-        if self.bias is None:
-            return [mat.reshape(w.shape)]
-        return [mat[:, :-1].reshape(w.shape), mat[:, -1].reshape(self.bias.shape)]
-
-
-@dataclass
-class _DenseGroup:
-    """Trainable parameters of one module without Kronecker structure."""
-
-    name: str
-    names: list[str]
-    params: list[nn.Parameter]
-
-    def flat_grad(self, wd: float) -> torch.Tensor:
-        return torch.cat([_grad(p, wd).reshape(-1) for p in self.params])
+    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
+        """inv * gradient + wd * parameter, flattened in the block's layout."""
+        return self.flat([_grad(p, wd, inv) for p in self.params])
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        out, start = [], 0
-        for p in self.params:
-            out.append(d[start:start + p.numel()].reshape(p.shape))
-            start += p.numel()
-        return out
+        if self.module is None:
+            parts = d.split([p.numel() for p in self.params])
+        else:
+            rows = self.params[0].shape[0]
+            parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
+        return [q.reshape(p.shape) for q, p in zip(parts, self.params, strict=True)]
 
 
-def _grad(p: torch.Tensor, wd: float = 0.0) -> torch.Tensor:
-    """``p``'s gradient (zero if None) plus ``wd * p``."""
+def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
+    """``inv`` times ``p``'s gradient (zero if None) plus ``wd * p``."""
     g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+    g = g if inv == 1.0 else g * inv
     return g + wd * p.detach() if wd else g
 
 
@@ -166,10 +147,27 @@ def _inside_functorch(x: torch.Tensor) -> bool:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers."""
-    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        model = model.module
-    return model
+    """The module inside DistributedDataParallel / DataParallel / ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile(model)
+        else:
+            return model
+
+
+def _keep_grad(out: torch.Tensor, rec: dict[str, Any]) -> None:
+    """Store ``out``'s gradient in ``rec["gy"]`` when the backward reaches it."""
+    out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
+
+
+def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces the model (a graph
+    break there), so that a hook sees real tensors and can register tensor hooks on them."""
+    if torch.compiler.is_compiling():
+        return torch._dynamo.disable(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 class _Thin(LinearOperator):
@@ -189,16 +187,14 @@ class _Thin(LinearOperator):
         (block,) = jac.blocks
         self.n = jac.num_samples
         self.shape, self.dtype, self.device = (jac.num_params, self.n), jac.dtype, jac.device
-        if isinstance(block, KroneckerBlock):
-            s = block.num_positions
-            self.kron = True
-            self.s = s
+        self.kron = isinstance(block, KroneckerBlock)
+        if self.kron:
+            self.s = s = block.num_positions
             self.w_shape = (block.d_out, block.d_in)
             self.a = block.a.reshape(self.n * s, block.d_in)
             self.g = block.g.reshape(self.n * s, block.d_out)
             self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
         else:
-            self.kron = False
             self.jac = block.jac.reshape(self.n, block.num_params)
 
     def rmatvec(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
@@ -213,15 +209,6 @@ class _Thin(LinearOperator):
             return c @ self.jac
         cs = c if self.s == 1 else c.repeat_interleave(self.s)
         return torch.mm(self.gt * cs, self.a).reshape(-1)
-
-
-def _direction(solver: SMWSolver, jac: Jacobian) -> Callable[[torch.Tensor], torch.Tensor]:
-    r"""``g -> d`` of one block: :meth:`SMWSolver.solve_with` (:math:`d = (g - U b)/\lambda`,
-    the small solve in float64) with the products of :class:`_Thin`, reshaped once."""
-    full = _Thin(jac)
-    xi = solver.sketched_factor
-    sketched = full if xi is jac else _Thin(xi)
-    return lambda g: solver.solve_with(g, sketched.rmatvec, full.matvec)
 
 
 @capabilities(name="backends.torch.SENG", fast={
@@ -264,24 +251,30 @@ class SENG(torch.optim.Optimizer):
     distributed : {"auto", True, False}
         Average directions over ``torch.distributed`` workers (auto: when initialised with
         more than one worker).
-    seed : int, optional
-        Seed of the sketches (the k-th refresh uses a seed derived from it and k).
+    seed : int, numpy.random.Generator, torch.Generator or JAX key, optional
+        Seed of the sketches (the k-th refresh uses a seed derived from it and k); a generator
+        is drawn from once, at construction.
+    grad_scaler : torch.amp.GradScaler, optional
+        The scaler of the loss, whose ``get_scale()`` unscales the captured output gradients;
+        needed for :meth:`precondition` and after ``scaler.unscale_(opt)``.
 
     Notes
     -----
     Usage is that of any optimizer: ``opt.zero_grad(); loss = crit(model(x), y);
-    loss.backward(); opt.step()``.  On refresh steps the forward and backward must run after the
-    previous ``step()`` (the hooks capture only while a refresh is due and autograd is
-    enabled); the last forward before ``step()`` is the one used.  ``state_dict()`` stores the
-    step counter, momentum buffers and the current curvature factors, so a loaded optimizer
-    continues exactly.
+    loss.backward(); opt.step()``, also with ``scaler.step(opt)`` of a ``GradScaler``, under
+    ``torch.autocast`` (the captured factors are cast to the parameters' dtype), after
+    ``add_param_group`` and with the model compiled before or after (``torch.compile``; the
+    hooks run eagerly, a graph break); :meth:`precondition` is the preconditioner form.  On
+    refresh steps the forward and backward must run after the previous ``step()`` (the hooks
+    capture only while a refresh is due and autograd is enabled); the last forward before
+    ``step()`` is the one used.  ``state_dict()`` stores the step counter, momentum buffers
+    and the current curvature factors, so a loaded optimizer continues exactly.
 
-    Per-sample gradients of a Linear / Conv layer are Kronecker factors only where its input
-    and output carry the sample axis; that is established on the first refresh of every new
-    input shape signature by a probe forward on p != N samples (see "The sample axis" in the
-    module docstring): axis 0 or another axis (sequence-first layers) stays Kronecker, a layer
-    with a shared input (positional table, buffer) or whose weight is used outside its own
-    ``forward`` gets exact per-sample gradients from ``torch.func`` instead.
+    A Linear / Conv layer is a Kronecker block only where its input and output carry the
+    sample axis (a probe forward on p != N samples on the first refresh of each input shape
+    signature; "The sample axis" in the module docstring); a layer with a shared input
+    (positional table, buffer) or a weight used outside its own ``forward`` gets exact
+    per-sample gradients from ``torch.func`` instead.
 
     What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
     buffer or step counter changes):
@@ -317,7 +310,8 @@ class SENG(torch.optim.Optimizer):
                  weight_decay: float = 0.0,
                  damping_schedule: Callable[[int], float] | None = None,
                  loss_reduction: str = "mean", low_rank: int | None = None,
-                 distributed: str | bool = "auto", seed: int | None = 0) -> None:
+                 distributed: str | bool = "auto", seed: int | None = 0,
+                 grad_scaler: Any = None) -> None:
         if isinstance(params_or_model, nn.Module):
             if model is not None and model is not params_or_model:
                 raise ValueError("pass the model either as the first argument or as model=")
@@ -330,14 +324,11 @@ class SENG(torch.optim.Optimizer):
             params = params_or_model
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be positive and finite; got {lr}")
-        if not (damping > 0 and math.isfinite(damping)):
-            raise ValueError(f"damping must be positive and finite; got {damping}")
+        lr = check_scalar(lr, "lr", positive=True)
+        damping = check_scalar(damping, "damping", positive=True)
+        weight_decay = check_scalar(weight_decay, "weight_decay", nonnegative=True)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1); got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be non-negative; got {weight_decay}")
         if int(update_freq) != update_freq or update_freq < 1:
             raise ValueError(f"update_freq must be a positive integer; got {update_freq}")
         if sketch is not None and sketch not in ("uniform", "leverage", "gaussian",
@@ -350,6 +341,9 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum'; got {loss_reduction!r}")
         if low_rank is not None and (int(low_rank) != low_rank or low_rank < 1):
             raise ValueError(f"low_rank must be None or a positive integer; got {low_rank}")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError("grad_scaler must be a torch.amp.GradScaler (or have get_scale()); "
+                            f"got {type(grad_scaler).__name__}")
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.model = model
@@ -360,7 +354,8 @@ class SENG(torch.optim.Optimizer):
         self.loss_reduction = loss_reduction
         self.low_rank = None if low_rank is None else int(low_rank)
         self.distributed = distributed
-        self.seed = seed
+        self.seed = seed_from(seed)  # a generator is drawn from once, here
+        self.grad_scaler = grad_scaler
         self._step = 0
         self._refreshes = 0
         self._solvers: dict[str, SMWSolver] = {}
@@ -380,15 +375,32 @@ class SENG(torch.optim.Optimizer):
         self._build_units()
         self._sync_hooks()
 
+    # GradScaler.step(self) then sets self.grad_scale / self.found_inf and calls step()
+    _step_supports_amp_scaling = True
+
     # -- structure ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``; the layers are re-planned and the next
+        step refreshes the curvature of every block (the hooks are attached for it)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "units"):  # not from Optimizer.__init__
+            try:
+                self._build_units()
+            except ValueError:  # parameters outside the model: refused, nothing changed
+                self.param_groups.pop()
+                self._build_units()
+                raise
+            self._solvers, self._directions, self._curvature = {}, {}, {}
+            self._drop_hooks()
+            self._sync_hooks()
+
     def _group_of(self) -> dict[int, dict[str, Any]]:
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
     def _build_units(self) -> None:
         inner = _unwrap(self.model)
         owned = self._group_of()
-        self.units: list[_Unit] = []
-        self.dense: list[_DenseGroup] = []
+        self.units: list[_Owner] = []
         covered: set[int] = set()
         for name, mod in inner.named_modules():
             # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
@@ -399,15 +411,14 @@ class SENG(torch.optim.Optimizer):
                 continue
             if id(w) in covered or (b is not None and id(b) in covered):
                 continue  # a weight shared with an earlier layer: updated once, there
-            self.units.append(_Unit(name or "<root>", mod, w, b))
-            covered.update({id(w)} | ({id(b)} if b is not None else set()))
-        by_module: dict[str, _DenseGroup] = {}
+            unit = _Owner(name or "<root>", [w] if b is None else [w, b], mod)
+            self.units.append(unit)
+            covered.update(id(q) for q in unit.params)
+        by_module: dict[str, _Owner] = {}
         for pname, p in inner.named_parameters():
             if id(p) in owned and id(p) not in covered:
                 mname = pname.rpartition(".")[0] or "<root>"
-                grp = by_module.setdefault(mname, _DenseGroup(mname, [], []))
-                grp.names.append(pname)
-                grp.params.append(p)
+                by_module.setdefault(mname, _Owner(mname, [])).params.append(p)
                 covered.add(id(p))
         self.dense = list(by_module.values())
         self._names = {id(p): n for n, p in inner.named_parameters()}
@@ -417,11 +428,13 @@ class SENG(torch.optim.Optimizer):
 
     def _install_hooks(self) -> None:
         inner = _unwrap(self.model)
-        self._handles = [inner.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
-                         inner.register_forward_hook(self._root_hook)]
+        self._handles = [
+            inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
+                                            with_kwargs=True),
+            inner.register_forward_hook(partial(_eager, self._root_hook))]
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(self._make_unit_hook(unit),
-                                                                   with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(
+                partial(_eager, self._make_unit_hook(unit)), with_kwargs=True))
 
     def _drop_hooks(self) -> None:
         for h in self._handles:
@@ -429,11 +442,8 @@ class SENG(torch.optim.Optimizer):
         self._handles = []
 
     def _sync_hooks(self) -> None:
-        """Hooks are attached only while the next step refreshes the curvature.
-
-        Between refreshes the model runs without them (no Python hook calls, PyTorch's fast
-        module-call path); they are attached again at the end of the step before a refresh.
-        """
+        """Hooks are attached only while the next step refreshes the curvature (between
+        refreshes the model runs without Python hook calls, PyTorch's fast module-call path)."""
         if not self._hooks_wanted:
             return
         due = self._refresh_due()
@@ -493,13 +503,9 @@ class SENG(torch.optim.Optimizer):
         rec["outs"] = [t for t in torch.utils._pytree.tree_leaves(out)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if isinstance(out, torch.Tensor) and out.requires_grad:
+            _keep_grad(out, rec)
 
-            def keep(grad: torch.Tensor) -> None:
-                rec["gy"] = grad.detach()
-
-            out.register_hook(keep)
-
-    def _make_unit_hook(self, unit: _Unit) -> Callable[..., None]:
+    def _make_unit_hook(self, unit: _Owner) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  out: torch.Tensor) -> None:
             x = args[0] if args else kwargs.get("input")
@@ -507,40 +513,16 @@ class SENG(torch.optim.Optimizer):
                 return
             if not out.requires_grad or not self._capturing(out):
                 return
-            rec: dict[str, Any] = {"x": x.detach(), "gy": None}
-
-            def keep(grad: torch.Tensor) -> None:
-                rec["gy"] = grad.detach()
-
-            out.register_hook(keep)
-            unit.calls.append(rec)
+            unit.calls.append({"x": x.detach(), "gy": None})
+            _keep_grad(out, unit.calls[-1])
 
         return hook
 
     # -- the sample axis of each hooked call ------------------------------------------------
-    def _batch_size(self, rec: dict[str, Any]) -> int:
-        """N: the leading length of the model's first tensor argument."""
-        for a in (*rec["args"], *rec["kwargs"].values()):
-            if isinstance(a, torch.Tensor) and a.ndim >= 1:
-                return int(a.shape[0])
-        raise ValueError("SENG needs the model's first tensor argument to lead with the sample "
-                         "axis (N, ...); the last forward had no tensor argument")
-
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
-        r"""For every unit: the sample axis of each of its used calls (the Kronecker path), or
-        a string saying why it has none (then its per-sample gradients come from the
-        ``torch.func`` pass).
-
-        A unit is Kronecker only if (1) every use of its weight (and bias) in the graph of the
-        model output is one of its captured calls (not so for a weight used outside the
-        module's ``forward``, e.g. ``nn.MultiheadAttention.out_proj``, or tied to another
-        module) and (2) every used call has a sample axis: an axis of its input and output of
-        length N that becomes p when the model runs on p != N samples (a probe forward, see
-        ``torch_jacobian._probe_sample_axes``; a length equal to N proves nothing).  The answer
-        depends on the model and on the shapes of the forward, not on values, so it is cached
-        per shape signature (the arguments' shapes and dtypes and the shapes of every hooked
-        call): the probe runs once per new signature.
-        """
+        """For every unit: the sample axis of each of its used calls (Kronecker), or why it
+        has none (``torch.func``); see "The sample axis" in the module docstring.  Cached per
+        shape signature."""
         def sig(a: Any) -> Any:
             return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
 
@@ -576,9 +558,13 @@ class SENG(torch.optim.Optimizer):
 
     def _probe(self, rec: dict[str, Any],
                need: dict[str, list[int]]) -> dict[str, list[int] | str]:
-        """Run the model on p != N samples (the first sample of every argument that leads
-        with N, repeated p times) and find the sample axis of the ``need``-ed units' calls."""
-        n = self._batch_size(rec)
+        """The sample axes of the ``need``-ed units' calls from a forward on p != N samples
+        (N: the leading length of the model's first tensor argument)."""
+        n = next((int(a.shape[0]) for a in (*rec["args"], *rec["kwargs"].values())
+                  if isinstance(a, torch.Tensor) and a.ndim >= 1), None)
+        if n is None:
+            raise ValueError("SENG needs the model's first tensor argument to lead with the "
+                             "sample axis (N, ...); the last forward had no tensor argument")
         p = _probe_size(n)
 
         def cut(a: Any) -> Any:
@@ -616,28 +602,29 @@ class SENG(torch.optim.Optimizer):
                                "merged with another)") for k in need}
 
     # -- per-sample factors ---------------------------------------------------------------
-    def _unit_block(self, unit: _Unit, axes: list[int]) -> KroneckerBlock:
+    def _unit_block(self, unit: _Owner, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
         mod = unit.module
         n = int(calls[0]["x"].shape[axes[0]])
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
-        xs = [c["x"].movedim(ax, 0) if ax else c["x"] for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(mod, c["gy"][None], n, 1, ax) for c, ax in zip(calls, axes,
-                                                                          strict=True)]
-        block = layer_block(mod, xs, gs, n, unit.name, bias=unit.bias is not None)
+        # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
+        dt = unit.params[0].dtype
+        xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
+        gs = [output_factor(mod, c["gy"].to(dt)[None], n, 1, ax)
+              for c, ax in zip(calls, axes, strict=True)]
+        block = layer_block(mod, xs, gs, n, unit.name, bias=len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
-        g = block.g * n if self.loss_reduction == "mean" else block.g
-        return KroneckerBlock(block.a, g.contiguous(), unit.name)
+        return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
 
-    def _dense_blocks(self, units: list[_Unit]) -> list[DenseBlock]:
-        """DenseBlocks of ``self.dense`` (in order), then of ``units`` (Linear/Conv units
-        without a sample axis, in the [W | b] layout of their ``flat_grad``)."""
-        if not self.dense and not units:
+    def _dense_blocks(self, owners: list[_Owner]) -> list[DenseBlock]:
+        """The DenseBlocks of ``owners`` (dense groups and Linear/Conv layers without a
+        sample axis), each in the layout of its ``flat_grad``, from ``torch.func``."""
+        if not owners:
             return []
         rec = self._root_calls[0] if self._root_calls else None
         if rec is None or rec["gy"] is None:
-            what = [g.name for g in self.dense] + [u.name for u in units]
+            what = [o.name for o in owners]
             raise RuntimeError("SENG has no captured model-output gradient for the layers "
                                f"without Kronecker structure ({what}); run the forward and "
                                "backward before step() (the model must return one tensor "
@@ -647,10 +634,7 @@ class SENG(torch.optim.Optimizer):
         inner = _unwrap(self.model)
         base = {k: v.detach() for k, v in inner.named_parameters()}
         base.update({k: v.detach() for k, v in inner.named_buffers()})
-        unit_names = [[self._names[id(q)] for q in u.params] for u in units]
-        names = [n for grp in self.dense for n in grp.names] + [n for ns in unit_names
-                                                                 for n in ns]
-        fb = {n: base[n] for n in names}
+        fb = {self._names[id(q)]: base[self._names[id(q)]] for o in owners for q in o.params}
         args = rec["args"]
         batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
 
@@ -666,38 +650,38 @@ class SENG(torch.optim.Optimizer):
         # functional_call swaps the module's parameters in place: hold the model's lock so that
         # no ntkcore call on this model (another thread) runs meanwhile
         with _provider_pass(inner):
-            per_sample = vmap(one, in_dims=(0, *batched))(rec["gy"], *args)
+            gy = rec["gy"].to(next(iter(fb.values())).dtype)  # (autocast: as _unit_block)
+            per_sample = vmap(one, in_dims=(0, *batched))(gy, *args)
         n = rec["gy"].shape[0]
-        scale = n if self.loss_reduction == "mean" else 1.0
-        blocks = []
-        for grp in self.dense:
-            flat = torch.cat([per_sample[k].reshape(n, -1) for k in grp.names], dim=1)
-            blocks.append(DenseBlock((flat * scale)[:, None, :], grp.name))
-        for u, ns in zip(units, unit_names, strict=True):
-            d_out = u.weight.shape[0]  # [W | b] row-major, as _Unit.flat_grad
-            mat = torch.cat([per_sample[k].reshape(n, d_out, -1) for k in ns], dim=2)
-            blocks.append(DenseBlock((mat.reshape(n, -1) * scale)[:, None, :], u.name))
-        return blocks
+        scale = self._sample_scale(n)
+        return [DenseBlock((o.flat([per_sample[self._names[id(q)]] for q in o.params], (n,))
+                            * scale)[:, None, :], o.name) for o in owners]
+
+    def _sample_scale(self, n: int) -> float:
+        """Per-sample gradients from captured output gradients: ``N * dL/dy`` for a mean
+        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale."""
+        return (n if self.loss_reduction == "mean" else 1.0) / self._loss_scale()
 
     def _damping(self, group: dict[str, Any]) -> float:
         if self.damping_schedule is not None:
-            value = float(self.damping_schedule(self._step))
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"damping_schedule({self._step}) returned {value}; "
-                                 "damping must be positive and finite")
-            return value
+            return check_scalar(self.damping_schedule(self._step),
+                                f"damping_schedule({self._step})", positive=True)
         return float(group["damping"])
 
     def _build_solver(self, name: str, block: Any, damping: float) -> None:
-        """Factor block ``name``'s system into ``_solvers`` and its ``_directions`` entry."""
+        r"""Factor block ``name``'s system; its direction ``g -> d`` is
+        :meth:`SMWSolver.solve_with` (the small solve in float64) with :class:`_Thin`'s
+        products."""
         jac = Jacobian([block])
         spec = None
         if self.sketch is not None and jac.num_params > self.sketch_size:
             spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
+        full = _Thin(jac)
+        xi = _Thin(solver.sketched_factor) if solver.sketched_factor is not jac else full
         self._solvers[name] = solver
-        self._directions[name] = _direction(solver, jac)
+        self._directions[name] = lambda g: solver.solve_with(g, xi.rmatvec, full.matvec)
 
     def _refresh(self) -> None:
         if self._coupling is not None:
@@ -721,36 +705,24 @@ class SENG(torch.optim.Optimizer):
                              f"{self._random} (the torch.func pass of the layers without "
                              f"Kronecker structure cannot replay its mask{why}); no parameter "
                              "was changed")
-        kron: dict[str, Any] = {}
-        for unit in self.units:
-            axes = plan[unit.name]
-            if isinstance(axes, str):
-                continue
-            block: Any = self._unit_block(unit, axes)
-            if self.low_rank is not None:
-                block, _err = _low_rank(block, self.low_rank)
-            kron[unit.name] = block
+        kron: dict[str, Any] = {u.name: self._unit_block(u, plan[u.name]) for u in self.units
+                                if u not in demoted}
+        if self.low_rank is not None:
+            kron = {k: _low_rank(b, self.low_rank)[0] for k, b in kron.items()}
         self._suspended = True  # the torch.func forwards below must not be captured
         try:
-            dense_blocks = self._dense_blocks(demoted)
+            kron.update(zip([o.key for o in demoted + self.dense],
+                            self._dense_blocks(demoted + self.dense), strict=True))
         finally:
             self._suspended = False
-        by_name = dict(zip([g.name for g in self.dense] + [u.name for u in demoted],
-                           dense_blocks, strict=True))
         groups = self._group_of()
-        blocks: list[tuple[str, Any, dict[str, Any]]] = []
-        for unit in self.units:  # block order: the units, then the dense groups
-            blocks.append((unit.name, kron.get(unit.name, by_name.get(unit.name)),
-                           groups[id(unit.weight)]))
-        for grp in self.dense:
-            blocks.append(("dense:" + grp.name, by_name[grp.name], groups[id(grp.params[0])]))
         self._refreshes += 1
         self._curvature = {}
         self._solvers, self._directions = {}, {}
-        for i, (name, block, group) in enumerate(blocks):
-            self._curvature[name] = block
-            self._sketch_seeds[name] = spawn_seed(self.seed, self._refreshes, i)
-            self._build_solver(name, block, self._damping(group))
+        for i, o in enumerate(self.units + self.dense):  # the units, then the dense groups
+            self._curvature[o.key] = kron[o.key]
+            self._sketch_seeds[o.key] = spawn_seed(self.seed, self._refreshes, i)
+            self._build_solver(o.key, kron[o.key], self._damping(groups[id(o.params[0])]))
         for unit in self.units:
             unit.calls = []
         self._root_calls = []
@@ -766,13 +738,11 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _check_finite(self, owners: list[tuple[str, Any]], grads: list[torch.Tensor]) -> None:
+    def _raise_nonfinite(self, owners: list[_Owner]) -> None:
         """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
-        the parameter itself) is not finite; one device synchronisation when all are."""
-        if bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            return
+        the parameter itself) is not finite."""
         groups = self._group_of()
-        for _, owner in owners:
+        for owner in owners:
             for p in owner.params:
                 name = self._names.get(id(p), "?")
                 if not bool(torch.isfinite(_grad(p)).all()):
@@ -785,26 +755,36 @@ class SENG(torch.optim.Optimizer):
                                  "changed (check the loss, the data and the learning rate)")
         raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One SENG step (refreshing the curvature first when due); returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _loss_scale(self) -> float:
+        """The factor the loss was multiplied by in the captured backward (GradScaler)."""
+        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
+                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
+        if scale is None and getattr(self, "found_inf", None) is not None:
+            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
+                             " so the scale of the captured output gradients is unknown; pass "
+                             "grad_scaler=scaler to SENG; no parameter was changed")
+        return 1.0 if scale is None else float(scale)
+
+    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[_Owner,
+                                                                      torch.Tensor]] | None:
+        """(owner, direction) of every block, refreshing the curvature first when due; None
+        when ``skip_nonfinite`` and a gradient is not finite."""
         groups = self._group_of()
-        owners: list[tuple[str, Any]] = [(u.name, u) for u in self.units]
-        owners += [("dense:" + g.name, g) for g in self.dense]
-        grads = [owner.flat_grad(groups[id(owner.params[0])]["weight_decay"])
-                 for _, owner in owners]
-        self._check_finite(owners, grads)  # before the refresh and before any write
+        owners = self.units + self.dense
+        scale = getattr(self, "grad_scale", None)  # GradScaler.step: the grads are still scaled
+        inv = 1.0 if scale is None else 1.0 / float(scale)
+        grads = [o.flat_grad(groups[id(o.params[0])]["weight_decay"], inv) for o in owners]
+        # one device synchronisation; before the refresh and before any write
+        if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            if skip_nonfinite:
+                return None
+            self._raise_nonfinite(owners)
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
-        for (name, owner), g in zip(owners, grads, strict=True):
-            group = groups[id(owner.params[0])]
-            self._solvers[name].set_damping(self._damping(group))
-            directions.append(self._directions[name](g))
+        for o, g in zip(owners, grads, strict=True):
+            self._solvers[o.key].set_damping(self._damping(groups[id(o.params[0])]))
+            directions.append(self._directions[o.key](g))
         world = self._world()
         if world > 1:
             flat = torch.cat(directions)
@@ -812,57 +792,77 @@ class SENG(torch.optim.Optimizer):
             flat /= world
             directions = list(torch.split(flat, [d.numel() for d in directions]))
         if not bool(torch.stack([torch.isfinite(d).all() for d in directions]).all()):
-            bad = [name for (name, _), d in zip(owners, directions, strict=True)
+            bad = [o.key for o, d in zip(owners, directions, strict=True)
                    if not bool(torch.isfinite(d).all())]
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
                              "(finite gradient; overflow in the curvature?); no parameter was "
                              "changed")
+        return list(zip(owners, directions, strict=True))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SENG step (refreshing the curvature first when due); returns closure's loss.
+        From ``GradScaler.step``: skipped when the scaler found Inf/NaN, else unscaled here."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
+        if found_inf is not None and bool(found_inf):
+            return loss
+        blocks = self._natural_directions(skip_nonfinite=False)
+        assert blocks is not None
         # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
         # (lr, momentum) with the foreach kernels of torch.optim
-        batches: dict[tuple[float, float], tuple[list[Any], list[Any]]] = {}
-        for (_name, owner), d in zip(owners, directions, strict=True):
+        groups = self._group_of()
+        batches: dict[tuple[float, float], list[tuple[Any, torch.Tensor]]] = {}
+        for owner, d in blocks:
             for p, dp in zip(owner.params, owner.split(d), strict=True):
                 group = groups[id(p)]
-                mu = group["momentum"]
-                if mu:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        state["momentum_buffer"] = dp.clone()
-                        dp = state["momentum_buffer"]
-                    else:
-                        # m <- mu m + d for all buffers of the batch below
-                        batches.setdefault((group["lr"], mu), ([], []))
-                        ps, ds = batches[(group["lr"], mu)]
-                        ps.append((p, buf))
-                        ds.append(dp)
-                        continue
-                batches.setdefault((group["lr"], 0.0), ([], []))
-                ps, ds = batches[(group["lr"], 0.0)]
-                ps.append((p, None))
-                ds.append(dp)
-        for (lr, mu), (pairs, ds) in batches.items():
+                batches.setdefault((group["lr"], group["momentum"]), []).append((p, dp))
+        for (lr, mu), pairs in batches.items():
             params = [p for p, _ in pairs]
+            ds = [dp.to(p.dtype) for p, dp in pairs]
             if mu:
-                bufs = [b for _, b in pairs]
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                bufs = [self.state[p]["momentum_buffer"] for p in params]
                 torch._foreach_mul_(bufs, mu)
                 torch._foreach_add_(bufs, ds)
                 ds = bufs
-            ds = [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, ds,
-                                                                            strict=True)]
             torch._foreach_add_(params, ds, alpha=-lr)
         self._step += 1
         self._sync_hooks()
         return loss
 
+    @torch.no_grad()
+    def precondition(self) -> None:
+        r"""Replace every optimised parameter's ``.grad`` by its SENG direction :math:`d`.
+
+        The preconditioner form, to be followed by any ``torch.optim`` optimizer over the same
+        parameters (``loss.backward(); seng.precondition(); opt.step()``): the same direction,
+        curvature refreshes (every ``update_freq`` calls) and checks as :meth:`step`, with
+        ``weight_decay`` added before preconditioning; ``lr`` and ``momentum`` are not used.
+        With a ``GradScaler`` pass ``grad_scaler=`` and call ``scaler.unscale_(opt)`` first
+        (as for any change to ``.grad``): then a non-finite gradient leaves ``.grad`` as it is
+        for ``scaler.step(opt)`` to skip, where otherwise it raises ``ValueError``.
+        """
+        blocks = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
+        if blocks is None:
+            return
+        for owner, d in blocks:
+            for p, dp in zip(owner.params, owner.split(d), strict=True):
+                p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
+        self._step += 1
+        self._sync_hooks()
+
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        curvature = {}
-        for name, block in self._curvature.items():
-            curvature[name] = {k: v.detach().clone() for k, v in zip(
-                ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
-                strict=True)}
+        curvature = {name: {k: v.detach().clone() for k, v in zip(
+            ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
+            strict=True)} for name, block in self._curvature.items()}
         sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
                       "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
         return sd
@@ -877,8 +877,7 @@ class SENG(torch.optim.Optimizer):
         self._refreshes = int(extra["refreshes"])
         self._sketch_seeds = dict(extra["sketch_seeds"])
         groups = self._group_of()
-        dev_of = {u.name: u.weight for u in self.units}
-        dev_of.update({"dense:" + g.name: g.params[0] for g in self.dense})
+        dev_of = {o.key: o.params[0] for o in self.units + self.dense}
         self._curvature, self._solvers, self._directions = {}, {}, {}
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]

@@ -26,10 +26,10 @@ from .cg import (
 from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .kernel_ridge import KernelRidge
 from .operators import KernelOperator
 from .regression import (
     GPPosterior,
-    KernelRidge,
     gd_mse_predict,
     gp_inference,
     kernel_regression,

@@ -37,7 +37,7 @@ import array_api_compat as _compat
 from ._typing import Array
 
 __all__ = ["BACKEND_NAMES", "Backend", "Generator", "get_backend", "namespace_and_backend",
-           "register_backend"]
+           "register_backend", "seed_from"]
 
 Namespace = Any
 Device = Any
@@ -137,6 +137,16 @@ class Backend:
         """A :class:`Generator` seeded with ``seed`` (``None``: fresh entropy) on ``device``."""
         raise NotImplementedError
 
+    @staticmethod
+    def seed_from(seed: Any) -> int:
+        """An integer seed in ``[0, 2**63)`` drawn from ``seed``, a random generator or key of
+        this backend's framework (one draw: equal generator states give equal seeds).
+
+        Raises ``TypeError`` for any other object; see :func:`seed_from`.
+        """
+        raise TypeError("seed must be None, a non-negative integer, a numpy.random.Generator, "
+                        f"a torch.Generator or a JAX PRNG key; got {type(seed).__name__}")
+
     # -- device facts -----------------------------------------------------------------------
     def free_memory(self, device: Device) -> int | None:
         """Bytes that can still be allocated on ``device``; ``None`` when unknown."""
@@ -179,10 +189,35 @@ def get_backend(xp: Any) -> Backend:
     if backend is None:
         target = next((t for matches, t in tuple(_REGISTRY.values()) if matches(xp)),
                       _GENERIC)
-        module, cls = target.split(":")
-        backend = getattr(importlib.import_module(module), cls)(xp)
+        backend = _backend_class(target)(xp)
         _cache[key] = backend
     return backend
+
+
+def _backend_class(target: str) -> type[Backend]:
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def seed_from(seed: Any, spawn_key: tuple[int, ...] | None = None) -> Any:
+    """The integer seed that ``seed`` stands for, or its child at ``spawn_key``.
+
+    ``None`` (fresh entropy) and integers are returned as they are.  Any other object goes to
+    the backend of its framework (:meth:`Backend.seed_from`: the array namespace's backend for
+    an array such as a JAX key, else the backend registered under the name of the object's
+    top-level module, e.g. ``numpy`` for a ``numpy.random.Generator``), which draws an integer
+    seed from it.  With a ``spawn_key`` the result is the child seed by NumPy's
+    ``SeedSequence`` convention (:func:`ntkcore.sketch.spawn_seed`).
+    """
+    if seed is not None and not isinstance(seed, int):
+        if _compat.is_array_api_obj(seed):
+            seed = get_backend(_compat.array_namespace(seed)).seed_from(seed)
+        else:
+            entry = _REGISTRY.get(type(seed).__module__.partition(".")[0])
+            seed = _backend_class(_GENERIC if entry is None else entry[1]).seed_from(seed)
+    if seed is None or spawn_key is None:
+        return seed
+    return _backend_class(_GENERIC).spawn_seed(seed, spawn_key)
 
 
 def namespace_and_backend(*arrays: Any) -> tuple[Any, Backend]:

@@ -75,7 +75,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, check_symmetric
-from .backend import Backend, get_backend
+from .backend import Backend, get_backend, seed_from
 from .linop import ArrayOperator, IdentityOperator, LinearOperator
 from .support import GENERATOR, capabilities
 
@@ -265,7 +265,7 @@ class PivotedCholeskyPreconditioner:
 
 
 def nystrom_preconditioner(
-    k: Any, rank: int, *, reg: float = 0.0, seed: int | None = 0, like: Array,
+    k: Any, rank: int, *, reg: float = 0.0, seed: Any = 0, like: Array,
     name: str = "k",
 ) -> NystromPreconditioner:
     """Build a :class:`NystromPreconditioner` of ``rank`` for ``k + reg I``.
@@ -277,8 +277,9 @@ def nystrom_preconditioner(
         Sketch size r (``1 <= r <= N``).
     reg : float
         The ridge :math:`\\mu` of the system being preconditioned.
-    seed : int or None
-        Seed of the Gaussian test matrix.
+    seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
+        Seed of the Gaussian test matrix (a generator or key is drawn from once:
+        :func:`ntkcore.backend.seed_from`).
     like : array
         Any array of the namespace/device/dtype the preconditioner should live in (the
         right-hand side).
@@ -301,7 +302,7 @@ def nystrom_preconditioner(
     r = _check_rank(rank, n)
     dtype = like.dtype
     dev = array_api_compat.device(like)
-    omega = backend.generator(seed, dev).normal((n, r), dtype)
+    omega = backend.generator(seed_from(seed), dev).normal((n, r), dtype)
     omega, _ = xp.linalg.qr(omega)  # orthonormal columns, (N, r)
     y = xp.astype(op.sketch(omega), dtype)  # K Omega, (N, r) (may be lower precision)
     if not all_finite(xp, y):
@@ -479,7 +480,7 @@ def cg_solve(
     maxiter: int | None = None,
     preconditioner: str | Any | None = "nystrom",
     rank: int = 100,
-    seed: int | None = 0,
+    seed: Any = 0,
     x0: Array | None = None,
     callback: Callable[[int, float], None] | None = None,
     warn: bool = True,
@@ -506,8 +507,8 @@ def cg_solve(
         :math:`(K + \lambda I)^{-1} R`.
     rank : int, default 100
         Rank of a preconditioner built here (capped at N).
-    seed : int or None
-        Seed of the Nystrom sketch.
+    seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
+        Seed of the Nystrom sketch (as in :func:`nystrom_preconditioner`).
     x0 : array, optional
         Initial guess, same shape as ``y``.
     callback : callable, optional

@@ -81,7 +81,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_floating, check_scalar, namespace_of
-from .backend import get_backend
+from .backend import get_backend, seed_from
 from .jacobian import Jacobian, KroneckerBlock
 from .support import DIFFERENTIABLE, capabilities
 
@@ -339,7 +339,7 @@ class MLP:
         widths: Sequence[int],
         *,
         xp: Any,
-        seed: int | None = None,
+        seed: Any = None,
         device: Any = None,
         dtype: Any = None,
         activation: str = "relu",
@@ -356,8 +356,9 @@ class MLP:
             :math:`(d_0, \dots, d_L)`, at least two entries (input and output width).
         xp : namespace
             ``numpy``, ``torch``, ``jax.numpy``, ``cupy``, ``array_api_strict``, ...
-        seed : int or None
-            Seed of the backend's generator (``get_backend(xp).generator(seed, device)``);
+        seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
+            Seed of the backend's generator (``get_backend(xp).generator(seed, device)``; a
+            generator or key is drawn from once, :func:`ntkcore.backend.seed_from`);
             draws are ``W_1, b_1, W_2, b_2, ...``.  The same seed gives the same network on
             the same backend, not across backends (their generators differ).
         device : optional
@@ -389,7 +390,7 @@ class MLP:
             dtype = ns.asarray(0.0).dtype
         if not ns.isdtype(dtype, "real floating"):
             raise TypeError(f"dtype must be a real floating dtype; got {dtype}")
-        gen = get_backend(ns).generator(seed, device)
+        gen = get_backend(ns).generator(seed_from(seed), device)
         ws, bs = [], []
         for d_in, d_out in pairwise(widths):
             w = gen.normal((d_out, d_in), dtype)

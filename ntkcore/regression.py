@@ -49,7 +49,6 @@ from .support import DIFFERENTIABLE, GENERATOR, TRIANGULAR_SOLVE, capabilities
 
 __all__ = [
     "GPPosterior",
-    "KernelRidge",
     "cholesky_with_jitter",
     "gd_mse_predict",
     "gp_inference",
@@ -164,100 +163,6 @@ def _check_regression_inputs(
 
 
 @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
-class KernelRidge:
-    """Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
-
-    Parameters
-    ----------
-    reg : float, default 0.0
-        Ridge :math:`\\lambda \\ge 0` added to the diagonal of the training kernel.
-    jitter : "auto", float or None, default "auto"
-        Jitter policy when the factorisation fails (see :mod:`ntkcore.regression`).
-
-    Attributes
-    ----------
-    chol_ : array, shape (N, N)
-        Lower Cholesky factor of ``k_train + (reg + jitter_) I``.
-    alpha_ : array, shape (N,) or (N, K)
-        Dual coefficients :math:`(K + \\lambda I)^{-1} y`.
-    jitter_ : float
-        Absolute jitter that was needed (0.0 normally).
-
-    Examples
-    --------
-    >>> import numpy as np, ntkcore
-    >>> k = np.array([[2.0, 1.0], [1.0, 2.0]]); y = np.array([1.0, -1.0])
-    >>> ntkcore.KernelRidge(reg=0.0).fit(k, y).predict(k)
-    array([ 1., -1.])
-    """
-
-    def __init__(self, reg: float = 0.0, jitter: str | float | None = "auto") -> None:
-        self.reg = check_scalar(reg, "reg", nonnegative=True)
-        _jitter_cap(jitter)
-        self.jitter = jitter
-
-    def fit(self, k_train: Array, y_train: Array) -> KernelRidge:
-        """Factorise ``k_train`` (N, N) and solve for ``y_train`` (N,) or (N, K).
-
-        Raises
-        ------
-        TypeError
-            Arrays of different libraries or a non-floating dtype (the argument is named).
-        ValueError
-            Wrong shapes, NaN/Inf in ``k_train`` or ``y_train``, or ``k_train`` asymmetric
-            beyond ``1000 eps max|diag K|`` (see the module docstring; within it
-            :math:`(K + K^\top)/2` is used).
-        NotPositiveDefiniteError
-            ``k_train + reg I`` is not positive definite even with the allowed jitter.
-        """
-        xp, backend = namespace_of(k_train=k_train, y_train=y_train)
-        k_train = _check_regression_inputs(xp, k_train, y_train, None, backend)
-        differentiate = backend.tracks_gradient(k_train, y_train)
-        k0 = backend.stop_gradient(k_train) if differentiate else k_train
-        y0 = backend.stop_gradient(y_train) if differentiate else y_train
-        l, eps = cholesky_with_jitter(xp, backend, k0, reg=self.reg, jitter=self.jitter)
-        alpha = backend.cho_solve(l, y0)
-        if differentiate:
-            # One step of iterative refinement, alpha <- alpha - A^{-1}(A alpha - y) with
-            # A = K + (reg + eps) I, differentiated through the residual only (the factor is a
-            # constant): its value is the solve (refined), and its first derivative is the exact
-            # adjoint  d alpha = A^{-1}(dy - dA alpha),  i.e.  grad_y = A^{-1} g,
-            # grad_K = -(A^{-1} g) alpha^T, at O(N^2) per backward instead of the O(N^3)
-            # backward of a differentiated Cholesky factor.
-            shift = self.reg + eps
-            resid = k_train @ alpha - y_train
-            if shift:
-                resid = resid + shift * alpha
-            alpha = alpha - backend.cho_solve(l, resid)
-        self.chol_ = l
-        self.alpha_ = alpha
-        self.jitter_ = eps
-        self._xp, self._backend = xp, backend
-        return self
-
-    def predict(self, k_test_train: Array) -> Array:
-        """Predictions ``k_test_train @ alpha_``: (M, N) -> (M,) or (M, K).
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`fit`.
-        ValueError
-            Wrong shape or NaN/Inf in ``k_test_train``.
-        """
-        if not hasattr(self, "alpha_"):
-            raise RuntimeError("call fit(k_train, y_train) before predict")
-        xp, _ = namespace_of(k_test_train=k_test_train, alpha=self.alpha_)
-        check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
-        n = self.alpha_.shape[0]
-        if k_test_train.shape[1] != n:
-            raise ValueError(
-                f"k_test_train must have N={n} columns; got shape {tuple(k_test_train.shape)}"
-            )
-        return k_test_train @ self.alpha_
-
-
-@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
 @capabilities(name="kernel_regression(solver='cg')", fast=GENERATOR)
 def kernel_regression(
     k_train: Array,
@@ -327,7 +232,10 @@ def kernel_regression(
         raise ValueError(f"solver must be 'cholesky' or 'cg'; got {solver!r}")
     if cg_options:
         raise TypeError(f"options {sorted(cg_options)} apply only to solver='cg'")
-    return KernelRidge(reg=reg, jitter=jitter).fit(k_train, y_train).predict(k_test_train)
+    from .kernel_ridge import KernelRidge
+
+    reg = check_scalar(reg, "reg", nonnegative=True)
+    return KernelRidge(alpha=reg, jitter=jitter)._fit(k_train, y_train)._predict(k_test_train)
 
 
 @capabilities(note=DIFFERENTIABLE)

@@ -43,10 +43,22 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch on the same backend; different backends draw from
-different generators.  Derived seeds (per block and factor, per SENG refresh and layer) follow
-NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).  A sketch made without an
-array to copy from (``like=None``) is *unbound*: its randomness is drawn at the first
-:meth:`apply`, in that array's namespace and on its device, and reused afterwards.
+different generators.
+
+**Seeds.**  A ``seed`` (here, in :class:`SketchSpec`, ``MLP.random`` and ``cg_solve``'s
+Nystrom preconditioner) is ``None`` (fresh entropy), a non-negative integer, or the caller's
+own generator: a ``numpy.random.Generator`` (one ``integers(2**63)`` draw), a
+``torch.Generator`` (one ``torch.randint`` draw, on its device) or one JAX PRNG key
+(``jax.random.key`` or ``jax.random.PRNGKey``; its ``jax.random.bits`` are read, the key is
+immutable as always in JAX: split it for a new sketch).  The generator is drawn from once, when
+the sketch or spec is created, and the integer drawn is then used exactly as an integer seed
+(:func:`ntkcore.backend.seed_from`): the same generator state gives the same sketch, and the
+generator moves on as after any draw.  Derived seeds (per block and factor, per SENG refresh
+and layer) follow NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).
+
+A sketch made without an array to copy from (``like=None``) is *unbound*: its randomness is
+drawn at the first :meth:`apply`, in that array's namespace and on its device, and reused
+afterwards.
 
 :func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
 sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
@@ -64,56 +76,41 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_size
-from .backend import get_backend
+from .backend import get_backend, seed_from
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .lowrank import low_rank
 from .support import BACKENDS, GENERATOR, capabilities
 
-__all__ = [
-    "GaussianSketch",
-    "JacobianSketch",
-    "RowSketch",
-    "Sketch",
-    "SketchSpec",
-    "SparseSignSketch",
-    "gaussian",
-    "leverage",
-    "low_rank",
-    "make_sketch",
-    "sketch_jacobian",
-    "sparse_sign",
-    "spawn_seed",
-    "split_budget",
-    "uniform",
-]
+__all__ = ["GaussianSketch", "JacobianSketch", "RowSketch", "Sketch", "SketchSpec",
+           "SparseSignSketch", "gaussian", "leverage", "low_rank", "make_sketch",
+           "sketch_jacobian", "sparse_sign", "spawn_seed", "split_budget", "uniform"]
 
 KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
 
 
 # -- helpers ------------------------------------------------------------------------------
 def _check_seed(seed: Any) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    """``seed`` as a non-negative int or None; generators and keys are drawn from (seed_from)."""
+    seed = seed_from(seed)
+    if seed is not None and (isinstance(seed, bool) or seed < 0):
         raise TypeError(f"seed must be None or a non-negative integer; got {seed!r}")
     return seed
 
 
-def spawn_seed(seed: int | None, *keys: int) -> int | None:
+def spawn_seed(seed: Any, *keys: int) -> int | None:
     """The seed of the child of ``seed`` at spawn key ``keys``; None stays None (fresh entropy).
 
     NumPy's convention: the child is ``numpy.random.SeedSequence(seed, spawn_key=keys)``, the
     sequence that ``SeedSequence(seed).spawn`` hands out (nested once per key), reduced to the
     low 63 bits of its first 64-bit state word, ``generate_state(1, numpy.uint64)[0] &
-    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed here in plain
-    Python with SeedSequence's hash (the core does not import NumPy): the entropy is ``seed``
-    and then ``keys`` as little-endian 32-bit words (``seed``'s padded to 4 words), mixed into
-    a pool of 4 words, of which the first two form the result.
+    (2**63 - 1)`` (``jax.random.key`` takes a signed 64-bit seed).  Computed by the host
+    (NumPy) backend through :func:`ntkcore.backend.seed_from`.
 
     Parameters
     ----------
-    seed : int or None
-        Non-negative master seed.
+    seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
+        Non-negative master seed; a generator or key is first drawn from once (module
+        docstring, "Seeds").
     *keys : int
         Non-negative spawn key, e.g. (block, factor).
 
@@ -122,69 +119,7 @@ def spawn_seed(seed: int | None, *keys: int) -> int | None:
     int or None
         A seed in [0, 2**63).
     """
-    if seed is None:
-        return None
-    spawn = [w for k in keys for w in _words32(k)]
-    run = _words32(seed)
-    if spawn:
-        run += [0] * (_POOL - len(run))
-    entropy = run + spawn
-    h = _INIT_A
-
-    def hashmix(v: int) -> int:
-        nonlocal h
-        v ^= h
-        h = (h * _MULT_A) & _M32
-        v = (v * h) & _M32
-        return v ^ (v >> 16)
-
-    def mix(x: int, y: int) -> int:
-        r = (_MIX_L * x - _MIX_R * y) & _M32
-        return r ^ (r >> 16)
-
-    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(_POOL)]
-    for src in range(_POOL):
-        for dst in range(_POOL):
-            if src != dst:
-                pool[dst] = mix(pool[dst], hashmix(pool[src]))
-    for v in entropy[_POOL:]:
-        for dst in range(_POOL):
-            pool[dst] = mix(pool[dst], hashmix(v))
-    out, h = 0, _INIT_B
-    for i in range(2):  # generate_state: two 32-bit words, little-endian
-        v = pool[i] ^ h
-        h = (h * _MULT_B) & _M32
-        v = (v * h) & _M32
-        out |= (v ^ (v >> 16)) << (32 * i)
-    return out & (2**63 - 1)
-
-
-#: numpy.random.SeedSequence's constants (numpy/random/bit_generator.pyx)
-_M32, _POOL = 0xFFFFFFFF, 4
-_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
-_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
-
-
-def _words32(n: int) -> list[int]:
-    """``n >= 0`` as little-endian 32-bit words, ``[0]`` for 0 (SeedSequence's reading)."""
-    words = [n & _M32]
-    while n > _M32:
-        n >>= 32
-        words.append(n & _M32)
-    return words
-
-
-def _resolve_like(like: Any) -> tuple[Any, Any]:
-    """(namespace, device) from an array or an array namespace."""
-    try:
-        xp = array_api_compat.array_namespace(like)
-        return xp, array_api_compat.device(like)
-    except TypeError:
-        pass
-    if hasattr(like, "asarray") and hasattr(like, "zeros"):
-        probe = like.zeros((1,))
-        return array_api_compat.array_namespace(probe), array_api_compat.device(probe)
-    raise TypeError(f"like must be an array or an array namespace; got {type(like).__name__}")
+    return seed_from(_check_seed(seed), keys)
 
 
 def _wide_float(xp: Any, device: Any) -> Any:
@@ -200,21 +135,15 @@ def _float_dtype(xp: Any, x: Array) -> Any:
     return x.dtype if xp.isdtype(x.dtype, "real floating") else xp.float64
 
 
-def _move_axis_first(xp: Any, x: Array, axis: int) -> tuple[Array, tuple[int, ...] | None]:
-    axis = axis % x.ndim
-    if axis == 0:
-        return x, None
-    perm = (axis, *[i for i in range(x.ndim) if i != axis])
-    return xp.permute_dims(x, perm), perm
-
-
-def _restore_axis(xp: Any, x: Array, perm: tuple[int, ...] | None) -> Array:
-    if perm is None:
-        return x
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return xp.permute_dims(x, tuple(inv))
+def _namespace(x: Any, name: str, rows: str = "") -> Any:
+    """The namespace of the array ``x`` (argument ``name``), which must have an axis."""
+    try:
+        xp = array_api_compat.array_namespace(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an array; got {type(x).__name__}") from None
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have at least one axis{rows}")
+    return xp
 
 
 # -- sketch objects ------------------------------------------------------------------------
@@ -235,10 +164,10 @@ class Sketch:
 
     kind = "abstract"
 
-    def __init__(self, n: int, q: int, seed: int | None) -> None:
+    def __init__(self, n: int, q: int, seed: Any) -> None:
         self.n = n
         self.q = q
-        self.seed = seed
+        self.seed = _check_seed(seed)
         self._xp: Any = None
         self._device: Any = None
 
@@ -257,10 +186,16 @@ class Sketch:
 
     def bind(self, like: Any) -> Sketch:
         """Draw the randomness in the namespace/device of ``like`` (array or namespace)."""
-        xp, dev = _resolve_like(like)
+        if not array_api_compat.is_array_api_obj(like) and hasattr(like, "asarray"):
+            like = like.zeros((1,))  # a namespace: its default device
+        try:
+            xp, dev = array_api_compat.array_namespace(like), array_api_compat.device(like)
+        except TypeError:
+            raise TypeError("like must be an array or an array namespace; "
+                            f"got {type(like).__name__}") from None
         if self._xp is None:
             self._xp, self._device = xp, dev
-            self._draw()
+            self._draw(xp, get_backend(xp).generator(self.seed, dev), _wide_float(xp, dev))
         elif self._xp is not xp or self._device != dev:
             raise ValueError(
                 f"this {self.kind} sketch was drawn for {self._xp.__name__} arrays on device "
@@ -273,16 +208,12 @@ class Sketch:
             raise RuntimeError(f"this {self.kind} sketch is not drawn yet: call .bind(like) "
                                "or .apply(X) first, or create it with like=...")
 
-    def _draw(self) -> None:  # pragma: no cover - abstract
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:  # pragma: no cover - abstract
+        """Draw the randomness from ``gen`` (real arrays in the dtype ``wide``)."""
         raise NotImplementedError
 
     def _check_operand(self, x: Array, axis: int) -> Any:
-        try:
-            xp = array_api_compat.array_namespace(x)
-        except TypeError:
-            raise TypeError(f"X must be an array; got {type(x).__name__}") from None
-        if x.ndim == 0:
-            raise ValueError("X must have at least one axis")
+        xp = _namespace(x, "X")
         if xp.isdtype(x.dtype, "complex floating"):
             raise TypeError(f"X must be real (floating, integer or boolean); got {x.dtype}: "
                             "the sketch is real, apply it to the real and imaginary parts "
@@ -303,6 +234,15 @@ class Sketch:
         ValueError
             ``X`` is 0-d or has not ``n`` entries along ``axis``.
         """
+        xp = self._check_operand(x, axis)
+        dtype = _float_dtype(xp, x)
+        xt = xp.moveaxis(x, axis, 0)
+        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+        out = xp.reshape(self._apply_rows(xp, flat, dtype), (self.q, *xt.shape[1:]))
+        return xp.moveaxis(out, 0, axis)
+
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:  # pragma: no cover
+        """:math:`\\Omega` times ``flat`` (n, m) in ``dtype``: (q, m)."""
         raise NotImplementedError
 
     def matrix(self, dtype: Any = None) -> Array:
@@ -330,14 +270,13 @@ class RowSketch(Sketch):
         The sampling distribution :math:`p` (None for uniform).
     """
 
-    def __init__(self, n: int, q: int, seed: int | None, *, replace: bool, kind: str,
-                 probabilities: Array | None = None) -> None:
+    def __init__(self, n: int, q: int, seed: Any, *, replace: bool, kind: str) -> None:
+        if not replace and q > n:
+            raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
         super().__init__(n, q, seed)
         self.kind = kind
         self.replace = bool(replace)
-        self.probabilities = probabilities
-        self._indices: Array = None
-        self._scale: Array = None
+        self.probabilities: Array | None = None  # leverage: set before drawing
         self._const_scale: float | None = None  # uniform: every row scaled by sqrt(n/q)
 
     @property
@@ -350,20 +289,15 @@ class RowSketch(Sketch):
         self._require_bound()
         return self._scale
 
-    def _draw(self) -> None:
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         # The rows of Omega are stored in increasing order of their index: a row permutation
         # of Omega leaves Omega^T Omega (and every sketched Gram) unchanged, and a sorted
         # gather reads the operand front to back (several times faster on wide operands).
-        xp, dev = self._xp, self._device
-        wide = _wide_float(xp, dev)
-        gen = get_backend(xp).generator(self.seed, dev)
+        dev = self._device
         n, q = self.n, self.q
         p = self.probabilities
         if p is None:
-            if self.replace:
-                idx = gen.integers(0, n, (q,))
-            else:
-                idx = gen.choice(n, q, replace=False)
+            idx = gen.integers(0, n, (q,)) if self.replace else gen.choice(n, q, replace=False)
             idx = xp.sort(xp.astype(idx, xp.int64))
             self._const_scale = math.sqrt(n / q)
             scale = xp.full((q,), self._const_scale, dtype=wide, device=dev)
@@ -381,23 +315,12 @@ class RowSketch(Sketch):
     def apply(self, x: Array, axis: int = 0) -> Array:
         xp = self._check_operand(x, axis)
         axis = axis % x.ndim
-        out = _gather(xp, x, self._indices, axis)
+        out = xp.astype(_gather(xp, x, self._indices, axis), _float_dtype(xp, x), copy=False)
         if self._const_scale is not None:  # uniform: one scalar sqrt(n/q)
-            if not xp.isdtype(out.dtype, "real floating"):
-                out = xp.astype(out, _float_dtype(xp, x))
             return out * self._const_scale
         shape = [1] * x.ndim
         shape[axis] = self.q
-        scale = xp.reshape(xp.astype(self._scale, _float_dtype(xp, x)), tuple(shape))
-        return out * scale
-
-    def matrix(self, dtype: Any = None) -> Array:
-        self._require_bound()
-        xp, dev = self._xp, self._device
-        dtype = dtype or _wide_float(xp, dev)
-        cols = xp.arange(self.n, dtype=xp.int64, device=dev)
-        onehot = xp.astype(self._indices[:, None] == cols[None, :], dtype)
-        return onehot * xp.astype(self._scale, dtype)[:, None]
+        return out * xp.reshape(xp.astype(self._scale, out.dtype), tuple(shape))
 
 
 def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
@@ -407,15 +330,13 @@ def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
     than on the (rows, n) view of the same memory; for contiguous arrays the reshapes are
     free.
     """
-    if x.ndim > 2 and axis == x.ndim - 1:
-        lead = tuple(x.shape[:-1])
-        out = xp.take(xp.reshape(x, (-1, int(x.shape[-1]))), idx, axis=1)
-        return xp.reshape(out, (*lead, int(idx.shape[0])))
-    if x.ndim > 2 and axis == 0:
-        rest = tuple(x.shape[1:])
-        out = xp.take(xp.reshape(x, (int(x.shape[0]), -1)), idx, axis=0)
-        return xp.reshape(out, (int(idx.shape[0]), *rest))
-    return xp.take(x, idx, axis=axis)
+    if x.ndim <= 2 or 0 < axis < x.ndim - 1:
+        return xp.take(x, idx, axis=axis)
+    shape = [int(d) for d in x.shape]
+    view = (shape[0], -1) if axis == 0 else (-1, shape[-1])
+    out = xp.take(xp.reshape(x, view), idx, axis=min(axis, 1))
+    shape[axis] = int(idx.shape[0])
+    return xp.reshape(out, tuple(shape))
 
 
 def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
@@ -434,7 +355,6 @@ def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
         pi = xp.where(positive, xp.ones_like(p), xp.full_like(p, fill))
     else:
         certain = xp.zeros(p.shape, dtype=xp.bool, device=dev)
-        pi = q * p / xp.sum(p)
         for _ in range(q + 1):  # each pass adds at least one certain row, or stops
             k = int(xp.sum(xp.astype(certain, xp.int64)))
             rest = xp.sum(xp.where(certain, xp.zeros_like(p), p))
@@ -465,10 +385,7 @@ class GaussianSketch(Sketch):
 
     kind = "gaussian"
 
-    def _draw(self) -> None:
-        xp, dev = self._xp, self._device
-        gen = get_backend(xp).generator(self.seed, dev)
-        wide = _wide_float(xp, dev)
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         self._omega = gen.normal((self.q, self.n), wide) / math.sqrt(self.q)
 
     @property
@@ -476,18 +393,8 @@ class GaussianSketch(Sketch):
         self._require_bound()
         return self._omega
 
-    def apply(self, x: Array, axis: int = 0) -> Array:
-        xp = self._check_operand(x, axis)
-        dtype = _float_dtype(xp, x)
-        xt, perm = _move_axis_first(xp, x, axis)
-        rest = tuple(xt.shape[1:])
-        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
-        out = xp.astype(self._omega, dtype) @ flat
-        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
-
-    def matrix(self, dtype: Any = None) -> Array:
-        self._require_bound()
-        return self._omega if dtype is None else self._xp.astype(self._omega, dtype)
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
+        return xp.astype(self._omega, dtype) @ flat
 
 
 class SparseSignSketch(Sketch):
@@ -504,24 +411,16 @@ class SparseSignSketch(Sketch):
     kind = "sparse_sign"
     _CHUNK_ELEMENTS = 1 << 22  # one-hot tile size (q x chunk)
 
-    def __init__(self, n: int, q: int, seed: int | None, nnz: int = 1) -> None:
+    def __init__(self, n: int, q: int, seed: Any, nnz: int = 1) -> None:
         super().__init__(n, q, seed)
         self.nnz = nnz
 
-    def _draw(self) -> None:
-        xp, dev = self._xp, self._device
-        gen = get_backend(xp).generator(self.seed, dev)
-        wide = _wide_float(xp, dev)
+    def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         self.rows = gen.integers(0, self.q, (self.nnz, self.n))
         bits = gen.integers(0, 2, (self.nnz, self.n))
         self.signs = xp.astype(2 * bits - 1, wide) / math.sqrt(self.nnz)
 
-    def apply(self, x: Array, axis: int = 0) -> Array:
-        xp = self._check_operand(x, axis)
-        dtype = _float_dtype(xp, x)
-        xt, perm = _move_axis_first(xp, x, axis)
-        rest = tuple(xt.shape[1:])
-        flat = xp.reshape(xp.astype(xt, dtype), (self.n, -1))
+    def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         buckets = xp.arange(self.q, dtype=xp.int64, device=self._device)[:, None]
         signs = xp.astype(self.signs, dtype)
         chunk = max(1, self._CHUNK_ELEMENTS // self.q)
@@ -534,12 +433,12 @@ class SparseSignSketch(Sketch):
                 tile = xp.astype(buckets == self.rows[k, start:stop][None, :], dtype)
                 term = (tile * signs[k, start:stop][None, :]) @ part
                 out = term if out is None else out + term
-        return _restore_axis(xp, xp.reshape(out, (self.q, *rest)), perm)
+        return out
 
 
 # -- constructors ---------------------------------------------------------------------------
 @capabilities(name="sketch.uniform", fast=GENERATOR)
-def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
+def uniform(n: int, q: int, *, seed: Any = None, replace: bool = True,
             like: Any = None) -> RowSketch:
     """Uniform row sampling of ``q`` out of ``n`` rows, scaled by :math:`\\sqrt{n/q}`.
 
@@ -547,8 +446,9 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
     ----------
     n, q : int
         Rows of the operand and of the sketch.  Without replacement ``q <= n``.
-    seed : int, optional
-        Generator seed; the same seed gives the same rows on the same backend.
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Generator seed (module docstring, "Seeds"); the same seed gives the same rows on the
+        same backend.
     replace : bool
         Sample with replacement (i.i.d. rows) or a uniformly random subset.
     like : array or array namespace, optional
@@ -562,19 +462,14 @@ def uniform(n: int, q: int, *, seed: int | None = None, replace: bool = True,
         ``.apply(X)`` gives :math:`\\Omega X` (q, ...) with :math:`\\mathbb{E}[\\Omega^\\top
         \\Omega] = I`.
     """
-    n = check_size(n, "n")
-    q = check_size(q, "q")
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    sk = RowSketch(n, q, _check_seed(seed), replace=replace, kind="uniform")
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = RowSketch(check_size(n, "n"), check_size(q, "q"), seed, replace=replace,
+                   kind="uniform")
+    return sk if like is None else sk.bind(like)
 
 
 @capabilities(name="sketch.leverage", fast=GENERATOR,
               note={b: "without replacement: systematic PPS (unbiased)" for b in BACKENDS})
-def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True) -> RowSketch:
+def leverage(U: Array, q: int, *, seed: Any = None, replace: bool = True) -> RowSketch:
     """Row sampling with probabilities proportional to squared row norms of ``U``.
 
     Parameters
@@ -584,8 +479,8 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
         An all-zero ``U`` falls back to uniform probabilities.
     q : int
         Rows of the sketch (``q <= n`` without replacement).
-    seed : int, optional
-        Generator seed.
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Generator seed (as in :func:`uniform`).
     replace : bool
         With replacement: scale :math:`1/\\sqrt{q p_j}`.  Without: randomized systematic PPS
         sampling with Horvitz-Thompson scale :math:`1/\\sqrt{\\pi_j}` (module docstring).
@@ -598,38 +493,26 @@ def leverage(U: Array, q: int, *, seed: int | None = None, replace: bool = True)
     Raises
     ------
     TypeError
-        ``U`` is not a real floating array, or ``q``/``seed`` are not integers.
+        ``U`` is not a real floating array, ``q`` is not an integer, or ``seed`` is none
+        of the accepted kinds.
     ValueError
         ``U`` is 0-d or has no rows, ``q < 1``, ``q > n`` without replacement, or NaN/Inf
         in ``U``.
     """
-    try:
-        xp = array_api_compat.array_namespace(U)
-    except TypeError:
-        raise TypeError(f"U must be an array; got {type(U).__name__}") from None
-    if U.ndim == 0:
-        raise ValueError("U must have at least one axis (rows on axis 0)")
+    xp = _namespace(U, "U", " (rows on axis 0)")
     if not xp.isdtype(U.dtype, "real floating"):
         raise TypeError(f"U must have a real floating dtype; got {U.dtype}")
-    n = int(U.shape[0])
-    if n == 0:
+    if U.shape[0] == 0:
         raise ValueError(f"U has no rows to sample (shape {tuple(U.shape)})")
     q = check_size(q, "q")
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    return _leverage_from_weights(row_norms_squared(U), q, _check_seed(seed), replace, "U")
+    return _leverage_from_weights(row_norms_squared(U), q, seed, replace, "U")
 
 
-def _leverage_from_weights(w: Array, q: int, seed: int | None, replace: bool,
-                           what: str) -> RowSketch:
+def _leverage_from_weights(w: Array, q: int, seed: Any, replace: bool, what: str) -> RowSketch:
     """Leverage sketch with probabilities proportional to the squared norms ``w`` (n,)."""
-    xp = array_api_compat.array_namespace(w)
-    dev = array_api_compat.device(w)
-    n = int(w.shape[0])
-    if not replace and q > n:
-        raise ValueError(f"q={q} rows cannot be drawn without replacement from n={n}")
-    p = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
-    sk = RowSketch(n, q, seed, replace=replace, kind="leverage", probabilities=p)
+    sk = RowSketch(int(w.shape[0]), q, seed, replace=replace, kind="leverage")
+    xp, dev = array_api_compat.array_namespace(w), array_api_compat.device(w)
+    sk.probabilities = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
     return sk.bind(w)
 
 
@@ -681,29 +564,26 @@ def _normalise(xp: Any, w: Array, what: str) -> Array:
 
 
 @capabilities(name="sketch.gaussian", fast=GENERATOR)
-def gaussian(n: int, q: int, *, seed: int | None = None, like: Any = None) -> GaussianSketch:
+def gaussian(n: int, q: int, *, seed: Any = None, like: Any = None) -> GaussianSketch:
     """Gaussian sketch :math:`G/\\sqrt{q}` (q, n); ``like`` as in :func:`uniform`."""
-    sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed))
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = GaussianSketch(check_size(n, "n"), check_size(q, "q"), seed)
+    return sk if like is None else sk.bind(like)
 
 
 @capabilities(name="sketch.sparse_sign", fast=GENERATOR,
               note={b: "one-hot tiles: O(q n k) flops" for b in BACKENDS})
-def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: int | None = None,
+def sparse_sign(n: int, q: int, *, nnz: int = 1, seed: Any = None,
                 like: Any = None) -> SparseSignSketch:
     """Sparse sign (CountSketch for ``nnz=1``) sketch; ``like`` as in :func:`uniform`."""
-    sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), _check_seed(seed),
-                          check_size(nnz, "nnz"))
-    if like is not None:
-        sk.bind(like)
-    return sk
+    sk = SparseSignSketch(check_size(n, "n"), check_size(q, "q"), seed, check_size(nnz, "nnz"))
+    return sk if like is None else sk.bind(like)
 
 
 @dataclass(frozen=True)
 class SketchSpec:
     """A sketch to be drawn later for an operand: kind, size, seed, replacement.
+
+    A generator or key given as ``seed`` is drawn from once, here, into the integer ``seed``.
 
     ``smw_solve`` / ``natural_gradient`` accept a ``SketchSpec`` or the tuple shorthand
     ``(kind, q)`` / ``(kind, q, seed)``.
@@ -711,14 +591,14 @@ class SketchSpec:
 
     kind: str
     q: int
-    seed: int | None = None
+    seed: Any = None
     replace: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
         object.__setattr__(self, "q", check_size(self.q, "sketch size q"))
-        _check_seed(self.seed)
+        object.__setattr__(self, "seed", _check_seed(self.seed))  # a generator: drawn now
 
     @staticmethod
     def coerce(spec: Any) -> SketchSpec:
@@ -730,7 +610,7 @@ class SketchSpec:
                         f"got {spec!r}")
 
 
-def make_sketch(kind: str, operand: Array, q: int, *, seed: int | None = None,
+def make_sketch(kind: str, operand: Array, q: int, *, seed: Any = None,
                 replace: bool = True) -> Sketch:
     """A sketch of ``kind`` for the rows (axis 0) of ``operand``, drawn on its device."""
     if kind == "leverage":
@@ -738,15 +618,13 @@ def make_sketch(kind: str, operand: Array, q: int, *, seed: int | None = None,
     return _oblivious_sketch(kind, int(operand.shape[0]), q, seed, replace, operand, "sketch kind")
 
 
-def _oblivious_sketch(kind: str, n: int, q: int, seed: int | None, replace: bool, like: Array,
+def _oblivious_sketch(kind: str, n: int, q: int, seed: Any, replace: bool, like: Array,
                       what: str) -> Sketch:
     """A data-independent sketch of ``n`` rows (every kind but leverage)."""
     if kind == "uniform":
         return uniform(n, q, seed=seed, replace=replace, like=like)
-    if kind == "gaussian":
-        return gaussian(n, q, seed=seed, like=like)
-    if kind == "sparse_sign":
-        return sparse_sign(n, q, seed=seed, like=like)
+    if kind in ("gaussian", "sparse_sign"):
+        return (gaussian if kind == "gaussian" else sparse_sign)(n, q, seed=seed, like=like)
     raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
 
 
@@ -799,7 +677,6 @@ class JacobianSketch:
         if v.ndim not in (1, 2) or v.shape[0] != self.num_params:
             raise ValueError(f"v must have shape ({self.num_params},) or ({self.num_params}, k); "
                              f"got {tuple(v.shape)}")
-        k = None if v.ndim == 1 else int(v.shape[1])
         pieces, start = [], 0
         for size, shape, sk in zip(self.sizes, self.shapes, self.block_sketches, strict=True):
             piece = v[start:start + size, ...]
@@ -811,28 +688,17 @@ class JacobianSketch:
             else:
                 d_out, d_in = shape
                 sk_a, sk_g = sk
-                mat = xp.reshape(piece, (d_out, d_in) if k is None else (d_out, d_in, k))
+                mat = xp.reshape(piece, (d_out, d_in, *piece.shape[1:]))
                 if sk_g is not None:
                     mat = sk_g.apply(mat, axis=0)  # Omega_G V
                 if sk_a is not None:
                     mat = sk_a.apply(mat, axis=1)  # V Omega_A^T
-                flat = int(mat.shape[0]) * int(mat.shape[1])
-                pieces.append(xp.reshape(mat, (flat,) if k is None else (flat, k)))
+                pieces.append(xp.reshape(mat, (-1, *piece.shape[1:])))
         return xp.concat(pieces, axis=0)
 
 
-def _factor_sketch(method: str, x: Array, axis_len: int, q: int, seed: int | None,
-                   replace: bool, weights: Array | None) -> Sketch | None:
-    if q >= axis_len:
-        return None
-    if method == "leverage":
-        assert weights is not None
-        return _leverage_from_weights(weights, q, seed, replace, "the Jacobian")
-    return _oblivious_sketch(method, axis_len, q, seed, replace, x, "method")
-
-
 @capabilities(name="sketch.sketch_jacobian", fast=GENERATOR)
-def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int | None = None,
+def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any = None,
                     replace: bool = True, return_sketch: bool = False
                     ) -> Jacobian | tuple[Jacobian, JacobianSketch]:
     """Sketch the parameter dimension of ``J``: ``gram(result)`` estimates ``gram(J)`` unbiasedly.
@@ -851,9 +717,10 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
         Kronecker blocks use the marginal factor norms
         :math:`p_A(i) \\propto \\sum_{n,s} a[n,s,i]^2` and
         :math:`p_G(j) \\propto \\sum_{n,s,o} g[n,s,o,j]^2`.
-    seed : int, optional
-        Master seed; block ``b`` gets ``spawn_seed(seed, b, 0)`` (dense) or
-        ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
+        Master seed (a generator or key is drawn from once); block ``b`` gets
+        ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
+        ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
     replace : bool
         Row sampling with or without replacement (see the module docstring).
     return_sketch : bool
@@ -883,38 +750,34 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: int |
     xp = J.xp
     sizes = J.block_sizes
     budgets = split_budget(q, sizes) if q < J.num_params else sizes
+
+    def factor(x: Array, d: int, q_f: int, b: int, which: int) -> Sketch | None:
+        """Sketch of the last axis (d) of ``x``; None when q_f >= d (kept exact)."""
+        if q_f >= d:
+            return None
+        seed_f = spawn_seed(seed, b, which)
+        if method == "leverage":  # p_j ~ squared norm of column j of x, one pass over x
+            w = column_norms_squared(xp.reshape(x, (-1, d)))
+            return _leverage_from_weights(w, q_f, seed_f, replace, "the Jacobian")
+        return _oblivious_sketch(method, d, q_f, seed_f, replace, x, "method")
+
     blocks: list[Any] = []
     sketches: list[Any] = []
     shapes: list[tuple[int, int] | None] = []
     for b, (block, q_b) in enumerate(zip(J.blocks, budgets, strict=True)):
-        if isinstance(block, DenseBlock):
-            shapes.append(None)
-            if q_b >= block.num_params:
-                blocks.append(block)
-                sketches.append(None)
-                continue
-            # leverage: p_j ~ sum_{n,o} J[n,o,j]^2 (one pass over the block)
-            w = (column_norms_squared(xp.reshape(block.jac, (-1, block.num_params)))
-                 if method == "leverage" else None)
-            sk = _factor_sketch(method, block.jac, block.num_params, q_b,
-                                spawn_seed(seed, b, 0), replace, w)
+        dense = isinstance(block, DenseBlock)
+        shapes.append(None if dense else (block.d_out, block.d_in))
+        if q_b >= block.num_params:
+            blocks.append(block)
+            sketches.append(None)
+        elif dense:
+            sk = factor(block.jac, block.num_params, q_b, b, 0)
             blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
             sketches.append(sk)
         else:
-            shapes.append((block.d_out, block.d_in))
-            if q_b >= block.num_params:
-                blocks.append(block)
-                sketches.append(None)
-                continue
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
-            wa = wg = None
-            if method == "leverage":  # marginal factor norms, one pass over each factor
-                wa = column_norms_squared(xp.reshape(block.a, (-1, block.d_in)))  # (d_in,)
-                wg = column_norms_squared(xp.reshape(block.g, (-1, block.d_out)))  # (d_out,)
-            sk_a = _factor_sketch(method, block.a, block.d_in, q_a, spawn_seed(seed, b, 1),
-                                  replace, wa)
-            sk_g = _factor_sketch(method, block.g, block.d_out, q_g, spawn_seed(seed, b, 2),
-                                  replace, wg)
+            sk_a = factor(block.a, block.d_in, q_a, b, 1)
+            sk_g = factor(block.g, block.d_out, q_g, b, 2)
             a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
             blocks.append(KroneckerBlock(a, g, block.name))

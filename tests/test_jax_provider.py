@@ -12,13 +12,13 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+import ntkcore  # noqa: E402
 from ntkcore.backends import jax_provider  # noqa: E402
 from ntkcore.backends.jax import jacobian  # noqa: E402
-
-import ntkcore  # noqa: E402
 from ntkcore.jacobian import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.models import MLP  # noqa: E402
 from ntkcore.providers import find_provider  # noqa: E402
+from tests.tolerances import kernel_tol  # noqa: E402
 
 
 def _dense_reference(f, params, x):
@@ -153,7 +153,8 @@ def test_unrecognised_patterns_are_dense_and_correct(rng):
         return h @ q["e"]  # e: an ordinary dense layer
 
     x = jnp.asarray(rng.standard_normal((4, 3)))
-    J = jacobian(f, p, x)
+    with pytest.warns(RuntimeWarning, match=r"\['u'\]\"\] enter a jax.jit-compiled"):
+        J = jacobian(f, p, x)
     kinds = {b.name.removesuffix(".T"): type(b).__name__ for b in J}
     assert kinds["['w']"] == "DenseBlock" and kinds["['u']"] == "DenseBlock"
     assert kinds["['c']"] == "DenseBlock" and kinds["['d']"] == "DenseBlock"
@@ -176,6 +177,86 @@ def test_scalar_output_and_integer_leaves(rng):
     refs, leaves = _dense_reference(f, {"v": p["v"], "w": p["w"]}, x)
     for b, r, leaf in zip(J, refs, leaves, strict=True):
         np.testing.assert_allclose(_as_leaf_order(b, leaf), r, rtol=1e-12, atol=1e-13)
+
+
+def _layered_params(rng):
+    """flax/haiku-style nested params: each layer a dict of its leaves."""
+    r = rng.standard_normal
+    return {"dense1": {"w": jnp.asarray(r((3, 5))), "b": jnp.asarray(r(5))},  # x @ w
+            "dense2": {"w": jnp.asarray(r((4, 5))), "b": jnp.asarray(r(4))},  # x @ w.T
+            "mix": {"w": jnp.asarray(r((4, 4))), "gamma": jnp.asarray(r(4))},
+            "norm": {"scale": jnp.asarray(r(4)), "shift": jnp.asarray(r(4))},
+            "out": {"kernel": jnp.asarray(r((4, 2)))}}
+
+
+def _layered_apply(p, x):
+    h = jnp.tanh(x @ p["dense1"]["w"] + p["dense1"]["b"])
+    h = jnp.tanh(h @ p["dense2"]["w"].T + p["dense2"]["b"])
+    h = jnp.tanh((h @ p["mix"]["w"]) * p["mix"]["gamma"])  # a recognised weight, grouped
+    h = jnp.sin(h * p["norm"]["scale"] + p["norm"]["shift"])  # with an unrecognised leaf
+    return h @ p["out"]["kernel"]
+
+
+def test_layerwise_groups_leaves_per_layer(rng):
+    """One block, and one layerwise kernel, per layer dict (weight and bias together, as in
+    torch), each equal to the sum of its leaves' kernels from dense float64 jax.jacrev."""
+    p = _layered_params(rng)
+    x = jnp.asarray(rng.standard_normal((6, 3)))
+    J = jacobian(_layered_apply, p, x)
+    assert J.names == ("['dense1']", "['dense2']", "['mix']", "['norm']", "['out'].T")
+    assert [type(b).__name__ for b in J] == ["KroneckerBlock", "KroneckerBlock", "DenseBlock",
+                                            "DenseBlock", "KroneckerBlock"]
+    assert J.blocks[0].d_in == 3 + 1 and J.blocks[1].d_in == 5 + 1  # the bias column
+    refs, _ = _dense_reference(_layered_apply, p, x)  # leaves: dense1 b, w; dense2 b, w; ...
+    leaf_groups = [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+    k_layers = np.asarray(ntkcore.ntk((_layered_apply, p), x, layerwise=True))
+    assert k_layers.shape == (5, 6, 6, 2, 2)
+    for k, idx in zip(k_layers, leaf_groups, strict=True):
+        ref = sum(_kernel(refs[i]) for i in idx)
+        p_layer = sum(refs[i].shape[2] for i in idx)
+        tol = kernel_tol(np.float64, p_layer, computations=10) * np.abs(ref).max()
+        np.testing.assert_allclose(k, ref, rtol=0, atol=tol)
+
+
+def test_layer_groups_of_sequences(rng):
+    """stax-style [(W, b), ...] is one block per layer; {'w': [w0, w1], 'b': [b0, b1]} (lists
+    of like arrays) stays one block per leaf."""
+    r = rng.standard_normal
+    stax = [(jnp.asarray(r((3, 4))), jnp.asarray(r(4))), (jnp.asarray(r((4, 2))),
+                                                           jnp.asarray(r(2)))]
+
+    def f(q, x):
+        return jnp.tanh(x @ q[0][0] + q[0][1]) @ q[1][0] + q[1][1]
+
+    x = jnp.asarray(r((5, 3)))
+    J = jacobian(f, stax, x)
+    assert J.names == ("[0]", "[1]") and [b.d_in for b in J] == [4, 5]
+    refs, _ = _dense_reference(f, stax, x)
+    ref = _kernel(np.concatenate(refs, axis=2))
+    tol = kernel_tol(np.float64, sum(q.shape[2] for q in refs), computations=10)
+    np.testing.assert_allclose(_kernel(_np_full(J)), ref, rtol=0, atol=tol * np.abs(ref).max())
+    lists = {"w": [q[0] for q in stax], "b": [q[1] for q in stax]}
+    assert jacobian(lambda q, x: f(list(zip(q["w"], q["b"], strict=True)), x), lists, x).names \
+        == ("['b'][0]", "['b'][1]", "['w'][0].T", "['w'][1].T")
+
+
+def test_jitted_apply_fn_keeps_structure(rng):
+    """ntk((jax.jit(apply_fn), params), x): the same blocks as the un-jitted function."""
+    import warnings
+
+    p = _layered_params(rng)
+    x = jnp.asarray(rng.standard_normal((5, 3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "structure lost" warning
+        J = jacobian(jax.jit(_layered_apply), p, x)
+        K = np.asarray(ntkcore.ntk((jax.jit(_layered_apply), p), x))
+    plain = jacobian(_layered_apply, p, x)
+    assert J.names == plain.names
+    assert [type(b) for b in J] == [type(b) for b in plain]
+    refs, _ = _dense_reference(_layered_apply, p, x)
+    ref = _kernel(np.concatenate(refs, axis=2))
+    tol = kernel_tol(np.float64, sum(r.shape[2] for r in refs), computations=10)
+    np.testing.assert_allclose(K, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 
 def test_select_and_registry(rng):
@@ -295,6 +376,7 @@ def test_jax_provider_matches_torch_provider(rng):
     jt = torch_jacobian(torch_net, torch.as_tensor(x))
     jj = jacobian(apply_fn, params, jnp.asarray(x))
     assert all(isinstance(b, KroneckerBlock) for b in jj)
+    assert jj.names == ("[0]", "[1]", "[2]") and len(jj) == len(jt)  # torch's grouping
     k_t = _kernel(jt.to_dense().detach().numpy())
     k_j = _kernel(_np_full(jj))
     np.testing.assert_allclose(k_j, k_t, rtol=1e-11, atol=1e-12)

@@ -352,3 +352,110 @@ def test_sparse_sign_diagonal_with_collisions():
         else:
             assert (~distinct).sum() > 1000 and np.any(np.abs(diag - 1) > 0.5)
             _assert_unbiased(diag[:, None], np.ones(1))
+
+
+# -- pinned draws ---------------------------------------------------------------------------
+# The same seed must give the same sketch release after release (saved seeds, checkpoints of
+# SENG's sketch seeds).  numpy's PCG64 and torch's CPU generator have stable streams; jax's
+# depends on configuration flags (threefry_partitionable), so it is not pinned here.
+def _pinned_draws(backend) -> dict:
+    n = 16
+    j = np.arange(n, dtype=np.float64)
+    x = backend.asarray(np.sqrt(j + 1.0) - 0.3 * j)  # distinct entries: apply(x) shows indices
+    u_np = np.stack([np.cos(j), np.sin(2 * j) + 1.5], 1)
+    u_np[3] *= 4.0
+    u = backend.asarray(u_np)
+    out = {}
+    for name, s in [
+        ("uniform", sk.uniform(n, 5, seed=5, like=x)),
+        ("uniform_norep", sk.uniform(n, 5, seed=5, replace=False, like=x)),
+        ("leverage", sk.leverage(u, 5, seed=5)),
+        ("leverage_norep", sk.leverage(u, 5, seed=5, replace=False)),
+        ("gaussian", sk.gaussian(n, 5, seed=5, like=x)),
+        ("sparse_sign", sk.sparse_sign(n, 5, seed=5, like=x)),
+        ("sparse_sign_nnz2", sk.sparse_sign(n, 5, nnz=2, seed=6, like=x)),
+    ]:
+        idx = backend.to_numpy(s.indices).tolist() if isinstance(s, sk.RowSketch) else None
+        out[name] = (idx, backend.to_numpy(s.apply(x)))
+    J = Jacobian([
+        DenseBlock(backend.asarray(np.cos(np.arange(24.0)).reshape(2, 1, 12))),
+        KroneckerBlock(backend.asarray(np.sin(np.arange(24.0) + 0.5).reshape(2, 3, 4)),
+                       backend.asarray(np.cos(np.arange(30.0) * 0.7).reshape(2, 3, 1, 5)))])
+    v = backend.asarray(np.sqrt(np.arange(32.0) + 2.0))
+    for method, replace in (("leverage", False), ("uniform", True), ("sparse_sign", True)):
+        _, jsk = sk.sketch_jacobian(J, 10, method=method, seed=9, replace=replace,
+                                    return_sketch=True)
+        out[f"jacobian_{method}"] = (None, backend.to_numpy(jsk.apply(v)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["numpy", "array_api_strict", "torch"])
+def test_pinned_draws(name):
+    """Fixed seeds give the indices and values that the code before the refactor of
+    sketch.py gave (array_api_strict draws with numpy's generator on the host)."""
+    pytest.importorskip(name)
+    from conftest import make_case
+
+    got = _pinned_draws(make_case(name))
+    pinned = _PINNED["torch" if name == "torch" else "numpy"]
+    assert got.keys() == pinned.keys()
+    for key, (idx, values) in pinned.items():
+        assert got[key][0] == idx, key
+        values = np.asarray(values)
+        # each value is a sum of at most 4 products: a few roundings of the largest one
+        tol = 16 * np.finfo(np.float64).eps * np.max(np.abs(values))
+        np.testing.assert_allclose(got[key][1], values, rtol=0, atol=tol, err_msg=key)
+
+
+_PINNED = {  # computed with the code of main before the refactor of sketch.py
+    "numpy": {
+        "uniform": ([0, 7, 10, 12, 12], [1.7888543819998317, 1.3030500540697605, 0.566395643677035,
+            0.00993042343944573, 0.00993042343944573]),
+        "uniform_norep": ([0, 7, 8, 10, 12], [1.7888543819998317, 1.3030500540697605,
+            1.0733126291998991, 0.566395643677035, 0.00993042343944573]),
+        "leverage": ([1, 3, 3, 10, 10], [1.89811439713976, 0.7360227277973784, 0.7360227277973784,
+            0.5213256777854383, 0.5213256777854383]),
+        "leverage_norep": ([0, 3, 7, 11, 13], [1.9403767214946188, 1.1, 0.979200460970316,
+            0.3849618807879829, -0.22721457382769944]),
+        "gaussian": (None, [-0.10021761180390079, -1.2633575691020928, -1.6190827374555623,
+            0.09479061566403768, 0.5475393019466306]),
+        "sparse_sign": (None, [-2.42134512152984, -0.8809502999638354, -0.25047212340666003,
+            -0.1542486889354091, -0.6142135623730951]),
+        "sparse_sign_nnz2": (None, [0.0034346915721069626, -0.26794919243112303,
+            -2.6716722834779754, 1.709881702710083, 0.5481506004231369]),
+        "jacobian_leverage": (None, [1.8942601989667414, 2.874324881228343, 3.1405026041968847,
+            3.7025883838009808, 6.871137144030944, 8.636969813527617, 9.585769161172196,
+            11.880713496077492, 8.856987825416711, 10.75566385543759]),
+        "jacobian_uniform": (None, [3.4641016151377544, 3.872983346207417, 5.744562646538029,
+            5.744562646538029, 7.745966692414833, 8.366600265340756, 7.745966692414833,
+            8.366600265340756, 10.000000000000002, 10.488088481701515]),
+        "jacobian_sparse_sign": (None, [-2.1474768247823546, -1.610475130654508,
+            -0.4432736152956096, -4.139691660322477, 0.8259811341630217, 0.8239175333777249, 0.0,
+            0.0, 3.7416573867739413, 3.7498777205897564]),
+    },
+    "torch": {
+        "uniform": ([3, 6, 13, 14, 15], [1.967739820199815, 1.5129259388799963,
+            -0.2832518775267394, -0.5849851741237843, -0.8944271909999159]),
+        "uniform_norep": ([3, 6, 7, 10, 11], [1.967739820199815, 1.5129259388799963,
+            1.3030500540697605, 0.566395643677035, 0.29355389333242216]),
+        "leverage": ([3, 3, 3, 3, 5], [0.7360227277973784, 0.7360227277973784, 0.7360227277973784,
+            0.7360227277973784, 4.005140216834667]),
+        "leverage_norep": ([3, 4, 11, 13, 14], [1.1, 1.4081559731756772, 0.38496188078798277,
+            -0.2272145738276994, -0.6440378465051765]),
+        "gaussian": (None, [-0.7688473775111169, 1.4323765749380861, -1.784989106400941,
+            0.5493173117327966, -0.4760485746823302]),
+        "sparse_sign": (None, [2.2135913579209325, 2.0416192529637796, 0.4446421097303448,
+            0.9554437785387733, -0.3353111118493155]),
+        "sparse_sign_nnz2": (None, [0.5951416456236027, 3.536217234310529, 0.18665888769165173,
+            -0.5669751558766616, -0.5317454909001946]),
+        "jacobian_leverage": (None, [1.8942601989667416, 2.874324881228343, 3.702588383800981,
+            4.228805026536312, 8.432872152172791, 8.633968130949619, 7.613215029800639,
+            7.768651721225773, 8.85698782541671, 9.015475028047577]),
+        "jacobian_uniform": (None, [3.4641016151377544, 5.477225575051661, 5.477225575051661,
+            6.244997998398397, 7.745966692414833, 7.958224257542216, 7.745966692414833,
+            7.958224257542216, 8.563488385776754, 8.755950357709132]),
+        "jacobian_sparse_sign": (None, [-0.9698816079456809, -2.8284271247461903,
+            1.075978163664093, 1.3166247903553998, 0.5009833003453434, -1.4175216216710158,
+            0.3782060614588767, -1.0963614068901135, -4.69041575982343, 14.694811008879075]),
+    },
+}

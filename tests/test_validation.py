@@ -274,7 +274,7 @@ def _regression_calls(backend, k, y, kt):
         "cg_solve": lambda: ntkcore.cg_solve(a(k), a(y), reg=1e-3, tol=1e-12, warn=False)[0],
         "gd_mse_predict": lambda: ntkcore.gd_mse_predict(a(k), a(y), a(kt), 3.0, reg=1e-3),
         "gp_inference": lambda: ntkcore.gp_inference(a(k), a(y), a(kt), reg=1e-3).mean,
-        "KernelRidge": lambda: ntkcore.KernelRidge(reg=1e-3).fit(a(k), a(y)).predict(a(kt)),
+        "KernelRidge": lambda: ntkcore.KernelRidge(alpha=1e-3).fit(a(k), a(y)).predict(a(kt)),
     }
 
 

@@ -254,7 +254,7 @@ def entk_regression(net: Any, x_train: Any, y_train: Any, x_test: Any, *, ridge:
 
     def regression() -> list[Any]:
         y = torch.nn.functional.one_hot(torch.as_tensor(y_train, device=k64.device), 10)
-        fit = ntkcore.KernelRidge(reg=reg).fit(k64, y.double())
+        fit = ntkcore.KernelRidge(alpha=reg).fit(k64, y.double())
         return [fit.predict(k).argmax(dim=1).cpu().numpy() for k in (k_test.double(), k64)]
 
     pred, pred_train = timed("regression", regression)
