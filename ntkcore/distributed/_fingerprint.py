@@ -33,6 +33,7 @@ import re
 import types
 from typing import Any
 
+import dask.array as da
 import numpy as np
 
 from .._version import __version__
@@ -52,7 +53,7 @@ LABELS = {
 }
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_NO_VALUE_EFFECT = frozenset({"max_memory", "check_memory"})
+_NO_VALUE_EFFECT = frozenset({"max_memory", "check_memory", "chunks", "chunk"})
 
 
 def _is_torch_tensor(a: Any) -> bool:
@@ -95,7 +96,10 @@ def array_digest(a: Any) -> str:
 
 
 def _safe_digest(a: Any) -> str | None:
-    """:func:`array_digest`, or None for an array that cannot be read as bytes."""
+    """:func:`array_digest` (of a dask array: of its name, a hash of its graph), or None for an
+    array that cannot be read as bytes."""
+    if isinstance(a, da.Array):
+        return _text_digest("dask:" + a.name)
     try:
         return array_digest(a)
     except Exception:

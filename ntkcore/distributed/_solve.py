@@ -120,6 +120,14 @@ class DaskMatrixOperator(LinearOperator):
         return _back(xp, out, like)
 
 
+def _finite(block: np.ndarray, reg: float) -> np.ndarray:
+    if not np.all(np.isfinite(block)):
+        raise NotPositiveDefiniteError(
+            f"k_train (+ reg={reg:g} I) is not numerically positive definite (the blocked "
+            "Cholesky factor has non-finite entries); increase reg")
+    return block
+
+
 @capabilities(name="distributed.cholesky_regression",
               fast={"numpy": "dask.array.linalg.cholesky"},
               missing=("torch", "cupy", "jax", "array_api_strict"))
@@ -129,7 +137,7 @@ def cholesky_regression(
     k_test_train: Any = None,
     *,
     reg: float = 0.0,
-    compute: bool = True,
+    compute: bool = False,
 ) -> Any:
     r"""Kernel regression by blocked Cholesky on a dask kernel.
 
@@ -144,17 +152,21 @@ def cholesky_regression(
         Without it the dual coefficients :math:`\alpha` are returned.
     reg : float
         Ridge :math:`\lambda \ge 0`.
-    compute : bool, default True
-        Return NumPy arrays (and check the factorisation); ``False`` returns lazy dask arrays.
+    compute : bool, default False
+        ``False``: a lazy dask array (as dask's own linear algebra; call ``.compute()``).
+        ``True``: compute it and return a NumPy array.
 
     Returns
     -------
-    array, shape (M,) / (M, k) predictions, or (N,) / (N, k) coefficients
+    dask.array.Array (or NumPy with ``compute=True``), shape (M,) / (M, k) predictions, or
+    (N,) / (N, k) coefficients
 
     Raises
     ------
     NotPositiveDefiniteError
-        The factorisation produced non-finite values (``K + reg I`` not positive definite).
+        ``K + reg I`` is not positive definite: the factor has non-finite values (at compute
+        time), or, with ``compute=True``, a block factorisation failed (a lazy result raises
+        dask's ``numpy.linalg.LinAlgError`` then).
     """
     k = k_train if isinstance(k_train, da.Array) else da.from_array(_to_numpy(k_train))
     if k.ndim != 2 or k.shape[0] != k.shape[1]:
@@ -176,36 +188,23 @@ def cholesky_regression(
         zeros = da.zeros((n, pad), chunks=c, dtype=k.dtype)
         a = da.block([[a, zeros], [zeros.T, da.eye(pad, chunks=c, dtype=k.dtype)]])
         yy = da.concatenate([y, da.zeros((pad, *y.shape[1:]), dtype=y.dtype)], axis=0)
-    a = a.rechunk((c, c))
-    yy = yy.rechunk((c, *yy.shape[1:]))
-    lower = da.linalg.cholesky(a, lower=True)
-    if compute:
-        lower = lower.persist()  # factor once for both triangular solves
-    z = da.linalg.solve_triangular(lower, yy, lower=True)
+    lower = da.linalg.cholesky(a.rechunk((c, c)), lower=True)
+    z = da.linalg.solve_triangular(lower, yy.rechunk((c, *yy.shape[1:])), lower=True)
     alpha = da.linalg.solve_triangular(lower.T, z, lower=False)[:n]
-    if compute:
-        try:
-            alpha_np = np.asarray(alpha.compute())
-        except np.linalg.LinAlgError as exc:  # a block factorisation failed on a worker
-            raise NotPositiveDefiniteError(
-                f"k_train (+ reg={reg:g} I) is not positive definite (blocked Cholesky: "
-                f"{exc}); increase reg"
-            ) from exc
-        if not np.all(np.isfinite(alpha_np)):
-            raise NotPositiveDefiniteError(
-                f"k_train (+ reg={reg:g} I) is not numerically positive definite (the blocked "
-                "Cholesky factor has non-finite entries); increase reg"
-            )
-        if k_test_train is None:
-            return alpha_np
-        if isinstance(k_test_train, da.Array):
-            return np.asarray((k_test_train @ alpha_np).compute())
-        return _to_numpy(k_test_train) @ alpha_np
-    if k_test_train is None:
-        return alpha
-    kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
-        _to_numpy(k_test_train))
-    return kt @ alpha
+    out = alpha.map_blocks(_finite, reg, dtype=alpha.dtype)
+    if k_test_train is not None:  # one graph: the factor is computed once
+        kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
+            _to_numpy(k_test_train))
+        out = kt @ out
+    if not compute:
+        return out
+    try:
+        return np.asarray(out.compute())
+    except np.linalg.LinAlgError as exc:  # a block factorisation failed on a worker
+        raise NotPositiveDefiniteError(
+            f"k_train (+ reg={reg:g} I) is not positive definite (blocked Cholesky: "
+            f"{exc}); increase reg"
+        ) from exc
 
 
 # cg_solve and aslinearoperator take dask arrays through this adapter.

@@ -45,17 +45,18 @@ _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
 
 
-def _plan(path: str, arr: Any) -> dict[str, Any]:
-    """What a worker needs to read tiles: chunk grid, dtype and (if possible) raw layout."""
+def _plan(loc: Any, arr: Any) -> dict[str, Any]:
+    """What a worker needs to read tiles: chunk grid, dtype and (for an uncompressed store in
+    a local directory) the raw layout."""
     raw = False
     try:
         meta = arr.metadata
         raw = (
-            getattr(meta, "zarr_format", None) == 3
+            isinstance(loc, str)
+            and getattr(meta, "zarr_format", None) == 3
             and not tuple(arr.filters)
             and not tuple(arr.compressors)
             and type(arr.serializer).__name__ == "BytesCodec"
-            and type(arr.store).__name__ == "LocalStore"
             and meta.encode_chunk_key((0, 0)) in ("c/0/0", "c.0.0")
         )
         endian = getattr(getattr(arr.serializer, "endian", None), "value", "little")
@@ -66,7 +67,7 @@ def _plan(path: str, arr: Any) -> dict[str, Any]:
     if raw:
         sep = "/" if arr.metadata.encode_chunk_key((0, 0)) == "c/0/0" else "."
     return {
-        "path": path,
+        "path": loc,
         "shape": tuple(int(s) for s in arr.shape),
         "chunks": tuple(int(c) for c in arr.chunks),
         "dtype": dtype.str,
@@ -88,15 +89,15 @@ def _chunk_file(plan: dict[str, Any], i: int, j: int) -> str:
     return os.path.join(plan["path"], "kernel", f"c.{i}.{j}")
 
 
-def _zarr_array(path: str) -> Any:
+def _zarr_array(loc: Any) -> Any:
     cache = getattr(_local, "arrays", None)
     if cache is None:
         cache = _local.arrays = {}
-    arr = cache.get(path)
+    arr = cache.get(key := loc if isinstance(loc, str) else id(loc))
     if arr is None:
         if len(cache) > 8:
             cache.clear()
-        arr = cache[path] = zarr.open_array(store=path, path="kernel", mode="r")
+        arr = cache[key] = zarr.open_array(store=loc, path="kernel", mode="r")
     return arr
 
 
@@ -243,8 +244,10 @@ class ZarrMatrixOperator(LinearOperator):
 
     Parameters
     ----------
-    store : str or PathLike
+    store : str, PathLike, fsspec URL or zarr store
         A store written by :func:`to_zarr` / :func:`ntk_to_zarr` (complete, 2-D, square).
+        A local directory is memory-mapped; other stores are read through Zarr (a
+        ``MemoryStore`` needs Dask workers in this process).
     client : distributed.Client, scheduler address or None
         Where the products run (see :func:`get_client`; ``None``: the default client).
     symmetric : bool, optional
@@ -273,9 +276,9 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _incomplete_message, _path, zarr_status
+        from ._zarr import _ATTR, _incomplete_message, _location, zarr_status
 
-        path = _path(store)
+        path = _location(store)
         status = zarr_status(path)
         if not status.complete:
             raise ValueError(_incomplete_message(path, status).rstrip(","))
