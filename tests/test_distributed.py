@@ -18,7 +18,7 @@ pytest.importorskip("zarr")
 
 import cloudpickle
 import dask.array as da
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, get_task_stream
 
 import ntkcore
 import ntkcore.distributed as nd
@@ -367,3 +367,121 @@ def test_dask_operator_mixed_dtypes(client):
     k64 = k32.astype(np.float64)  # float32 products: v rounded, then 13 terms per entry
     bound = gamma(np.float32, 13 + 2) * np.abs(k64) @ np.abs(v)
     assert np.all(np.abs(op.sketch(v) - k64 @ v) <= bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# native in Dask (issue 17): a cheap lazy graph, the caller's scheduler, chunks=, dask inputs
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_cluster_no_model_call(monkeypatch):
+    """Count model evaluations (MLP.jacobian) and fail if a cluster or client is started."""
+    calls = []
+    real = MLP.jacobian
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster or client was started while building the graph")
+
+    monkeypatch.setattr(MLP, "jacobian", counted)
+    with monkeypatch.context() as m:
+        m.setattr(nd._cluster, "get_client", no_cluster)
+        m.setattr("distributed.LocalCluster", no_cluster)
+        yield calls
+
+
+@pytest.mark.parametrize("mode", ["trace", "full"])
+def test_building_the_graph_calls_no_model_and_starts_no_cluster(net, mode,
+                                                                no_cluster_no_model_call):
+    calls = no_cluster_no_model_call
+    x1 = np.random.default_rng(10).standard_normal((13, 3))
+    x2 = np.random.default_rng(11).standard_normal((6, 3))
+    ks = [nd.ntk_dask(net, x1, mode=mode, chunks=4), nd.ntk_dask(net, x1, x2, mode=mode)]
+    assert calls == []
+    import dask
+
+    with dask.config.set(scheduler="synchronous"):
+        got = [k.compute() for k in ks]
+    assert len(calls) == 4 + 2  # one Jacobian per chunk of x1 (and x2), at compute time
+    for k, g, b in zip(ks, got, (None, x2), strict=True):
+        ref = dense_reference(net, x1, b, mode)  # float64 reference
+        assert g.dtype == np.float64 and k.dtype == np.float64 and g.shape == k.shape
+        np.testing.assert_allclose(g, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_graph_computes_on_the_callers_client(net, no_cluster_no_model_call):
+    calls = no_cluster_no_model_call
+    x = np.random.default_rng(12).standard_normal((11, 3))
+    k = nd.ntk_dask(net, x, mode="diagonal", chunks=5)
+    assert calls == []
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None,
+                silence_logs=logging.ERROR) as mine:
+        with get_task_stream(client=mine) as stream:
+            got = k.compute()  # the client the user made is dask's default
+    # the upper triangle of 3 x 3 tiles ran there
+    assert sum("_tile_task" in str(t["key"]) for t in stream.data) == 3
+    np.testing.assert_allclose(got, dense_reference(net, x, None, "diagonal"), rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.slow
+def test_torch_graph_build_calls_no_model():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = model.double()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    x = torch.randn(9, 3, dtype=torch.float64)
+    k = nd.ntk_dask(model, x, chunks=4)
+    assert calls == [] and k.dtype == np.float64
+    import dask
+
+    with dask.config.set(scheduler="synchronous"):
+        got = k.compute()
+    params = list(model.parameters())
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[n:n + 1])[0, o],
+                                                                  params)])
+            for n in range(9) for o in range(2)]
+    jd = torch.stack(rows).reshape(9, 2, -1).numpy()
+    np.testing.assert_allclose(got, np.einsum("nop,mop->nm", jd, jd), rtol=1e-12, atol=1e-12)
+
+
+def test_chunks_argument_and_dask_inputs(net):
+    import dask
+
+    x = np.random.default_rng(13).standard_normal((17, 3))
+    ref = dense_reference(net, x, x[:7], "full")
+    with pytest.warns(FutureWarning, match="chunks="):
+        old = nd.ntk_dask(net, x, x[:7], mode="full", chunk=5)
+    assert old.chunks[:2] == ((5, 5, 5, 2), (5, 2))
+    with pytest.raises(TypeError, match="both"):
+        nd.ntk_dask(net, x, chunks=5, chunk=5)
+    # a dask array's chunks along the sample axis are the tiles
+    k = nd.ntk_dask(net, da.from_array(x, chunks=(6, 3)), da.from_array(x[:7], chunks=4),
+                    mode="full")
+    assert k.chunks[:2] == ((6, 6, 5), (6, 1))
+    with dask.config.set(scheduler="synchronous"):
+        for got in (old.compute(), k.compute()):
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    unknown = da.from_array(x, chunks=6)[da.from_array(x[:, 0] > 0, chunks=6)]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        nd.ntk_dask(net, unknown)
+
+
+def test_cholesky_regression_is_lazy_on_dask_scheduler(net):
+    import dask
+
+    _xtr, _xte, k, ks, y = regression_problem(net, n=14, m=4)
+    reg = 1e-3
+    ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)  # direct float64 solve
+    pred = nd.cholesky_regression(da.from_array(k, chunks=5), y, da.from_array(ks, chunks=5),
+                                  reg=reg)
+    assert isinstance(pred, da.Array)
+    with dask.config.set(scheduler="synchronous"):
+        np.testing.assert_allclose(pred.compute(), ref, rtol=1e-7, atol=1e-9)
+        indefinite = nd.cholesky_regression(da.from_array(-np.eye(6), chunks=3), np.ones(6))
+        with pytest.raises(np.linalg.LinAlgError):  # loud at compute time
+            indefinite.compute()

@@ -21,6 +21,7 @@ zarr = pytest.importorskip("zarr")
 
 from distributed import Client, LocalCluster  # noqa: E402
 
+import ntkcore  # noqa: E402
 import ntkcore.distributed as nd  # noqa: E402
 from ntkcore.distributed import _zarr  # noqa: E402
 from ntkcore.models import MLP  # noqa: E402
@@ -347,3 +348,59 @@ def test_store_of_an_older_ntkcore(client, tmp_path, monkeypatch):
         np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
         # upgraded: records and a fingerprint, so key=None is refused only for the key
         assert nd.zarr_status(store, checksums=True).complete
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. any Zarr store: a MemoryStore, an fsspec URL (issue 17); the same guarantees
+# ---------------------------------------------------------------------------------------------
+def test_memory_store_write_resume_and_operator(client, monkeypatch):
+    net_a = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
+    net_b = MLP.random((3, 8, 2), xp=np, seed=1, activation="tanh")
+    store = zarr.storage.MemoryStore()
+    run_interrupted(monkeypatch, 5, net_a, X, store=store, chunks=5, client=client)
+    assert nd.zarr_status(store).tiles_done == 5
+    # the fingerprint lives in the store's Zarr attributes: another model is refused
+    with pytest.raises(ValueError, match="parameters"):
+        nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client)
+    seen = []
+    status = nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client,
+                            progress=lambda d, t, seen=seen: seen.append((d, t)))
+    assert status.complete and seen[-1] == (11, 11)  # 16 tiles, 5 kept
+    ref = dense_trace(net_a, X)
+    np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
+    # a damaged chunk is found through the store API and recomputed
+    key = "kernel/c/1/2"
+    good = store._store_dict[key]
+    store._store_dict[key] = type(good).from_bytes(good.to_bytes()[:-8])
+    assert nd.zarr_status(store).torn == ((1, 2),)
+    assert nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client).complete
+    op = nd.ZarrMatrixOperator(store, client=client)
+    assert op.symmetric and not op.raw
+    v = np.random.default_rng(1).standard_normal((20, 2))
+    np.testing.assert_allclose(op.matmat(v), ref @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(op.diagonal(v[:, 0]), np.diag(nd.read_zarr(store).compute()))
+    np.testing.assert_allclose(ntkcore.cg_solve(nd.read_zarr(store), v, reg=0.1, tol=1e-12)[0],
+                               np.linalg.solve(ref + 0.1 * np.eye(20), v), rtol=1e-8,
+                               atol=1e-10)
+
+
+def test_memory_store_on_dask_scheduler_and_fsspec_url(tmp_path):
+    import dask
+    import dask.array as da
+
+    a = np.random.default_rng(2).standard_normal((9, 9))
+    with dask.config.set(scheduler="synchronous"):  # no distributed client at all
+        store = zarr.storage.MemoryStore()
+        assert nd.to_zarr(da.from_array(a, chunks=4), store).complete
+        np.testing.assert_array_equal(nd.read_zarr(store).compute(), a)
+        with pytest.raises(ValueError, match="overwrite=True"):
+            nd.to_zarr(da.from_array(a + 1, chunks=4), store)  # another dask graph
+        foreign = zarr.storage.MemoryStore()
+        zarr.open_group(store=foreign, mode="w").create_array("x", shape=(3,), dtype="f8")
+        with pytest.raises(ValueError, match="not an ntkcore kernel store"):
+            nd.to_zarr(da.from_array(a, chunks=4), foreign, overwrite=True)
+        assert "x" in zarr.open_group(store=foreign, mode="r")
+        url = f"memory://{tmp_path.name}/k.zarr"
+        assert nd.to_zarr(da.from_array(a, chunks=3), url, key="a").complete
+        np.testing.assert_array_equal(nd.read_zarr(url).compute(), a)
+        assert nd.zarr_status(url, checksums=True).complete

@@ -243,15 +243,15 @@ def ntk_dask(
     if client is not None:
         warnings.warn("ntk_dask(client=) is deprecated and ignored: the array computes on the "
                       "client or scheduler that computes it", FutureWarning, stacklevel=2)
-    if chunks is None:
-        chunks = int(x1.chunks[0][0]) if isinstance(x1, da.Array) else 2048
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None and (not hasattr(x, "shape") or len(x.shape) < 1):
             raise ValueError(f"{name} must be an array whose first axis indexes samples")
         if x is not None and math.isnan(x.shape[0]):
             raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
+    if chunks is None:
+        chunks = int(x1.chunks[0][0]) if isinstance(x1, da.Array) else 2048
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
     if x2 is not None and tuple(x2.shape[1:]) != tuple(x1.shape[1:]):
         raise ValueError(f"x1 samples have shape {tuple(x1.shape[1:])} but x2 samples have "
                          f"{tuple(x2.shape[1:])}")
