@@ -20,6 +20,7 @@ import math
 import warnings
 from typing import Any
 
+import array_api_compat
 import cloudpickle
 import dask
 import dask.array as da
@@ -44,6 +45,15 @@ def _to_numpy(x: Any) -> np.ndarray:
         return np.asarray(x)
     except Exception:
         return np.from_dlpack(x)
+
+
+def _back(host: np.ndarray, like: Any) -> Any:
+    """``host`` in the namespace, device and dtype of ``like``."""
+    if isinstance(like, np.ndarray):
+        return host.astype(like.dtype, copy=False)
+    xp = array_api_compat.array_namespace(like)
+    return xp.asarray(np.ascontiguousarray(host), dtype=like.dtype,
+                      device=array_api_compat.device(like))
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
@@ -182,11 +192,10 @@ def ntk_dask(
 ) -> da.Array:
     r"""The eNTK of ``model`` as a lazy dask array, one task per tile.
 
-    Building the array is cheap: it starts no cluster and (for ``mode="trace"`` with a torch
-    module, an :class:`ntkcore.models.MLP` or a JAX pair, or with ``dtype`` given) does not
-    call the model.  The tiles are computed by whatever computes the array: a
-    ``distributed.Client`` you created (the default client), ``client.compute(k)``, or
-    dask's default scheduler.
+    Building the array is cheap: it starts no cluster and does not call the model when its
+    output count and dtype can be read off it (see ``dtype``).  The tiles are computed by
+    whatever computes the array: a ``distributed.Client`` you created (the default client),
+    ``client.compute(k)``, or dask's default scheduler.
 
     Parameters
     ----------

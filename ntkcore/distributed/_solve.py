@@ -22,19 +22,13 @@ import numpy as np
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ..support import capabilities
-from ._ntk import _to_numpy
+from ._ntk import _back, _to_numpy
 from ._zarrop import ZarrMatrixOperator, _accumulate
 
 
 def to_local(x: Any) -> np.ndarray:
     """Compute a (small) dask array into host memory."""
     return np.asarray(x.compute()) if hasattr(x, "compute") else _to_numpy(x)
-
-
-def _back(xp: Any, host: np.ndarray, like: Any) -> Any:
-    if isinstance(like, np.ndarray):
-        return host
-    return xp.asarray(host, dtype=like.dtype, device=array_api_compat.device(like))
 
 
 def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
@@ -70,16 +64,13 @@ class DaskMatrixOperator(LinearOperator):
     def __init__(self, k: da.Array, *, persist: bool = False) -> None:
         if k.ndim != 2:
             raise ValueError(f"k must have shape (N, N); got shape {tuple(k.shape)}")
-        store = getattr(k, "_ntkcore_zarr_store", None)
-        self.zarr: ZarrMatrixOperator | None = None
-        if store is not None and not persist:
-            self.zarr = ZarrMatrixOperator(store)
+        store = None if persist else getattr(k, "_ntkcore_zarr_store", None)
+        self.zarr = None if store is None else ZarrMatrixOperator(store)
         self.k = k.persist() if persist else k
         self.shape = (int(k.shape[0]), int(k.shape[1]))
         self.dtype = k.dtype
 
     def _product(self, v: Any, dtype: np.dtype) -> Any:
-        xp = array_api_compat.array_namespace(v)
         host = _to_numpy(v)
         vd = da.from_array(np.ascontiguousarray(host.astype(dtype, copy=False)),
                            chunks=(self.k.chunks[1], host.shape[1]))
@@ -87,14 +78,12 @@ class DaskMatrixOperator(LinearOperator):
         parts = da.blockwise(_tile_product, "ijk", self.k, "ij", vd, "jk", dtype.str,
                              None, dtype=dtype, adjust_chunks={"j": 1}, concatenate=False,
                              meta=np.empty((0, 0, 0), dtype=dtype))
-        out = np.asarray(parts.sum(axis=1).compute())
-        return _back(xp, out.astype(host.dtype, copy=False), v)
+        return _back(np.asarray(parts.sum(axis=1).compute()), v)
 
     def matmat(self, v: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.matmat(v)
-        dt = np.promote_types(self.dtype, _to_numpy(v[:1]).dtype)
-        return self._product(v, dt)
+        return self._product(v, np.promote_types(self.dtype, _to_numpy(v[:1]).dtype))
 
     def matvec(self, v: Any) -> Any:
         return self.matmat(v[:, None])[:, 0]
@@ -108,16 +97,12 @@ class DaskMatrixOperator(LinearOperator):
     def columns(self, idx: list[int], like: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.columns(idx, like)
-        xp = array_api_compat.array_namespace(like)
-        out = np.asarray(self.k[:, list(idx)].compute()).astype(_to_numpy(like).dtype)
-        return _back(xp, out, like)
+        return _back(np.asarray(self.k[:, list(idx)].compute()), like)
 
     def diagonal(self, like: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.diagonal(like)
-        xp = array_api_compat.array_namespace(like)
-        out = np.asarray(da.diagonal(self.k).compute()).astype(_to_numpy(like).dtype)
-        return _back(xp, out, like)
+        return _back(np.asarray(da.diagonal(self.k).compute()), like)
 
 
 def _finite(block: np.ndarray, reg: float) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Kernels in Zarr: chunked storage with per-tile completion markers, and resume.
 
-Layout of a kernel store (a Zarr v3 group in a directory)::
+Layout of a kernel store (a Zarr v3 group: a local directory, whose chunk files ntkcore flushes
+and checks itself, or any Zarr store, through the Zarr API)::
 
     <store>/kernel   the kernel, chunks = the dask tiles (no compression by default:
                      kernel values compress poorly and compression costs CPU per tile)
@@ -12,15 +13,9 @@ Layout of a kernel store (a Zarr v3 group in a directory)::
                       "symmetric", "fingerprint", "version"}}
 
 Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk),
-flushes the chunk file to disk (``fsync``), records its size and checksum, and only then sets
-its marker (its own chunk of ``done``).  A run that dies leaves finished tiles marked;
-writing again with ``resume=True`` computes only the unmarked ones and the marked ones whose
-chunk file no longer has the recorded size (or checksum, with ``checksums=True``).
-
-A resume first proves the store holds the same computation: the same shape, tiles, dtype and
-``key``, and, without a key, the same fingerprint (``fp.py``: parameters, inputs,
-mode, parameter selection, options, ntkcore version).  ntkcore never deletes or writes into a
-directory that is not one of its stores.
+flushes it (``fsync``), records its size and checksum, and only then sets its marker (its own
+chunk of ``done``).  The guarantees (one computation per store, never deleting what is not
+ntkcore's, never calling a torn store complete) are those of :func:`to_zarr`.
 """
 
 from __future__ import annotations
@@ -189,18 +184,18 @@ def _fsync_dir(name: str) -> None:
         os.close(fd)
 
 
-def _set_record(group_or_loc: Any, index: tuple[int, ...], size: int, crc: int) -> None:
-    rec = (group_or_loc["tiles"] if isinstance(group_or_loc, zarr.Group) else
-           zarr.open_array(store=group_or_loc, path="tiles", mode="r+"))
+def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool) -> None:
+    """Record a written tile's chunk, then (with ``done``) set its marker: in that order."""
+    rec = zarr.open_array(store=loc, path="tiles", mode="r+")
     rec[(*(slice(i, i + 1) for i in index), slice(None))] = np.array(
         [size, crc], dtype=np.uint64).reshape((1,) * len(index) + (2,))
+    if done:
+        zarr.open_array(store=loc, path="done", mode="r+")[tuple(slice(i, i + 1)
+                                                                for i in index)] = 1
 
 
 def _mark_done(loc: Any, index: tuple[int, ...], size: int, crc: int) -> None:
-    """Record a written tile's chunk, then set its marker (in that order)."""
-    _set_record(loc, index, size, crc)
-    done = zarr.open_array(store=loc, path="done", mode="r+")
-    done[tuple(slice(i, i + 1) for i in index)] = 1
+    _set_record(loc, index, size, crc, True)
 
 
 def _write_tile(tile: np.ndarray, loc: Any, index: tuple[int, ...],
@@ -400,7 +395,7 @@ def _resume(loc: Any, old: dict[str, Any], meta: dict[str, Any], key: str | None
         group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
                            dtype="uint64", fill_value=0)
         for index in zip(*np.nonzero(done), strict=True):
-            _set_record(group, index, *_tile_record(loc, _key(group["kernel"], index)))
+            _set_record(loc, index, *_tile_record(loc, _key(group["kernel"], index)), False)
         old.update(format=_FORMAT, fingerprint=old.get("fingerprint") or meta["fingerprint"])
     group.attrs.update({_ATTR: old})
     return done
@@ -546,16 +541,12 @@ def ntk_to_zarr(
     from ``store`` are computed (and only the Jacobian chunks they need).  The store is
     uncompressed; a symmetric trace kernel (``x2=None``) is recorded as symmetric.
 
-    The store records a fingerprint of the computation: SHA-256 digests of the values of the
-    model's parameters and buffers, its structure (module tree, training flags, user
-    ``forward`` bytecode; MLP widths, activation and scales), the parameter selection, ``x1``
-    and ``x2`` (a dask array: its name), ``mode``, the value-changing options (``dtype``) and
-    ntkcore's version.  With ``key=None`` a resume on a store whose fingerprint differs is
-    refused, naming the differing parts.  Not covered: globals, closures or helper functions
-    a ``forward`` reads, and the code of JAX ``apply_fn`` callees; change those and pass
-    ``overwrite=True``.  For a model of a provider ntkcore does not know, no fingerprint can
-    be derived and a resume needs an explicit ``key``.  Hashing costs one pass over the
-    parameters and inputs (about 5 ms for 1M float32 parameters).
+    With ``key=None`` the store records a fingerprint of the computation (SHA-256 digests of
+    the model's parameters and structure, the parameter selection, the inputs -- of a dask
+    array, its name --, ``mode``, ``dtype`` and ntkcore's version; docs/distributed.md lists
+    what each covers and what it does not), and a resume on a store whose fingerprint differs
+    is refused, naming the differing parts.  A model of a provider ntkcore does not know has
+    no fingerprint: a resume then needs an explicit ``key``.
     """
     from ._ntk import ntk_dask
 

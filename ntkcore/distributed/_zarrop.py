@@ -28,53 +28,40 @@ sketches and accurate enough for a preconditioner.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
 from typing import Any
 
-import array_api_compat
 import numpy as np
 import zarr
 
 from ..cg import LinearOperator
 from ._cluster import get_client
-from ._ntk import _to_numpy
+from ._ntk import _back, _to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
 
 
 def _plan(loc: Any, arr: Any) -> dict[str, Any]:
-    """What a worker needs to read tiles: chunk grid, dtype and (for an uncompressed store in
-    a local directory) the raw layout."""
-    raw = False
-    try:
-        meta = arr.metadata
-        raw = (
-            isinstance(loc, str)
-            and getattr(meta, "zarr_format", None) == 3
-            and not tuple(arr.filters)
-            and not tuple(arr.compressors)
-            and type(arr.serializer).__name__ == "BytesCodec"
-            and meta.encode_chunk_key((0, 0)) in ("c/0/0", "c.0.0")
-        )
-        endian = getattr(getattr(arr.serializer, "endian", None), "value", "little")
-    except Exception:  # pragma: no cover - other zarr versions: read through zarr
-        raw, endian = False, "little"
+    """What a worker needs to read tiles: chunk grid, dtype and, for an uncompressed store in
+    a local directory, the chunk files' layout (``raw``)."""
+    key = arr.metadata.encode_chunk_key((0, 0))
+    raw = (isinstance(loc, str) and key in ("c/0/0", "c.0.0") and not tuple(arr.filters)
+           and not tuple(arr.compressors) and type(arr.serializer).__name__ == "BytesCodec")
+    endian = getattr(getattr(arr.serializer, "endian", None), "value", "little") if raw else ""
     dtype = np.dtype(arr.dtype)
-    sep = "/"
-    if raw:
-        sep = "/" if arr.metadata.encode_chunk_key((0, 0)) == "c/0/0" else "."
     return {
         "path": loc,
         "shape": tuple(int(s) for s in arr.shape),
         "chunks": tuple(int(c) for c in arr.chunks),
         "dtype": dtype.str,
-        "disk_dtype": dtype.newbyteorder("<" if endian == "little" else ">").str,
-        "fill": float(arr.fill_value if arr.fill_value is not None else 0),
+        "disk_dtype": dtype.newbyteorder(">" if endian == "big" else "<").str,
+        "fill": float(arr.fill_value or 0),
         "raw": raw,
-        "sep": sep,
+        "sep": key[1],
     }
 
 
@@ -84,9 +71,8 @@ def _bounds(plan: dict[str, Any], axis: int, i: int) -> tuple[int, int]:
 
 
 def _chunk_file(plan: dict[str, Any], i: int, j: int) -> str:
-    if plan["sep"] == "/":
-        return os.path.join(plan["path"], "kernel", "c", str(i), str(j))
-    return os.path.join(plan["path"], "kernel", f"c.{i}.{j}")
+    sep = plan["sep"]
+    return os.path.join(plan["path"], "kernel", *f"c{sep}{i}{sep}{j}".split("/"))
 
 
 def _zarr_array(loc: Any) -> Any:
@@ -184,54 +170,25 @@ def _diagonal_task(plan: dict[str, Any], i: int) -> np.ndarray:
 
 
 def _rows_task(plan: dict[str, Any], rows: list[int]) -> np.ndarray:
-    """Whole rows K[rows, :] (len(rows), N), reading only those rows' bytes when raw."""
-    n = plan["shape"][1]
-    dt = np.dtype(plan["dtype"])
-    out = np.empty((len(rows), n), dtype=dt)
-    ch0, ch1 = plan["chunks"]
-    nb = int(np.ceil(n / ch1))
-    disk = np.dtype(plan["disk_dtype"])
+    """Whole rows K[rows, :] (len(rows), N); raw tiles are memory-mapped, so only the pages
+    of those rows are read."""
+    ch0, nb = plan["chunks"][0], -(-plan["shape"][1] // plan["chunks"][1])
+    out = np.empty((len(rows), plan["shape"][1]), dtype=np.dtype(plan["dtype"]))
     for a, r in enumerate(rows):
-        i, local = divmod(r, ch0)
-        for j in range(nb):
-            c0, c1 = _bounds(plan, 1, j)
-            if not plan["raw"]:
-                out[a, c0:c1] = _zarr_array(plan["path"])[r, c0:c1]
-                continue
-            try:
-                with open(_chunk_file(plan, i, j), "rb", buffering=0) as f:
-                    f.seek(local * ch1 * disk.itemsize)
-                    seg = f.read((c1 - c0) * disk.itemsize)
-                out[a, c0:c1] = np.frombuffer(seg, dtype=disk)
-            except FileNotFoundError:
-                out[a, c0:c1] = plan["fill"]
+        out[a] = np.concatenate([_read_tile(plan, r // ch0, j)[r % ch0] for j in range(nb)])
     return out
 
 
 def _cols_task(plan: dict[str, Any], j: int, local: list[int]) -> np.ndarray:
     """Columns ``j * chunk + local`` of the kernel (N, len(local)), reading tile column j."""
-    nb = int(np.ceil(plan["shape"][0] / plan["chunks"][0]))
-    parts = [np.array(_read_tile(plan, i, j)[:, local]) for i in range(nb)]
-    return np.concatenate(parts, axis=0)
+    nb = -(-plan["shape"][0] // plan["chunks"][0])
+    return np.concatenate([_read_tile(plan, i, j)[:, local] for i in range(nb)], axis=0)
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
     parts = max(1, min(parts, len(items)))
-    q, r = divmod(len(items), parts)
-    out, s = [], 0
-    for p in range(parts):
-        e = s + q + (1 if p < r else 0)
-        out.append(items[s:e])
-        s = e
-    return out
-
-
-def _back(host: np.ndarray, like: Any) -> Any:
-    if isinstance(like, np.ndarray):
-        return host.astype(like.dtype, copy=False)
-    xp = array_api_compat.array_namespace(like)
-    return xp.asarray(np.ascontiguousarray(host), dtype=like.dtype,
-                      device=array_api_compat.device(like))
+    edges = [len(items) * p // parts for p in range(parts + 1)]
+    return [items[a:b] for a, b in itertools.pairwise(edges)]
 
 
 class ZarrMatrixOperator(LinearOperator):
@@ -316,9 +273,6 @@ class ZarrMatrixOperator(LinearOperator):
         return (f"ZarrMatrixOperator({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
                 f"dtype={self.dtype}, symmetric={self.symmetric}, raw={self.raw})")
 
-    def _client(self) -> Any:
-        return get_client(self.client)
-
     def _product(self, v: Any, dtype: np.dtype) -> Any:
         host = np.asarray(_to_numpy(v))
         vector = host.ndim == 1
@@ -326,7 +280,7 @@ class ZarrMatrixOperator(LinearOperator):
         if mat.ndim != 2 or mat.shape[0] != self.shape[1]:
             raise ValueError(f"v must have shape ({self.shape[1]},) or ({self.shape[1]}, k); "
                              f"got {tuple(host.shape)}")
-        client = self._client()
+        client = get_client(self.client)
         threads = max(1, sum(client.nthreads().values()))
         groups = _split(self._tiles, self.tasks_per_worker * threads)
         vf = client.scatter(np.ascontiguousarray(mat.astype(dtype, copy=False)), hash=False)
@@ -355,7 +309,7 @@ class ZarrMatrixOperator(LinearOperator):
 
     def diagonal(self, like: Any) -> Any:
         """The diagonal of K (N,), reading the diagonal tiles."""
-        client = self._client()
+        client = get_client(self.client)
         nd = min(self._grid)
         futures = [client.submit(_diagonal_task, self._plan, i, pure=False) for i in range(nd)]
         d = np.concatenate(client.gather(futures))
@@ -367,7 +321,7 @@ class ZarrMatrixOperator(LinearOperator):
         n = self.shape[1]
         if any(i < 0 or i >= n for i in idx):
             raise IndexError(f"column indices must lie in [0, {n}); got {idx}")
-        client = self._client()
+        client = get_client(self.client)
         if self.symmetric:
             groups = _split(idx, max(1, min(len(idx) // 16, sum(client.nthreads().values()))))
             futures = [client.submit(_rows_task, self._plan, g, pure=False) for g in groups]
