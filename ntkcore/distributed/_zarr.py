@@ -20,6 +20,7 @@ ntkcore's, never calling a torn store complete) are those of :func:`to_zarr`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -172,16 +173,12 @@ def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = Fal
 
 
 def _fsync_dir(name: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # platforms without directory descriptors
         fd = os.open(name, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool) -> None:

@@ -19,15 +19,14 @@ kernel.  Uncompressed stores (the :func:`to_zarr` default) are read by memory-ma
 chunk file (no Zarr decode pipeline, no copy: the pages come from the OS page cache, which
 keeps a kernel that fits the machine's RAM between products); other codecs go through Zarr.
 
-Precision: a float32 kernel multiplied by float64 vectors is upcast in cache-sized row blocks
-of 64 rows, so ``matmat`` is the exact float64 product of the stored float32 numbers (CG then
-reaches float64 tolerances).  :meth:`ZarrMatrixOperator.sketch` (used to build a Nystrom
-preconditioner) multiplies in the kernel's own dtype, which is several times faster for wide
-sketches and accurate enough for a preconditioner.
+Precision: a float32 kernel times float64 vectors is upcast 64 rows at a time, so ``matmat``
+is the exact float64 product of the stored numbers; ``sketch`` (for preconditioners) multiplies
+in the kernel's dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import mmap
 import os
@@ -286,19 +285,15 @@ class ZarrMatrixOperator(LinearOperator):
         vf = client.scatter(np.ascontiguousarray(mat.astype(dtype, copy=False)), hash=False)
         futures = [client.submit(_product_task, self._plan, g, vf, dtype.str, self.symmetric,
                                  pure=False) for g in groups]
-        out = None
-        for part in client.gather(futures):
-            out = part if out is None else out + part
+        out = functools.reduce(np.add, client.gather(futures))
         del vf, futures
         self.products += 1
-        res = out[:, 0] if vector else out
-        return _back(res, v)
+        return _back(out[:, 0] if vector else out, v)
 
     def matmat(self, v: Any) -> Any:
         """:math:`K V` (N, k) -> (N, k), in the namespace, device and dtype of ``v``."""
         host_dtype = np.dtype(_to_numpy(v[:1]).dtype)
-        dt = self.product_dtype or np.promote_types(self.dtype, host_dtype)
-        return self._product(v, dt)
+        return self._product(v, self.product_dtype or np.promote_types(self.dtype, host_dtype))
 
     def matvec(self, v: Any) -> Any:
         return self.matmat(v)
@@ -327,14 +322,11 @@ class ZarrMatrixOperator(LinearOperator):
             futures = [client.submit(_rows_task, self._plan, g, pure=False) for g in groups]
             out = np.concatenate(client.gather(futures), axis=0).T
         else:
+            # one task per strip of tile columns; columns come back ordered by strip
             c = self.chunks[1]
-            by_strip: dict[int, list[int]] = {}
-            for i in idx:
-                by_strip.setdefault(i // c, []).append(i % c)
-            strips = sorted(by_strip)
-            futures = [client.submit(_cols_task, self._plan, j, sorted(set(by_strip[j])),
-                                     pure=False) for j in strips]
-            got = dict(zip(strips, client.gather(futures), strict=True))
-            out = np.stack([got[i // c][:, sorted(set(by_strip[i // c])).index(i % c)]
-                            for i in idx], axis=1)
+            futures = [client.submit(_cols_task, self._plan, j, [i % c for i in idx if i // c == j],
+                                     pure=False) for j in sorted({i // c for i in idx})]
+            got = np.concatenate(client.gather(futures), axis=1)
+            out = np.empty_like(got)
+            out[:, sorted(range(len(idx)), key=lambda p: idx[p] // c)] = got
         return _back(out, like)
