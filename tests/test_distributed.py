@@ -485,3 +485,13 @@ def test_cholesky_regression_is_lazy_on_dask_scheduler(net):
         indefinite = nd.cholesky_regression(da.from_array(-np.eye(6), chunks=3), np.ones(6))
         with pytest.raises(np.linalg.LinAlgError):  # loud at compute time
             indefinite.compute()
+
+
+def test_memory_store_with_process_workers_is_loud(client):
+    import zarr
+
+    k = da.from_array(np.eye(4), chunks=2)
+    store = zarr.storage.MemoryStore()
+    with pytest.raises(RuntimeError, match="own copy"):  # no silently lost writes
+        nd.to_zarr(k, store, client=client)
+    assert nd.zarr_status(store).tiles_done == 0

@@ -88,22 +88,19 @@ class ZarrStatus:
 _SHARED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def _shared_memory_store(key: int) -> Any:
-    store = _SHARED.get(key)
-    if store is None:
-        raise RuntimeError("a zarr MemoryStore lives in the process that made it and this Dask "
-                           "worker runs in another one: use dask's threaded or synchronous "
-                           "scheduler, a Client(processes=False), or a store on disk")
-    return store
+def _shared_memory_store(pid: int, key: int, data: Any) -> Any:
+    store = _SHARED.get(key) if pid == os.getpid() else None
+    return zarr.storage.MemoryStore(data) if store is None else store  # elsewhere: a copy
 
 
 class _SharedMemoryStore(zarr.storage.MemoryStore):
-    """A MemoryStore that Dask tasks of this process use in place: Dask pickles task
-    arguments even for in-process workers, and writes to a pickled copy would be lost."""
+    """A MemoryStore that Dask tasks in this process use in place (Dask pickles task
+    arguments even for in-process workers, and writes to a copy would be lost); workers in
+    other processes get a copy, whose writes :func:`to_zarr` reports."""
 
     def __reduce__(self) -> Any:
         _SHARED[id(self)] = self
-        return _shared_memory_store, (id(self),)
+        return _shared_memory_store, (os.getpid(), id(self), self._store_dict)
 
 
 def _location(store: Any) -> Any:
@@ -510,7 +507,8 @@ def to_zarr(
         raise RuntimeError(
             f"the store at {loc!r} holds {status.tiles_done}/{status.tiles_total} tiles after "
             "all of them were written: another process changed it, or the workers wrote to "
-            "their own copy of a store in this process's memory (use workers in this process)")
+            "their own copy of a store in this process's memory (a MemoryStore needs workers "
+            "in this process: dask's threaded scheduler or a Client(processes=False))")
     group = zarr.open_group(store=loc, mode="r+")
     group.attrs.update({_ATTR: {**group.attrs.asdict()[_ATTR], "complete": True}})
     return status

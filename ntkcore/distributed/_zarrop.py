@@ -202,8 +202,8 @@ class ZarrMatrixOperator(LinearOperator):
     ----------
     store : str, PathLike, fsspec URL or zarr store
         A store written by :func:`to_zarr` / :func:`ntk_to_zarr` (complete, 2-D, square).
-        A local directory is memory-mapped; other stores are read through Zarr (a
-        ``MemoryStore`` needs Dask workers in this process).
+        A local directory is memory-mapped; other stores are read through Zarr (workers in
+        other processes read a copy of a ``MemoryStore``).
     client : distributed.Client, scheduler address or None
         Where the products run (see :func:`get_client`; ``None``: the default client).
     symmetric : bool, optional
