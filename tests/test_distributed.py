@@ -416,7 +416,7 @@ def test_graph_computes_on_the_callers_client(net, no_cluster_no_model_call):
     x = np.random.default_rng(12).standard_normal((11, 3))
     k = nd.ntk_dask(net, x, mode="diagonal", chunks=5)
     assert calls == []
-    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None,
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 silence_logs=logging.ERROR) as mine:
         with get_task_stream(client=mine) as stream:
             got = k.compute()  # the client the user made is dask's default

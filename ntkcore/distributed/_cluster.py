@@ -43,9 +43,8 @@ def get_client(client: distributed.Client | str | None = None, **cluster_kwargs:
         pass
     with _lock:
         if _default is None or _default.status not in ("running", "connecting"):
-            kwargs: dict[str, Any] = {"processes": True, "threads_per_worker": 1}
-            kwargs.update(cluster_kwargs)
-            _default = distributed.Client(distributed.LocalCluster(**kwargs))
+            _default = distributed.Client(distributed.LocalCluster(
+                **{"processes": True, "threads_per_worker": 1, **cluster_kwargs}))
         return _default
 
 

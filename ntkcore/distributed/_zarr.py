@@ -229,22 +229,20 @@ def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
     for index in zip(*np.nonzero(done), strict=True):
         idx = tuple(int(i) for i in index)
         where = _key(kernel, idx)
+        head = f"tile {idx}: chunk file {where}"
         if records is not None:
             want_size, want_crc = (int(v) for v in records[idx])
             size, crc = _tile_record(loc, where, checksum=checksums and want_size > 0)
             if size != want_size:
-                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, "
-                            f"{want_size} were written" if want_size else
-                            f"tile {idx}: chunk file {where} should not exist (the tile was "
-                            f"written as all fill values) but has {size} bytes")
+                bad[idx] = (f"{head} has {size} bytes, {want_size} were written" if want_size
+                            else f"{head} should not exist (the tile was written as all fill "
+                            f"values) but has {size} bytes")
             elif checksums and crc != want_crc:
-                bad[idx] = (f"tile {idx}: chunk file {where} has CRC-32 {crc:08x}, "
-                            f"{want_crc:08x} was written")
+                bad[idx] = f"{head} has CRC-32 {crc:08x}, {want_crc:08x} was written"
         elif expected_raw is not None:
             size, _ = _tile_record(loc, where, checksum=False)
             if size not in (0, expected_raw):
-                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, an "
-                            f"uncompressed tile has {expected_raw}")
+                bad[idx] = f"{head} has {size} bytes, an uncompressed tile has {expected_raw}"
     return bad
 
 
