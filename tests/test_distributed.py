@@ -495,3 +495,34 @@ def test_memory_store_with_process_workers_is_loud(client):
     with pytest.raises(RuntimeError, match="own copy"):  # no silently lost writes
         nd.to_zarr(k, store, client=client)
     assert nd.zarr_status(store).tiles_done == 0
+
+
+def test_jax_graph_build_calls_no_model():
+    pytest.importorskip("jax")
+    import dask
+    import jax.numpy as jnp
+
+    calls = []
+
+    def apply(p, x):
+        calls.append(1)
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    rng = np.random.default_rng(14)
+    w, v = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    params = {"w": jnp.asarray(w, dtype=jnp.float32), "v": jnp.asarray(v, dtype=jnp.float32)}
+    k = nd.ntk_dask((apply, params), x, chunks=3)
+    assert calls == [] and k.dtype == np.float32  # the dtype the JAX provider computes in
+    with dask.config.set(scheduler="synchronous"):
+        got = k.compute()
+    assert got.dtype == np.float32
+    # float64 reference from the closed-form Jacobian of tanh(x W) V (of the float32 values)
+    xd, wd, vd = (np.asarray(a, dtype=np.float64) for a in (x, params["w"], params["v"]))
+    h = np.tanh(xd @ wd)
+    jw = np.einsum("ni,na,ao->noia", xd, 1 - h**2, vd).reshape(7, 2, -1)
+    jv = np.einsum("na,ob->noab", h, np.eye(2)).reshape(7, 2, -1)
+    jd = np.concatenate([jw, jv], axis=2)
+    ref = np.einsum("nop,mop->nm", jd, jd)
+    n = jd.shape[2] + 2 * (3 + 4 + 2)  # products per entry, and the fan-ins of each factor
+    assert np.max(np.abs(got - ref)) <= kernel_tol(np.float32, n) * np.max(np.abs(ref))

@@ -160,10 +160,13 @@ def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
             found = [model.dtype]
         elif provider == "torch":
             found = [p.dtype for p in model.parameters()]
-        elif provider == "jax":
+        elif provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
             import jax
+            import jax.numpy as jnp
 
-            found = [leaf.dtype for leaf in jax.tree_util.tree_leaves(model[1])]
+            found = [leaf.dtype for leaf in jax.tree_util.tree_leaves(model[1])
+                     if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+            return o, np.dtype(jnp.result_type(*found, _np_dtype(x.dtype)))
         else:
             return o, None
         found = [d for d in map(_np_dtype, [*found, x.dtype]) if np.issubdtype(d, np.floating)]
