@@ -18,7 +18,7 @@ pytest.importorskip("zarr")
 
 import cloudpickle
 import dask.array as da
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, get_task_stream
 
 import ntkcore
 import ntkcore.distributed as nd
@@ -64,7 +64,7 @@ def test_ntk_dask_matches_dense(client, net, mode, with_x2):
     rng = np.random.default_rng(1)
     x1 = rng.standard_normal((23, 3))
     x2 = rng.standard_normal((10, 3)) if with_x2 else None
-    k = nd.ntk_dask(net, x1, x2, mode=mode, chunk=7, client=client)  # 7 does not divide 23
+    k = nd.ntk_dask(net, x1, x2, mode=mode, chunks=7)  # 7 does not divide 23
     assert isinstance(k, da.Array)
     assert k.chunks[0] == (7, 7, 7, 2)
     got = k.compute()
@@ -77,7 +77,7 @@ def test_ntk_dask_matches_dense(client, net, mode, with_x2):
 
 def test_symmetric_kernel_computes_each_tile_once(client, net):
     x = np.random.default_rng(2).standard_normal((20, 3))
-    k = nd.ntk_dask(net, x, chunk=5, client=client)
+    k = nd.ntk_dask(net, x, chunks=5)
     names = [key[0] if isinstance(key, tuple) else key for key in dict(k.__dask_graph__())]
     n_tiles = sum(1 for name in names if str(name).startswith("_tile_task"))
     n_jac = sum(1 for name in names if str(name).startswith("_remote_jacobian_task"))
@@ -94,7 +94,7 @@ def test_torch_model(client):
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     model = model.double()
     x = torch.randn(13, 3, dtype=torch.float64)
-    k = nd.ntk_dask(model, x, chunk=6, client=client).compute()
+    k = nd.ntk_dask(model, x, chunks=6).compute()
     # independent reference: autograd Jacobian rows
     params = list(model.parameters())
     rows = []
@@ -108,29 +108,30 @@ def test_torch_model(client):
 
 def test_chunk_too_big_for_worker(client, net):
     x = np.zeros((100_000, 3))
-    with pytest.raises(ValueError, match=r"chunk=50000 needs about .* use chunk <="):
-        nd.ntk_dask(net, x, chunk=50_000, client=client)
+    k = nd.ntk_dask(net, x, chunks=50_000)  # checked where the tiles run: on the workers
+    with pytest.raises(ValueError, match=r"chunks=50000 needs about .* use chunks <="):
+        k.compute()
 
 
 def test_bad_arguments(client, net):
     x = np.zeros((5, 3))
     with pytest.raises(ValueError, match="mode"):
-        nd.ntk_dask(net, x, mode="pseudo", client=client)
+        nd.ntk_dask(net, x, mode="pseudo")
     with pytest.raises(ValueError, match="chunk"):
-        nd.ntk_dask(net, x, chunk=0, client=client)
+        nd.ntk_dask(net, x, chunks=0)
     with pytest.raises(ValueError, match="x2 samples have"):
-        nd.ntk_dask(net, x, np.zeros((5, 4)), client=client)
+        nd.ntk_dask(net, x, np.zeros((5, 4)))
     with pytest.raises(TypeError, match="client"):
         nd.get_client(3)
     with pytest.raises(TypeError, match="no Jacobian provider"):
-        nd.ntk_dask(object(), x, client=client)
+        nd.ntk_dask(object(), x)
 
 
 def test_zarr_round_trip_and_resume(client, net, tmp_path):
     x = np.random.default_rng(3).standard_normal((22, 3))
     store = tmp_path / "k.zarr"
     ref = dense_reference(net, x, None, "trace")
-    k = nd.ntk_dask(net, x, chunk=6, client=client)  # 4 x 4 tiles, last ones partial
+    k = nd.ntk_dask(net, x, chunks=6)  # 4 x 4 tiles, last ones partial
     seen = []
     status = nd.to_zarr(k, store, client=client, key="mlp-x3",
                         progress=lambda d, t: seen.append((d, t)))
@@ -155,7 +156,7 @@ def test_zarr_round_trip_and_resume(client, net, tmp_path):
     # a finished tile that is NOT marked missing must not be recomputed: poison one
     kern[6:12, 0:6] = 7.0
     seen.clear()
-    status = nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="mlp-x3",
+    status = nd.ntk_to_zarr(net, x, store=store, chunks=6, client=client, key="mlp-x3",
                             progress=lambda d, t: seen.append((d, t)))
     assert status.complete
     assert seen[-1] == (3, 3)  # only the three missing tiles were computed
@@ -166,10 +167,10 @@ def test_zarr_round_trip_and_resume(client, net, tmp_path):
     np.testing.assert_allclose(got[mask], ref[mask], rtol=1e-12, atol=1e-12)
 
     with pytest.raises(ValueError, match="different kernel"):
-        nd.ntk_to_zarr(net, x, store=store, chunk=5, client=client, key="mlp-x3")
+        nd.ntk_to_zarr(net, x, store=store, chunks=5, client=client, key="mlp-x3")
     with pytest.raises(ValueError, match="different kernel"):
-        nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="other")
-    status = nd.ntk_to_zarr(net, x, store=store, chunk=6, client=client, key="other",
+        nd.ntk_to_zarr(net, x, store=store, chunks=6, client=client, key="other")
+    status = nd.ntk_to_zarr(net, x, store=store, chunks=6, client=client, key="other",
                             overwrite=True)
     np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(FileNotFoundError):
@@ -188,19 +189,20 @@ def test_blocked_cholesky_regression(client, net):
     xtr, xte, k, ks, y = regression_problem(net)
     reg = 1e-3
     ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)
-    kd = nd.ntk_dask(net, xtr, chunk=8, client=client)
-    kt = nd.ntk_dask(net, xte, xtr, chunk=8, client=client)
-    pred = nd.cholesky_regression(kd, y, kt, reg=reg)
+    kd = nd.ntk_dask(net, xtr, chunks=8)
+    kt = nd.ntk_dask(net, xte, xtr, chunks=8)
+    pred = nd.cholesky_regression(kd, y, kt, reg=reg, compute=True)
     np.testing.assert_allclose(pred, ref, rtol=1e-7, atol=1e-9)
-    alpha = nd.cholesky_regression(kd, y[:, 0], reg=reg)
+    alpha = nd.cholesky_regression(kd, y[:, 0], reg=reg, compute=True)
     np.testing.assert_allclose(alpha, np.linalg.solve(k + reg * np.eye(len(k)), y[:, 0]),
                                rtol=1e-7, atol=1e-7)
-    lazy = nd.cholesky_regression(kd, y, kt, reg=reg, compute=False)
+    lazy = nd.cholesky_regression(kd, y, kt, reg=reg)  # lazy by default, as dask's linalg
     assert isinstance(lazy, da.Array)
+    np.testing.assert_allclose(lazy.compute(), ref, rtol=1e-7, atol=1e-9)
     # indefinite matrix: clear error
     bad = da.from_array(-np.eye(12), chunks=4)
     with pytest.raises(ntkcore.NotPositiveDefiniteError):
-        nd.cholesky_regression(bad, np.ones(12))
+        nd.cholesky_regression(bad, np.ones(12), compute=True)
 
 
 def test_cg_on_dask_kernel(client, net, tmp_path):
@@ -208,9 +210,9 @@ def test_cg_on_dask_kernel(client, net, tmp_path):
     xtr, xte, k, ks, y = regression_problem(net, n=16, m=3)
     reg = 0.1
     ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)
-    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunk=8, client=client)
+    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunks=8, client=client)
     kd = nd.read_zarr(tmp_path / "k.zarr")
-    kt = nd.ntk_dask(net, xte, xtr, chunk=8, client=client)
+    kt = nd.ntk_dask(net, xte, xtr, chunks=8)
     for pc, rank in (("nystrom", 16), ("pivoted_cholesky", 6)):
         pred = ntkcore.kernel_regression(kd, y, kt, reg=reg, solver="cg", tol=1e-10,
                                          rank=rank, preconditioner=pc)
@@ -249,7 +251,7 @@ register_provider("slow-test-model", lambda m: type(m).__name__ == "SlowModel",
 def test_worker_killed_mid_run(client, net):
     x = np.random.default_rng(5).standard_normal((24, 3))
     ref = dense_reference(net, x, None, "trace")
-    k = nd.ntk_dask(SlowModel(net, 0.4), x, chunk=4, client=client)  # 6 Jacobian tasks
+    k = nd.ntk_dask(SlowModel(net, 0.4), x, chunks=4)  # 6 Jacobian tasks
     pids = client.run(os.getpid)
     future = client.compute(k)
     # wait until the cluster is busy computing, then kill one worker process outright
@@ -277,7 +279,7 @@ def net32():
 def test_zarr_operator_products(client, net32, tmp_path):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((23, 3)).astype(np.float32)
-    nd.ntk_to_zarr(net32, x, store=tmp_path / "k.zarr", chunk=7, client=client)  # ragged
+    nd.ntk_to_zarr(net32, x, store=tmp_path / "k.zarr", chunks=7, client=client)  # ragged
     stored = np.asarray(nd.read_zarr(tmp_path / "k.zarr").compute())
     assert stored.dtype == np.float32
     # the stored kernel is the eNTK (float32 accuracy against a float64 dense reference)
@@ -340,7 +342,7 @@ def test_zarr_operator_compressed_store_and_missing_tiles(client, tmp_path):
 
 def test_cg_on_read_zarr_uses_store_operator(client, net, tmp_path):
     xtr, _xte, k, _ks, y = regression_problem(net, n=20, m=3)
-    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunk=6, client=client)
+    nd.ntk_to_zarr(net, xtr, store=tmp_path / "k.zarr", chunks=6, client=client)
     kd = nd.read_zarr(tmp_path / "k.zarr")
     op = ntkcore.cg.aslinearoperator(kd)
     assert isinstance(op, nd.DaskMatrixOperator) and op.zarr is not None and op.zarr.symmetric
@@ -365,3 +367,162 @@ def test_dask_operator_mixed_dtypes(client):
     k64 = k32.astype(np.float64)  # float32 products: v rounded, then 13 terms per entry
     bound = gamma(np.float32, 13 + 2) * np.abs(k64) @ np.abs(v)
     assert np.all(np.abs(op.sketch(v) - k64 @ v) <= bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# native in Dask (issue 17): a cheap lazy graph, the caller's scheduler, chunks=, dask inputs
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_cluster_no_model_call(monkeypatch):
+    """Count model evaluations (MLP.jacobian) and fail if a cluster or client is started."""
+    calls = []
+    real = MLP.jacobian
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster or client was started while building the graph")
+
+    monkeypatch.setattr(MLP, "jacobian", counted)
+    with monkeypatch.context() as m:
+        m.setattr(nd._cluster, "get_client", no_cluster)
+        m.setattr("distributed.LocalCluster", no_cluster)
+        yield calls
+
+
+@pytest.mark.parametrize("mode", ["trace", "full"])
+def test_building_the_graph_calls_no_model_and_starts_no_cluster(net, mode,
+                                                                no_cluster_no_model_call):
+    calls = no_cluster_no_model_call
+    x1 = np.random.default_rng(10).standard_normal((13, 3))
+    x2 = np.random.default_rng(11).standard_normal((6, 3))
+    ks = [nd.ntk_dask(net, x1, mode=mode, chunks=4), nd.ntk_dask(net, x1, x2, mode=mode)]
+    assert calls == []
+    import dask
+
+    with dask.config.set(scheduler="synchronous"):
+        got = [k.compute() for k in ks]
+    assert len(calls) == 4 + 2  # one Jacobian per chunk of x1 (and x2), at compute time
+    for k, g, b in zip(ks, got, (None, x2), strict=True):
+        ref = dense_reference(net, x1, b, mode)  # float64 reference
+        assert g.dtype == np.float64 and k.dtype == np.float64 and g.shape == k.shape
+        np.testing.assert_allclose(g, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_graph_computes_on_the_callers_client(net, no_cluster_no_model_call):
+    calls = no_cluster_no_model_call
+    x = np.random.default_rng(12).standard_normal((11, 3))
+    k = nd.ntk_dask(net, x, mode="diagonal", chunks=5)
+    assert calls == []
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                silence_logs=logging.ERROR) as mine:
+        with get_task_stream(client=mine) as stream:
+            got = k.compute()  # the client the user made is dask's default
+    # the upper triangle of 3 x 3 tiles ran there
+    assert sum("_tile_task" in str(t["key"]) for t in stream.data) == 3
+    np.testing.assert_allclose(got, dense_reference(net, x, None, "diagonal"), rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.slow
+def test_torch_graph_build_calls_no_model():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = model.double()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    x = torch.randn(9, 3, dtype=torch.float64)
+    k = nd.ntk_dask(model, x, chunks=4)
+    assert calls == [] and k.dtype == np.float64
+    import dask
+
+    with dask.config.set(scheduler="synchronous"):
+        got = k.compute()
+    params = list(model.parameters())
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[n:n + 1])[0, o],
+                                                                  params)])
+            for n in range(9) for o in range(2)]
+    jd = torch.stack(rows).reshape(9, 2, -1).numpy()
+    np.testing.assert_allclose(got, np.einsum("nop,mop->nm", jd, jd), rtol=1e-12, atol=1e-12)
+
+
+def test_chunks_argument_and_dask_inputs(net):
+    import dask
+
+    x = np.random.default_rng(13).standard_normal((17, 3))
+    ref = dense_reference(net, x, x[:7], "full")
+    with pytest.warns(FutureWarning, match="chunks="):
+        old = nd.ntk_dask(net, x, x[:7], mode="full", chunk=5)
+    assert old.chunks[:2] == ((5, 5, 5, 2), (5, 2))
+    with pytest.raises(TypeError, match="both"):
+        nd.ntk_dask(net, x, chunks=5, chunk=5)
+    # a dask array's chunks along the sample axis are the tiles
+    k = nd.ntk_dask(net, da.from_array(x, chunks=(6, 3)), da.from_array(x[:7], chunks=4),
+                    mode="full")
+    assert k.chunks[:2] == ((6, 6, 5), (6, 1))
+    with dask.config.set(scheduler="synchronous"):
+        for got in (old.compute(), k.compute()):
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    unknown = da.from_array(x, chunks=6)[da.from_array(x[:, 0] > 0, chunks=6)]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        nd.ntk_dask(net, unknown)
+
+
+def test_cholesky_regression_is_lazy_on_dask_scheduler(net):
+    import dask
+
+    _xtr, _xte, k, ks, y = regression_problem(net, n=14, m=4)
+    reg = 1e-3
+    ref = ks @ np.linalg.solve(k + reg * np.eye(len(k)), y)  # direct float64 solve
+    pred = nd.cholesky_regression(da.from_array(k, chunks=5), y, da.from_array(ks, chunks=5),
+                                  reg=reg)
+    assert isinstance(pred, da.Array)
+    with dask.config.set(scheduler="synchronous"):
+        np.testing.assert_allclose(pred.compute(), ref, rtol=1e-7, atol=1e-9)
+        indefinite = nd.cholesky_regression(da.from_array(-np.eye(6), chunks=3), np.ones(6))
+        with pytest.raises(np.linalg.LinAlgError):  # loud at compute time
+            indefinite.compute()
+
+
+def test_memory_store_with_process_workers_is_loud(client):
+    import zarr
+
+    k = da.from_array(np.eye(4), chunks=2)
+    store = zarr.storage.MemoryStore()
+    with pytest.raises(RuntimeError, match="own copy"):  # no silently lost writes
+        nd.to_zarr(k, store, client=client)
+    assert nd.zarr_status(store).tiles_done == 0
+
+
+def test_jax_graph_build_calls_no_model():
+    pytest.importorskip("jax")
+    import dask
+    import jax.numpy as jnp
+
+    calls = []
+
+    def apply(p, x):
+        calls.append(1)
+        return jnp.tanh(x @ p["w"]) @ p["v"]
+
+    rng = np.random.default_rng(14)
+    w, v = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    params = {"w": jnp.asarray(w, dtype=jnp.float32), "v": jnp.asarray(v, dtype=jnp.float32)}
+    k = nd.ntk_dask((apply, params), x, chunks=3)
+    assert calls == [] and k.dtype == np.float32  # the dtype the JAX provider computes in
+    with dask.config.set(scheduler="synchronous"):
+        got = k.compute()
+    assert got.dtype == np.float32
+    # float64 reference from the closed-form Jacobian of tanh(x W) V (of the float32 values)
+    xd, wd, vd = (np.asarray(a, dtype=np.float64) for a in (x, params["w"], params["v"]))
+    h = np.tanh(xd @ wd)
+    jw = np.einsum("ni,na,ao->noia", xd, 1 - h**2, vd).reshape(7, 2, -1)
+    jv = np.einsum("na,ob->noab", h, np.eye(2)).reshape(7, 2, -1)
+    jd = np.concatenate([jw, jv], axis=2)
+    ref = np.einsum("nop,mop->nm", jd, jd)
+    n = jd.shape[2] + 2 * (3 + 4 + 2)  # products per entry, and the fan-ins of each factor
+    assert np.max(np.abs(got - ref)) <= kernel_tol(np.float32, n) * np.max(np.abs(ref))

@@ -21,6 +21,7 @@ zarr = pytest.importorskip("zarr")
 
 from distributed import Client, LocalCluster  # noqa: E402
 
+import ntkcore  # noqa: E402
 import ntkcore.distributed as nd  # noqa: E402
 from ntkcore.distributed import _zarr  # noqa: E402
 from ntkcore.models import MLP  # noqa: E402
@@ -75,23 +76,23 @@ def test_resume_with_another_model_is_refused(client, tmp_path, monkeypatch):
     net_a = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     net_b = MLP.random((3, 8, 2), xp=np, seed=1, activation="tanh")
     store = tmp_path / "k.zarr"
-    run_interrupted(monkeypatch, 4, net_a, X, store=store, chunk=5, client=client)
+    run_interrupted(monkeypatch, 4, net_a, X, store=store, chunks=5, client=client)
     assert nd.zarr_status(store).tiles_done == 4
     with pytest.raises(ValueError, match=r"(?s)k\.zarr.*parameters.*overwrite=True"):
-        nd.ntk_to_zarr(net_b, X, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client)
     assert nd.zarr_status(store).tiles_done == 4  # refused before writing anything
     # the same computation resumes (a new MLP object with the same values)
     net_a2 = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     seen = []
-    status = nd.ntk_to_zarr(net_a2, X, store=store, chunk=5, client=client,
+    status = nd.ntk_to_zarr(net_a2, X, store=store, chunks=5, client=client,
                             progress=lambda d, t, seen=seen: seen.append((d, t)))
     assert status.complete and seen[-1] == (12, 12)  # 16 tiles, 4 kept
     np.testing.assert_allclose(nd.read_zarr(store).compute(), dense_trace(net_a, X),
                                rtol=1e-12, atol=1e-12)
     # a complete store of model a is not returned for model b either
     with pytest.raises(ValueError, match="parameters"):
-        nd.ntk_to_zarr(net_b, X, store=store, chunk=5, client=client)
-    status = nd.ntk_to_zarr(net_b, X, store=store, chunk=5, client=client, overwrite=True)
+        nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client)
+    status = nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client, overwrite=True)
     assert status.complete
     np.testing.assert_allclose(nd.read_zarr(store).compute(), dense_trace(net_b, X),
                                rtol=1e-12, atol=1e-12)
@@ -100,18 +101,18 @@ def test_resume_with_another_model_is_refused(client, tmp_path, monkeypatch):
 def test_resume_refuses_other_inputs_selection_or_activation(client, tmp_path, monkeypatch):
     net = MLP.random((3, 8, 8, 2), xp=np, seed=0, activation="tanh")
     store = tmp_path / "k.zarr"
-    run_interrupted(monkeypatch, 3, net, X, store=store, chunk=5, client=client)
+    run_interrupted(monkeypatch, 3, net, X, store=store, chunks=5, client=client)
     x_other = X.copy()
     x_other[7, 1] = np.nextafter(x_other[7, 1], np.inf)  # one ulp in one input
     with pytest.raises(ValueError, match="x1"):
-        nd.ntk_to_zarr(net, x_other, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(net, x_other, store=store, chunks=5, client=client)
     with pytest.raises(ValueError, match="params"):
-        nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, params=["layer2"])
+        nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client, params=["layer2"])
     relu = MLP(net.weights, net.biases, activation="relu")  # same parameter values
     with pytest.raises(ValueError, match=r"model \(architecture"):
-        nd.ntk_to_zarr(relu, X, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(relu, X, store=store, chunks=5, client=client)
     with pytest.raises(ValueError, match="x2"):  # same numbers, but a cross kernel
-        nd.ntk_to_zarr(net, X, X, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(net, X, X, store=store, chunks=5, client=client)
     assert nd.zarr_status(store).tiles_done == 3
 
 
@@ -122,19 +123,19 @@ def test_torch_fingerprint_sees_one_ulp_and_flags(client, tmp_path, monkeypatch)
     model = model.double()
     x = torch.tensor(X)
     store = tmp_path / "k.zarr"
-    run_interrupted(monkeypatch, 2, model, x, store=store, chunk=5, client=client)
+    run_interrupted(monkeypatch, 2, model, x, store=store, chunks=5, client=client)
     with torch.no_grad():
         w = model[2].weight
         w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(np.inf, dtype=torch.float64))
     with pytest.raises(ValueError, match="parameters"):
-        nd.ntk_to_zarr(model, x, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(model, x, store=store, chunks=5, client=client)
     with torch.no_grad():
         w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(-np.inf, dtype=torch.float64))
     model[0].bias.requires_grad_(False)  # changes which parameters the kernel sums over
     with pytest.raises(ValueError, match="params"):
-        nd.ntk_to_zarr(model, x, store=store, chunk=5, client=client)
+        nd.ntk_to_zarr(model, x, store=store, chunks=5, client=client)
     model[0].bias.requires_grad_(True)
-    status = nd.ntk_to_zarr(model, x, store=store, chunk=5, client=client)
+    status = nd.ntk_to_zarr(model, x, store=store, chunks=5, client=client)
     assert status.complete
     # independent reference: per-output autograd rows
     params = list(model.parameters())
@@ -152,15 +153,15 @@ def test_explicit_key_is_trusted_but_a_changed_model_warns(client, tmp_path, mon
     net_a = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     net_b = MLP.random((3, 8, 2), xp=np, seed=1, activation="tanh")
     store = tmp_path / "k.zarr"
-    run_interrupted(monkeypatch, 4, net_a, X, store=store, chunk=5, client=client, key="run1")
+    run_interrupted(monkeypatch, 4, net_a, X, store=store, chunks=5, client=client, key="run1")
     with pytest.raises(ValueError, match="key"):
-        nd.ntk_to_zarr(net_a, X, store=store, chunk=5, client=client, key="run2")
+        nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client, key="run2")
     with pytest.raises(ValueError, match="key"):  # the key is part of the identity
-        nd.ntk_to_zarr(net_a, X, store=store, chunk=5, client=client)
-    status = nd.ntk_to_zarr(net_a, X, store=store, chunk=5, client=client, key="run1")
+        nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client)
+    status = nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client, key="run1")
     assert status.complete and status.key == "run1"
     with pytest.warns(UserWarning, match="parameters"):
-        nd.ntk_to_zarr(net_b, X, store=store, chunk=5, client=client, key="run1")
+        nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client, key="run1")
 
 
 def test_to_zarr_without_key_refuses_another_dask_array(client, tmp_path, monkeypatch):
@@ -230,7 +231,7 @@ def chunk_file(store, i, j):
 def test_truncated_tile_is_detected_and_recomputed(client, tmp_path, mode):
     net = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     store = tmp_path / "k.zarr"
-    nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, mode=mode)
+    nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client, mode=mode)
     d = net.jacobian(X).to_dense()
     ref = np.einsum("nop,mqp->nmoq", d, d)  # dense float64 reference
     ref = np.einsum("nmoo->nm", ref) if mode == "trace" else ref
@@ -248,7 +249,7 @@ def test_truncated_tile_is_detected_and_recomputed(client, tmp_path, mode):
         with pytest.raises(ValueError, match=text):
             nd.ZarrMatrixOperator(store, client=client)
     seen = []
-    status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, mode=mode,
+    status = nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client, mode=mode,
                             progress=lambda d, t, seen=seen: seen.append((d, t)))
     assert status.complete and status.torn == () and seen[-1] == (1, 1)
     np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
@@ -257,7 +258,7 @@ def test_truncated_tile_is_detected_and_recomputed(client, tmp_path, mode):
 def test_corrupted_tile_found_by_checksum(client, tmp_path):
     net = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
     store = tmp_path / "k.zarr"
-    nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client)
+    nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client)
     ref = dense_trace(net, X)
     name = chunk_file(store, 0, 3)
     with open(name, "r+b") as f:  # same size, one byte changed
@@ -270,7 +271,7 @@ def test_corrupted_tile_found_by_checksum(client, tmp_path):
     assert status.torn == ((0, 3),) and not status.complete
     with pytest.raises(ValueError, match=r"tile \(0, 3\)"):
         nd.read_zarr(store, checksums=True)
-    status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, checksums=True)
+    status = nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client, checksums=True)
     assert nd.zarr_status(store, checksums=True).complete
     np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
 
@@ -291,9 +292,9 @@ def test_interrupt_between_data_and_marker_leaves_tile_not_done(client, tmp_path
     with monkeypatch.context() as m:
         m.setattr(_zarr, "_mark_done", mark)
         with pytest.raises(BaseException, match="simulated"):
-            nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client)
+            nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client)
     assert nd.zarr_status(store).tiles_done == 3
-    status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client)
+    status = nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client)
     assert status.complete
     np.testing.assert_allclose(nd.read_zarr(store).compute(), dense_trace(net, X),
                                rtol=1e-12, atol=1e-12)
@@ -328,7 +329,7 @@ def test_store_of_an_older_ntkcore(client, tmp_path, monkeypatch):
     ref = dense_trace(net, X)
     for key in (None, "run1"):
         store = tmp_path / f"k-{key}.zarr"
-        run_interrupted(monkeypatch, 5, net, X, store=store, chunk=5, client=client, key=key)
+        run_interrupted(monkeypatch, 5, net, X, store=store, chunks=5, client=client, key=key)
         make_format_1(store)
         name = chunk_file(store, *next((i, j) for i in range(4) for j in range(4)
                                    if os.path.exists(chunk_file(store, i, j))))
@@ -338,12 +339,68 @@ def test_store_of_an_older_ntkcore(client, tmp_path, monkeypatch):
         assert len(status.torn) == 1 and status.tiles_done == 4
         if key is None:  # nothing proves what the tiles are
             with pytest.raises(ValueError, match="older ntkcore"):
-                nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client)
+                nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client)
             continue
         seen = []
-        status = nd.ntk_to_zarr(net, X, store=store, chunk=5, client=client, key=key,
+        status = nd.ntk_to_zarr(net, X, store=store, chunks=5, client=client, key=key,
                                 progress=lambda d, t, seen=seen: seen.append((d, t)))
         assert status.complete and seen[-1] == (12, 12)
         np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
         # upgraded: records and a fingerprint, so key=None is refused only for the key
         assert nd.zarr_status(store, checksums=True).complete
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. any Zarr store: a MemoryStore, an fsspec URL (issue 17); the same guarantees
+# ---------------------------------------------------------------------------------------------
+def test_memory_store_write_resume_and_operator(client, monkeypatch):
+    net_a = MLP.random((3, 8, 2), xp=np, seed=0, activation="tanh")
+    net_b = MLP.random((3, 8, 2), xp=np, seed=1, activation="tanh")
+    store = zarr.storage.MemoryStore()
+    run_interrupted(monkeypatch, 5, net_a, X, store=store, chunks=5, client=client)
+    assert nd.zarr_status(store).tiles_done == 5
+    # the fingerprint lives in the store's Zarr attributes: another model is refused
+    with pytest.raises(ValueError, match="parameters"):
+        nd.ntk_to_zarr(net_b, X, store=store, chunks=5, client=client)
+    seen = []
+    status = nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client,
+                            progress=lambda d, t, seen=seen: seen.append((d, t)))
+    assert status.complete and seen[-1] == (11, 11)  # 16 tiles, 5 kept
+    ref = dense_trace(net_a, X)
+    np.testing.assert_allclose(nd.read_zarr(store).compute(), ref, rtol=1e-12, atol=1e-12)
+    # a damaged chunk is found through the store API and recomputed
+    key = "kernel/c/1/2"
+    good = store._store_dict[key]
+    store._store_dict[key] = type(good).from_bytes(good.to_bytes()[:-8])
+    assert nd.zarr_status(store).torn == ((1, 2),)
+    assert nd.ntk_to_zarr(net_a, X, store=store, chunks=5, client=client).complete
+    op = nd.ZarrMatrixOperator(store, client=client)
+    assert op.symmetric and not op.raw
+    v = np.random.default_rng(1).standard_normal((20, 2))
+    np.testing.assert_allclose(op.matmat(v), ref @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(op.diagonal(v[:, 0]), np.diag(nd.read_zarr(store).compute()))
+    np.testing.assert_allclose(ntkcore.cg_solve(nd.read_zarr(store), v, reg=0.1, tol=1e-12)[0],
+                               np.linalg.solve(ref + 0.1 * np.eye(20), v), rtol=1e-8,
+                               atol=1e-10)
+
+
+def test_memory_store_on_dask_scheduler_and_fsspec_url(tmp_path):
+    import dask
+    import dask.array as da
+
+    a = np.random.default_rng(2).standard_normal((9, 9))
+    with dask.config.set(scheduler="synchronous"):  # no distributed client at all
+        store = zarr.storage.MemoryStore()
+        assert nd.to_zarr(da.from_array(a, chunks=4), store).complete
+        np.testing.assert_array_equal(nd.read_zarr(store).compute(), a)
+        with pytest.raises(ValueError, match="overwrite=True"):
+            nd.to_zarr(da.from_array(a + 1, chunks=4), store)  # another dask graph
+        foreign = zarr.storage.MemoryStore()
+        zarr.open_group(store=foreign, mode="w").create_array("x", shape=(3,), dtype="f8")
+        with pytest.raises(ValueError, match="not an ntkcore kernel store"):
+            nd.to_zarr(da.from_array(a, chunks=4), foreign, overwrite=True)
+        assert "x" in zarr.open_group(store=foreign, mode="r")
+        url = f"memory://{tmp_path.name}/k.zarr"
+        assert nd.to_zarr(da.from_array(a, chunks=3), url, key="a").complete
+        np.testing.assert_array_equal(nd.read_zarr(url).compute(), a)
+        assert nd.zarr_status(url, checksums=True).complete

@@ -6,21 +6,17 @@ with ``pip install ntkcore[dask]``).  The in-memory engine does the arithmetic: 
 computes the structured Jacobian of one chunk of samples with the model's provider, and each
 kernel tile contracts two such chunks with :func:`ntkcore.gram`.
 
-* :func:`ntk_dask` -- a lazy ``dask.array`` of the kernel (tiles computed once; a symmetric
-  kernel computes each off-diagonal tile once and mirrors it).
-* :func:`to_zarr` / :func:`ntk_to_zarr` / :func:`read_zarr` / :func:`zarr_status` -- chunked
-  storage with per-tile completion markers, so an interrupted run resumes without recomputing
-  finished tiles; a store records a fingerprint of its computation (a resume with another
-  model, inputs or options is refused), a size and CRC-32 per tile (a torn tile is reported
-  and recomputed), and ntkcore never writes into or deletes a directory that is not its store.
-* :func:`cholesky_regression` -- blocked Cholesky (``dask.array.linalg``) on a dask kernel.
-* :class:`DaskMatrixOperator` -- lets :func:`ntkcore.cg_solve` and
-  ``kernel_regression(..., solver="cg")`` use a dask kernel through products only.
-* :class:`ZarrMatrixOperator` -- products with a kernel stored in Zarr, a few tasks per
-  worker reading each tile once (the upper triangle of a symmetric kernel); used
-  automatically for an array from :func:`read_zarr`.
-* :func:`get_client` -- the client used when none is given (a ``LocalCluster`` is started on
-  first use).
+* :func:`ntk_dask` -- a lazy ``dask.array`` of the kernel (building it starts no cluster
+  and does not call the model; a symmetric kernel computes each off-diagonal tile once).
+* :func:`to_zarr` / :func:`ntk_to_zarr` / :func:`read_zarr` / :func:`zarr_status` --
+  resumable storage in a directory or any Zarr store, with the guarantees of :func:`to_zarr`.
+* :func:`cholesky_regression` -- blocked Cholesky (``dask.array.linalg``), lazy by default.
+* :class:`DaskMatrixOperator` / :class:`ZarrMatrixOperator` -- products with a dask kernel or
+  a stored one for :func:`ntkcore.cg_solve` (the latter used for an array from
+  :func:`read_zarr`: a few tasks per worker read each tile once).
+* :func:`get_client` -- a client (a ``LocalCluster`` started on first use).  Work runs on the
+  ``client=`` you pass, otherwise where dask computes: the last ``Client`` you created, or
+  dask's default scheduler.
 
 See ``docs/distributed.md`` for a multi-node cluster.
 """

@@ -1,11 +1,14 @@
-"""The Dask client ntkcore uses, and facts about its workers."""
+"""The Dask client ntkcore uses, and computing tasks on it with progress."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import dask
 import distributed
 
 _lock = threading.Lock()
@@ -40,38 +43,47 @@ def get_client(client: distributed.Client | str | None = None, **cluster_kwargs:
         pass
     with _lock:
         if _default is None or _default.status not in ("running", "connecting"):
-            kwargs: dict[str, Any] = {"processes": True, "threads_per_worker": 1}
-            kwargs.update(cluster_kwargs)
-            _default = distributed.Client(distributed.LocalCluster(**kwargs))
+            _default = distributed.Client(distributed.LocalCluster(
+                **{"processes": True, "threads_per_worker": 1, **cluster_kwargs}))
         return _default
 
 
-def worker_memory_limits(client: distributed.Client) -> list[int]:
-    """Memory limit in bytes of every worker (0 = unlimited)."""
-    try:
-        info = client.scheduler_info(n_workers=-1)
-    except TypeError:  # older distributed
-        info = client.scheduler_info()
-    return [int(w.get("memory_limit") or 0) for w in info.get("workers", {}).values()]
+def compute(tasks: Sequence[Any], client: Any = None, progress: Any = None) -> list[Any]:
+    """Compute dask ``tasks`` on ``client`` (see :func:`get_client`), or with ``client=None``
+    where dask would (the default client if there is one, else dask's default scheduler; no
+    cluster is started).
 
-
-def wait_with_progress(client: distributed.Client, futures: Sequence[Any], progress: Any
-                       ) -> list[Any]:
-    """Gather ``futures``, showing progress.
-
-    ``progress``: ``None``/``False`` (silent), ``True`` (Dask's text progress bar) or a
-    callable ``progress(done, total)`` called as each future finishes.
+    ``progress``: ``None``/``False`` (silent), ``True`` (Dask's progress bar) or a callable
+    ``progress(done, total)`` called as each task finishes.
     """
-    futures = list(futures)
-    if progress is True:
-        distributed.progress(futures)
-    elif callable(progress):
-        fn: Callable[[int, int], Any] = progress
-        total = len(futures)
-        fn(0, total)
-        for done, _ in enumerate(distributed.as_completed(futures), start=1):
-            fn(done, total)
-    elif progress not in (None, False):
+    if not (progress in (None, False, True) or callable(progress)):
         raise TypeError(f"progress must be None, True or a callable(done, total); got "
                         f"{progress!r}")
-    return client.gather(futures)
+    tasks, total = list(tasks), len(tasks)
+    if callable(progress):
+        progress(0, total)
+    if client is None:
+        client = getattr(dask.base.get_scheduler(collections=tasks), "__self__", None)
+        client = client if isinstance(client, distributed.Client) else None
+    if client is not None:
+        client = get_client(client)
+        futures = client.compute(tasks)
+        if progress is True:
+            distributed.progress(futures)
+        elif callable(progress):
+            for done, _ in enumerate(distributed.as_completed(futures), start=1):
+                progress(done, total)
+        return client.gather(futures)
+    keys, count = {t.key for t in tasks}, itertools.count(1)
+
+    def post(key: Any, *_: Any) -> None:
+        if key in keys:
+            progress(next(count), total)
+
+    from dask.callbacks import Callback
+    from dask.diagnostics import ProgressBar
+
+    bar = (ProgressBar() if progress is True else Callback(posttask=post) if callable(progress)
+           else contextlib.nullcontext())
+    with bar:
+        return list(dask.compute(*tasks))

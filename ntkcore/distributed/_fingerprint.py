@@ -2,28 +2,10 @@
 the stored tiles belong to the kernel being computed.
 
 A fingerprint is a dict ``component -> hex digest`` (SHA-256), one entry per thing that
-determines the kernel, so that a refused resume can say *what* differs:
-
-=============  ===================================================================================
-``ntkcore``    ntkcore's version and the fingerprint scheme (a tile computed by another version
-               may differ, e.g. after a bug fix)
-``model``      the model's structure: provider, module tree (class, ``extra_repr``, training
-               flag), the bytecode of user-defined ``forward`` methods; for an
-               :class:`ntkcore.models.MLP` its widths, activation, parameterisation and scales
-``parameters`` every parameter's and buffer's name, dtype, shape and bytes, in a fixed order
-``params``     the parameter selection as the provider resolves it (torch: the selected names,
-               which with ``params=None`` are those with ``requires_grad``)
-``x1``, ``x2`` dtype, shape and bytes of the inputs (``x2``: ``"none"`` for a symmetric kernel)
-``mode``       ``"trace"`` / ``"full"`` / ``"diagonal"``
-``options``    the other options that change values (``dtype``, ...), not ``max_memory``
-=============  ===================================================================================
-
-A component that cannot be derived for a model (a provider ntkcore does not know) is ``None``:
-such a store cannot be resumed without an explicit ``key``.
-
-Cost: one pass of SHA-256 over the parameters and the inputs (a host copy first for device
-arrays); for a 1M-parameter float32 model a few milliseconds, next to seconds or hours for
-the kernel.
+determines the kernel (:data:`LABELS`; what each covers is tabulated in docs/distributed.md,
+"What a store guarantees"), so that a refused resume can say *what* differs.  A component that
+cannot be derived (a provider ntkcore does not know) is ``None``: such a store cannot be
+resumed without an explicit ``key``.  Cost: one SHA-256 pass over the parameters and inputs.
 """
 
 from __future__ import annotations
@@ -33,6 +15,7 @@ import re
 import types
 from typing import Any
 
+import dask.array as da
 import numpy as np
 
 from .._version import __version__
@@ -52,16 +35,12 @@ LABELS = {
 }
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_NO_VALUE_EFFECT = frozenset({"max_memory", "check_memory"})
-
-
-def _is_torch_tensor(a: Any) -> bool:
-    return type(a).__module__.startswith("torch") and hasattr(a, "detach")
+_NO_VALUE_EFFECT = frozenset({"max_memory", "check_memory", "chunks", "chunk"})
 
 
 def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, C-contiguous bytes) of an array of any framework, on the host."""
-    if _is_torch_tensor(a):
+    if type(a).__module__.startswith("torch") and hasattr(a, "detach"):
         import torch
 
         t = a.detach()
@@ -87,19 +66,17 @@ def _update_array(h: Any, name: str, a: Any) -> None:
     h.update(data)
 
 
-def array_digest(a: Any) -> str:
-    """SHA-256 of an array's dtype, shape and bytes."""
-    h = hashlib.sha256()
-    _update_array(h, "", a)
-    return h.hexdigest()
-
-
 def _safe_digest(a: Any) -> str | None:
-    """:func:`array_digest`, or None for an array that cannot be read as bytes."""
+    """SHA-256 of an array's dtype, shape and bytes (of a dask array: of its name, a hash of
+    its graph); None for an array that cannot be read as bytes."""
+    if isinstance(a, da.Array):
+        return _text_digest("dask:" + a.name)
+    h = hashlib.sha256()
     try:
-        return array_digest(a)
+        _update_array(h, "", a)
     except Exception:
         return None
+    return h.hexdigest()
 
 
 def _text_digest(text: str) -> str:
@@ -204,9 +181,7 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
     """
     from ..providers import find_provider
 
-    provider = find_provider(model).name
-    by_provider = {"torch": _torch, "mlp": _mlp, "jax": _jax}
-    fn = by_provider.get(provider)
+    fn = {"torch": _torch, "mlp": _mlp, "jax": _jax}.get(find_provider(model).name)
     model_part: dict[str, str | None] = {"model": None, "parameters": None,
                                          "params": _simple_selection(params)}
     if fn is not None:

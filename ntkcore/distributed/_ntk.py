@@ -17,18 +17,20 @@ arrays (host memory, float32/float64 as the model computes), whatever framework 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
+import array_api_compat
 import cloudpickle
 import dask
 import dask.array as da
+import distributed
 import numpy as np
 
 from ..modes import Mode, check_mode
 from ..providers import find_provider
 from ..support import capabilities
 from ..tiling import TileGrid
-from ._cluster import get_client, worker_memory_limits
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -43,6 +45,23 @@ def _to_numpy(x: Any) -> np.ndarray:
         return np.asarray(x)
     except Exception:
         return np.from_dlpack(x)
+
+
+def _back(host: np.ndarray, like: Any) -> Any:
+    """``host`` in the namespace, device and dtype of ``like``."""
+    if isinstance(like, np.ndarray):
+        return host.astype(like.dtype, copy=False)
+    xp = array_api_compat.array_namespace(like)
+    return xp.asarray(np.ascontiguousarray(host), dtype=like.dtype,
+                      device=array_api_compat.device(like))
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype of a dtype of any framework (``torch.float32`` -> float32)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(str(dtype).rsplit(".", 1)[-1])
 
 
 _LOADED: dict[str, Any] = {}  # per worker process: token -> unpickled object
@@ -61,38 +80,99 @@ def _load(token: str, blob: bytes) -> Any:
     return obj
 
 
-def _jacobian_task(jacfn: Any, model: Any, x: Any, params: Any) -> Any:
-    kwargs = {} if params is None else {"params": params}
-    return jacfn(model, x, **kwargs)
+def _worker_limit() -> int:
+    """The memory limit of the Dask worker running this task (0: none, or no worker)."""
+    try:
+        return int(distributed.get_worker().memory_manager.memory_limit or 0)
+    except (ValueError, AttributeError):
+        return 0
+
+
+def _budget(max_memory: Any) -> Any:
+    if max_memory is not None:
+        return max_memory
+    limit = _worker_limit()
+    return max(32 * 2**20, limit // 8) if limit else 256 * 2**20
+
+
+def _check_fits(jac: Any, c: int, mode: Mode, dtype: np.dtype, max_memory: Any) -> None:
+    """Raise if a tile task (two c x c tiles, the factors of two chunks, the gram budget)
+    would not fit 60% of this worker's memory limit."""
+    limit = _worker_limit()
+    if not limit:
+        return
+    tail = mode.tail(int(jac.num_outputs))
+    a_ = 2 * math.prod(tail) * dtype.itemsize
+    b_ = 2 * sum(math.prod(int(s) for s in arr.shape[1:]) * _to_numpy(arr[:1, ...]).itemsize
+                 for blk in jac.blocks for arr in blk.arrays())
+    budget = int(_budget(max_memory))
+    need, cap = a_ * c * c + b_ * c + budget, int(0.6 * limit)
+    if need > cap:
+        # largest chunk whose tile + factors fit (solve a c^2 + b c <= cap - budget)
+        room = max(cap - budget, 1)
+        fit = int((-b_ + math.sqrt(b_ * b_ + 4 * a_ * room)) / (2 * a_))
+        raise ValueError(
+            f"chunks={c} needs about {need / 2**30:.2f} GiB per tile task (two "
+            f"{c}x{c}{'x' + 'x'.join(map(str, tail)) if tail else ''} tiles of {dtype}, "
+            f"Jacobian factors and a {budget / 2**30:.2f} GiB working budget) but the worker "
+            f"has {limit / 2**30:.2f} GiB (60% usable); use chunks <= {max(fit, 1)} or "
+            "workers with more memory")
+
+
+def _jacobian_task(jacfn: Any, model: Any, x: Any, params: Any, check: Any) -> Any:
+    jac = jacfn(model, x, **({} if params is None else {"params": params}))
+    if check is not None:
+        _check_fits(jac, *check)
+    return jac
 
 
 def _remote_jacobian_task(fn_blob: tuple[str, bytes], model_blob: tuple[str, bytes], x: Any,
-                          params: Any) -> Any:
-    return _jacobian_task(_load(*fn_blob), _load(*model_blob), x, params)
+                          params: Any, check: Any) -> Any:
+    return _jacobian_task(_load(*fn_blob), _load(*model_blob), x, params, check)
 
 
-def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any) -> np.ndarray:
+def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any, expect: Any
+               ) -> np.ndarray:
     from ..gram import gram
 
-    t = gram(j1, j2, mode=mode, max_memory=max_memory, dtype=dtype)
-    return np.ascontiguousarray(_to_numpy(t))
+    t = gram(j1, j2, mode=mode, max_memory=_budget(max_memory), dtype=dtype)
+    t = np.ascontiguousarray(_to_numpy(t))
+    if expect is not None and (t.shape[2:], t.dtype) != expect:
+        raise ValueError(f"a tile has trailing shape {t.shape[2:]} and dtype {t.dtype}, but "
+                         f"the dask array was built for {expect[0]} and {expect[1]}; pass "
+                         "dtype= to ntk_dask")
+    return t
 
 
 def _transpose_task(t: np.ndarray, mode: Mode) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(t, mode.swap()))
 
 
-def _factor_bytes_per_sample(jac: Any) -> int:
-    total = 0
-    for b in jac.blocks:
-        for arr in b.arrays():
-            per = math.prod(int(s) for s in arr.shape[1:])
-            total += per * _to_numpy(arr[:1, ...]).dtype.itemsize
-    return total
+def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
+               ) -> tuple[int | None, np.dtype | None]:
+    """(output count, tile dtype) read off the model without calling it; None where unknown
+    (the output count matters only for "full" and "diagonal")."""
+    o = 1 if mode == "trace" else model.widths[-1] if provider == "mlp" else None
+    if dtype is not None:
+        return o, _np_dtype(dtype)
+    try:
+        if provider == "mlp":
+            found = [model.dtype]
+        elif provider == "torch":
+            found = [p.dtype for p in model.parameters()]
+        elif provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
+            import jax
+            import jax.numpy as jnp
 
-
-def _slice(x: Any, s: int, e: int) -> Any:
-    return x[s:e, ...]
+            found = [leaf.dtype for leaf in jax.tree_util.tree_leaves(model[1])
+                     if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+            return o, np.dtype(jnp.result_type(*found, _np_dtype(x.dtype)))
+        else:
+            return o, None
+        found = [d for d in map(_np_dtype, [*found, x.dtype]) if np.issubdtype(d, np.floating)]
+        return o, np.result_type(*found) if found else None
+    except TypeError:  # a dtype NumPy does not know (bfloat16)
+        return o, None
 
 
 @capabilities(name="distributed.ntk_dask", note={
@@ -105,60 +185,85 @@ def ntk_dask(
     x2: Any = None,
     *,
     mode: str = "trace",
-    chunk: int = 2048,
-    client: Any = None,
+    chunks: int | None = None,
     params: Any = None,
     dtype: Any = None,
     max_memory: Any = None,
     check_memory: bool = True,
+    chunk: int | None = None,
+    client: Any = None,
 ) -> da.Array:
-    r"""The eNTK of ``model`` as a lazy dask array computed tile by tile on Dask workers.
+    r"""The eNTK of ``model`` as a lazy dask array, one task per tile.
+
+    Building the array is cheap: it starts no cluster and does not call the model when its
+    output count and dtype can be read off it (see ``dtype``).  The tiles are computed by
+    whatever computes the array: a ``distributed.Client`` you created (the default client),
+    ``client.compute(k)``, or dask's default scheduler.
 
     Parameters
     ----------
     model
         Anything with a registered Jacobian provider (a ``torch.nn.Module``, an
         :class:`ntkcore.models.MLP`, a JAX ``(apply_fn, params)`` pair, ...); it must pickle.
-    x1 : array, shape (N1, ...)
-        Inputs, leading with the sample axis, in the model's framework.
-    x2 : array, shape (N2, ...), optional
+    x1 : array or dask.array.Array, shape (N1, ...)
+        Inputs, leading with the sample axis, in the model's framework (a dask array is
+        computed chunk by chunk inside the Jacobian tasks).
+    x2 : array or dask.array.Array, shape (N2, ...), optional
         Second inputs; ``None`` computes the symmetric kernel of ``x1`` (each off-diagonal
         tile once).
     mode : {"trace", "full", "diagonal"}, default "trace"
         As in :func:`ntkcore.gram`: (N1, N2), (N1, N2, O, O) or (N1, N2, O).
-    chunk : int, default 2048
-        Samples per tile side; a tile holds chunk^2 (x O^2 for "full") values.
-    client : distributed.Client, scheduler address or None
-        See :func:`ntkcore.distributed.get_client`; ``None`` uses the default client or starts
-        a LocalCluster.
+    chunks : int, optional
+        Samples per tile side; a tile holds chunks^2 (x O^2 for "full") values.  Default: the
+        first chunk of a dask ``x1`` along its sample axis, otherwise 2048.
     params
         Passed to the provider (a parameter subset).
     dtype : dtype, optional
-        Accumulation/result dtype of the tiles (default: the Jacobians').
+        Accumulation/result dtype of the tiles (default: the Jacobians', read off the model's
+        parameters and the inputs; a model ntkcore cannot read, or ``mode="full"`` /
+        ``"diagonal"`` for a model other than an MLP, is evaluated on one sample here to learn
+        its output count and dtype).
     max_memory : optional
         Working-memory budget of :func:`ntkcore.gram` inside each tile task (default: an
-        eighth of the smallest worker memory limit, or 256 MiB without limits).
+        eighth of the worker's memory limit, or 256 MiB without a limit).
     check_memory : bool, default True
-        Raise if one tile task would not fit a worker's memory limit.
+        Each Jacobian task raises if one tile task would not fit its worker's memory limit.
+    chunk : int, optional
+        Deprecated alias of ``chunks``.
+    client
+        Deprecated and ignored: the array computes wherever you compute it.
 
     Returns
     -------
     dask.array.Array
-        Lazy kernel with chunks (chunk, chunk[, O, O]); compute it, ``persist`` it, or write
-        it with :func:`ntkcore.distributed.to_zarr` (one tile in memory per task).
+        Lazy kernel with chunks (chunks, chunks[, O, O]); compute it, ``persist`` it, or
+        write it with :func:`ntkcore.distributed.to_zarr` (one tile in memory per task).
 
     Raises
     ------
     ValueError
-        Bad ``mode``/``chunk``, inputs with different trailing shapes, or a chunk that would
-        not fit a worker (the message suggests a chunk that fits).
+        Bad ``mode``/``chunks`` or inputs with different trailing shapes; at compute time, a
+        chunk that would not fit a worker (the message suggests a chunk that fits).
     """
     mode = check_mode(mode)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer; got {chunk!r}")
+    if chunk is not None:
+        if chunks is not None:
+            raise TypeError("pass chunks=, not both chunks= and its deprecated alias chunk=")
+        warnings.warn("ntk_dask(chunk=) is deprecated; use chunks= (Dask's name)",
+                      FutureWarning, stacklevel=2)
+        chunks = chunk
+    if client is not None:
+        warnings.warn("ntk_dask(client=) is deprecated and ignored: the array computes on the "
+                      "client or scheduler that computes it", FutureWarning, stacklevel=2)
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None and (not hasattr(x, "shape") or len(x.shape) < 1):
             raise ValueError(f"{name} must be an array whose first axis indexes samples")
+        if x is not None and math.isnan(x.shape[0]):
+            raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
+    if chunks is None:
+        chunks = int(x1.chunks[0][0]) if isinstance(x1, da.Array) else 2048
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
     if x2 is not None and tuple(x2.shape[1:]) != tuple(x1.shape[1:]):
         raise ValueError(f"x1 samples have shape {tuple(x1.shape[1:])} but x2 samples have "
                          f"{tuple(x2.shape[1:])}")
@@ -166,38 +271,16 @@ def ntk_dask(
     n2 = n1 if x2 is None else int(x2.shape[0])
     if n1 == 0 or n2 == 0:
         raise ValueError("x1 and x2 need at least one sample")
-    client = get_client(client)
     provider = find_provider(model)
     jacfn = provider.load()
-
-    # probe one sample on the client: output count, dtype and factor sizes
-    probe = _jacobian_task(jacfn, model, _slice(x1, 0, 1), params)
-    o = int(probe.num_outputs)
-    probe_tile = _tile_task(probe, None, mode, None, dtype)
-    out_dtype = probe_tile.dtype
+    o, out_dtype = _read_meta(provider.name, model, x1, mode, dtype)
+    if out_dtype is None or o is None:  # learn them from one sample, here
+        x0 = x1[:1].compute() if isinstance(x1, da.Array) else x1[:1]
+        probe = _jacobian_task(jacfn, model, x0, params, None)
+        o = int(probe.num_outputs)
+        out_dtype = _tile_task(probe, None, mode, None, dtype, None).dtype
     tail = mode.tail(o)
-    limits = [m for m in worker_memory_limits(client) if m > 0]
-    if max_memory is None:
-        max_memory = max(32 * 2**20, min(limits) // 8) if limits else 256 * 2**20
-    if check_memory and limits:
-        q = math.prod(tail) if tail else 1
-        c = min(chunk, max(n1, n2))
-        tile_bytes = c * c * q * out_dtype.itemsize
-        factors = 2 * c * _factor_bytes_per_sample(probe)
-        need = 2 * tile_bytes + factors + int(max_memory)
-        cap = int(0.6 * min(limits))
-        if need > cap:
-            # largest chunk whose tile + factors fit (solve a c^2 + b c <= cap - max_memory)
-            a_, b_ = 2 * q * out_dtype.itemsize, 2 * _factor_bytes_per_sample(probe)
-            room = max(cap - int(max_memory), 1)
-            fit = int((-b_ + math.sqrt(b_ * b_ + 4 * a_ * room)) / (2 * a_))
-            raise ValueError(
-                f"chunk={chunk} needs about {need / 2**30:.2f} GiB per tile task (two "
-                f"{c}x{c}{'x' + 'x'.join(map(str, tail)) if tail else ''} tiles of "
-                f"{out_dtype}, Jacobian factors and a {int(max_memory) / 2**30:.2f} GiB "
-                f"working budget) but workers have {min(limits) / 2**30:.2f} GiB (60% "
-                f"usable); use chunk <= {max(fit, 1)} or workers with more memory"
-            )
+    check = (min(chunks, max(n1, n2)), mode, out_dtype, max_memory) if check_memory else None
 
     # The model and provider travel as pickled bytes: one graph key each (so each worker
     # receives them once) and unpickled once per worker process.  Moving the live model
@@ -205,28 +288,23 @@ def ntk_dask(
     # which does not round-trip modules faithfully (their hook dicts lose their type).
     def blob(obj: Any) -> Any:
         data = cloudpickle.dumps(obj)
-        token = dask.base.tokenize(data)
-        return dask.delayed(_identity, pure=True)((token, data))
+        return dask.delayed(_identity, pure=True)((dask.base.tokenize(data), data))
 
     model_d, fn_d = blob(model), blob(jacfn)
-    grid = TileGrid(n1, n2, chunk, symmetric=x2 is None)
+    grid = TileGrid(n1, n2, chunks, symmetric=x2 is None)
     jac_task = dask.delayed(_remote_jacobian_task, pure=True)
     tile_task = dask.delayed(_tile_task, pure=True)
-    t_task = dask.delayed(_transpose_task, pure=True)
-    j1 = [jac_task(fn_d, model_d, _slice(x1, s, e), params) for s, e in grid.rows]
-    j2 = j1 if x2 is None else [jac_task(fn_d, model_d, _slice(x2, s, e), params)
+    j1 = [jac_task(fn_d, model_d, x1[s:e], params, check) for s, e in grid.rows]
+    j2 = j1 if x2 is None else [jac_task(fn_d, model_d, x2[s:e], params, check)
                                 for s, e in grid.cols]
+    expect = (tail, out_dtype)
+    tiles = {(i, j): tile_task(j1[i], None if x2 is None and i == j else j2[j], mode,
+                               max_memory, dtype, expect) for i, j in grid.schedule()}
     meta = np.empty((0,) * (2 + len(tail)), dtype=out_dtype)
-    tiles: dict[tuple[int, int], Any] = {}
-    for i, j in grid.schedule():
-        same = x2 is None and i == j
-        tiles[i, j] = tile_task(j1[i], None if same else j2[j], mode, max_memory, dtype)
-    rows = []
-    for i, (s1, e1) in enumerate(grid.rows):
-        row = []
-        for j, (s2, e2) in enumerate(grid.cols):
-            t = t_task(tiles[j, i], mode) if grid.mirrored(i, j) else tiles[i, j]
-            shape = (e1 - s1, e2 - s2, *tail)
-            row.append(da.from_delayed(t, shape=shape, dtype=out_dtype, meta=meta))
-        rows.append(row)
-    return da.concatenate([da.concatenate(row, axis=1) for row in rows], axis=0)
+    t_task = dask.delayed(_transpose_task, pure=True)
+    rows = [da.concatenate([da.from_delayed(
+        t_task(tiles[j, i], mode) if grid.mirrored(i, j) else tiles[i, j],
+        shape=(e1 - s1, e2 - s2, *tail), dtype=out_dtype, meta=meta)
+        for j, (s2, e2) in enumerate(grid.cols)], axis=1)
+        for i, (s1, e1) in enumerate(grid.rows)]
+    return da.concatenate(rows, axis=0)

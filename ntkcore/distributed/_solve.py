@@ -22,19 +22,13 @@ import numpy as np
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ..support import capabilities
-from ._ntk import _to_numpy
+from ._ntk import _back, _to_numpy
 from ._zarrop import ZarrMatrixOperator, _accumulate
 
 
 def to_local(x: Any) -> np.ndarray:
     """Compute a (small) dask array into host memory."""
     return np.asarray(x.compute()) if hasattr(x, "compute") else _to_numpy(x)
-
-
-def _back(xp: Any, host: np.ndarray, like: Any) -> Any:
-    if isinstance(like, np.ndarray):
-        return host
-    return xp.asarray(host, dtype=like.dtype, device=array_api_compat.device(like))
 
 
 def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
@@ -70,16 +64,13 @@ class DaskMatrixOperator(LinearOperator):
     def __init__(self, k: da.Array, *, persist: bool = False) -> None:
         if k.ndim != 2:
             raise ValueError(f"k must have shape (N, N); got shape {tuple(k.shape)}")
-        store = getattr(k, "_ntkcore_zarr_store", None)
-        self.zarr: ZarrMatrixOperator | None = None
-        if store is not None and not persist:
-            self.zarr = ZarrMatrixOperator(store)
+        store = None if persist else getattr(k, "_ntkcore_zarr_store", None)
+        self.zarr = None if store is None else ZarrMatrixOperator(store)
         self.k = k.persist() if persist else k
         self.shape = (int(k.shape[0]), int(k.shape[1]))
         self.dtype = k.dtype
 
     def _product(self, v: Any, dtype: np.dtype) -> Any:
-        xp = array_api_compat.array_namespace(v)
         host = _to_numpy(v)
         vd = da.from_array(np.ascontiguousarray(host.astype(dtype, copy=False)),
                            chunks=(self.k.chunks[1], host.shape[1]))
@@ -87,14 +78,12 @@ class DaskMatrixOperator(LinearOperator):
         parts = da.blockwise(_tile_product, "ijk", self.k, "ij", vd, "jk", dtype.str,
                              None, dtype=dtype, adjust_chunks={"j": 1}, concatenate=False,
                              meta=np.empty((0, 0, 0), dtype=dtype))
-        out = np.asarray(parts.sum(axis=1).compute())
-        return _back(xp, out.astype(host.dtype, copy=False), v)
+        return _back(np.asarray(parts.sum(axis=1).compute()), v)
 
     def matmat(self, v: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.matmat(v)
-        dt = np.promote_types(self.dtype, _to_numpy(v[:1]).dtype)
-        return self._product(v, dt)
+        return self._product(v, np.promote_types(self.dtype, _to_numpy(v[:1]).dtype))
 
     def matvec(self, v: Any) -> Any:
         return self.matmat(v[:, None])[:, 0]
@@ -108,16 +97,20 @@ class DaskMatrixOperator(LinearOperator):
     def columns(self, idx: list[int], like: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.columns(idx, like)
-        xp = array_api_compat.array_namespace(like)
-        out = np.asarray(self.k[:, list(idx)].compute()).astype(_to_numpy(like).dtype)
-        return _back(xp, out, like)
+        return _back(np.asarray(self.k[:, list(idx)].compute()), like)
 
     def diagonal(self, like: Any) -> Any:
         if self.zarr is not None:
             return self.zarr.diagonal(like)
-        xp = array_api_compat.array_namespace(like)
-        out = np.asarray(da.diagonal(self.k).compute()).astype(_to_numpy(like).dtype)
-        return _back(xp, out, like)
+        return _back(np.asarray(da.diagonal(self.k).compute()), like)
+
+
+def _finite(block: np.ndarray, reg: float) -> np.ndarray:
+    if not np.all(np.isfinite(block)):
+        raise NotPositiveDefiniteError(
+            f"k_train (+ reg={reg:g} I) is not numerically positive definite (the blocked "
+            "Cholesky factor has non-finite entries); increase reg")
+    return block
 
 
 @capabilities(name="distributed.cholesky_regression",
@@ -129,7 +122,7 @@ def cholesky_regression(
     k_test_train: Any = None,
     *,
     reg: float = 0.0,
-    compute: bool = True,
+    compute: bool = False,
 ) -> Any:
     r"""Kernel regression by blocked Cholesky on a dask kernel.
 
@@ -144,17 +137,21 @@ def cholesky_regression(
         Without it the dual coefficients :math:`\alpha` are returned.
     reg : float
         Ridge :math:`\lambda \ge 0`.
-    compute : bool, default True
-        Return NumPy arrays (and check the factorisation); ``False`` returns lazy dask arrays.
+    compute : bool, default False
+        ``False``: a lazy dask array (as dask's own linear algebra; call ``.compute()``).
+        ``True``: compute it and return a NumPy array.
 
     Returns
     -------
-    array, shape (M,) / (M, k) predictions, or (N,) / (N, k) coefficients
+    dask.array.Array (or NumPy with ``compute=True``), shape (M,) / (M, k) predictions, or
+    (N,) / (N, k) coefficients
 
     Raises
     ------
     NotPositiveDefiniteError
-        The factorisation produced non-finite values (``K + reg I`` not positive definite).
+        ``K + reg I`` is not positive definite: the factor has non-finite values (at compute
+        time), or, with ``compute=True``, a block factorisation failed (a lazy result raises
+        dask's ``numpy.linalg.LinAlgError`` then).
     """
     k = k_train if isinstance(k_train, da.Array) else da.from_array(_to_numpy(k_train))
     if k.ndim != 2 or k.shape[0] != k.shape[1]:
@@ -176,36 +173,23 @@ def cholesky_regression(
         zeros = da.zeros((n, pad), chunks=c, dtype=k.dtype)
         a = da.block([[a, zeros], [zeros.T, da.eye(pad, chunks=c, dtype=k.dtype)]])
         yy = da.concatenate([y, da.zeros((pad, *y.shape[1:]), dtype=y.dtype)], axis=0)
-    a = a.rechunk((c, c))
-    yy = yy.rechunk((c, *yy.shape[1:]))
-    lower = da.linalg.cholesky(a, lower=True)
-    if compute:
-        lower = lower.persist()  # factor once for both triangular solves
-    z = da.linalg.solve_triangular(lower, yy, lower=True)
+    lower = da.linalg.cholesky(a.rechunk((c, c)), lower=True)
+    z = da.linalg.solve_triangular(lower, yy.rechunk((c, *yy.shape[1:])), lower=True)
     alpha = da.linalg.solve_triangular(lower.T, z, lower=False)[:n]
-    if compute:
-        try:
-            alpha_np = np.asarray(alpha.compute())
-        except np.linalg.LinAlgError as exc:  # a block factorisation failed on a worker
-            raise NotPositiveDefiniteError(
-                f"k_train (+ reg={reg:g} I) is not positive definite (blocked Cholesky: "
-                f"{exc}); increase reg"
-            ) from exc
-        if not np.all(np.isfinite(alpha_np)):
-            raise NotPositiveDefiniteError(
-                f"k_train (+ reg={reg:g} I) is not numerically positive definite (the blocked "
-                "Cholesky factor has non-finite entries); increase reg"
-            )
-        if k_test_train is None:
-            return alpha_np
-        if isinstance(k_test_train, da.Array):
-            return np.asarray((k_test_train @ alpha_np).compute())
-        return _to_numpy(k_test_train) @ alpha_np
-    if k_test_train is None:
-        return alpha
-    kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
-        _to_numpy(k_test_train))
-    return kt @ alpha
+    out = alpha.map_blocks(_finite, reg, dtype=alpha.dtype)
+    if k_test_train is not None:  # one graph: the factor is computed once
+        kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
+            _to_numpy(k_test_train))
+        out = kt @ out
+    if not compute:
+        return out
+    try:
+        return np.asarray(out.compute())
+    except np.linalg.LinAlgError as exc:  # a block factorisation failed on a worker
+        raise NotPositiveDefiniteError(
+            f"k_train (+ reg={reg:g} I) is not positive definite (blocked Cholesky: "
+            f"{exc}); increase reg"
+        ) from exc
 
 
 # cg_solve and aslinearoperator take dask arrays through this adapter.

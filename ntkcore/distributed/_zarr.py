@@ -1,6 +1,7 @@
 """Kernels in Zarr: chunked storage with per-tile completion markers, and resume.
 
-Layout of a kernel store (a Zarr v3 group in a directory)::
+Layout of a kernel store (a Zarr v3 group: a local directory, whose chunk files ntkcore flushes
+and checks itself, or any Zarr store, through the Zarr API)::
 
     <store>/kernel   the kernel, chunks = the dask tiles (no compression by default:
                      kernel values compress poorly and compression costs CPU per tile)
@@ -12,24 +13,20 @@ Layout of a kernel store (a Zarr v3 group in a directory)::
                       "symmetric", "fingerprint", "version"}}
 
 Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk),
-flushes the chunk file to disk (``fsync``), records its size and checksum, and only then sets
-its marker (its own chunk of ``done``).  A run that dies leaves finished tiles marked;
-writing again with ``resume=True`` computes only the unmarked ones and the marked ones whose
-chunk file no longer has the recorded size (or checksum, with ``checksums=True``).
-
-A resume first proves the store holds the same computation: the same shape, tiles, dtype and
-``key``, and, without a key, the same fingerprint (``fp.py``: parameters, inputs,
-mode, parameter selection, options, ntkcore version).  ntkcore never deletes or writes into a
-directory that is not one of its stores.
+flushes it (``fsync``), records its size and checksum, and only then sets its marker (its own
+chunk of ``done``).  The guarantees (one computation per store, never deleting what is not
+ntkcore's, never calling a torn store complete) are those of :func:`to_zarr`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
 import shutil
 import warnings
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +35,13 @@ import dask
 import dask.array as da
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from .._version import __version__
 from ..support import capabilities
 from . import _fingerprint as fp
-from ._cluster import get_client, wait_with_progress
+from ._cluster import compute
 
 _ATTR = "ntkcore"
 _FORMAT = 2  # 1: no per-tile records and no fingerprint (ntkcore before issue 15)
@@ -86,17 +85,41 @@ class ZarrStatus:
         return text + (f"; and {more} more" if more > 0 else "")
 
 
-def _path(store: Any) -> str:
+_SHARED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _shared_memory_store(pid: int, key: int, data: Any) -> Any:
+    store = _SHARED.get(key) if pid == os.getpid() else None
+    return zarr.storage.MemoryStore(data) if store is None else store  # elsewhere: a copy
+
+
+class _SharedMemoryStore(zarr.storage.MemoryStore):
+    """A MemoryStore that Dask tasks in this process use in place (Dask pickles task
+    arguments even for in-process workers, and writes to a copy would be lost); workers in
+    other processes get a copy, whose writes :func:`to_zarr` reports."""
+
+    def __reduce__(self) -> Any:
+        _SHARED[id(self)] = self
+        return _shared_memory_store, (os.getpid(), id(self), self._store_dict)
+
+
+def _location(store: Any) -> Any:
+    """A local directory (str; ntkcore flushes and reads its chunk files itself) for a path,
+    a ``file://`` URL or a LocalStore; otherwise a Zarr store (an fsspec URL opened with
+    ``FsspecStore``)."""
+    if isinstance(store, zarr.storage.LocalStore):
+        return str(store.root)
+    if isinstance(store, zarr.storage.MemoryStore) and not isinstance(store, _SharedMemoryStore):
+        return _SharedMemoryStore(store._store_dict, read_only=store.read_only)
+    if isinstance(store, zarr.abc.store.Store):
+        return store
     if not isinstance(store, str | os.PathLike):
-        raise TypeError(f"store must be a filesystem path (str or PathLike); got "
+        raise TypeError(f"store must be a path, an fsspec URL or a zarr store; got "
                         f"{type(store).__name__}")
-    path = os.fspath(store)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if "://" in path:
-        raise ValueError(f"store must be a directory on a local or mounted filesystem; got "
-                         f"the URL {path!r} (ntkcore checks and flushes chunk files itself)")
-    return path
+    path = os.fsdecode(os.fspath(store))
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return zarr.storage.FsspecStore.from_url(path) if "://" in path else path
 
 
 def _regular_chunks(k: da.Array) -> tuple[int, ...]:
@@ -109,14 +132,25 @@ def _regular_chunks(k: da.Array) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _chunk_file(path: str, arr: Any, index: tuple[int, ...]) -> str:
-    """The file holding tile ``index`` of the ``kernel`` array of the store at ``path``."""
-    key = arr.metadata.encode_chunk_key(tuple(int(i) for i in index))
-    return os.path.join(path, "kernel", *key.split("/"))
+def _key(arr: Any, index: tuple[int, ...]) -> str:
+    """The store key of tile ``index`` of the ``kernel`` array ``arr``."""
+    return "kernel/" + arr.metadata.encode_chunk_key(tuple(int(i) for i in index))
 
 
-def _file_record(name: str, *, checksum: bool = True, flush: bool = False) -> tuple[int, int]:
-    """(size in bytes, CRC-32) of a chunk file; (0, 0) if there is none."""
+def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = False
+                 ) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of a stored chunk; (0, 0) if there is none.  ``flush``: fsync
+    a local chunk file and its directory first."""
+    if not isinstance(loc, str):
+        try:
+            if not checksum:
+                return int(sync(loc.getsize(key))), 0
+        except FileNotFoundError:
+            return 0, 0
+        buf = sync(loc.get(key, prototype=default_buffer_prototype()))
+        data = b"" if buf is None else buf.to_bytes()
+        return len(data), zlib.crc32(data) if data else 0
+    name = os.path.join(loc, *key.split("/"))
     try:
         fd = os.open(name, os.O_RDONLY)
     except FileNotFoundError:
@@ -124,6 +158,7 @@ def _file_record(name: str, *, checksum: bool = True, flush: bool = False) -> tu
     try:
         if flush:
             os.fsync(fd)
+            _fsync_dir(os.path.dirname(name))
         size = os.fstat(fd).st_size
         crc = 0
         if checksum and size:
@@ -135,57 +170,55 @@ def _file_record(name: str, *, checksum: bool = True, flush: bool = False) -> tu
 
 
 def _fsync_dir(name: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # platforms without directory descriptors
         fd = os.open(name, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def _mark_done(path: str, index: tuple[int, ...], size: int, crc: int) -> None:
-    """Record a written tile's chunk file, then set its marker (in that order)."""
-    rec = zarr.open_array(store=path, path="tiles", mode="r+")
+def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool) -> None:
+    """Record a written tile's chunk, then (with ``done``) set its marker: in that order."""
+    rec = zarr.open_array(store=loc, path="tiles", mode="r+")
     rec[(*(slice(i, i + 1) for i in index), slice(None))] = np.array(
         [size, crc], dtype=np.uint64).reshape((1,) * len(index) + (2,))
-    done = zarr.open_array(store=path, path="done", mode="r+")
-    done[tuple(slice(i, i + 1) for i in index)] = 1
+    if done:
+        zarr.open_array(store=loc, path="done", mode="r+")[tuple(slice(i, i + 1)
+                                                                for i in index)] = 1
 
 
-def _write_tile(tile: np.ndarray, path: str, index: tuple[int, ...],
+def _mark_done(loc: Any, index: tuple[int, ...], size: int, crc: int) -> None:
+    _set_record(loc, index, size, crc, True)
+
+
+def _write_tile(tile: np.ndarray, loc: Any, index: tuple[int, ...],
                 region: tuple[slice, ...]) -> int:
-    """Write one tile, flush it to disk, then mark it done (a tile is marked only once its
-    data is durable: an interruption before the marker leaves it not done)."""
-    arr = zarr.open_array(store=path, path="kernel", mode="r+")
+    """Write one tile, flush it, then mark it done (a tile is marked only once its data is
+    durable: an interruption before the marker leaves it not done)."""
+    arr = zarr.open_array(store=loc, path="kernel", mode="r+")
     arr[region] = tile
-    name = _chunk_file(path, arr, index)
-    size, crc = _file_record(name, flush=True)
-    _fsync_dir(os.path.dirname(name))
-    _mark_done(path, index, size, crc)
+    _mark_done(loc, index, *_tile_record(loc, _key(arr, index), flush=True))
     return 1
 
 
-def _open_meta(path: str) -> tuple[Any, dict[str, Any]]:
+def _open_meta(loc: Any) -> tuple[Any, dict[str, Any]]:
     try:
-        group = zarr.open_group(store=path, mode="r")
+        group = zarr.open_group(store=loc, mode="r")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError
             ) as exc:
-        raise FileNotFoundError(f"no ntkcore kernel store at {path!r}") from exc
+        raise FileNotFoundError(f"no ntkcore kernel store at {loc!r}") from exc
     except zarr.errors.ContainsArrayError as exc:
-        raise ValueError(f"{path!r} is a Zarr array, not an ntkcore kernel store") from exc
+        raise ValueError(f"{loc!r} is a Zarr array, not an ntkcore kernel store") from exc
     meta = group.attrs.asdict().get(_ATTR)
     if not isinstance(meta, dict) or "shape" not in meta:
-        raise ValueError(f"{path!r} is a Zarr group but not an ntkcore kernel store")
+        raise ValueError(f"{loc!r} is a Zarr group but not an ntkcore kernel store")
     return group, dict(meta)
 
 
-def _check_tiles(path: str, group: Any, meta: dict[str, Any], done: np.ndarray,
+def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
                  checksums: bool) -> dict[tuple[int, ...], str]:
-    """Tiles marked done whose chunk file does not match its record -> what is wrong."""
+    """Tiles marked done whose chunk does not match its record -> what is wrong."""
     kernel = group["kernel"]
     records = np.asarray(group["tiles"][...]) if "tiles" in group else None
     expected_raw = None
@@ -195,125 +228,112 @@ def _check_tiles(path: str, group: Any, meta: dict[str, Any], done: np.ndarray,
     bad: dict[tuple[int, ...], str] = {}
     for index in zip(*np.nonzero(done), strict=True):
         idx = tuple(int(i) for i in index)
-        name = _chunk_file(path, kernel, idx)
-        where = os.path.relpath(name, path)
+        where = _key(kernel, idx)
+        head = f"tile {idx}: chunk file {where}"
         if records is not None:
             want_size, want_crc = (int(v) for v in records[idx])
-            size, crc = _file_record(name, checksum=checksums and want_size > 0)
+            size, crc = _tile_record(loc, where, checksum=checksums and want_size > 0)
             if size != want_size:
-                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, "
-                            f"{want_size} were written" if want_size else
-                            f"tile {idx}: chunk file {where} should not exist (the tile was "
-                            f"written as all fill values) but has {size} bytes")
+                bad[idx] = (f"{head} has {size} bytes, {want_size} were written" if want_size
+                            else f"{head} should not exist (the tile was written as all fill "
+                            f"values) but has {size} bytes")
             elif checksums and crc != want_crc:
-                bad[idx] = (f"tile {idx}: chunk file {where} has CRC-32 {crc:08x}, "
-                            f"{want_crc:08x} was written")
+                bad[idx] = f"{head} has CRC-32 {crc:08x}, {want_crc:08x} was written"
         elif expected_raw is not None:
-            size, _ = _file_record(name, checksum=False)
+            size, _ = _tile_record(loc, where, checksum=False)
             if size not in (0, expected_raw):
-                bad[idx] = (f"tile {idx}: chunk file {where} has {size} bytes, an "
-                            f"uncompressed tile has {expected_raw}")
+                bad[idx] = f"{head} has {size} bytes, an uncompressed tile has {expected_raw}"
     return bad
 
 
 def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
     """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
 
-    Every tile marked done is checked against the size of its chunk file recorded when it
-    was written (one ``stat`` per tile); ``checksums=True`` also reads every chunk file and
-    compares its CRC-32 (reads the whole kernel).  Tiles that fail are reported in
-    ``torn`` and not counted as done.
+    Every tile marked done is checked against the size of its chunk recorded when it was
+    written (one ``stat`` per tile); ``checksums=True`` also reads every chunk and compares
+    its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
+    counted as done.
     """
-    path = _path(store)
-    group, meta = _open_meta(path)
+    loc = _location(store)
+    group, meta = _open_meta(loc)
     if "done" not in group or "kernel" not in group:
-        raise ValueError(f"the ntkcore kernel store at {path!r} is damaged (its 'done' or "
+        raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
                          "'kernel' array is missing); rewrite it with overwrite=True")
     done = np.asarray(group["done"][...]).astype(bool)
-    bad = _check_tiles(path, group, meta, done, checksums)
+    bad = _check_tiles(loc, group, meta, done, checksums)
     torn = tuple(sorted(bad))
     n_done = int(done.sum()) - len(torn)
-    return ZarrStatus(
-        shape=tuple(meta["shape"]),
-        chunks=tuple(meta["chunks"]),
-        tiles_done=n_done,
-        tiles_total=int(done.size),
-        complete=n_done == done.size,
-        key=meta.get("key"),
-        torn=torn,
-        problems=tuple(bad[i] for i in torn),
-    )
+    return ZarrStatus(shape=tuple(meta["shape"]), chunks=tuple(meta["chunks"]),
+                      tiles_done=n_done, tiles_total=int(done.size),
+                      complete=n_done == done.size, key=meta.get("key"), torn=torn,
+                      problems=tuple(bad[i] for i in torn))
 
 
-def _existing_store(path: str) -> dict[str, Any] | None:
-    """The ntkcore metadata of the store at ``path``; None for a missing or empty directory.
+def _entries(loc: Any) -> list[str]:
+    """The names at the top of the store (none for a missing directory)."""
+    if not isinstance(loc, str):
+        async def names() -> list[str]:
+            return sorted([k async for k in loc.list_dir("")])
+
+        return sync(names())
+    if not os.path.lexists(loc):
+        return []
+    if not os.path.isdir(loc):
+        raise ValueError(f"store {loc!r} exists and is not a directory; ntkcore will not "
+                         "replace it (even with overwrite=True): choose another path")
+    return sorted(os.listdir(loc))
+
+
+def _existing_store(loc: Any) -> dict[str, Any] | None:
+    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one.
 
     Raises
     ------
     ValueError
-        ``path`` is a file, or a directory that is not an ntkcore kernel store: ntkcore
-        neither writes into it nor deletes it.
+        ``loc`` is a file, or a directory or store that is not an ntkcore kernel store:
+        ntkcore neither writes into it nor deletes it.
     """
-    if not os.path.lexists(path):
-        return None
-    if not os.path.isdir(path):
-        raise ValueError(f"store {path!r} exists and is not a directory; ntkcore will not "
-                         "replace it (even with overwrite=True): choose another path")
-    entries = sorted(os.listdir(path))
+    entries = _entries(loc)
     if not entries:
         return None
     meta = None
     if "zarr.json" in entries:
         try:
-            meta = _open_meta(path)[1]
+            meta = _open_meta(loc)[1]
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             meta = None
     if meta is None:
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)"
                                           if len(entries) > 5 else "")
         raise ValueError(
-            f"store {path!r} is not an ntkcore kernel store: it is a directory holding "
-            f"{shown}. ntkcore neither writes into nor deletes a directory it did not create, "
-            "even with overwrite=True: pass a new or empty directory"
+            f"store {loc!r} is not an ntkcore kernel store: it holds {shown}. ntkcore neither "
+            "writes into nor deletes a directory or store it did not create, even with "
+            "overwrite=True: pass a new or empty one"
         )
     return meta
 
 
-def _clear_store(path: str) -> None:
+def _clear_store(loc: Any) -> None:
     """Delete an ntkcore store's own entries (markers first); leave anything else there."""
     for name in _OURS:
-        full = os.path.join(path, name)
+        if not isinstance(loc, str):
+            sync(loc.delete(name) if name == "zarr.json" else loc.delete_dir(name))
+            continue
+        full = os.path.join(loc, name)
         if os.path.isdir(full) and not os.path.islink(full):
             shutil.rmtree(full)
         elif os.path.lexists(full):
             os.remove(full)
 
 
-def _upgrade_format_1(path: str, group: Any, meta: dict[str, Any], done: np.ndarray,
-                      fingerprint: dict[str, Any]) -> None:
-    """Give a store of format 1 (resumed with its key) the records of format 2: the tiles it
-    has done (their sizes were checked by :func:`zarr_status`) are recorded as they are."""
-    grid = done.shape
-    rec = group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
-                             dtype="uint64", fill_value=0)
-    kernel = group["kernel"]
-    for index in zip(*np.nonzero(done), strict=True):
-        idx = tuple(int(i) for i in index)
-        size, crc = _file_record(_chunk_file(path, kernel, idx))
-        rec[(*(slice(i, i + 1) for i in idx), slice(None))] = np.array(
-            [size, crc], dtype=np.uint64).reshape((1,) * len(idx) + (2,))
-    meta.update(format=_FORMAT, fingerprint=meta.get("fingerprint") or fingerprint)
-    group.attrs.update({_ATTR: meta})
-
-
-def _check_identity(path: str, old: dict[str, Any], meta: dict[str, Any],
+def _check_identity(loc: Any, old: dict[str, Any], meta: dict[str, Any],
                     key: str | None) -> None:
     """Refuse to resume a store that holds another computation (see :func:`to_zarr`)."""
     same = (old["shape"] == meta["shape"] and old["chunks"] == meta["chunks"]
             and old["dtype"] == meta["dtype"] and old.get("key") == key)
     if not same:
         raise ValueError(
-            f"the store at {path!r} holds a different kernel (shape {old['shape']}, chunks "
+            f"the store at {loc!r} holds a different kernel (shape {old['shape']}, chunks "
             f"{old['chunks']}, dtype {old['dtype']}, key {old.get('key')!r}; this call: shape "
             f"{meta['shape']}, chunks {meta['chunks']}, dtype {meta['dtype']}, key {key!r}); "
             "pass overwrite=True to replace it, or another store"
@@ -323,25 +343,54 @@ def _check_identity(path: str, old: dict[str, Any], meta: dict[str, Any],
     if key is not None:
         if differ:
             warnings.warn(
-                f"resuming the store at {path!r} because key={key!r} matches, but these "
+                f"resuming the store at {loc!r} because key={key!r} matches, but these "
                 f"differ from the run that started it: {'; '.join(labels)}. The key is your "
                 "promise that the kernel is the same; pass overwrite=True if it is not",
                 UserWarning, stacklevel=4)
         return
     if differ:
         raise ValueError(
-            f"the store at {path!r} holds tiles of another computation: "
+            f"the store at {loc!r} holds tiles of another computation: "
             f"{'; '.join(labels)} differ from the run that started it. Pass overwrite=True "
             "to replace it, or another store"
         )
     if unknown:
         what = ", ".join(fp.LABELS.get(k, k) for k in unknown)
         raise ValueError(
-            f"cannot prove that the store at {path!r} holds this computation ({what} could "
-            "not be fingerprinted, or the store was written without one by an older ntkcore). Pass "
-            "overwrite=True to replace it, another store, or the same key= on every call "
+            f"cannot prove that the store at {loc!r} holds this computation ({what} could "
+            "not be fingerprinted, or the store was written without one by an older ntkcore). "
+            "Pass overwrite=True to replace it, another store, or the same key= on every call "
             "(your promise that the kernel is the same)"
         )
+
+
+def _resume(loc: Any, old: dict[str, Any], meta: dict[str, Any], key: str | None,
+            resume: bool, checksums: bool) -> np.ndarray:
+    """Check that the store holds this computation and prepare it for a resume: unmark its
+    torn tiles, give a store of format 1 (resumed with its key) the per-tile records of
+    format 2.  Returns the done markers."""
+    _check_identity(loc, old, meta, key)
+    status = zarr_status(loc, checksums=checksums)
+    if not resume and not status.complete:
+        raise ValueError(f"the store at {loc!r} exists ({status.tiles_done}/"
+                         f"{status.tiles_total} tiles); pass resume=True or overwrite=True")
+    group = zarr.open_group(store=loc, mode="r+")
+    done = np.asarray(group["done"][...]).astype(bool)
+    if status.torn:
+        # unmark first: a run interrupted while recomputing them leaves them not done
+        for idx in status.torn:
+            group["done"][tuple(slice(i, i + 1) for i in idx)] = 0
+            done[idx] = False
+        old["complete"] = False
+    if "tiles" not in group:  # format 1: its done tiles passed the size check above
+        grid = done.shape
+        group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
+                           dtype="uint64", fill_value=0)
+        for index in zip(*np.nonzero(done), strict=True):
+            _set_record(loc, index, *_tile_record(loc, _key(group["kernel"], index)), False)
+        old.update(format=_FORMAT, fingerprint=old.get("fingerprint") or meta["fingerprint"])
+    group.attrs.update({_ATTR: old})
+    return done
 
 
 def to_zarr(
@@ -356,6 +405,7 @@ def to_zarr(
     compressors: Any = None,
     symmetric: bool = False,
     checksums: bool = False,
+    _fingerprint: dict[str, str | None] | None = None,
 ) -> ZarrStatus:
     """Write a dask kernel to a Zarr store tile by tile, skipping tiles already written.
 
@@ -363,18 +413,21 @@ def to_zarr(
     ----------
     kernel : dask.array.Array
         E.g. from :func:`ntk_dask`; its chunks become the Zarr chunks (regular grid).
-    store : str or PathLike
-        Directory of the store: new, empty, or an ntkcore kernel store.  A file or a
-        directory with other content is refused (``ValueError``), with or without
-        ``overwrite``.
+    store : str, PathLike, fsspec URL or zarr store
+        A directory (new, empty, or an ntkcore kernel store), a ``LocalStore``, a
+        ``MemoryStore`` or any other Zarr store, or an fsspec URL (``"memory://k.zarr"``,
+        ``"s3://..."``).  A file, or a directory or store with other content, is refused
+        (``ValueError``), with or without ``overwrite``.  Local directories are flushed
+        (``fsync``) and read by ntkcore itself; other stores go through the Zarr API (a
+        ``MemoryStore`` needs Dask workers in this process).
     resume : bool, default True
         If the store holds the same computation, compute only the tiles not marked done (and
-        those whose chunk file fails its check, see ``checksums``).  The same computation
-        means the same shape, chunks, dtype and ``key``, and, with ``key=None``, the same
-        fingerprint: here dask's name for ``kernel`` (a hash of its graph); for
-        :func:`ntk_to_zarr` a hash of the parameters, inputs and options.  Anything else
-        raises ``ValueError`` naming what differs.  ``False`` with an existing incomplete
-        store raises unless ``overwrite``.
+        those whose chunk fails its check, see ``checksums``).  The same computation means
+        the same shape, chunks, dtype and ``key``, and, with ``key=None``, the same
+        fingerprint (recorded in the store's Zarr attributes): here dask's name for
+        ``kernel`` (a hash of its graph); for :func:`ntk_to_zarr` a hash of the parameters,
+        inputs and options.  Anything else raises ``ValueError`` naming what differs.
+        ``False`` with an existing incomplete store raises unless ``overwrite``.
     overwrite : bool, default False
         Replace an existing ntkcore store (only its own entries are deleted).
     key : str, optional
@@ -384,8 +437,10 @@ def to_zarr(
         cannot be derived (a model of a custom provider) or changes although the kernel does
         not.
     client, progress
-        See :func:`get_client`; ``progress`` is ``True`` (Dask's bar) or ``progress(done,
-        total)`` over the tiles computed in this call.
+        Where the tiles are computed: a ``distributed.Client`` or scheduler address, or
+        ``None``: where dask computes (the default client, else dask's default scheduler).
+        ``progress`` is ``True`` (Dask's bar) or ``progress(done, total)`` over the tiles
+        computed in this call.
     compressors
         Zarr compressors (default ``None``: uncompressed).  Keep the default for kernels that
         CG will multiply many times: :class:`ZarrMatrixOperator` then reads every tile as one
@@ -397,7 +452,7 @@ def to_zarr(
         :func:`ntk_to_zarr` sets it for ``x2=None`` in ``"trace"`` mode.
     checksums : bool, default False
         On resume, also verify the CRC-32 of every tile marked done (reads the stored
-        kernel once); by default only the chunk files' sizes are checked.
+        kernel once); by default only the chunks' sizes are checked.
 
     Returns
     -------
@@ -409,62 +464,25 @@ def to_zarr(
         ``store`` is not an ntkcore store; it holds another computation (the message names
         what differs); or it is incomplete and ``resume=False``.
     """
-    return _to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
-                    progress=progress, compressors=compressors, symmetric=symmetric,
-                    checksums=checksums)
-
-
-def _to_zarr(
-    kernel: da.Array,
-    store: Any,
-    *,
-    resume: bool = True,
-    overwrite: bool = False,
-    key: str | None = None,
-    client: Any = None,
-    progress: Any = None,
-    compressors: Any = None,
-    symmetric: bool = False,
-    checksums: bool = False,
-    fingerprint: dict[str, str | None] | None = None,
-) -> ZarrStatus:
-    """:func:`to_zarr` with the fingerprint of the computation (default: dask's name)."""
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
-    path = _path(store)
+    loc = _location(store)
     chunks = _regular_chunks(kernel)
-    shape = tuple(int(s) for s in kernel.shape)
     grid = tuple(len(c) for c in kernel.chunks)
-    if fingerprint is None:
-        fingerprint = {"dask graph": fp._text_digest(str(kernel.name))}
-    meta = {"format": _FORMAT, "shape": list(shape), "chunks": list(chunks),
+    meta = {"format": _FORMAT, "shape": [int(s) for s in kernel.shape], "chunks": list(chunks),
             "dtype": str(kernel.dtype), "key": key, "complete": False,
-            "symmetric": bool(symmetric), "fingerprint": fingerprint, "version": __version__}
-    old = _existing_store(path)
+            "symmetric": bool(symmetric), "version": __version__,
+            "fingerprint": _fingerprint or {"dask graph": fp._text_digest(str(kernel.name))}}
+    old = _existing_store(loc)
     if old is not None and not overwrite:
-        _check_identity(path, old, meta, key)
-        status = zarr_status(path, checksums=checksums)
-        if not resume and not status.complete:
-            raise ValueError(f"the store at {path!r} exists ({status.tiles_done}/"
-                             f"{status.tiles_total} tiles); pass resume=True or overwrite=True")
-        group = zarr.open_group(store=path, mode="r+")
-        done = np.asarray(group["done"][...]).astype(bool)
-        if status.torn:
-            # unmark first: a run interrupted while recomputing them leaves them not done
-            marks = zarr.open_array(store=path, path="done", mode="r+")
-            for idx in status.torn:
-                marks[tuple(slice(i, i + 1) for i in idx)] = 0
-                done[idx] = False
-            old["complete"] = False
-            group.attrs.update({_ATTR: old})
-        if "tiles" not in group:
-            _upgrade_format_1(path, group, old, done, fingerprint)
+        done = _resume(loc, old, meta, key, resume, checksums)
     else:
         if old is not None:
-            _clear_store(path)
-        os.makedirs(path, exist_ok=True)
-        group = zarr.open_group(store=path, mode="a")  # holds none of ours now
-        group.create_array(name="kernel", shape=shape, chunks=chunks, dtype=kernel.dtype,
+            _clear_store(loc)
+        if isinstance(loc, str):
+            os.makedirs(loc, exist_ok=True)
+        group = zarr.open_group(store=loc, mode="a")  # holds none of ours now
+        group.create_array(name="kernel", shape=kernel.shape, chunks=chunks, dtype=kernel.dtype,
                            compressors=compressors, fill_value=0)
         group.create_array(name="tiles", shape=(*grid, 2), chunks=(1,) * len(grid) + (2,),
                            dtype="uint64", fill_value=0)
@@ -475,22 +493,22 @@ def _to_zarr(
 
     todo = [idx for idx in itertools.product(*(range(g) for g in grid)) if not done[idx]]
     if todo:
-        client = get_client(client)
         blocks = kernel.to_delayed(optimize_graph=False)
         offsets = [np.concatenate([[0], np.cumsum(c)]) for c in kernel.chunks]
         write = dask.delayed(_write_tile, pure=False)
-        tasks = []
-        for idx in todo:
-            region = tuple(slice(int(offsets[a][i]), int(offsets[a][i + 1]))
-                           for a, i in enumerate(idx))
-            tasks.append(write(blocks[idx], path, idx, region))
-        futures = client.compute(tasks)
-        wait_with_progress(client, futures, progress)
-    status = zarr_status(path)
-    if status.complete:
-        meta_now = dict(zarr.open_group(store=path, mode="r").attrs.asdict()[_ATTR])
-        meta_now["complete"] = True
-        zarr.open_group(store=path, mode="r+").attrs.update({_ATTR: meta_now})
+        compute([write(blocks[idx], loc, idx, tuple(slice(int(offsets[a][i]),
+                                                          int(offsets[a][i + 1]))
+                                                    for a, i in enumerate(idx)))
+                 for idx in todo], client, progress)
+    status = zarr_status(loc)
+    if not status.complete:
+        raise RuntimeError(
+            f"the store at {loc!r} holds {status.tiles_done}/{status.tiles_total} tiles after "
+            "all of them were written: another process changed it, or the workers wrote to "
+            "their own copy of a store in this process's memory (a MemoryStore needs workers "
+            "in this process: dask's threaded scheduler or a Client(processes=False))")
+    group = zarr.open_group(store=loc, mode="r+")
+    group.attrs.update({_ATTR: {**group.attrs.asdict()[_ATTR], "complete": True}})
     return status
 
 
@@ -501,10 +519,7 @@ def ntk_to_zarr(
     x2: Any = None,
     *,
     store: Any,
-    mode: str = "trace",
-    chunk: int = 2048,
     client: Any = None,
-    params: Any = None,
     resume: bool = True,
     overwrite: bool = False,
     key: str | None = None,
@@ -514,30 +529,28 @@ def ntk_to_zarr(
 ) -> ZarrStatus:
     """:func:`ntk_dask` followed by :func:`to_zarr` (one call; resumable).
 
-    Only the tiles missing from ``store`` are computed (and only the Jacobian chunks they
-    need).  The store is uncompressed; a symmetric trace kernel (``x2=None``) is recorded as
-    symmetric (see :func:`to_zarr`).
+    ``ntk_options`` (``mode``, ``chunks``, ``params``, ``dtype``, ...) are those of
+    :func:`ntk_dask`; the other arguments those of :func:`to_zarr`.  Only the tiles missing
+    from ``store`` are computed (and only the Jacobian chunks they need).  The store is
+    uncompressed; a symmetric trace kernel (``x2=None``) is recorded as symmetric.
 
-    The store records a fingerprint of the computation: SHA-256 digests of the values of the
-    model's parameters and buffers, its structure (module tree, training flags, user
-    ``forward`` bytecode; MLP widths, activation and scales), the parameter selection, ``x1``
-    and ``x2``, ``mode``, the value-changing options (``dtype``) and ntkcore's version.
-    With ``key=None`` a resume on a store whose fingerprint differs is refused, naming the
-    differing parts.  Not covered: globals, closures or helper functions a ``forward``
-    reads, and the code of JAX ``apply_fn`` callees; change those and pass ``overwrite=True``.
-    For a model of a provider ntkcore does not know, no fingerprint can be derived and a
-    resume needs an explicit ``key``.  Hashing costs one pass over the parameters and inputs
-    (about 5 ms for 1M float32 parameters).
+    With ``key=None`` the store records a fingerprint of the computation (SHA-256 digests of
+    the model's parameters and structure, the parameter selection, the inputs -- of a dask
+    array, its name --, ``mode``, ``dtype`` and ntkcore's version; docs/distributed.md lists
+    what each covers and what it does not), and a resume on a store whose fingerprint differs
+    is refused, naming the differing parts.  A model of a provider ntkcore does not know has
+    no fingerprint: a resume then needs an explicit ``key``.
     """
     from ._ntk import ntk_dask
 
-    kernel = ntk_dask(model, x1, x2, mode=mode, chunk=chunk, client=client, params=params,
-                      **ntk_options)
+    kernel = ntk_dask(model, x1, x2, **ntk_options)
+    options = dict(ntk_options)
+    mode, params = options.pop("mode", "trace"), options.pop("params", None)
     fingerprint = fp.kernel_fingerprint(model, x1, x2, mode=mode, params=params,
-                                        options=ntk_options)
-    return _to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
-                    progress=progress, symmetric=x2 is None and mode == "trace",
-                    checksums=checksums, fingerprint=fingerprint)
+                                        options=options)
+    return to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
+                   progress=progress, symmetric=x2 is None and mode == "trace",
+                   checksums=checksums, _fingerprint=fingerprint)
 
 
 def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = False
@@ -549,8 +562,8 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
     expression of it) multiply through :class:`ZarrMatrixOperator`, which reads each tile
     once per product on the workers.
 
-    Every tile marked done is checked against the size of its chunk file recorded when it
-    was written; ``checksums=True`` also compares CRC-32s (reads the kernel once).
+    Every tile marked done is checked against the size of its chunk recorded when it was
+    written; ``checksums=True`` also compares CRC-32s (reads the kernel once).
 
     Raises
     ------
@@ -558,18 +571,18 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
         With ``require_complete`` (default) when some tiles are missing or torn; the
         message says how many, which tiles are torn, and how to resume.
     """
-    path = _path(store)
-    status = zarr_status(path, checksums=checksums)
+    loc = _location(store)
+    status = zarr_status(loc, checksums=checksums)
     if require_complete and not status.complete:
-        raise ValueError(_incomplete_message(path, status) + " or pass require_complete="
+        raise ValueError(_incomplete_message(loc, status) + " or pass require_complete="
                          "False (missing tiles read as 0)")
-    k = da.from_zarr(path, component="kernel")
-    k._ntkcore_zarr_store = path  # picked up by DaskMatrixOperator (fast product path)
+    k = da.from_zarr(loc, component="kernel")
+    k._ntkcore_zarr_store = loc  # picked up by DaskMatrixOperator (fast product path)
     return k
 
 
-def _incomplete_message(path: str, status: ZarrStatus) -> str:
-    text = (f"the kernel at {path!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
+def _incomplete_message(loc: Any, status: ZarrStatus) -> str:
+    text = (f"the kernel at {loc!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
             "tiles written")
     if status.torn:
         text += (f"; {len(status.torn)} marked done but damaged: {status.describe_torn()}")

@@ -19,61 +19,48 @@ kernel.  Uncompressed stores (the :func:`to_zarr` default) are read by memory-ma
 chunk file (no Zarr decode pipeline, no copy: the pages come from the OS page cache, which
 keeps a kernel that fits the machine's RAM between products); other codecs go through Zarr.
 
-Precision: a float32 kernel multiplied by float64 vectors is upcast in cache-sized row blocks
-of 64 rows, so ``matmat`` is the exact float64 product of the stored float32 numbers (CG then
-reaches float64 tolerances).  :meth:`ZarrMatrixOperator.sketch` (used to build a Nystrom
-preconditioner) multiplies in the kernel's own dtype, which is several times faster for wide
-sketches and accurate enough for a preconditioner.
+Precision: a float32 kernel times float64 vectors is upcast 64 rows at a time, so ``matmat``
+is the exact float64 product of the stored numbers; ``sketch`` (for preconditioners) multiplies
+in the kernel's dtype.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import mmap
 import os
 import threading
 from typing import Any
 
-import array_api_compat
 import numpy as np
 import zarr
 
 from ..cg import LinearOperator
 from ._cluster import get_client
-from ._ntk import _to_numpy
+from ._ntk import _back, _to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
 
 
-def _plan(path: str, arr: Any) -> dict[str, Any]:
-    """What a worker needs to read tiles: chunk grid, dtype and (if possible) raw layout."""
-    raw = False
-    try:
-        meta = arr.metadata
-        raw = (
-            getattr(meta, "zarr_format", None) == 3
-            and not tuple(arr.filters)
-            and not tuple(arr.compressors)
-            and type(arr.serializer).__name__ == "BytesCodec"
-            and type(arr.store).__name__ == "LocalStore"
-            and meta.encode_chunk_key((0, 0)) in ("c/0/0", "c.0.0")
-        )
-        endian = getattr(getattr(arr.serializer, "endian", None), "value", "little")
-    except Exception:  # pragma: no cover - other zarr versions: read through zarr
-        raw, endian = False, "little"
+def _plan(loc: Any, arr: Any) -> dict[str, Any]:
+    """What a worker needs to read tiles: chunk grid, dtype and, for an uncompressed store in
+    a local directory, the chunk files' layout (``raw``)."""
+    key = arr.metadata.encode_chunk_key((0, 0))
+    raw = (isinstance(loc, str) and key in ("c/0/0", "c.0.0") and not tuple(arr.filters)
+           and not tuple(arr.compressors) and type(arr.serializer).__name__ == "BytesCodec")
+    endian = getattr(getattr(arr.serializer, "endian", None), "value", "little") if raw else ""
     dtype = np.dtype(arr.dtype)
-    sep = "/"
-    if raw:
-        sep = "/" if arr.metadata.encode_chunk_key((0, 0)) == "c/0/0" else "."
     return {
-        "path": path,
+        "path": loc,
         "shape": tuple(int(s) for s in arr.shape),
         "chunks": tuple(int(c) for c in arr.chunks),
         "dtype": dtype.str,
-        "disk_dtype": dtype.newbyteorder("<" if endian == "little" else ">").str,
-        "fill": float(arr.fill_value if arr.fill_value is not None else 0),
+        "disk_dtype": dtype.newbyteorder(">" if endian == "big" else "<").str,
+        "fill": float(arr.fill_value or 0),
         "raw": raw,
-        "sep": sep,
+        "sep": key[1],
     }
 
 
@@ -83,20 +70,19 @@ def _bounds(plan: dict[str, Any], axis: int, i: int) -> tuple[int, int]:
 
 
 def _chunk_file(plan: dict[str, Any], i: int, j: int) -> str:
-    if plan["sep"] == "/":
-        return os.path.join(plan["path"], "kernel", "c", str(i), str(j))
-    return os.path.join(plan["path"], "kernel", f"c.{i}.{j}")
+    sep = plan["sep"]
+    return os.path.join(plan["path"], "kernel", *f"c{sep}{i}{sep}{j}".split("/"))
 
 
-def _zarr_array(path: str) -> Any:
+def _zarr_array(loc: Any) -> Any:
     cache = getattr(_local, "arrays", None)
     if cache is None:
         cache = _local.arrays = {}
-    arr = cache.get(path)
+    arr = cache.get(key := loc if isinstance(loc, str) else id(loc))
     if arr is None:
         if len(cache) > 8:
             cache.clear()
-        arr = cache[path] = zarr.open_array(store=path, path="kernel", mode="r")
+        arr = cache[key] = zarr.open_array(store=loc, path="kernel", mode="r")
     return arr
 
 
@@ -183,54 +169,25 @@ def _diagonal_task(plan: dict[str, Any], i: int) -> np.ndarray:
 
 
 def _rows_task(plan: dict[str, Any], rows: list[int]) -> np.ndarray:
-    """Whole rows K[rows, :] (len(rows), N), reading only those rows' bytes when raw."""
-    n = plan["shape"][1]
-    dt = np.dtype(plan["dtype"])
-    out = np.empty((len(rows), n), dtype=dt)
-    ch0, ch1 = plan["chunks"]
-    nb = int(np.ceil(n / ch1))
-    disk = np.dtype(plan["disk_dtype"])
+    """Whole rows K[rows, :] (len(rows), N); raw tiles are memory-mapped, so only the pages
+    of those rows are read."""
+    ch0, nb = plan["chunks"][0], -(-plan["shape"][1] // plan["chunks"][1])
+    out = np.empty((len(rows), plan["shape"][1]), dtype=np.dtype(plan["dtype"]))
     for a, r in enumerate(rows):
-        i, local = divmod(r, ch0)
-        for j in range(nb):
-            c0, c1 = _bounds(plan, 1, j)
-            if not plan["raw"]:
-                out[a, c0:c1] = _zarr_array(plan["path"])[r, c0:c1]
-                continue
-            try:
-                with open(_chunk_file(plan, i, j), "rb", buffering=0) as f:
-                    f.seek(local * ch1 * disk.itemsize)
-                    seg = f.read((c1 - c0) * disk.itemsize)
-                out[a, c0:c1] = np.frombuffer(seg, dtype=disk)
-            except FileNotFoundError:
-                out[a, c0:c1] = plan["fill"]
+        out[a] = np.concatenate([_read_tile(plan, r // ch0, j)[r % ch0] for j in range(nb)])
     return out
 
 
 def _cols_task(plan: dict[str, Any], j: int, local: list[int]) -> np.ndarray:
     """Columns ``j * chunk + local`` of the kernel (N, len(local)), reading tile column j."""
-    nb = int(np.ceil(plan["shape"][0] / plan["chunks"][0]))
-    parts = [np.array(_read_tile(plan, i, j)[:, local]) for i in range(nb)]
-    return np.concatenate(parts, axis=0)
+    nb = -(-plan["shape"][0] // plan["chunks"][0])
+    return np.concatenate([_read_tile(plan, i, j)[:, local] for i in range(nb)], axis=0)
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
     parts = max(1, min(parts, len(items)))
-    q, r = divmod(len(items), parts)
-    out, s = [], 0
-    for p in range(parts):
-        e = s + q + (1 if p < r else 0)
-        out.append(items[s:e])
-        s = e
-    return out
-
-
-def _back(host: np.ndarray, like: Any) -> Any:
-    if isinstance(like, np.ndarray):
-        return host.astype(like.dtype, copy=False)
-    xp = array_api_compat.array_namespace(like)
-    return xp.asarray(np.ascontiguousarray(host), dtype=like.dtype,
-                      device=array_api_compat.device(like))
+    edges = [len(items) * p // parts for p in range(parts + 1)]
+    return [items[a:b] for a, b in itertools.pairwise(edges)]
 
 
 class ZarrMatrixOperator(LinearOperator):
@@ -243,8 +200,10 @@ class ZarrMatrixOperator(LinearOperator):
 
     Parameters
     ----------
-    store : str or PathLike
+    store : str, PathLike, fsspec URL or zarr store
         A store written by :func:`to_zarr` / :func:`ntk_to_zarr` (complete, 2-D, square).
+        A local directory is memory-mapped; other stores are read through Zarr (workers in
+        other processes read a copy of a ``MemoryStore``).
     client : distributed.Client, scheduler address or None
         Where the products run (see :func:`get_client`; ``None``: the default client).
     symmetric : bool, optional
@@ -273,9 +232,9 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _incomplete_message, _path, zarr_status
+        from ._zarr import _ATTR, _incomplete_message, _location, zarr_status
 
-        path = _path(store)
+        path = _location(store)
         status = zarr_status(path)
         if not status.complete:
             raise ValueError(_incomplete_message(path, status).rstrip(","))
@@ -313,9 +272,6 @@ class ZarrMatrixOperator(LinearOperator):
         return (f"ZarrMatrixOperator({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
                 f"dtype={self.dtype}, symmetric={self.symmetric}, raw={self.raw})")
 
-    def _client(self) -> Any:
-        return get_client(self.client)
-
     def _product(self, v: Any, dtype: np.dtype) -> Any:
         host = np.asarray(_to_numpy(v))
         vector = host.ndim == 1
@@ -323,25 +279,21 @@ class ZarrMatrixOperator(LinearOperator):
         if mat.ndim != 2 or mat.shape[0] != self.shape[1]:
             raise ValueError(f"v must have shape ({self.shape[1]},) or ({self.shape[1]}, k); "
                              f"got {tuple(host.shape)}")
-        client = self._client()
+        client = get_client(self.client)
         threads = max(1, sum(client.nthreads().values()))
         groups = _split(self._tiles, self.tasks_per_worker * threads)
         vf = client.scatter(np.ascontiguousarray(mat.astype(dtype, copy=False)), hash=False)
         futures = [client.submit(_product_task, self._plan, g, vf, dtype.str, self.symmetric,
                                  pure=False) for g in groups]
-        out = None
-        for part in client.gather(futures):
-            out = part if out is None else out + part
+        out = functools.reduce(np.add, client.gather(futures))
         del vf, futures
         self.products += 1
-        res = out[:, 0] if vector else out
-        return _back(res, v)
+        return _back(out[:, 0] if vector else out, v)
 
     def matmat(self, v: Any) -> Any:
         """:math:`K V` (N, k) -> (N, k), in the namespace, device and dtype of ``v``."""
         host_dtype = np.dtype(_to_numpy(v[:1]).dtype)
-        dt = self.product_dtype or np.promote_types(self.dtype, host_dtype)
-        return self._product(v, dt)
+        return self._product(v, self.product_dtype or np.promote_types(self.dtype, host_dtype))
 
     def matvec(self, v: Any) -> Any:
         return self.matmat(v)
@@ -352,7 +304,7 @@ class ZarrMatrixOperator(LinearOperator):
 
     def diagonal(self, like: Any) -> Any:
         """The diagonal of K (N,), reading the diagonal tiles."""
-        client = self._client()
+        client = get_client(self.client)
         nd = min(self._grid)
         futures = [client.submit(_diagonal_task, self._plan, i, pure=False) for i in range(nd)]
         d = np.concatenate(client.gather(futures))
@@ -364,20 +316,17 @@ class ZarrMatrixOperator(LinearOperator):
         n = self.shape[1]
         if any(i < 0 or i >= n for i in idx):
             raise IndexError(f"column indices must lie in [0, {n}); got {idx}")
-        client = self._client()
+        client = get_client(self.client)
         if self.symmetric:
             groups = _split(idx, max(1, min(len(idx) // 16, sum(client.nthreads().values()))))
             futures = [client.submit(_rows_task, self._plan, g, pure=False) for g in groups]
             out = np.concatenate(client.gather(futures), axis=0).T
         else:
+            # one task per strip of tile columns; columns come back ordered by strip
             c = self.chunks[1]
-            by_strip: dict[int, list[int]] = {}
-            for i in idx:
-                by_strip.setdefault(i // c, []).append(i % c)
-            strips = sorted(by_strip)
-            futures = [client.submit(_cols_task, self._plan, j, sorted(set(by_strip[j])),
-                                     pure=False) for j in strips]
-            got = dict(zip(strips, client.gather(futures), strict=True))
-            out = np.stack([got[i // c][:, sorted(set(by_strip[i // c])).index(i % c)]
-                            for i in idx], axis=1)
+            futures = [client.submit(_cols_task, self._plan, j, [i % c for i in idx if i // c == j],
+                                     pure=False) for j in sorted({i // c for i in idx})]
+            got = np.concatenate(client.gather(futures), axis=1)
+            out = np.empty_like(got)
+            out[:, sorted(range(len(idx)), key=lambda p: idx[p] // c)] = got
         return _back(out, like)
