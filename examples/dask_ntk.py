@@ -36,13 +36,13 @@ def main(n: int = 4000, chunk: int = 1000, store: str = "ntk_demo.zarr") -> None
     net = MLP.random((64, 512, 512, 1), xp=np, seed=0, activation="tanh", dtype=np.float32)
 
     t0 = time.perf_counter()
-    status = nd.ntk_to_zarr(net, x_train, store=store, chunk=chunk, client=client,
+    status = nd.ntk_to_zarr(net, x_train, store=store, chunks=chunk, client=client,
                             key=f"mlp-64-512-512-1 seed0 N={n}", progress=True)
     print(f"\nkernel: {status.tiles_done}/{status.tiles_total} tiles in "
           f"{time.perf_counter() - t0:.1f}s -> {store}")
 
     k_train = nd.read_zarr(store)                                    # lazy, chunked
-    k_test = nd.ntk_dask(net, x_test, x_train, chunk=chunk, client=client)
+    k_test = nd.ntk_dask(net, x_test, x_train, chunks=chunk)  # computed on the client above
     reg = 1e-2 * float(nd.DaskMatrixOperator(k_train).diagonal(y_train).mean())
     t0 = time.perf_counter()
     alpha, report = ntkcore.cg_solve(k_train, y_train, reg=reg, tol=1e-4, rank=200)

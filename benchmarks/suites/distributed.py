@@ -139,7 +139,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             try:
                 with _PeakSampler(client) as sampler:
                     t0 = time.perf_counter()
-                    status = nd.ntk_to_zarr(net, x, store=store, chunk=chunk, client=client)
+                    status = nd.ntk_to_zarr(net, x, store=store, chunks=chunk, client=client)
                     t_kernel = time.perf_counter() - t0
                 peak = max(sampler.peak.values()) if sampler.peak else None
                 rows.append(row(SUITE, f"ntk_to_zarr N={n} workers={workers}", "ntkcore",
