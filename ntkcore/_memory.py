@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 __all__ = ["CALL_OVERHEAD", "DEFAULT_FRACTION", "FALLBACK_BUDGET", "PROBE_SAMPLES", "Budget",
-           "batch_samples", "default_budget", "parse_memory", "resolve_budget"]
+           "batch_samples", "default_budget", "itemsize", "parse_memory", "resolve_budget"]
 
 #: Fraction of the free memory of a device used as the default working-memory budget.
 DEFAULT_FRACTION = 0.25
@@ -159,6 +159,11 @@ def resolve_budget(max_memory: Any, backend: Any, device: Any) -> Budget:
     if max_memory is None:
         return Budget(default_budget(backend, device), True, "the default budget")
     return Budget(parse_memory(max_memory, "max_memory"), False, f"max_memory={max_memory!r}")
+
+
+def itemsize(xp: Any, dtype: Any) -> int:
+    """Bytes per number of the real floating ``dtype`` of ``xp``."""
+    return int(xp.finfo(dtype).bits) // 8
 
 
 def batch_samples(per_sample: float, budget: float, extra: float = 0.0) -> int:

@@ -87,14 +87,14 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import resolve_budget
+from ._memory import itemsize, resolve_budget
 from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
-from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .jacobian import Jacobian, KroneckerBlock, as_jacobian, flat_weights
 from .modes import Mode, check_mode
 from .support import capabilities
-from .tiling import TileGrid
+from .tiling import TileGrid, panel_share, progress_steps
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
@@ -308,11 +308,6 @@ class GramPlan:
     panels: int = 1
 
 
-def _itemsize(xp: Any, dtype: Any) -> int:
-    return int(xp.finfo(dtype).bits) // 8
-
-
-
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
           r: int, c: int, acc: int) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
@@ -394,7 +389,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         diag = diag * (n1 // r) + (sum(_grid_flops(s, p, mode, o, n1 % r, n1 % r, r, r)
                                       for s, p in zip(chosen, pairs, strict=True))
                                   if n1 % r else 0.0)
-        flops = diag * _panel_fraction(r, panels) + (flops_all - diag) / 2
+        flops = diag * panel_share(r, panels) + (flops_all - diag) / 2
     else:
         flops = flops_all
     working = _work(chosen, pairs, mode, o, r, c, acc)
@@ -450,76 +445,47 @@ def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmet
     return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
 
 
-def _panel_bounds(start: int, stop: int, panels: int) -> list[int]:
-    """Row boundaries of ``panels`` near-equal panels of the rows ``[start, stop)``."""
-    n = stop - start
-    return [start + (k * n) // panels for k in range(panels + 1)]
-
-
-def _panel_fraction(r: int, panels: int) -> float:
-    """Share of a diagonal tile's (r x r) products that its row panels compute."""
-    if panels <= 1 or r <= 0:
-        return 1.0
-    b = _panel_bounds(0, r, panels)
-    return sum((b[k + 1] - b[k]) * (r - b[k]) for k in range(panels)) / (r * r)
-
-
 # ---------------------------------------------------------------------------------------------
 # Tile kernels.  Inputs are already sliced to the tile and cast to the compute dtype.
 # ---------------------------------------------------------------------------------------------
-class _Ops:
-    """The namespace and the tile product ``x @ y.T``."""
-
-    def __init__(self, xp: Any) -> None:
-        self.xp = xp
-
-    def nt(self, x: Array, y: Array) -> Array:
-        """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c).
-
-        A self-product ``x @ x.T`` is left as it is: NumPy detects it and calls SYRK (half the
-        flops), and GEMM on a contiguous copy of ``x.T`` was not faster on the development
-        machine (``benchmarks/suites/gram.py``, "selfprod" rows).
-        """
-        return x @ y.T
-
-
-def _dense_tile(ops: _Ops, j1: Array, j2: Array, mode: str) -> Array:
+# Tile products are ``x @ y.T``; a self-product ``x @ x.T`` is left as it is: NumPy detects it
+# and calls SYRK (half the flops), and GEMM on a contiguous copy of ``x.T`` was not faster
+# (``benchmarks/suites/gram.py``, "selfprod" rows).
+def _dense_tile(xp: Any, j1: Array, j2: Array, mode: str) -> Array:
     """Theta for dense slices ``j1`` (r, O, P), ``j2`` (c, O, P)."""
-    xp = ops.xp
     r, o, p = j1.shape
     c = j2.shape[0]
     same = j1 is j2
     if mode == "trace":  # sum_{o,k} J[n,o,k] J'[m,o,k]: one GEMM with K = O P
         x1 = xp.reshape(j1, (r, o * p))
-        return ops.nt(x1, x1 if same else xp.reshape(j2, (c, o * p)))
+        return x1 @ (x1 if same else xp.reshape(j2, (c, o * p))).T
     if mode == "full":  # (r O, P) @ (P, c O) -> (r, O, c, O), the GEMM layout
         x1 = xp.reshape(j1, (r * o, p))
-        k = ops.nt(x1, x1 if same else xp.reshape(j2, (c * o, p)))
+        k = x1 @ (x1 if same else xp.reshape(j2, (c * o, p))).T
         return xp.reshape(k, (r, o, c, o))
     # diagonal: O batched GEMMs (O, r, P) @ (O, P, c) -> (O, r, c) -> (r, c, O)
     k = xp.permute_dims(j1, (1, 0, 2)) @ xp.permute_dims(j2, (1, 2, 0))
     return xp.permute_dims(k, (1, 2, 0))
 
 
-def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
     """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
-    xp = ops.xp
     r, _, din = a1.shape
     c = a2.shape[0]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r, din))
-    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c, din)))  # (r, c)
+    aa = x1 @ (x1 if same else xp.reshape(a2, (c, din))).T  # (r, c)
     # the Hadamard products are in place: the GEMM results are fresh arrays of this function
     # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
         y1 = xp.reshape(g1, (r, o * dout))
-        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout)))
+        gg = y1 @ (y1 if same else xp.reshape(g2, (c, o * dout))).T
         gg *= aa
         return gg
     if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, O, c, O), the GEMM layout
         y1 = xp.reshape(g1, (r * o, dout))
-        gg = xp.reshape(ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout))), (r, o, c, o))
+        gg = xp.reshape(y1 @ (y1 if same else xp.reshape(g2, (c * o, dout))).T, (r, o, c, o))
         gg *= aa[:, None, :, None]
         return gg
     # diagonal: (O, r, d_out) @ (O, d_out, c) -> (O, r, c) -> (r, c, O)
@@ -530,19 +496,18 @@ def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str
     return gg
 
 
-def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
     """Theta by contracting positions; a (r, S, d_in), g (r, S, O, d_out); a2/g2 with T."""
-    xp = ops.xp
     r, s, din = a1.shape
     c, t = a2.shape[0], a2.shape[1]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r * s, din))
-    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c * t, din)))  # A[(n,s), (m,t)]
+    aa = x1 @ (x1 if same else xp.reshape(a2, (c * t, din))).T  # A[(n,s), (m,t)]
     if mode == "trace":
         # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
         y1 = xp.reshape(g1, (r * s, o * dout))
-        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * t, o * dout)))
+        gg = y1 @ (y1 if same else xp.reshape(g2, (c * t, o * dout))).T
         return xp.sum(xp.reshape(aa * gg, (r, s, c, t)), axis=(1, 3))
     # Y[n, (m,t), (o,k)] = sum_s A[n,s,m,t] g[n,s,o,k]: r batched (cT, S) @ (S, O d_out)
     at = xp.permute_dims(xp.reshape(aa, (r, s, c * t)), (0, 2, 1))
@@ -559,22 +524,14 @@ def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode:
     return xp.sum(xp.vecdot(y5, g2[None, ...], axis=-1), axis=2)
 
 
-def _per_sample_weights(xp: Any, a: Array, g: Array) -> Array:
-    """W[n, o] = sum_s g[n,s,o] a[n,s]^T flattened: (n, O, d_out d_in); n batched GEMMs."""
-    n, s, din = a.shape
-    o, dout = g.shape[2], g.shape[3]
-    gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (n, O d_out, S)
-    return xp.reshape(gt @ a, (n, o, dout * din))
-
-
 def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     """Samples ``sl`` of a factor, in the compute dtype."""
     x = x[sl, ...]
     return x if x.dtype == dtype else xp.astype(x, dtype)
 
 
-def _piece_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
-                 pieces: list[tuple[slice, slice, int | None]], same: bool, dtype: Any,
+def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
+                 pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any,
                  mode: str) -> Iterator[Array]:
     """One block's tiles for the pieces (rows, cols, mirror) of the tile ``rows``, in order.
 
@@ -585,18 +542,16 @@ def _piece_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
     """
     if strategy != "materialise" or len(pieces) == 1:
         for prs, pcs, _ in pieces:
-            yield _block_tile(ops, strategy, pair, prs, pcs, same, dtype, mode)
+            yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode)
         return
-    xp = ops.xp
-    w = _per_sample_weights(xp, _take(xp, pair.b1.a, rows, dtype),
-                            _take(xp, pair.b1.g, rows, dtype))
+    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype))
     r0 = rows.start
     for prs, pcs, _ in pieces:
-        yield _dense_tile(ops, w[prs.start - r0:prs.stop - r0, ...],
+        yield _dense_tile(xp, w[prs.start - r0:prs.stop - r0, ...],
                           w[pcs.start - r0:pcs.stop - r0, ...], mode)
 
 
-def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
+def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
                 same: bool, dtype: Any, mode: str) -> Array:
     """One block's contribution to the tile (rows, cols).
 
@@ -604,7 +559,6 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
     blocks are summed in that layout and :func:`_execute` permutes the sum to (r, c, O, O)
     once per tile (one strided pass over the tile instead of one per block).
     """
-    xp = ops.xp
 
     def take(x: Array, sl: slice) -> Array:
         return _take(xp, x, sl, dtype)
@@ -612,16 +566,15 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
     if strategy == "dense":
         j1 = take(pair.b1.jac, rows)
         j2 = j1 if same else take(pair.b2.jac, cols)
-        return _dense_tile(ops, j1, j2, mode)
+        return _dense_tile(xp, j1, j2, mode)
     a1, g1 = take(pair.b1.a, rows), take(pair.b1.g, rows)
     a2, g2 = (a1, g1) if same else (take(pair.b2.a, cols), take(pair.b2.g, cols))
     if strategy == "kron1":
-        return _kron1_tile(ops, a1, g1, a2, g2, mode)
+        return _kron1_tile(xp, a1, g1, a2, g2, mode)
     if strategy == "positions":
-        return _positions_tile(ops, a1, g1, a2, g2, mode)
-    w1 = _per_sample_weights(xp, a1, g1)
-    w2 = w1 if same else _per_sample_weights(xp, a2, g2)
-    return _dense_tile(ops, w1, w2, mode)
+        return _positions_tile(xp, a1, g1, a2, g2, mode)
+    w1 = flat_weights(xp, a1, g1)
+    return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2), mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,20 +628,6 @@ def _resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
     return dtype
 
 
-def _progress_fn(progress: Any, total: int) -> tuple[Callable[[int, int], Any] | None, Any]:
-    if progress is None or progress is False:
-        return None, None
-    if progress is True or progress == "tqdm":
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc="gram", unit="tile")
-        return (lambda done, tot: bar.update(1)), bar
-    if callable(progress):
-        return progress, None
-    raise TypeError(f"progress must be None, a callable(done, total), True or 'tqdm'; got "
-                    f"{progress!r}")
-
-
 _WRITABLE: dict[int, bool] = {}
 
 
@@ -710,7 +649,6 @@ def _writable(xp: Any, dtype: Any, device: Any) -> bool:
 @dataclass
 class _Setup:
     xp: Any
-    ops: _Ops
     pairs: list[_Pair]
     mode: Mode
     n1: int
@@ -740,27 +678,26 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     n1 = j1.num_samples
     n2 = n1 if j2 is None else j2.num_samples
     o = j1.num_outputs
-    itemsize = max(_itemsize(xp, out_dtype), _itemsize(xp, default))
-    if n1 and n2:
-        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * itemsize
-        if budget < need:
-            raise BudgetTooSmallError(
-                f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
-                f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
-                f"mode {mode!r}{', layerwise' if layerwise else ''}, {itemsize}-byte "
-                f"numbers): pass max_memory >= {need} bytes", budget, need)
+    item = max(itemsize(xp, out_dtype), itemsize(xp, default))
     if n1 == 0 or n2 == 0:
         plan = GramPlan(max(n1, 1), max(n2, 1), tuple("dense" if not p.kronecker else "kron1"
                                                       for p in pairs), 0, j2 is None, 0,
                         budget, 0.0, 0.0)
     else:
+        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * item
+        if budget < need:
+            raise BudgetTooSmallError(
+                f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
+                f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
+                f"mode {mode!r}{', layerwise' if layerwise else ''}, {item}-byte "
+                f"numbers): pass max_memory >= {need} bytes", budget, need)
         try:
             gpu = bool(backend.is_gpu(device))
         except Exception:
             gpu = False
-        plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
+        plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, item,
                             strategy, gpu, _writable(xp, out_dtype, device), budget.default)
-    return _Setup(xp, _Ops(xp), pairs, mode, n1, n2, o, out_dtype, device, plan)
+    return _Setup(xp, pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
 def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
@@ -876,117 +813,71 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
 
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     xp, plan, mode = st.xp, st.plan, st.mode
-    symmetric = plan.symmetric
-    tail = mode.tail(st.o)
-    nb = len(st.pairs)
-    lead = (nb,) if layerwise else ()
-    out_shape = (*lead, st.n1, st.n2, *tail)
+    out_shape = (*((len(st.pairs),) if layerwise else ()), st.n1, st.n2, *mode.tail(st.o))
     if st.n1 == 0 or st.n2 == 0:
         return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
-    tg = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=symmetric)
-    row_sl = [slice(a, b) for a, b in tg.rows]
-    col_sl = row_sl if symmetric else [slice(a, b) for a, b in tg.cols]
-    todo = tg.schedule()
-    report, bar = _progress_fn(progress, len(todo))
+    grid = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=plan.symmetric)
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
-    grid: dict[tuple[int, int], Array] = {}
-    swap1 = mode.swap(0)
-    swapl = mode.swap(1)
-
-    def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
-        return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t
-
-    def place(rs: slice, cs: slice, t: Array, b: int | None, mirror: int | None) -> None:
-        """Write tile ``t`` (rows rs, cols cs) and, from column offset ``mirror`` on, its
-        transpose below the diagonal; ``b`` is the block index when layerwise."""
-        lead_ix: tuple[int, ...] = () if b is None else (b,)
-        upper = (*lead_ix, rs, cs, Ellipsis)
-        out[upper] = t  # type: ignore[index]
-        if mirror is not None and mirror < cs.stop - cs.start:
-            low = slice(cs.start + mirror, cs.stop)
-            mirrored = xp.permute_dims(t[:, mirror:, ...], swap1)
-            lower = (*lead_ix, low, rs, Ellipsis)
-            out[lower] = mirrored  # type: ignore[index]
-
+    tiles: dict[tuple[int, int], Array] = {}
     # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
     # (each entry and its mirror sum the same products in the same order); the "positions"
     # contraction sums over s and t in different orders for (n, m) and (m, n), so its diagonal
-    # tiles are symmetrised (test_self_kernel_exactly_symmetric checks every backend).
+    # tiles are averaged with their transpose (exact: fl(x + y) = fl(y + x), halving is exact;
+    # test_self_kernel_exactly_symmetric checks every backend).
     unsym = [s == "positions" for s in plan.strategies]
 
-    def symmetrise(rs: slice, b: int | None) -> None:
-        """Make the square ``(rs, rs)`` of ``out`` exactly symmetric,
-        ``Theta[n,m,o,p] = Theta[m,n,p,o]``, by averaging it with its transpose
-        (``fl(x + y) = fl(y + x)`` and halving is exact): one pass over the square."""
-        ix = (*(() if b is None else (b,)), rs, rs, Ellipsis)
-        sq = out[ix]  # type: ignore[index]
-        avg = sq + xp.permute_dims(sq, swap1)
-        del sq
-        avg *= 0.5  # a fresh array of this function
-        out[ix] = avg  # type: ignore[index]
+    def flush(accs: list[Array | None], k: int, piece: tuple[slice, slice, int],
+              b: int | None, sym: bool, parts: list[Array]) -> None:
+        """Write piece ``k``'s tile (taken from ``accs``, GEMM layout) for block ``b`` (None:
+        all blocks), its mirror and, ``sym``, the exact symmetrisation of its square; without
+        item assignment (JAX) append the tile to ``parts`` instead."""
+        t, accs[k] = accs[k], None
+        if mode == "full":  # (r, O, c, O) -> (r, c, O, O)
+            t = xp.permute_dims(t, (0, 2, 1, 3))
+        if not writable:
+            parts.append((t + mode.transpose(xp, t)) * 0.5 if sym else t)
+            return
+        rows, cols, mirror = piece
+        lead: tuple[int, ...] = () if b is None else (b,)
+        out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
+        if mirror < cols.stop - cols.start:
+            below = slice(cols.start + mirror, cols.stop)
+            out[(*lead, below, rows, ...)] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
+        if sym:
+            del t  # free the tile (budgeted) before the pass over the square
+            sq = out[(*lead, rows, rows, ...)]  # type: ignore[index]
+            avg = sq + mode.transpose(xp, sq)
+            del sq
+            avg *= 0.5  # a fresh array of this function
+            out[(*lead, rows, rows, ...)] = avg  # type: ignore[index]
 
-    def symmetric_tile(t: Array) -> Array:
-        """:func:`symmetrise` for a whole diagonal tile without item assignment (JAX)."""
-        return (t + xp.permute_dims(t, swapl if layerwise else swap1)) * 0.5
-
-    def panels_of(rs: slice) -> list[tuple[slice, slice, int | None]]:
-        """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
-        b = _panel_bounds(rs.start, rs.stop, plan.panels)
-        return [(slice(b[k], b[k + 1]), slice(b[k], rs.stop), b[k + 1] - b[k])
-                for k in range(plan.panels) if b[k + 1] > b[k]]
-
-    try:
-        for done, (i, j) in enumerate(todo, start=1):
-            rs, cs = row_sl[i], col_sl[j]
-            same = symmetric and i == j
-            if same and writable and plan.panels > 1:
-                # the diagonal tile as row panels against the columns to their right
-                pieces = panels_of(rs)
-            else:  # the whole tile; off the diagonal of a symmetric kernel, mirrored whole
-                pieces = [(rs, cs, 0 if symmetric and not same else None)]
+    todo = grid.schedule()
+    panels = plan.panels if writable else 1
+    with progress_steps(progress, len(todo), "gram") as step:
+        for i, j in todo:
+            same = plan.symmetric and i == j
+            pieces = grid.pieces(i, j, panels)
+            rows = slice(*grid.rows[i])
             accs: list[Array | None] = [None] * len(pieces)
-            parts = []
+            parts: list[Array] = []
             # blocks outside, pieces inside: a block's per-tile work is done once
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
-                block_tiles = _piece_tiles(st.ops, strat, pair, rs, pieces,
-                                           same and len(pieces) == 1, st.dtype, mode)
-                for k, t in enumerate(block_tiles):
-                    if layerwise:
-                        t = fix(t)
-                        if writable:
-                            place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
-                            if same and unsym[b]:
-                                t = None  # free the tile before the symmetrising pass
-                                symmetrise(pieces[k][0], b)
-                        else:
-                            parts.append(t)
-                    elif accs[k] is None:
+                for k, t in enumerate(_piece_tiles(xp, strat, pair, rows, pieces,
+                                                   same and len(pieces) == 1, st.dtype, mode)):
+                    if layerwise or accs[k] is None:
                         accs[k] = t
                     else:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
+                    if layerwise:
+                        flush(accs, k, pieces[k], b, same and unsym[b], parts)
             if not layerwise:
-                for k, (prs, pcs, off) in enumerate(pieces):
-                    acc, accs[k] = accs[k], None
-                    assert acc is not None
-                    if writable:
-                        place(prs, pcs, fix(acc), None, off)
-                        if same and any(unsym):
-                            del acc  # free the tile (budgeted) before the symmetrising pass
-                            symmetrise(prs, None)
-                    else:
-                        grid[(i, j)] = symmetric_tile(fix(acc)) if same and any(unsym) \
-                            else fix(acc)
-            elif not writable:
-                stacked = xp.stack(parts, axis=0)
-                grid[(i, j)] = symmetric_tile(stacked) if same and any(unsym) else stacked
-            if report is not None:
-                report(done, len(todo))
-    finally:
-        if bar is not None:
-            bar.close()
+                for k, piece in enumerate(pieces):
+                    flush(accs, k, piece, None, same and any(unsym), parts)
+            if not writable:
+                tiles[(i, j)] = xp.stack(parts, axis=0) if layerwise else parts[0]
+            step()
     if writable:
         return out
-    # assemble by concatenation (namespaces without item assignment, e.g. JAX)
-    return tg.assemble(xp, grid, mode, 1 if layerwise else 0)
+    return grid.assemble(xp, tiles, mode, 1 if layerwise else 0)

@@ -180,21 +180,14 @@ class KroneckerBlock:
         return (self.a, self.g)
 
     def per_sample_weights(self) -> Array:
-        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in).
-
-        One batched product over samples, ``(N, O d_out, S) @ (N, S, d_in)``, so no factor is
-        broadcast (and copied) over the outputs.
-        """
+        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in)."""
         xp = array_api_compat.array_namespace(self.a, self.g)
-        n, s, o, dout = self.g.shape
-        gt = xp.permute_dims(xp.reshape(self.g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
-        return xp.reshape(gt @ self.a, (n, o, dout, self.d_in))
+        n, o = self.num_samples, self.num_outputs
+        return xp.reshape(self.to_dense(), (n, o, self.d_out, self.d_in))
 
     def to_dense(self) -> Array:
         """The block's Jacobian, shape (N, O, d_out * d_in)."""
-        xp = array_api_compat.array_namespace(self.a, self.g)
-        n, o = self.num_samples, self.num_outputs
-        return xp.reshape(self.per_sample_weights(), (n, o, self.num_params))
+        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.a, self.g)
 
     def jvp(self, v: Array) -> Array:
         """:math:`J_b v` for ``v`` (d_out * d_in,) -> (N, O), never forming :math:`J_b`.
@@ -222,6 +215,17 @@ class KroneckerBlock:
 
 
 Block = DenseBlock | KroneckerBlock
+
+
+def flat_weights(xp: Any, a: Array, g: Array) -> Array:
+    """Per-sample weights :math:`W[n,o] = \\sum_s g[n,s,o]\\, a[n,s]^\\top` of factors ``a``
+    (N, S, d_in), ``g`` (N, S, O, d_out), flattened row-major: (N, O, d_out d_in).  One batched
+    product over samples, ``(N, O d_out, S) @ (N, S, d_in)``: no factor is broadcast (and
+    copied) over the outputs."""
+    n, s, din = a.shape
+    o, dout = g.shape[2], g.shape[3]
+    gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
+    return xp.reshape(gt @ a, (n, o, dout * din))
 
 
 def _take_samples(x: Array, idx: Any) -> Array:

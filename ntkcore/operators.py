@@ -29,27 +29,21 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import resolve_budget
+from ._memory import itemsize, resolve_budget
 from ._typing import Array
 from ._validation import namespace_of
-from .cg import LinearOperator
+from .gram import _resolve_dtype, gram
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .linop import LinearOperator
 from .modes import check_mode
 from .support import capabilities
-from .tiling import TileGrid, bounds
+from .tiling import TileGrid, bounds, square_tile
 
 __all__ = ["KernelOperator"]
 
 _METHODS = ("tiles", "factors", "auto")
-_TILE_BYTES = 64 * 2**20
-
-
-def _gram(*args: Any, **kwargs: Any) -> Array:
-    from .gram import gram
-
-    return gram(*args, **kwargs)
-
-
+#: Bytes of a kernel tile (in the accumulation dtype) of the default ``block``.
+TILE_BYTES = 64 * 2**20
 
 
 @capabilities(note={"jax": "tiles via gram (concatenation)"})
@@ -65,7 +59,8 @@ class KernelOperator(LinearOperator):
     mode : {"trace", "full"}, default "trace"
         Operator shape (N1, N2) or (N1 O, N2 O); see the module docstring.
     block : int, optional
-        Samples per tile side (default: tiles of about 64 MiB of kernel).
+        Samples per tile side (default: square tiles of at most :data:`TILE_BYTES`, 64 MiB,
+        of kernel in the accumulation dtype).
     reg : float, default 0.0
         Ridge :math:`\lambda` added to the diagonal (symmetric operators only).
     method : {"tiles", "factors", "auto"}, default "tiles"
@@ -125,14 +120,12 @@ class KernelOperator(LinearOperator):
         self.acc_dtype = dtype
         self.xp = self.J1.xp
         self.dtype = self.J1.dtype
-        o = self.J1.num_outputs
-        self._q = o if mode == "full" else 1
-        n1 = self.J1.num_samples
-        n2 = n1 if self.J2 is None else self.J2.num_samples
-        self.shape = (n1 * self._q, n2 * self._q)  # type: ignore[assignment]
+        self._q = self.J1.num_outputs if mode == "full" else 1
+        self.shape = (self.J1.num_samples * self._q,  # type: ignore[assignment]
+                      self._j2.num_samples * self._q)
         if block is None:
-            item = 8
-            block = max(1, int(math.sqrt(_TILE_BYTES / (item * self._q * self._q))))
+            item = itemsize(self.xp, _resolve_dtype(self.xp, dtype, self.dtype))
+            block = square_tile(TILE_BYTES, item * self._q * self._q)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive integer; got {block!r}")
         self.block = block
@@ -194,7 +187,7 @@ class KernelOperator(LinearOperator):
         """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
         a = self.J1.select(slice(i0, i1))
         b = None if same else self._j2.select(slice(j0, j1))
-        t = _gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
+        t = gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
         self.tiles_computed += 1
         return self.mode.matrix(self.xp, t)
 
@@ -263,7 +256,7 @@ class KernelOperator(LinearOperator):
         xp = self.xp
         dev = array_api_compat.device(like)
         ind = xp.asarray(idx, dtype=xp.int64, device=dev)
-        t = _gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
+        t = gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
                   dtype=like.dtype)
         self.tiles_computed += 1
         t = xp.astype(t, like.dtype)
@@ -281,10 +274,10 @@ class KernelOperator(LinearOperator):
         for s, e in bounds(self.J1.num_samples, bs):
             part = self.J1.select(slice(s, e))
             if self.mode == "trace":
-                t = _gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
+                t = gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
                 parts.append(xp.linalg.diagonal(t))
             else:
-                t = _gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
+                t = gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
                 d = xp.linalg.diagonal(xp.permute_dims(t, (2, 0, 1)))  # (O, b)
                 parts.append(xp.reshape(d.T, (-1,)))
             self.tiles_computed += 1
