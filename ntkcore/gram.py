@@ -57,23 +57,19 @@ share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
 
 Tiling and memory
 -----------------
-The kernel is computed in tiles of (rows, columns), block after block, so that the working
-memory beyond the output (factor slices, intermediate Gram matrices, per-sample weights, the
-tile accumulator) stays below ``max_memory``.  Tiles are written into a preallocated output
-where the namespace supports item assignment; otherwise (JAX) tiles are concatenated, which
-transiently needs a second output-sized buffer.  With ``J2=None`` only tiles on and above the
-diagonal are computed and the others are mirrored (see ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` for
-when a kernel is split for that purpose).  A tile on the diagonal is itself computed as up to
-``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
-tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
-with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
-slower than panels on large full-mode tiles).  Everything off those squares is mirrored; the
-squares themselves are exactly symmetric from a GEMM ``X X^T`` (dense, kron1, materialise:
-an entry and its mirror sum the same products in the same order), while the "positions"
-contraction sums over s and t in different orders, so squares with a "positions" block are
-replaced by the average with their transpose (exact: ``fl(x + y) = fl(y + x)``, halving is
-exact).  A self-kernel is thus exactly symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]``
-bit for bit.
+The kernel is computed in tiles of (rows, columns) (:mod:`ntkcore.tiling`), block after block,
+so that the working memory beyond the output (factor slices, intermediate Gram matrices,
+per-sample weights, the tile accumulator) stays below ``max_memory``.  Tiles are written into a
+preallocated output where the namespace supports item assignment; otherwise (JAX) tiles are
+concatenated, which transiently needs a second output-sized buffer.  With ``J2=None`` only
+tiles on and above the diagonal are computed and mirrored, and a tile on the diagonal is
+computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
+GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
+than panels on large full-mode tiles).  The panels' own squares are exactly symmetric from a
+GEMM ``X X^T`` (dense, kron1, materialise: an entry and its mirror sum the same products in the
+same order); the "positions" contraction sums over s and t in different orders, so squares with
+a "positions" block are averaged with their transpose (exact: ``fl(x + y) = fl(y + x)``,
+halving is exact).  A self-kernel is thus exactly symmetric, bit for bit.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -94,7 +90,7 @@ from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian, flat_weights
 from .modes import Mode, check_mode
 from .support import capabilities
-from .tiling import TileGrid, panel_share, progress_steps
+from .tiling import TileGrid, panel_share, progress_steps, sizes
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
@@ -108,13 +104,10 @@ STRATEGIES = ("positions", "materialise")
 SYMMETRIC_SPLIT_FLOPS_PER_ENTRY = 2048
 SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 
-#: A tile on the diagonal of a symmetric kernel is computed as ``p`` row panels, panel ``k``
-#: against the columns from its own first row to the tile's end (the upper triangle plus
-#: the panel's own square): (p+1)/(2p) of the tile's GEMM work, each GEMM still wide.  The
-#: mirrored part is a transposed copy of about half the tile.  Used when the contraction
-#: costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel entry and only where
-#: arrays support slice assignment; panels have at least ``SYMMETRIC_PANEL_ROWS`` rows
-#: (samples; CPU / GPU) and a tile has at most ``SYMMETRIC_MAX_PANELS`` of them.
+#: Row panels of a tile on the diagonal of a symmetric kernel (:meth:`TileGrid.pieces`): used
+#: when the contraction costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel
+#: entry and only where arrays support slice assignment; panels have at least
+#: ``SYMMETRIC_PANEL_ROWS`` rows (samples; CPU / GPU), a tile at most ``SYMMETRIC_MAX_PANELS``.
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
@@ -130,16 +123,12 @@ MIN_TILE_SAMPLES = 8
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Pair:
-    """Block ``index`` of J1 and its counterpart in J2."""
+    """Block ``name`` of J1 and its counterpart in J2 (or their :class:`_BlockShape`)."""
 
-    index: int
     name: str
     b1: Any
     b2: Any
-
-    @property
-    def kronecker(self) -> bool:
-        return isinstance(self.b1, KroneckerBlock)
+    kronecker: bool
 
     def strategies(self, forced: str | None) -> tuple[str, ...]:
         if not self.kronecker:
@@ -192,19 +181,13 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
 
 @dataclass(frozen=True)
 class _BlockShape:
-    """What the cost model reads of a block, without its arrays (for :func:`_min_bytes`)."""
+    """What the cost model reads of a block, without its arrays (for :func:`min_budget`)."""
 
     kron: bool
     num_params: int
     num_positions: int = 1
     d_in: int = 0
     d_out: int = 0
-
-
-class _ShapePair(_Pair):
-    @property
-    def kronecker(self) -> bool:
-        return bool(self.b1.kron)
 
 
 def _block_shape(b: Any) -> _BlockShape:
@@ -242,7 +225,7 @@ def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2
     ``itemsize`` of the compute dtype.  Used by :func:`ntkcore.ntk` to check a budget before
     any factor is computed.
     """
-    pairs: list[_Pair] = [_ShapePair(i, str(i), a, b) for i, (a, b) in enumerate(
+    pairs = [_Pair(str(i), a, b, a.kron) for i, (a, b) in enumerate(
         zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
     return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None) * itemsize
 
@@ -315,15 +298,12 @@ def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str
         + r * c * _q(mode, o) * acc
 
 
-def _grid_flops(strategy: str, pair: _Pair, mode: str, o: int, n1: int, n2: int,
-                r: int, c: int) -> float:
-    """Flops of one block over the whole (ragged) tile grid."""
-    total = 0.0
-    for rr, nrr in ((r, n1 // r), (n1 % r, 1 if n1 % r else 0)):
-        for cc, ncc in ((c, n2 // c), (n2 % c, 1 if n2 % c else 0)):
-            if nrr and ncc:
-                total += nrr * ncc * _cost(strategy, pair, mode, o, rr, cc)[1]
-    return total
+def _flops(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
+           rows: list[tuple[int, int]], cols: list[tuple[int, int]]) -> float:
+    """Flops of the blocks over ``(size, count)`` row and column blocks (:func:`sizes`)."""
+    return float(sum(nr * nc * _cost(s, p, mode, o, r, c)[1]
+                     for s, p in zip(strategies, pairs, strict=True)
+                     for r, nr in rows for c, nc in cols))
 
 
 def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
@@ -345,8 +325,8 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
                 return _work([strat], [pair], mode, o, r, c, acc) <= elems
             tile = _largest(fits, 1, nmax)
             if tile >= useful:
-                r, c = min(tile, n1), min(tile, n2)
-                key = (0, _grid_flops(strat, pair, mode, o, n1, n2, r, c))
+                grid = sizes(n1, min(tile, n1)), sizes(n2, min(tile, n2))
+                key = (0, _flops([strat], [pair], mode, o, *grid))
             elif tile >= 1:  # below a useful tile (plan_gram only): the largest tile
                 key = (1, float(-tile))
             else:  # nothing fits: prefer the smallest working set
@@ -359,9 +339,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     tile = max(1, min(tiles))  # _setup has checked that a useful tile fits
     if symmetric:
         r = min(tile, n1)
-        per_entry = sum(_cost(s, p, mode, o, r, r)[1] for s, p in zip(chosen, pairs,
-                                                                       strict=True)) \
-            / (r * r * _q(mode, o))
+        per_entry = _flops(chosen, pairs, mode, o, [(r, 1)], [(r, 1)]) / (r * r * _q(mode, o))
         if per_entry >= SYMMETRIC_SPLIT_FLOPS_PER_ENTRY:
             floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
             r = min(r, max(floor, math.ceil(n1 / 4)))
@@ -381,14 +359,10 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
 
     nr, nc = math.ceil(n1 / r), math.ceil(n2 / c)
     ntiles = nr * (nr + 1) // 2 if symmetric else nr * nc
-    flops_all = sum(_grid_flops(s, p, mode, o, n1, n2, r, c)
-                    for s, p in zip(chosen, pairs, strict=True))
+    flops_all = _flops(chosen, pairs, mode, o, sizes(n1, r), sizes(n2, c))
     if symmetric:  # upper triangle: diagonal tiles plus half of the rest
-        diag = sum(_grid_flops(s, p, mode, o, r, r, r, r) for s, p in zip(chosen, pairs,
-                                                                         strict=True))
-        diag = diag * (n1 // r) + (sum(_grid_flops(s, p, mode, o, n1 % r, n1 % r, r, r)
-                                      for s, p in zip(chosen, pairs, strict=True))
-                                  if n1 % r else 0.0)
+        diag = sum(k * _flops(chosen, pairs, mode, o, [(rr, 1)], [(rr, 1)])
+                   for rr, k in sizes(n1, r))
         flops = diag * panel_share(r, panels) + (flops_all - diag) / 2
     else:
         flops = flops_all
@@ -584,7 +558,7 @@ def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
 
 def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
     if j2 is None:
-        return [_Pair(i, str(b.name), b, b) for i, b in enumerate(j1.blocks)]
+        return [_Pair(str(b.name), b, b, isinstance(b, KroneckerBlock)) for b in j1.blocks]
     if len(j1.blocks) != len(j2.blocks):
         raise ValueError(f"J1 has {len(j1.blocks)} blocks {j1.names} but J2 has "
                          f"{len(j2.blocks)} blocks {j2.names}; a cross kernel needs the same "
@@ -606,7 +580,7 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
         elif b1.num_params != b2.num_params:
             raise ValueError(f"{label} has P_b={b1.num_params} parameters in J1 but "
                              f"P_b={b2.num_params} in J2")
-        pairs.append(_Pair(i, str(b1.name), b1, b2))
+        pairs.append(_Pair(str(b1.name), b1, b2, isinstance(b1, KroneckerBlock)))
     return pairs
 
 

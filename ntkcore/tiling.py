@@ -28,13 +28,20 @@ from typing import Any
 from ._typing import Array
 from .modes import Mode
 
-__all__ = ["TileGrid", "bounds", "panel_bounds", "panel_share", "progress_steps", "square_tile"]
+__all__ = ["TileGrid", "bounds", "panel_bounds", "panel_share", "progress_steps", "sizes",
+           "square_tile"]
 
 
 def bounds(n: int, size: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of consecutive blocks of ``size`` covering ``range(n)`` (the last may
     be shorter)."""
     return [(s, min(n, s + size)) for s in range(0, n, size)]
+
+
+def sizes(n: int, size: int) -> list[tuple[int, int]]:
+    """``(block size, count)`` of the blocks of :func:`bounds` (``n`` samples, ``size`` each),
+    without listing them."""
+    return [(b, k) for b, k in ((size, n // size), (n % size, 1)) if b and k]
 
 
 def square_tile(nbytes: float, pair_bytes: float) -> int:

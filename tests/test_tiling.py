@@ -5,12 +5,15 @@ import numpy as np
 import pytest
 
 from ntkcore.modes import MODES, check_mode
-from ntkcore.tiling import TileGrid, bounds, panel_bounds, panel_share, square_tile
+from ntkcore.tiling import TileGrid, bounds, panel_bounds, panel_share, sizes, square_tile
 
 
 def test_bounds_and_schedule():
     assert bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
     assert bounds(0, 3) == []
+    for n, size in ((7, 3), (6, 3), (2, 3), (0, 3)):  # (size, count) without listing blocks
+        blocks = [b - a for a, b in bounds(n, size)]
+        assert sizes(n, size) == [(s, blocks.count(s)) for s in dict.fromkeys(blocks)]
     g = TileGrid(7, 5, 3, 2)
     assert g.rows == [(0, 3), (3, 6), (6, 7)] and g.cols == [(0, 2), (2, 4), (4, 5)]
     assert g.schedule() == [(i, j) for i in range(3) for j in range(3)]
