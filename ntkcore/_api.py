@@ -12,7 +12,7 @@ its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params
 Memory. With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
 batches. A first small batch measures the factor bytes per sample ``b``; a provider call on
 ``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
-gradients); ``b`` is remembered per model and input signature (:class:`_ProbeCache`), so
+gradients); ``b`` is remembered per model and input signature (:data:`_PER_SAMPLE`), so
 repeated calls skip the measuring call. If the factors of all samples fit in ``M / 2`` they are
 computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget. Otherwise the
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
@@ -25,14 +25,10 @@ too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` 
 ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
 smallest ``max_memory`` that works (``_check_budget``).
 
-Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
-grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
-graph (every block kind, every mode).  If exactly one side requires grad and the other side's
-factors exceed ``M / 4`` (``b`` times its sample count), ``checkpoint="auto"`` hands the call
-to :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, whose backward pass recomputes the
-large side's factors chunk by chunk instead of keeping them (memory independent of its size);
-``checkpoint=True`` forces that path, ``False`` forbids it.  The module is imported lazily by
-name, like the providers.
+Gradients with respect to the inputs (torch autograd; KIP): see ``checkpoint`` in
+:func:`ntk`.  ``"auto"`` hands the call to the provider's ``checkpointed_ntk`` capability
+(torch: :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, loaded lazily) when exactly one
+side requires grad and the other side's factors exceed ``M / 4`` (``b`` times its samples).
 
 Input checks (before any provider call).  ``x1`` and ``x2`` must be arrays of one library
 and device, leading with a non-empty sample axis.  With ``check_finite=True`` (the default,

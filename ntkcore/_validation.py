@@ -206,11 +206,6 @@ def check_scalar(
     return v
 
 
-def result_dtype(xp: Any, *arrays: Array) -> Any:
-    """The floating dtype that ``arrays`` promote to."""
-    return xp.result_type(*[a.dtype for a in arrays if a is not None])
-
-
 def first_nonfinite(named: list[tuple[str, Array]]) -> str | None:
     """The name of the first array in ``named`` holding NaN or Inf, or ``None``.
 

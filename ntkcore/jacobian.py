@@ -22,7 +22,7 @@ Everything here is pure array API: the blocks hold arrays of one namespace and d
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import array_api_compat
@@ -270,10 +270,7 @@ class Jacobian:
             if not isinstance(b, DenseBlock | KroneckerBlock):
                 raise TypeError(f"block {i} must be a DenseBlock or KroneckerBlock; got "
                                 f"{type(b).__name__}")
-            if b.name is None:
-                b = (DenseBlock(b.jac, name=f"block{i}") if isinstance(b, DenseBlock)
-                     else KroneckerBlock(b.a, b.g, name=f"block{i}"))
-            named.append(b)
+            named.append(b if b.name is not None else replace(b, name=f"block{i}"))
         first = named[0]
         xp = array_api_compat.array_namespace(*first.arrays())
         dev = array_api_compat.device(first.arrays()[0])
@@ -421,16 +418,9 @@ class Jacobian:
         for j in jacobians[1:]:
             if j.names != first.names or [type(b) for b in j] != [type(b) for b in first]:
                 raise ValueError("Jacobians to concatenate must have the same blocks")
-        blocks: list[Block] = []
-        for i, b in enumerate(first.blocks):
-            parts = [j.blocks[i] for j in jacobians]
-            if isinstance(b, DenseBlock):
-                dense = [p for p in parts if isinstance(p, DenseBlock)]
-                blocks.append(DenseBlock(xp.concat([p.jac for p in dense], axis=0), b.name))
-            else:
-                kron = [p for p in parts if isinstance(p, KroneckerBlock)]
-                blocks.append(KroneckerBlock(xp.concat([p.a for p in kron], axis=0),
-                                             xp.concat([p.g for p in kron], axis=0), b.name))
+        blocks = [type(b)(*[xp.concat([j.blocks[i].arrays()[k] for j in jacobians], axis=0)
+                            for k in range(len(b.arrays()))], b.name)
+                  for i, b in enumerate(first.blocks)]
         return Jacobian(blocks)
 
 

@@ -176,36 +176,29 @@ def _activate(xp: Any, name: str, y: Array, need_grad: bool,
     if name == "relu":
         pos = y > 0
         z = xp.where(pos, y, xp.zeros_like(y))
-        if not need_grad:
-            return z, None
+    elif name == "gelu":  # gelu(y) = y Phi(y)
+        cdf = 0.5 * (1.0 + _erf(xp, y / _SQRT_2))
+        z = y * cdf
+    else:
+        z = xp.tanh(y) if name == "tanh" else _erf(xp, y) if name == "erf" else y
+    if not need_grad:
+        return z, None
+    if name == "relu":
         d = xp.astype(pos, y.dtype)
     elif name == "tanh":  # s (1 - z^2) = -s z^2 + s
-        z = xp.tanh(y)
-        if not need_grad:
-            return z, None
         d = z * z
         d *= -scale
         d += scale
         return z, d
     elif name == "erf":  # erf'(y) = 2/sqrt(pi) exp(-y^2)
-        z = _erf(xp, y)
-        if not need_grad:
-            return z, None
         d = xp.exp(-(y * y))
         d *= _TWO_OVER_SQRT_PI
-    elif name == "gelu":  # gelu(y) = y Phi(y);  gelu'(y) = Phi(y) + y * pdf(y)
-        cdf = 0.5 * (1.0 + _erf(xp, y / _SQRT_2))
-        z = y * cdf
-        if not need_grad:
-            return z, None
+    elif name == "gelu":  # gelu'(y) = Phi(y) + y * pdf(y)
         d = xp.exp(-0.5 * (y * y))
         d *= _INV_SQRT_2PI
         d *= y
         d += cdf
     else:  # identity
-        z = y
-        if not need_grad:
-            return z, None
         d = xp.ones_like(y)
     if scale != 1.0:
         d *= scale
@@ -380,9 +373,6 @@ class MLP:
         for i, d in enumerate(widths):
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"widths[{i}] must be a positive integer; got {d!r}")
-        if parameterization not in _PARAMETERIZATIONS:
-            raise ValueError(f"parameterization must be one of {_PARAMETERIZATIONS}; got "
-                             f"{parameterization!r}")
         sw = check_scalar(weight_std, "weight_std", positive=True)
         sb = check_scalar(bias_std, "bias_std", nonnegative=True)
         if dtype is None:
