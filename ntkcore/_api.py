@@ -84,10 +84,8 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
         if x is not None and (x.ndim < 1 or x.shape[0] is None):
             raise ValueError(f"{name} must lead with the sample axis N; got shape "
                              f"{tuple(x.shape)}")
-    if x1.shape[0] == 0:
-        raise ValueError("x1 has no samples (N1 = 0)")
-    if x2 is not None and x2.shape[0] == 0:
-        raise ValueError("x2 has no samples (N2 = 0)")
+        if x is not None and x.shape[0] == 0:
+            raise ValueError(f"{name} has no samples (N{name[1]} = 0)")
     return xp, backend
 
 
@@ -149,22 +147,22 @@ def _floating(x: Any) -> bool:
         return False
 
 
-def _diagnose(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> Exception | None:
-    """A clear error for a provider failure on input ``name`` when its cause is visible (a
-    dtype differing from every floating parameter's; an ``x2`` shaped unlike ``x1``)."""
+def _explain(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> None:
+    """Raise a clear error from a provider failure ``exc`` on input ``name`` when its cause is
+    visible (a dtype differing from every floating parameter's; an ``x2`` shaped unlike
+    ``x1``); return otherwise (the caller re-raises ``exc``)."""
     cause = f"{type(exc).__name__}: {exc}"
     if _floating(x):
         dtypes = {p.dtype for _, p in _named_parameters(model) if _floating(p)}
         if dtypes and x.dtype not in dtypes:
             have = ", ".join(sorted(str(d) for d in dtypes))
-            return TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
-                             f"dtype {have}; convert {name} to the model's dtype (the model "
-                             f"raised {cause})")
+            raise TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
+                            f"dtype {have}; convert {name} to the model's dtype (the model "
+                            f"raised {cause})") from exc
     if name == "x2" and tuple(x.shape[1:]) != tuple(x1.shape[1:]):
-        return ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
-                          f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
-                          f"{cause}); pass inputs of one per-sample shape")
-    return None
+        raise ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
+                         f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
+                         f"{cause}); pass inputs of one per-sample shape") from exc
 
 
 #: The probe's findings (factor bytes per sample, block shapes, O, item size) per model
@@ -273,10 +271,8 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
             try:
                 j = provider.jacobian(model, x, **kwargs)
             except Exception as exc:
-                clear = _diagnose(exc, model, name, x_full, x1)
-                if clear is None:
-                    raise
-                raise clear from exc
+                _explain(exc, model, name, x_full, x1)
+                raise
             if not isinstance(j, Jacobian):
                 raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
                                 "not an ntkcore.Jacobian")
@@ -320,10 +316,8 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                                       pseudo=pseudo, params=params, max_memory=budget,
                                       dtype=dtype, batch_size=batch_size)
             except Exception as exc:
-                clear = _diagnose(exc, model, "x2", x2, x1)
-                if clear is None:
-                    raise
-                raise clear from exc
+                _explain(exc, model, "x2", x2, x1)
+                raise
         if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
             return _streamed(call, call2, x1, x2, probe, per_sample, budget, batch_size, mode,
                              layerwise, dtype, progress, xp, check_finite)

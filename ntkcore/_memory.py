@@ -98,23 +98,8 @@ def parse_memory(value: Any, name: str = "max_memory") -> int:
 
 
 def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION) -> int:
-    """``fraction`` of the free memory of ``device`` as reported by ``backend``.
-
-    Parameters
-    ----------
-    backend : ntkcore.backends.Backend
-        Supplies ``free_memory(device)`` (bytes or ``None``).
-    device : device object
-        The device the arrays live on.
-    fraction : float
-        Share of the free memory to use (default :data:`DEFAULT_FRACTION`).
-
-    Returns
-    -------
-    int
-        Bytes; :data:`FALLBACK_BUDGET` when the free memory is unknown, never less than
-        :data:`MIN_DEFAULT_BUDGET`.
-    """
+    """Bytes: ``fraction`` of the free memory of ``device`` as ``backend.free_memory`` reports
+    it, at least :data:`MIN_DEFAULT_BUDGET`; :data:`FALLBACK_BUDGET` when it is unknown."""
     try:
         free = backend.free_memory(device)
     except Exception:  # a failing probe must not break the computation

@@ -79,11 +79,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._memory import itemsize, resolve_budget
+from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
@@ -179,8 +179,7 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
     raise AssertionError(strategy)
 
 
-@dataclass(frozen=True)
-class _BlockShape:
+class _BlockShape(NamedTuple):
     """What the cost model reads of a block, without its arrays (for :func:`min_budget`)."""
 
     kron: bool
@@ -190,15 +189,11 @@ class _BlockShape:
     d_out: int = 0
 
 
-def _block_shape(b: Any) -> _BlockShape:
-    if isinstance(b, KroneckerBlock):
-        return _BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
-    return _BlockShape(False, b.num_params)
-
-
 def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
     """The block shapes of a Jacobian as the cost model sees them (no arrays are kept)."""
-    return tuple(_block_shape(b) for b in as_jacobian(j, "J").blocks)
+    return tuple(_BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
+                 if isinstance(b, KroneckerBlock) else _BlockShape(False, b.num_params)
+                 for b in as_jacobian(j, "J").blocks)
 
 
 def useful_tile(n: int) -> int:
@@ -395,8 +390,8 @@ def _round_budget(budget: int) -> int:
 
 
 def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
-                 layerwise: bool, budget: int, itemsize: int, forced: str | None, gpu: bool,
-                 writable: bool, default_budget: bool) -> GramPlan:
+                 layerwise: bool, budget: Budget, itemsize: int, forced: str | None, gpu: bool,
+                 writable: bool) -> GramPlan:
     """:func:`_make_plan`, memoised on the problem's shape.
 
     A default budget (a share of the free memory, which changes from call to call) is
@@ -404,7 +399,7 @@ def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmet
     memory situation share a plan; an explicit ``max_memory`` is used as given.  The module
     constants that steer the plan are part of the key.
     """
-    plan_budget = _round_budget(budget) if default_budget else int(budget)
+    plan_budget = _round_budget(budget) if budget.default else int(budget)
     key = (tuple(_pair_key(p) for p in pairs), mode, o, n1, n2, symmetric, layerwise,
            plan_budget, itemsize, forced, gpu, writable, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
            tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
@@ -534,15 +529,12 @@ def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
     once per tile (one strided pass over the tile instead of one per block).
     """
 
-    def take(x: Array, sl: slice) -> Array:
-        return _take(xp, x, sl, dtype)
-
     if strategy == "dense":
-        j1 = take(pair.b1.jac, rows)
-        j2 = j1 if same else take(pair.b2.jac, cols)
-        return _dense_tile(xp, j1, j2, mode)
-    a1, g1 = take(pair.b1.a, rows), take(pair.b1.g, rows)
-    a2, g2 = (a1, g1) if same else (take(pair.b2.a, cols), take(pair.b2.g, cols))
+        j1 = _take(xp, pair.b1.jac, rows, dtype)
+        return _dense_tile(xp, j1, j1 if same else _take(xp, pair.b2.jac, cols, dtype), mode)
+    a1, g1 = _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype)
+    a2, g2 = (a1, g1) if same else (_take(xp, pair.b2.a, cols, dtype),
+                                    _take(xp, pair.b2.g, cols, dtype))
     if strategy == "kron1":
         return _kron1_tile(xp, a1, g1, a2, g2, mode)
     if strategy == "positions":
@@ -670,7 +662,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
         except Exception:
             gpu = False
         plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, item,
-                            strategy, gpu, _writable(xp, out_dtype, device), budget.default)
+                            strategy, gpu, _writable(xp, out_dtype, device))
     return _Setup(xp, pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 

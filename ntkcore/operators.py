@@ -183,14 +183,6 @@ class KernelOperator(LinearOperator):
             raise ValueError(f"v must have shape ({self.shape[1]}, k); got {tuple(v.shape)}")
         return xp
 
-    def _tile(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, same: bool) -> Array:
-        """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
-        a = self.J1.select(slice(i0, i1))
-        b = None if same else self._j2.select(slice(j0, j1))
-        t = gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
-        self.tiles_computed += 1
-        return self.mode.matrix(self.xp, t)
-
     # -- products -------------------------------------------------------------------------
     def matmat(self, v: Array) -> Array:
         """:math:`(K + \\lambda I) V` for ``v`` (N2 q, k) -> (N1 q, k), q = O for "full"."""
@@ -206,9 +198,9 @@ class KernelOperator(LinearOperator):
         return self.matmat(v[:, None])[:, 0]
 
     def _matmat_tiles(self, v: Array) -> Array:
-        xp, q, bs = self.xp, self._q, self.block
+        xp, q = self.xp, self._q
         dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
-        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, bs,
+        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, self.block,
                         symmetric=self.symmetric)
         out: list[Array | None] = [None] * len(grid.rows)
 
@@ -217,10 +209,13 @@ class KernelOperator(LinearOperator):
             out[idx] = term if cur is None else cur + term
 
         for i, (i0, i1) in enumerate(grid.rows):
+            rows = self.J1.select(slice(i0, i1))
             for j in grid.row_tiles(i):  # off the diagonal of a symmetric K: both products
                 j0, j1 = grid.cols[j]
-                t = xp.astype(self._tile(i0, i1, j0, j1, dtype, self.symmetric and i == j),
-                              v.dtype)
+                cols = None if self.symmetric and i == j else self._j2.select(slice(j0, j1))
+                t = gram(rows, cols, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
+                self.tiles_computed += 1
+                t = xp.astype(self.mode.matrix(xp, t), v.dtype)  # (r q, c q)
                 add(i, t @ v[j0 * q:j1 * q, :])
                 if self.symmetric and j != i:
                     add(j, t.T @ v[i0 * q:i1 * q, :])
