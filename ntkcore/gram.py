@@ -808,8 +808,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
         lead: tuple[int, ...] = () if b is None else (b,)
         out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
         if mirror < cols.stop - cols.start:
-            below = slice(cols.start + mirror, cols.stop)
-            out[(*lead, below, rows, ...)] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
+            below = (*lead, slice(cols.start + mirror, cols.stop), rows, ...)
+            out[below] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
         if sym:
             del t  # free the tile (budgeted) before the pass over the square
             sq = out[(*lead, rows, rows, ...)]  # type: ignore[index]
@@ -836,8 +836,9 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                     else:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
-                    if layerwise:
-                        flush(accs, k, pieces[k], b, same and unsym[b], parts)
+                    if layerwise:  # (without item assignment all symmetrised, as summed)
+                        flush(accs, k, pieces[k], b,
+                              same and (unsym[b] if writable else any(unsym)), parts)
             if not layerwise:
                 for k, piece in enumerate(pieces):
                     flush(accs, k, piece, None, same and any(unsym), parts)
