@@ -294,15 +294,18 @@ class MLP:
             named.update({f"biases[{i}]": b for i, b in enumerate(biases)})
         xp, _ = namespace_of(**named)
         dtype = weights[0].dtype
+
+        def check(name: str, x: Array, shape_ok: bool, shape: str) -> None:
+            if not shape_ok:
+                raise ValueError(f"{name} must have shape {shape}; got shape {tuple(x.shape)}")
+            check_floating(xp, x, name)
+            if x.dtype != dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but weights[0] has {dtype}; "
+                                "give all parameters one dtype")
+
         widths = []
         for i, w in enumerate(weights):
-            if w.ndim != 2:
-                raise ValueError(f"weights[{i}] must have shape (d_out, d_in); got shape "
-                                 f"{tuple(w.shape)}")
-            check_floating(xp, w, f"weights[{i}]")
-            if w.dtype != dtype:
-                raise TypeError(f"weights[{i}] has dtype {w.dtype} but weights[0] has {dtype}; "
-                                "give all parameters one dtype")
+            check(f"weights[{i}]", w, w.ndim == 2, "(d_out, d_in)")
             if i == 0:
                 widths.append(int(w.shape[1]))
             elif int(w.shape[1]) != widths[-1]:
@@ -310,14 +313,8 @@ class MLP:
                                  f"weights[{i - 1}] has {widths[-1]} outputs")
             widths.append(int(w.shape[0]))
             if biases is not None:
-                b = biases[i]
-                if tuple(b.shape) != (int(w.shape[0]),):
-                    raise ValueError(f"biases[{i}] must have shape ({w.shape[0]},); got shape "
-                                     f"{tuple(b.shape)}")
-                check_floating(xp, b, f"biases[{i}]")
-                if b.dtype != dtype:
-                    raise TypeError(f"biases[{i}] has dtype {b.dtype} but weights[0] has "
-                                    f"{dtype}; give all parameters one dtype")
+                check(f"biases[{i}]", biases[i], tuple(biases[i].shape) == (widths[-1],),
+                      f"({widths[-1]},)")
         self._xp = xp
         self.weights: tuple[Array, ...] = weights
         self.biases: tuple[Array, ...] | None = biases
