@@ -252,7 +252,7 @@ class KernelOperator(LinearOperator):
         dev = array_api_compat.device(like)
         ind = xp.asarray(idx, dtype=xp.int64, device=dev)
         t = gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
-                  dtype=like.dtype)
+                 dtype=like.dtype)
         self.tiles_computed += 1
         t = xp.astype(t, like.dtype)
         if self.reg:
