@@ -12,7 +12,7 @@ its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params
 Memory. With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
 batches. A first small batch measures the factor bytes per sample ``b``; a provider call on
 ``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
-gradients); ``b`` is remembered per model and input signature (:class:`_ProbeCache`), so
+gradients); ``b`` is remembered per model and input signature (:data:`_PER_SAMPLE`), so
 repeated calls skip the measuring call. If the factors of all samples fit in ``M / 2`` they are
 computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget. Otherwise the
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
@@ -25,14 +25,10 @@ too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` 
 ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
 smallest ``max_memory`` that works (``_check_budget``).
 
-Gradients with respect to the inputs (torch autograd; KIP).  When ``x1`` or ``x2`` requires
-grad, the torch provider builds its factors with ``create_graph`` and the kernel carries the
-graph (every block kind, every mode).  If exactly one side requires grad and the other side's
-factors exceed ``M / 4`` (``b`` times its sample count), ``checkpoint="auto"`` hands the call
-to :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, whose backward pass recomputes the
-large side's factors chunk by chunk instead of keeping them (memory independent of its size);
-``checkpoint=True`` forces that path, ``False`` forbids it.  The module is imported lazily by
-name, like the providers.
+Gradients with respect to the inputs (torch autograd; KIP): see ``checkpoint`` in
+:func:`ntk`.  ``"auto"`` hands the call to the provider's ``checkpointed_ntk`` capability
+(torch: :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, loaded lazily) when exactly one
+side requires grad and the other side's factors exceed ``M / 4`` (``b`` times its samples).
 
 Input checks (before any provider call).  ``x1`` and ``x2`` must be arrays of one library
 and device, leading with a non-empty sample axis.  With ``check_finite=True`` (the default,
@@ -62,7 +58,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
+from ._memory import PROBE_SAMPLES, Budget, batch_samples, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import check_finite as _check_finite_array
 from ._validation import first_nonfinite, namespace_of
@@ -70,46 +66,16 @@ from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .modes import Mode, check_mode
-from .providers import Provider, find_provider
+from .providers import find_provider
 from .support import capabilities
-from .tiling import TileGrid
+from .tiling import TileGrid, progress_steps
 
 __all__ = ["ntk", "pseudo_ntk"]
 
 
 def _jac_bytes(j: Jacobian) -> int:
-    total = 0
-    for b in j.blocks:
-        for arr in b.arrays():
-            total += math.prod(arr.shape) * _itemsize(j.xp, arr.dtype)
-    return total
-
-
-def _itemsize(xp: Any, dtype: Any) -> int:
-    try:
-        return int(xp.finfo(dtype).bits) // 8
-    except Exception:
-        return 8
-
-
-def _progress_fn(progress: Any, total: int, desc: str) -> tuple[Callable[[], None] | None, Any]:
-    if progress is None or progress is False:
-        return None, None
-    if progress is True or progress == "tqdm":
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=desc, unit="tile")
-        return (lambda: bar.update(1)), bar
-    if callable(progress):
-        count = [0]
-
-        def report() -> None:
-            count[0] += 1
-            progress(count[0], total)
-
-        return report, None
-    raise TypeError(f"progress must be None, a callable(done, total), True or 'tqdm'; got "
-                    f"{progress!r}")
+    return sum(math.prod(arr.shape) * itemsize(j.xp, arr.dtype)
+               for b in j.blocks for arr in b.arrays())
 
 
 def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
@@ -118,10 +84,8 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
         if x is not None and (x.ndim < 1 or x.shape[0] is None):
             raise ValueError(f"{name} must lead with the sample axis N; got shape "
                              f"{tuple(x.shape)}")
-    if x1.shape[0] == 0:
-        raise ValueError("x1 has no samples (N1 = 0)")
-    if x2 is not None and x2.shape[0] == 0:
-        raise ValueError("x2 has no samples (N2 = 0)")
+        if x is not None and x.shape[0] == 0:
+            raise ValueError(f"{name} has no samples (N{name[1]} = 0)")
     return xp, backend
 
 
@@ -183,59 +147,32 @@ def _floating(x: Any) -> bool:
         return False
 
 
-def _diagnose(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> Exception | None:
-    """A clear error for a provider failure on input ``name`` when its cause is visible (a
-    dtype differing from every floating parameter's; an ``x2`` shaped unlike ``x1``)."""
+def _explain(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> None:
+    """Raise a clear error from a provider failure ``exc`` on input ``name`` when its cause is
+    visible (a dtype differing from every floating parameter's; an ``x2`` shaped unlike
+    ``x1``); return otherwise (the caller re-raises ``exc``)."""
     cause = f"{type(exc).__name__}: {exc}"
     if _floating(x):
         dtypes = {p.dtype for _, p in _named_parameters(model) if _floating(p)}
         if dtypes and x.dtype not in dtypes:
             have = ", ".join(sorted(str(d) for d in dtypes))
-            return TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
-                             f"dtype {have}; convert {name} to the model's dtype (the model "
-                             f"raised {cause})")
+            raise TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
+                            f"dtype {have}; convert {name} to the model's dtype (the model "
+                            f"raised {cause})") from exc
     if name == "x2" and tuple(x.shape[1:]) != tuple(x1.shape[1:]):
-        return ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
-                          f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
-                          f"{cause}); pass inputs of one per-sample shape")
-    return None
+        raise ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
+                         f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
+                         f"{cause}); pass inputs of one per-sample shape") from exc
 
 
-class _ProbeCache:
-    """Factor bytes per sample, remembered per model (weakly) and input signature.
-
-    Sizing the sample batches needs the bytes of one sample's Jacobian factors, which only a
-    provider call reveals (the "probe" on the first ``PROBE_SAMPLES`` samples).  For a model
-    called repeatedly (a training or distillation loop, a benchmark) the probe's fixed cost
-    (a forward and a backward pass with hooks, several milliseconds for a small MLP) is paid
-    once per model, input shape, dtype, device, parameter selection and parameter shapes.
-    The value only sizes batches: a stale one (a module changed in place without changing
-    any parameter shape) can misjudge memory, never the kernel.  Entries die with the model.
-    """
-
-    def __init__(self) -> None:
-        self._store: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], float]] = \
-            weakref.WeakKeyDictionary()
-
-    def get(self, key: tuple[Any, tuple[Any, ...]]) -> float | None:
-        model, rest = key
-        try:
-            return self._store.get(model, {}).get(rest)
-        except TypeError:  # not weak-referenceable or not hashable
-            return None
-
-    def put(self, key: tuple[Any, tuple[Any, ...]], value: float) -> None:
-        model, rest = key
-        try:
-            self._store.setdefault(model, {})[rest] = value
-        except TypeError:
-            pass
-
-    def clear(self) -> None:
-        self._store.clear()
-
-
-_PER_SAMPLE = _ProbeCache()
+#: The probe's findings (factor bytes per sample, block shapes, O, item size) per model
+#: (weakly: entries die with it) and input signature (:func:`_probe_key`).  For a model called
+#: repeatedly (a training or distillation loop, a benchmark) the probe's fixed cost (a forward
+#: and a backward pass with hooks, several milliseconds for a small MLP) is paid once.  The
+#: values only size batches: a stale one (a module changed in place without changing any
+#: parameter shape) can misjudge memory, never the kernel.
+_PER_SAMPLE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, ...]]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _shape_signature(model: Any) -> Any:
@@ -259,7 +196,8 @@ def _shape_signature(model: Any) -> Any:
 
 def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
                params: Any) -> tuple[Any, tuple[Any, ...]] | None:
-    """Cache key of the probe for this call, or ``None`` when it cannot be cached."""
+    """``(model, signature)``: where :data:`_PER_SAMPLE` keeps this call's probe, or ``None``
+    when it cannot (a model not weakly referenceable or not hashable)."""
     if params is None:
         pkey: Any = None
     elif isinstance(params, str):
@@ -269,12 +207,14 @@ def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
             pkey = tuple(p if isinstance(p, str | int) else id(p) for p in params)
         except TypeError:
             return None
+    signature = (provider, tuple(x.shape[1:]), str(x.dtype), str(array_api_compat.device(x)),
+                 pseudo, pkey, _shape_signature(model))
     try:
         weakref.ref(model)
+        hash((model, signature))
     except TypeError:
         return None
-    return model, (provider, tuple(x.shape[1:]), str(x.dtype),
-                   str(array_api_compat.device(x)), pseudo, pkey, _shape_signature(model))
+    return model, signature
 
 
 def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
@@ -331,10 +271,8 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
             try:
                 j = provider.jacobian(model, x, **kwargs)
             except Exception as exc:
-                clear = _diagnose(exc, model, name, x_full, x1)
-                if clear is None:
-                    raise
-                raise clear from exc
+                _explain(exc, model, name, x_full, x1)
+                raise
             if not isinstance(j, Jacobian):
                 raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
                                 "not an ntkcore.Jacobian")
@@ -356,19 +294,40 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                          f"model uses the {provider.name!r} provider")
     key = _probe_key(provider.name, model, x1, pseudo, params)
     probe = None
-    cached = _PER_SAMPLE.get(key) if key is not None else None
+    cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
     if cached is None:
         probe = call(x1[0:min(n1, PROBE_SAMPLES), ...])
         cached = (_jac_bytes(probe) / probe.num_samples, block_shapes(probe),
-                  probe.num_outputs, _itemsize(probe.xp, probe.dtype))
+                  probe.num_outputs, itemsize(probe.xp, probe.dtype))
         if key is not None:
-            _PER_SAMPLE.put(key, cached)
+            _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
     per_sample = cached[0]
     _check_budget(budget, cached, n1, n2, x2 is not None, mode, layerwise, dtype, xp)
+    # The budget suffices; from here on, a planner that finds its share too small raises.
+    checkpointed = provider.capabilities.get("checkpointed_ntk")
     try:
-        return _compute(call, model, x1, x2, n1, n2, probe, per_sample, budget, one_grad,
-                        provider, checkpoint, mode, layerwise, pseudo, params, dtype,
-                        batch_size, progress, xp, call2, check_finite)
+        if one_grad and checkpointed is not None and (checkpoint is True or (
+                checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
+                > budget / 4)):
+            # One side requires grad and the other is large: the provider's checkpointed
+            # target factors (torch: ntkcore.backends.torch_kip), loaded lazily.
+            try:
+                return checkpointed()(model, x1, x2, mode=mode, layerwise=layerwise,
+                                      pseudo=pseudo, params=params, max_memory=budget,
+                                      dtype=dtype, batch_size=batch_size)
+            except Exception as exc:
+                _explain(exc, model, "x2", x2, x1)
+                raise
+        if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
+            return _streamed(call, call2, x1, x2, probe, per_sample, budget, batch_size, mode,
+                             layerwise, dtype, progress, xp, check_finite)
+        batch = batch_size or batch_samples(per_sample, budget / 2)
+        j1 = _jacobians(call, x1, 0, n1, batch, probe)
+        j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
+        rest = budget.less(_jac_bytes(j1) + (0 if j2 is None else _jac_bytes(j2)),
+                           budget // 4)
+        return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
+                    progress=progress, check_finite=check_finite)
     except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
         need = math.ceil(e.needed * budget / max(e.given, 1))
         raise BudgetTooSmallError(
@@ -389,15 +348,15 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     either ``M >= 2 F`` (``F``: all factors) or ``M >= 4 m b`` (blocks of ``m`` samples of
     ``b`` bytes each).
     """
-    per_sample, shapes, o, itemsize = cached
+    per_sample, shapes, o, item = cached
     if dtype is not None:
         try:
             resolved = getattr(xp, dtype) if isinstance(dtype, str) else dtype
-            itemsize = max(itemsize, _itemsize(xp, resolved))
+            item = max(item, itemsize(xp, resolved))
         except Exception:  # gram() reports a bad dtype
             pass
     g = min_budget(shapes, num_outputs=o, n1=n1, n2=n2, mode=mode, layerwise=layerwise,
-                   itemsize=itemsize)
+                   itemsize=item)
     m = max(useful_tile(n1), useful_tile(n2))
     factors = per_sample * (n1 + (n2 if cross else 0))
     need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))
@@ -409,78 +368,32 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
             f"contract the tile): pass max_memory >= {need} bytes", budget, need)
 
 
-def _compute(call: Callable[[Any], Jacobian], model: Any, x1: Any, x2: Any, n1: int, n2: int,
-             probe: Jacobian | None, per_sample: float, budget: Budget, one_grad: bool,
-             provider: Provider, checkpoint: Any, mode: str, layerwise: bool, pseudo: bool,
-             params: Any, dtype: Any, batch_size: Any, progress: Any, xp: Any,
-             call2: Callable[[Any], Jacobian], check_finite: bool) -> Array:
-    """The kernel once the budget is known to suffice (see the module docstring)."""
-    checkpointed = provider.capabilities.get("checkpointed_ntk")
-    if one_grad and checkpointed is not None and (checkpoint is True or (
-            checkpoint == "auto" and per_sample * (n2 if _requires_grad(x1) else n1)
-            > budget / 4)):
-        # One side requires grad and the other is large: the provider's checkpointed target
-        # factors (torch: ntkcore.backends.torch_kip), loaded lazily like every provider module.
-        try:
-            return checkpointed()(model, x1, x2, mode=mode, layerwise=layerwise,
-                                  pseudo=pseudo, params=params, max_memory=budget,
-                                  dtype=dtype, batch_size=batch_size)
-        except Exception as exc:
-            clear = _diagnose(exc, model, "x2", x2, x1)
-            if clear is None:
-                raise
-            raise clear from exc
-    batch = batch_size or batch_samples(per_sample, budget / 2)
-    total_factors = per_sample * (n1 + (0 if x2 is None else n2))
-    if total_factors <= budget / 2:
-        j1 = _jacobians(call, x1, 0, n1, batch, probe)
-        j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
-        rest = budget.less(_jac_bytes(j1) + (0 if j2 is None else _jac_bytes(j2)),
-                           budget // 4)
-        return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
-                    progress=progress, check_finite=check_finite)
-    return _streamed(call, x1, x2, n1, n2, probe, per_sample, budget, batch_size, mode,
-                     layerwise, dtype, progress, xp, call2, check_finite)
-
-
-def _streamed(call: Callable[[Any], Jacobian], x1: Any, x2: Any, n1: int, n2: int,
-              probe: Jacobian | None, per_sample: float, budget: Budget, batch_size: Any,
-              mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
-              call2: Callable[[Any], Jacobian] | None = None,
-              check_finite: bool = True) -> Array:
+def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian], x1: Any,
+              x2: Any, probe: Jacobian | None, per_sample: float, budget: Budget,
+              batch_size: Any, mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
+              check_finite: bool) -> Array:
     """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
     batch = batch_size or batch_samples(per_sample, budget / 4)
     symmetric = x2 is None
-    grid = TileGrid(n1, n2, block, symmetric=symmetric)
-    report, bar = _progress_fn(progress, len(grid.schedule()), "ntk")
     xc = x1 if symmetric else x2
+    grid = TileGrid(int(x1.shape[0]), int(xc.shape[0]), block, symmetric=symmetric)
     tiles: dict[tuple[int, int], Array] = {}
     rest = budget.share(2)
-    try:
+    with progress_steps(progress, len(grid.schedule()), "ntk") as step:
         for i, (r0, r1) in enumerate(grid.rows):
             first = probe if probe is not None and r0 == 0 and \
                 probe.num_samples <= r1 - r0 else None
             ji = _jacobians(call, x1, r0, r1, batch, first)
             for j in grid.row_tiles(i):
-                c0, c1 = grid.cols[j]
-                if symmetric and j == i:
-                    tiles[(i, j)] = gram(ji, None, mode=mode, layerwise=layerwise,
-                                         max_memory=rest, dtype=dtype,
-                                         check_finite=check_finite)
-                else:
-                    jj = _jacobians(call if symmetric or call2 is None else call2, xc, c0, c1,
-                                    batch)
-                    tiles[(i, j)] = gram(ji, jj, mode=mode, layerwise=layerwise,
-                                         max_memory=rest, dtype=dtype,
-                                         check_finite=check_finite)
-                    del jj
-                if report is not None:
-                    report()
+                # on the diagonal of a symmetric kernel, ji against itself
+                jj = None if symmetric and j == i else _jacobians(call2, xc, *grid.cols[j],
+                                                                  batch)
+                tiles[(i, j)] = gram(ji, jj, mode=mode, layerwise=layerwise, max_memory=rest,
+                                     dtype=dtype, check_finite=check_finite)
+                del jj
+                step()
             del ji
-    finally:
-        if bar is not None:
-            bar.close()
     return grid.assemble(xp, tiles, mode, 1 if layerwise else 0)
 
 

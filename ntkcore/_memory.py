@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 __all__ = ["CALL_OVERHEAD", "DEFAULT_FRACTION", "FALLBACK_BUDGET", "PROBE_SAMPLES", "Budget",
-           "batch_samples", "default_budget", "parse_memory", "resolve_budget"]
+           "batch_samples", "default_budget", "itemsize", "parse_memory", "resolve_budget"]
 
 #: Fraction of the free memory of a device used as the default working-memory budget.
 DEFAULT_FRACTION = 0.25
@@ -98,23 +98,8 @@ def parse_memory(value: Any, name: str = "max_memory") -> int:
 
 
 def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION) -> int:
-    """``fraction`` of the free memory of ``device`` as reported by ``backend``.
-
-    Parameters
-    ----------
-    backend : ntkcore.backends.Backend
-        Supplies ``free_memory(device)`` (bytes or ``None``).
-    device : device object
-        The device the arrays live on.
-    fraction : float
-        Share of the free memory to use (default :data:`DEFAULT_FRACTION`).
-
-    Returns
-    -------
-    int
-        Bytes; :data:`FALLBACK_BUDGET` when the free memory is unknown, never less than
-        :data:`MIN_DEFAULT_BUDGET`.
-    """
+    """Bytes: ``fraction`` of the free memory of ``device`` as ``backend.free_memory`` reports
+    it, at least :data:`MIN_DEFAULT_BUDGET`; :data:`FALLBACK_BUDGET` when it is unknown."""
     try:
         free = backend.free_memory(device)
     except Exception:  # a failing probe must not break the computation
@@ -159,6 +144,11 @@ def resolve_budget(max_memory: Any, backend: Any, device: Any) -> Budget:
     if max_memory is None:
         return Budget(default_budget(backend, device), True, "the default budget")
     return Budget(parse_memory(max_memory, "max_memory"), False, f"max_memory={max_memory!r}")
+
+
+def itemsize(xp: Any, dtype: Any) -> int:
+    """Bytes per number of the real floating ``dtype`` of ``xp``."""
+    return int(xp.finfo(dtype).bits) // 8
 
 
 def batch_samples(per_sample: float, budget: float, extra: float = 0.0) -> int:

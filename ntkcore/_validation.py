@@ -130,12 +130,10 @@ def check_symmetric(xp: Any, k: Array, name: str, backend: Any = None) -> Array:
     The test is :math:`\max|K - K^\top| \le \tau \max_i |K_{ii}|` with
     :math:`\tau` = :data:`SYMMETRY_RTOL_EPS` :math:`\cdot\,\varepsilon` (``k``'s dtype;
     for a positive semi-definite ``K``, :math:`\max_i |K_{ii}| = \max|K|`): one O(N^2) read of
-    ``k`` in cache-sized blocks (about a tenth of a single-threaded Cholesky factorisation at
-    N = 3000, a smaller share for larger N).  An exactly symmetric ``k`` (ntkcore's own
-    kernels) is returned as is, without a copy.  Within the tolerance the symmetric part is
-    returned, so that every solver (which may read one triangle, the other, or both) sees the
-    same matrix; under autograd that symmetrisation is part of the graph.  A traced array
-    whose values are unknown (``jax.jit``) is symmetrised without the test.
+    ``k`` in cache-sized blocks.  An exactly symmetric ``k`` (ntkcore's own kernels) is
+    returned as is; within the tolerance the symmetric part is returned, so that every solver
+    (reading one triangle, the other or both) sees the same matrix (under autograd, in the
+    graph).  A traced array (``jax.jit``) is symmetrised without the test.
 
     Raises
     ------
@@ -206,20 +204,12 @@ def check_scalar(
     return v
 
 
-def result_dtype(xp: Any, *arrays: Array) -> Any:
-    """The floating dtype that ``arrays`` promote to."""
-    return xp.result_type(*[a.dtype for a in arrays if a is not None])
-
-
 def first_nonfinite(named: list[tuple[str, Array]]) -> str | None:
     """The name of the first array in ``named`` holding NaN or Inf, or ``None``.
 
-    The fast path sums each array (one read, no temporary) and reads the stacked sums with a
-    single device sync per namespace, device and dtype: a finite sum proves every entry finite (a
-    NaN or Inf entry makes the sum NaN or Inf).  Only when a sum is not finite (a NaN/Inf, or
-    an overflow of finite entries) is each array tested entry by entry.  Integer and
-    boolean arrays are skipped; arrays whose values are unknown (``jax.jit`` tracers) count
-    as finite.
+    One sum per array and one device sync per namespace, device and dtype: a finite sum proves
+    every entry finite; only a non-finite sum (NaN/Inf, or an overflow) is checked entry by
+    entry.  Integer and boolean arrays are skipped; traced arrays (``jax.jit``) count as finite.
     """
     groups: dict[tuple[int, str, str], tuple[Any, list[tuple[str, Array]]]] = {}
     for name, arr in named:

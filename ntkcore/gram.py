@@ -57,23 +57,19 @@ share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
 
 Tiling and memory
 -----------------
-The kernel is computed in tiles of (rows, columns), block after block, so that the working
-memory beyond the output (factor slices, intermediate Gram matrices, per-sample weights, the
-tile accumulator) stays below ``max_memory``.  Tiles are written into a preallocated output
-where the namespace supports item assignment; otherwise (JAX) tiles are concatenated, which
-transiently needs a second output-sized buffer.  With ``J2=None`` only tiles on and above the
-diagonal are computed and the others are mirrored (see ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` for
-when a kernel is split for that purpose).  A tile on the diagonal is itself computed as up to
-``SYMMETRIC_MAX_PANELS`` row panels, each against the columns from its first row to the
-tile's end, with the part below the diagonal mirrored: a SYRK-like (p+1)/(2p) of the work
-with GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was
-slower than panels on large full-mode tiles).  Everything off those squares is mirrored; the
-squares themselves are exactly symmetric from a GEMM ``X X^T`` (dense, kron1, materialise:
-an entry and its mirror sum the same products in the same order), while the "positions"
-contraction sums over s and t in different orders, so squares with a "positions" block are
-replaced by the average with their transpose (exact: ``fl(x + y) = fl(y + x)``, halving is
-exact).  A self-kernel is thus exactly symmetric: ``Theta[n, m, o, p] == Theta[m, n, p, o]``
-bit for bit.
+The kernel is computed in tiles of (rows, columns) (:mod:`ntkcore.tiling`), block after block,
+so that the working memory beyond the output (factor slices, intermediate Gram matrices,
+per-sample weights, the tile accumulator) stays below ``max_memory``.  Tiles are written into a
+preallocated output where the namespace supports item assignment; otherwise (JAX) tiles are
+concatenated, which transiently needs a second output-sized buffer.  With ``J2=None`` only
+tiles on and above the diagonal are computed and mirrored, and a tile on the diagonal is
+computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
+GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
+than panels on large full-mode tiles).  The panels' own squares are exactly symmetric from a
+GEMM ``X X^T`` (dense, kron1, materialise: an entry and its mirror sum the same products in the
+same order); the "positions" contraction sums over s and t in different orders, so squares with
+a "positions" block are averaged with their transpose (exact: ``fl(x + y) = fl(y + x)``,
+halving is exact).  A self-kernel is thus exactly symmetric, bit for bit.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -83,18 +79,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._memory import resolve_budget
+from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
-from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .jacobian import Jacobian, KroneckerBlock, as_jacobian, flat_weights
 from .modes import Mode, check_mode
 from .support import capabilities
-from .tiling import TileGrid
+from .tiling import TileGrid, panel_share, progress_steps, sizes
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
@@ -108,13 +104,10 @@ STRATEGIES = ("positions", "materialise")
 SYMMETRIC_SPLIT_FLOPS_PER_ENTRY = 2048
 SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 
-#: A tile on the diagonal of a symmetric kernel is computed as ``p`` row panels, panel ``k``
-#: against the columns from its own first row to the tile's end (the upper triangle plus
-#: the panel's own square): (p+1)/(2p) of the tile's GEMM work, each GEMM still wide.  The
-#: mirrored part is a transposed copy of about half the tile.  Used when the contraction
-#: costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel entry and only where
-#: arrays support slice assignment; panels have at least ``SYMMETRIC_PANEL_ROWS`` rows
-#: (samples; CPU / GPU) and a tile has at most ``SYMMETRIC_MAX_PANELS`` of them.
+#: Row panels of a tile on the diagonal of a symmetric kernel (:meth:`TileGrid.pieces`): used
+#: when the contraction costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel
+#: entry and only where arrays support slice assignment; panels have at least
+#: ``SYMMETRIC_PANEL_ROWS`` rows (samples; CPU / GPU), a tile at most ``SYMMETRIC_MAX_PANELS``.
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
@@ -130,16 +123,12 @@ MIN_TILE_SAMPLES = 8
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Pair:
-    """Block ``index`` of J1 and its counterpart in J2."""
+    """Block ``name`` of J1 and its counterpart in J2 (or their :class:`_BlockShape`)."""
 
-    index: int
     name: str
     b1: Any
     b2: Any
-
-    @property
-    def kronecker(self) -> bool:
-        return isinstance(self.b1, KroneckerBlock)
+    kronecker: bool
 
     def strategies(self, forced: str | None) -> tuple[str, ...]:
         if not self.kronecker:
@@ -190,9 +179,8 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
     raise AssertionError(strategy)
 
 
-@dataclass(frozen=True)
-class _BlockShape:
-    """What the cost model reads of a block, without its arrays (for :func:`_min_bytes`)."""
+class _BlockShape(NamedTuple):
+    """What the cost model reads of a block, without its arrays (for :func:`min_budget`)."""
 
     kron: bool
     num_params: int
@@ -201,21 +189,11 @@ class _BlockShape:
     d_out: int = 0
 
 
-class _ShapePair(_Pair):
-    @property
-    def kronecker(self) -> bool:
-        return bool(self.b1.kron)
-
-
-def _block_shape(b: Any) -> _BlockShape:
-    if isinstance(b, KroneckerBlock):
-        return _BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
-    return _BlockShape(False, b.num_params)
-
-
 def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
     """The block shapes of a Jacobian as the cost model sees them (no arrays are kept)."""
-    return tuple(_block_shape(b) for b in as_jacobian(j, "J").blocks)
+    return tuple(_BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
+                 if isinstance(b, KroneckerBlock) else _BlockShape(False, b.num_params)
+                 for b in as_jacobian(j, "J").blocks)
 
 
 def useful_tile(n: int) -> int:
@@ -242,7 +220,7 @@ def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2
     ``itemsize`` of the compute dtype.  Used by :func:`ntkcore.ntk` to check a budget before
     any factor is computed.
     """
-    pairs: list[_Pair] = [_ShapePair(i, str(i), a, b) for i, (a, b) in enumerate(
+    pairs = [_Pair(str(i), a, b, a.kron) for i, (a, b) in enumerate(
         zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
     return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None) * itemsize
 
@@ -308,11 +286,6 @@ class GramPlan:
     panels: int = 1
 
 
-def _itemsize(xp: Any, dtype: Any) -> int:
-    return int(xp.finfo(dtype).bits) // 8
-
-
-
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
           r: int, c: int, acc: int) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
@@ -320,15 +293,12 @@ def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str
         + r * c * _q(mode, o) * acc
 
 
-def _grid_flops(strategy: str, pair: _Pair, mode: str, o: int, n1: int, n2: int,
-                r: int, c: int) -> float:
-    """Flops of one block over the whole (ragged) tile grid."""
-    total = 0.0
-    for rr, nrr in ((r, n1 // r), (n1 % r, 1 if n1 % r else 0)):
-        for cc, ncc in ((c, n2 // c), (n2 % c, 1 if n2 % c else 0)):
-            if nrr and ncc:
-                total += nrr * ncc * _cost(strategy, pair, mode, o, rr, cc)[1]
-    return total
+def _flops(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
+           rows: list[tuple[int, int]], cols: list[tuple[int, int]]) -> float:
+    """Flops of the blocks over ``(size, count)`` row and column blocks (:func:`sizes`)."""
+    return float(sum(nr * nc * _cost(s, p, mode, o, r, c)[1]
+                     for s, p in zip(strategies, pairs, strict=True)
+                     for r, nr in rows for c, nc in cols))
 
 
 def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
@@ -350,8 +320,8 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
                 return _work([strat], [pair], mode, o, r, c, acc) <= elems
             tile = _largest(fits, 1, nmax)
             if tile >= useful:
-                r, c = min(tile, n1), min(tile, n2)
-                key = (0, _grid_flops(strat, pair, mode, o, n1, n2, r, c))
+                grid = sizes(n1, min(tile, n1)), sizes(n2, min(tile, n2))
+                key = (0, _flops([strat], [pair], mode, o, *grid))
             elif tile >= 1:  # below a useful tile (plan_gram only): the largest tile
                 key = (1, float(-tile))
             else:  # nothing fits: prefer the smallest working set
@@ -364,9 +334,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     tile = max(1, min(tiles))  # _setup has checked that a useful tile fits
     if symmetric:
         r = min(tile, n1)
-        per_entry = sum(_cost(s, p, mode, o, r, r)[1] for s, p in zip(chosen, pairs,
-                                                                       strict=True)) \
-            / (r * r * _q(mode, o))
+        per_entry = _flops(chosen, pairs, mode, o, [(r, 1)], [(r, 1)]) / (r * r * _q(mode, o))
         if per_entry >= SYMMETRIC_SPLIT_FLOPS_PER_ENTRY:
             floor = SYMMETRIC_MIN_TILE["gpu" if gpu else "cpu"]
             r = min(r, max(floor, math.ceil(n1 / 4)))
@@ -386,15 +354,11 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
 
     nr, nc = math.ceil(n1 / r), math.ceil(n2 / c)
     ntiles = nr * (nr + 1) // 2 if symmetric else nr * nc
-    flops_all = sum(_grid_flops(s, p, mode, o, n1, n2, r, c)
-                    for s, p in zip(chosen, pairs, strict=True))
+    flops_all = _flops(chosen, pairs, mode, o, sizes(n1, r), sizes(n2, c))
     if symmetric:  # upper triangle: diagonal tiles plus half of the rest
-        diag = sum(_grid_flops(s, p, mode, o, r, r, r, r) for s, p in zip(chosen, pairs,
-                                                                         strict=True))
-        diag = diag * (n1 // r) + (sum(_grid_flops(s, p, mode, o, n1 % r, n1 % r, r, r)
-                                      for s, p in zip(chosen, pairs, strict=True))
-                                  if n1 % r else 0.0)
-        flops = diag * _panel_fraction(r, panels) + (flops_all - diag) / 2
+        diag = sum(k * _flops(chosen, pairs, mode, o, [(rr, 1)], [(rr, 1)])
+                   for rr, k in sizes(n1, r))
+        flops = diag * panel_share(r, panels) + (flops_all - diag) / 2
     else:
         flops = flops_all
     working = _work(chosen, pairs, mode, o, r, c, acc)
@@ -426,8 +390,8 @@ def _round_budget(budget: int) -> int:
 
 
 def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
-                 layerwise: bool, budget: int, itemsize: int, forced: str | None, gpu: bool,
-                 writable: bool, default_budget: bool) -> GramPlan:
+                 layerwise: bool, budget: Budget, itemsize: int, forced: str | None, gpu: bool,
+                 writable: bool) -> GramPlan:
     """:func:`_make_plan`, memoised on the problem's shape.
 
     A default budget (a share of the free memory, which changes from call to call) is
@@ -435,7 +399,7 @@ def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmet
     memory situation share a plan; an explicit ``max_memory`` is used as given.  The module
     constants that steer the plan are part of the key.
     """
-    plan_budget = _round_budget(budget) if default_budget else int(budget)
+    plan_budget = _round_budget(budget) if budget.default else int(budget)
     key = (tuple(_pair_key(p) for p in pairs), mode, o, n1, n2, symmetric, layerwise,
            plan_budget, itemsize, forced, gpu, writable, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
            tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
@@ -450,76 +414,47 @@ def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmet
     return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
 
 
-def _panel_bounds(start: int, stop: int, panels: int) -> list[int]:
-    """Row boundaries of ``panels`` near-equal panels of the rows ``[start, stop)``."""
-    n = stop - start
-    return [start + (k * n) // panels for k in range(panels + 1)]
-
-
-def _panel_fraction(r: int, panels: int) -> float:
-    """Share of a diagonal tile's (r x r) products that its row panels compute."""
-    if panels <= 1 or r <= 0:
-        return 1.0
-    b = _panel_bounds(0, r, panels)
-    return sum((b[k + 1] - b[k]) * (r - b[k]) for k in range(panels)) / (r * r)
-
-
 # ---------------------------------------------------------------------------------------------
 # Tile kernels.  Inputs are already sliced to the tile and cast to the compute dtype.
 # ---------------------------------------------------------------------------------------------
-class _Ops:
-    """The namespace and the tile product ``x @ y.T``."""
-
-    def __init__(self, xp: Any) -> None:
-        self.xp = xp
-
-    def nt(self, x: Array, y: Array) -> Array:
-        """``x @ y.T`` for 2-D ``x`` (r, K), ``y`` (c, K) -> (r, c).
-
-        A self-product ``x @ x.T`` is left as it is: NumPy detects it and calls SYRK (half the
-        flops), and GEMM on a contiguous copy of ``x.T`` was not faster on the development
-        machine (``benchmarks/suites/gram.py``, "selfprod" rows).
-        """
-        return x @ y.T
-
-
-def _dense_tile(ops: _Ops, j1: Array, j2: Array, mode: str) -> Array:
+# Tile products are ``x @ y.T``; a self-product ``x @ x.T`` is left as it is: NumPy detects it
+# and calls SYRK (half the flops), and GEMM on a contiguous copy of ``x.T`` was not faster
+# (``benchmarks/suites/gram.py``, "selfprod" rows).
+def _dense_tile(xp: Any, j1: Array, j2: Array, mode: str) -> Array:
     """Theta for dense slices ``j1`` (r, O, P), ``j2`` (c, O, P)."""
-    xp = ops.xp
     r, o, p = j1.shape
     c = j2.shape[0]
     same = j1 is j2
     if mode == "trace":  # sum_{o,k} J[n,o,k] J'[m,o,k]: one GEMM with K = O P
         x1 = xp.reshape(j1, (r, o * p))
-        return ops.nt(x1, x1 if same else xp.reshape(j2, (c, o * p)))
+        return x1 @ (x1 if same else xp.reshape(j2, (c, o * p))).T
     if mode == "full":  # (r O, P) @ (P, c O) -> (r, O, c, O), the GEMM layout
         x1 = xp.reshape(j1, (r * o, p))
-        k = ops.nt(x1, x1 if same else xp.reshape(j2, (c * o, p)))
+        k = x1 @ (x1 if same else xp.reshape(j2, (c * o, p))).T
         return xp.reshape(k, (r, o, c, o))
     # diagonal: O batched GEMMs (O, r, P) @ (O, P, c) -> (O, r, c) -> (r, c, O)
     k = xp.permute_dims(j1, (1, 0, 2)) @ xp.permute_dims(j2, (1, 2, 0))
     return xp.permute_dims(k, (1, 2, 0))
 
 
-def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
     """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
-    xp = ops.xp
     r, _, din = a1.shape
     c = a2.shape[0]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r, din))
-    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c, din)))  # (r, c)
+    aa = x1 @ (x1 if same else xp.reshape(a2, (c, din))).T  # (r, c)
     # the Hadamard products are in place: the GEMM results are fresh arrays of this function
     # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
         y1 = xp.reshape(g1, (r, o * dout))
-        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c, o * dout)))
+        gg = y1 @ (y1 if same else xp.reshape(g2, (c, o * dout))).T
         gg *= aa
         return gg
     if mode == "full":  # (r O, d_out) @ (d_out, c O) -> (r, O, c, O), the GEMM layout
         y1 = xp.reshape(g1, (r * o, dout))
-        gg = xp.reshape(ops.nt(y1, y1 if same else xp.reshape(g2, (c * o, dout))), (r, o, c, o))
+        gg = xp.reshape(y1 @ (y1 if same else xp.reshape(g2, (c * o, dout))).T, (r, o, c, o))
         gg *= aa[:, None, :, None]
         return gg
     # diagonal: (O, r, d_out) @ (O, d_out, c) -> (O, r, c) -> (r, c, O)
@@ -530,19 +465,18 @@ def _kron1_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str
     return gg
 
 
-def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
     """Theta by contracting positions; a (r, S, d_in), g (r, S, O, d_out); a2/g2 with T."""
-    xp = ops.xp
     r, s, din = a1.shape
     c, t = a2.shape[0], a2.shape[1]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r * s, din))
-    aa = ops.nt(x1, x1 if same else xp.reshape(a2, (c * t, din)))  # A[(n,s), (m,t)]
+    aa = x1 @ (x1 if same else xp.reshape(a2, (c * t, din))).T  # A[(n,s), (m,t)]
     if mode == "trace":
         # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
         y1 = xp.reshape(g1, (r * s, o * dout))
-        gg = ops.nt(y1, y1 if same else xp.reshape(g2, (c * t, o * dout)))
+        gg = y1 @ (y1 if same else xp.reshape(g2, (c * t, o * dout))).T
         return xp.sum(xp.reshape(aa * gg, (r, s, c, t)), axis=(1, 3))
     # Y[n, (m,t), (o,k)] = sum_s A[n,s,m,t] g[n,s,o,k]: r batched (cT, S) @ (S, O d_out)
     at = xp.permute_dims(xp.reshape(aa, (r, s, c * t)), (0, 2, 1))
@@ -559,22 +493,14 @@ def _positions_tile(ops: _Ops, a1: Array, g1: Array, a2: Array, g2: Array, mode:
     return xp.sum(xp.vecdot(y5, g2[None, ...], axis=-1), axis=2)
 
 
-def _per_sample_weights(xp: Any, a: Array, g: Array) -> Array:
-    """W[n, o] = sum_s g[n,s,o] a[n,s]^T flattened: (n, O, d_out d_in); n batched GEMMs."""
-    n, s, din = a.shape
-    o, dout = g.shape[2], g.shape[3]
-    gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (n, O d_out, S)
-    return xp.reshape(gt @ a, (n, o, dout * din))
-
-
 def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     """Samples ``sl`` of a factor, in the compute dtype."""
     x = x[sl, ...]
     return x if x.dtype == dtype else xp.astype(x, dtype)
 
 
-def _piece_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
-                 pieces: list[tuple[slice, slice, int | None]], same: bool, dtype: Any,
+def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
+                 pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any,
                  mode: str) -> Iterator[Array]:
     """One block's tiles for the pieces (rows, cols, mirror) of the tile ``rows``, in order.
 
@@ -585,18 +511,16 @@ def _piece_tiles(ops: _Ops, strategy: str, pair: _Pair, rows: slice,
     """
     if strategy != "materialise" or len(pieces) == 1:
         for prs, pcs, _ in pieces:
-            yield _block_tile(ops, strategy, pair, prs, pcs, same, dtype, mode)
+            yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode)
         return
-    xp = ops.xp
-    w = _per_sample_weights(xp, _take(xp, pair.b1.a, rows, dtype),
-                            _take(xp, pair.b1.g, rows, dtype))
+    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype))
     r0 = rows.start
     for prs, pcs, _ in pieces:
-        yield _dense_tile(ops, w[prs.start - r0:prs.stop - r0, ...],
+        yield _dense_tile(xp, w[prs.start - r0:prs.stop - r0, ...],
                           w[pcs.start - r0:pcs.stop - r0, ...], mode)
 
 
-def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
+def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
                 same: bool, dtype: Any, mode: str) -> Array:
     """One block's contribution to the tile (rows, cols).
 
@@ -604,24 +528,19 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
     blocks are summed in that layout and :func:`_execute` permutes the sum to (r, c, O, O)
     once per tile (one strided pass over the tile instead of one per block).
     """
-    xp = ops.xp
-
-    def take(x: Array, sl: slice) -> Array:
-        return _take(xp, x, sl, dtype)
 
     if strategy == "dense":
-        j1 = take(pair.b1.jac, rows)
-        j2 = j1 if same else take(pair.b2.jac, cols)
-        return _dense_tile(ops, j1, j2, mode)
-    a1, g1 = take(pair.b1.a, rows), take(pair.b1.g, rows)
-    a2, g2 = (a1, g1) if same else (take(pair.b2.a, cols), take(pair.b2.g, cols))
+        j1 = _take(xp, pair.b1.jac, rows, dtype)
+        return _dense_tile(xp, j1, j1 if same else _take(xp, pair.b2.jac, cols, dtype), mode)
+    a1, g1 = _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype)
+    a2, g2 = (a1, g1) if same else (_take(xp, pair.b2.a, cols, dtype),
+                                    _take(xp, pair.b2.g, cols, dtype))
     if strategy == "kron1":
-        return _kron1_tile(ops, a1, g1, a2, g2, mode)
+        return _kron1_tile(xp, a1, g1, a2, g2, mode)
     if strategy == "positions":
-        return _positions_tile(ops, a1, g1, a2, g2, mode)
-    w1 = _per_sample_weights(xp, a1, g1)
-    w2 = w1 if same else _per_sample_weights(xp, a2, g2)
-    return _dense_tile(ops, w1, w2, mode)
+        return _positions_tile(xp, a1, g1, a2, g2, mode)
+    w1 = flat_weights(xp, a1, g1)
+    return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2), mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +550,7 @@ def _block_tile(ops: _Ops, strategy: str, pair: _Pair, rows: slice, cols: slice,
 
 def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
     if j2 is None:
-        return [_Pair(i, str(b.name), b, b) for i, b in enumerate(j1.blocks)]
+        return [_Pair(str(b.name), b, b, isinstance(b, KroneckerBlock)) for b in j1.blocks]
     if len(j1.blocks) != len(j2.blocks):
         raise ValueError(f"J1 has {len(j1.blocks)} blocks {j1.names} but J2 has "
                          f"{len(j2.blocks)} blocks {j2.names}; a cross kernel needs the same "
@@ -653,7 +572,7 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
         elif b1.num_params != b2.num_params:
             raise ValueError(f"{label} has P_b={b1.num_params} parameters in J1 but "
                              f"P_b={b2.num_params} in J2")
-        pairs.append(_Pair(i, str(b1.name), b1, b2))
+        pairs.append(_Pair(str(b1.name), b1, b2, isinstance(b1, KroneckerBlock)))
     return pairs
 
 
@@ -673,20 +592,6 @@ def _resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
         raise TypeError(f"dtype must be a real floating dtype of the arrays' library (e.g. "
                         f"float64); got {dtype!r}")
     return dtype
-
-
-def _progress_fn(progress: Any, total: int) -> tuple[Callable[[int, int], Any] | None, Any]:
-    if progress is None or progress is False:
-        return None, None
-    if progress is True or progress == "tqdm":
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc="gram", unit="tile")
-        return (lambda done, tot: bar.update(1)), bar
-    if callable(progress):
-        return progress, None
-    raise TypeError(f"progress must be None, a callable(done, total), True or 'tqdm'; got "
-                    f"{progress!r}")
 
 
 _WRITABLE: dict[int, bool] = {}
@@ -710,7 +615,6 @@ def _writable(xp: Any, dtype: Any, device: Any) -> bool:
 @dataclass
 class _Setup:
     xp: Any
-    ops: _Ops
     pairs: list[_Pair]
     mode: Mode
     n1: int
@@ -740,27 +644,26 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     n1 = j1.num_samples
     n2 = n1 if j2 is None else j2.num_samples
     o = j1.num_outputs
-    itemsize = max(_itemsize(xp, out_dtype), _itemsize(xp, default))
-    if n1 and n2:
-        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * itemsize
-        if budget < need:
-            raise BudgetTooSmallError(
-                f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
-                f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
-                f"mode {mode!r}{', layerwise' if layerwise else ''}, {itemsize}-byte "
-                f"numbers): pass max_memory >= {need} bytes", budget, need)
+    item = max(itemsize(xp, out_dtype), itemsize(xp, default))
     if n1 == 0 or n2 == 0:
         plan = GramPlan(max(n1, 1), max(n2, 1), tuple("dense" if not p.kronecker else "kron1"
                                                       for p in pairs), 0, j2 is None, 0,
                         budget, 0.0, 0.0)
     else:
+        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * item
+        if budget < need:
+            raise BudgetTooSmallError(
+                f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
+                f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
+                f"mode {mode!r}{', layerwise' if layerwise else ''}, {item}-byte "
+                f"numbers): pass max_memory >= {need} bytes", budget, need)
         try:
             gpu = bool(backend.is_gpu(device))
         except Exception:
             gpu = False
-        plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, itemsize,
-                            strategy, gpu, _writable(xp, out_dtype, device), budget.default)
-    return _Setup(xp, _Ops(xp), pairs, mode, n1, n2, o, out_dtype, device, plan)
+        plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, item,
+                            strategy, gpu, _writable(xp, out_dtype, device))
+    return _Setup(xp, pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
 def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
@@ -876,117 +779,72 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
 
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     xp, plan, mode = st.xp, st.plan, st.mode
-    symmetric = plan.symmetric
-    tail = mode.tail(st.o)
-    nb = len(st.pairs)
-    lead = (nb,) if layerwise else ()
-    out_shape = (*lead, st.n1, st.n2, *tail)
+    out_shape = (*((len(st.pairs),) if layerwise else ()), st.n1, st.n2, *mode.tail(st.o))
     if st.n1 == 0 or st.n2 == 0:
         return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
-    tg = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=symmetric)
-    row_sl = [slice(a, b) for a, b in tg.rows]
-    col_sl = row_sl if symmetric else [slice(a, b) for a, b in tg.cols]
-    todo = tg.schedule()
-    report, bar = _progress_fn(progress, len(todo))
+    grid = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=plan.symmetric)
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
-    grid: dict[tuple[int, int], Array] = {}
-    swap1 = mode.swap(0)
-    swapl = mode.swap(1)
-
-    def fix(t: Array) -> Array:  # a full-mode tile from (r, O, c, O) to (r, c, O, O)
-        return xp.permute_dims(t, (0, 2, 1, 3)) if mode == "full" else t
-
-    def place(rs: slice, cs: slice, t: Array, b: int | None, mirror: int | None) -> None:
-        """Write tile ``t`` (rows rs, cols cs) and, from column offset ``mirror`` on, its
-        transpose below the diagonal; ``b`` is the block index when layerwise."""
-        lead_ix: tuple[int, ...] = () if b is None else (b,)
-        upper = (*lead_ix, rs, cs, Ellipsis)
-        out[upper] = t  # type: ignore[index]
-        if mirror is not None and mirror < cs.stop - cs.start:
-            low = slice(cs.start + mirror, cs.stop)
-            mirrored = xp.permute_dims(t[:, mirror:, ...], swap1)
-            lower = (*lead_ix, low, rs, Ellipsis)
-            out[lower] = mirrored  # type: ignore[index]
-
+    tiles: dict[tuple[int, int], Array] = {}
     # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
     # (each entry and its mirror sum the same products in the same order); the "positions"
     # contraction sums over s and t in different orders for (n, m) and (m, n), so its diagonal
-    # tiles are symmetrised (test_self_kernel_exactly_symmetric checks every backend).
+    # tiles are averaged with their transpose (exact: fl(x + y) = fl(y + x), halving is exact;
+    # test_self_kernel_exactly_symmetric checks every backend).
     unsym = [s == "positions" for s in plan.strategies]
 
-    def symmetrise(rs: slice, b: int | None) -> None:
-        """Make the square ``(rs, rs)`` of ``out`` exactly symmetric,
-        ``Theta[n,m,o,p] = Theta[m,n,p,o]``, by averaging it with its transpose
-        (``fl(x + y) = fl(y + x)`` and halving is exact): one pass over the square."""
-        ix = (*(() if b is None else (b,)), rs, rs, Ellipsis)
-        sq = out[ix]  # type: ignore[index]
-        avg = sq + xp.permute_dims(sq, swap1)
-        del sq
-        avg *= 0.5  # a fresh array of this function
-        out[ix] = avg  # type: ignore[index]
+    def flush(accs: list[Array | None], k: int, piece: tuple[slice, slice, int],
+              b: int | None, sym: bool, parts: list[Array]) -> None:
+        """Write piece ``k``'s tile (taken from ``accs``, GEMM layout) for block ``b`` (None:
+        all blocks), its mirror and, ``sym``, the exact symmetrisation of its square; without
+        item assignment (JAX) append the tile to ``parts`` instead."""
+        t, accs[k] = accs[k], None
+        if mode == "full":  # (r, O, c, O) -> (r, c, O, O)
+            t = xp.permute_dims(t, (0, 2, 1, 3))
+        if not writable:
+            parts.append((t + mode.transpose(xp, t)) * 0.5 if sym else t)
+            return
+        rows, cols, mirror = piece
+        lead: tuple[int, ...] = () if b is None else (b,)
+        out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
+        if mirror < cols.stop - cols.start:
+            below = (*lead, slice(cols.start + mirror, cols.stop), rows, ...)
+            out[below] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
+        if sym:
+            del t  # free the tile (budgeted) before the pass over the square
+            sq = out[(*lead, rows, rows, ...)]  # type: ignore[index]
+            avg = sq + mode.transpose(xp, sq)
+            del sq
+            avg *= 0.5  # a fresh array of this function
+            out[(*lead, rows, rows, ...)] = avg  # type: ignore[index]
 
-    def symmetric_tile(t: Array) -> Array:
-        """:func:`symmetrise` for a whole diagonal tile without item assignment (JAX)."""
-        return (t + xp.permute_dims(t, swapl if layerwise else swap1)) * 0.5
-
-    def panels_of(rs: slice) -> list[tuple[slice, slice, int | None]]:
-        """(rows, cols, mirror offset) of the row panels of the diagonal tile ``rs``."""
-        b = _panel_bounds(rs.start, rs.stop, plan.panels)
-        return [(slice(b[k], b[k + 1]), slice(b[k], rs.stop), b[k + 1] - b[k])
-                for k in range(plan.panels) if b[k + 1] > b[k]]
-
-    try:
-        for done, (i, j) in enumerate(todo, start=1):
-            rs, cs = row_sl[i], col_sl[j]
-            same = symmetric and i == j
-            if same and writable and plan.panels > 1:
-                # the diagonal tile as row panels against the columns to their right
-                pieces = panels_of(rs)
-            else:  # the whole tile; off the diagonal of a symmetric kernel, mirrored whole
-                pieces = [(rs, cs, 0 if symmetric and not same else None)]
+    todo = grid.schedule()
+    panels = plan.panels if writable else 1
+    with progress_steps(progress, len(todo), "gram") as step:
+        for i, j in todo:
+            same = plan.symmetric and i == j
+            pieces = grid.pieces(i, j, panels)
+            rows = slice(*grid.rows[i])
             accs: list[Array | None] = [None] * len(pieces)
-            parts = []
+            parts: list[Array] = []
             # blocks outside, pieces inside: a block's per-tile work is done once
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
-                block_tiles = _piece_tiles(st.ops, strat, pair, rs, pieces,
-                                           same and len(pieces) == 1, st.dtype, mode)
-                for k, t in enumerate(block_tiles):
-                    if layerwise:
-                        t = fix(t)
-                        if writable:
-                            place(pieces[k][0], pieces[k][1], t, b, pieces[k][2])
-                            if same and unsym[b]:
-                                t = None  # free the tile before the symmetrising pass
-                                symmetrise(pieces[k][0], b)
-                        else:
-                            parts.append(t)
-                    elif accs[k] is None:
+                for k, t in enumerate(_piece_tiles(xp, strat, pair, rows, pieces,
+                                                   same and len(pieces) == 1, st.dtype, mode)):
+                    if layerwise or accs[k] is None:
                         accs[k] = t
                     else:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
+                    if layerwise:  # (without item assignment all symmetrised, as summed)
+                        flush(accs, k, pieces[k], b,
+                              same and (unsym[b] if writable else any(unsym)), parts)
             if not layerwise:
-                for k, (prs, pcs, off) in enumerate(pieces):
-                    acc, accs[k] = accs[k], None
-                    assert acc is not None
-                    if writable:
-                        place(prs, pcs, fix(acc), None, off)
-                        if same and any(unsym):
-                            del acc  # free the tile (budgeted) before the symmetrising pass
-                            symmetrise(prs, None)
-                    else:
-                        grid[(i, j)] = symmetric_tile(fix(acc)) if same and any(unsym) \
-                            else fix(acc)
-            elif not writable:
-                stacked = xp.stack(parts, axis=0)
-                grid[(i, j)] = symmetric_tile(stacked) if same and any(unsym) else stacked
-            if report is not None:
-                report(done, len(todo))
-    finally:
-        if bar is not None:
-            bar.close()
+                for k, piece in enumerate(pieces):
+                    flush(accs, k, piece, None, same and any(unsym), parts)
+            if not writable:
+                tiles[(i, j)] = xp.stack(parts, axis=0) if layerwise else parts[0]
+            step()
     if writable:
         return out
-    # assemble by concatenation (namespaces without item assignment, e.g. JAX)
-    return tg.assemble(xp, grid, mode, 1 if layerwise else 0)
+    return grid.assemble(xp, tiles, mode, 1 if layerwise else 0)

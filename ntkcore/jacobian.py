@@ -22,7 +22,7 @@ Everything here is pure array API: the blocks hold arrays of one namespace and d
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import array_api_compat
@@ -180,21 +180,14 @@ class KroneckerBlock:
         return (self.a, self.g)
 
     def per_sample_weights(self) -> Array:
-        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in).
-
-        One batched product over samples, ``(N, O d_out, S) @ (N, S, d_in)``, so no factor is
-        broadcast (and copied) over the outputs.
-        """
+        """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in)."""
         xp = array_api_compat.array_namespace(self.a, self.g)
-        n, s, o, dout = self.g.shape
-        gt = xp.permute_dims(xp.reshape(self.g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
-        return xp.reshape(gt @ self.a, (n, o, dout, self.d_in))
+        n, o = self.num_samples, self.num_outputs
+        return xp.reshape(self.to_dense(), (n, o, self.d_out, self.d_in))
 
     def to_dense(self) -> Array:
         """The block's Jacobian, shape (N, O, d_out * d_in)."""
-        xp = array_api_compat.array_namespace(self.a, self.g)
-        n, o = self.num_samples, self.num_outputs
-        return xp.reshape(self.per_sample_weights(), (n, o, self.num_params))
+        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.a, self.g)
 
     def jvp(self, v: Array) -> Array:
         """:math:`J_b v` for ``v`` (d_out * d_in,) -> (N, O), never forming :math:`J_b`.
@@ -222,6 +215,17 @@ class KroneckerBlock:
 
 
 Block = DenseBlock | KroneckerBlock
+
+
+def flat_weights(xp: Any, a: Array, g: Array) -> Array:
+    """Per-sample weights :math:`W[n,o] = \\sum_s g[n,s,o]\\, a[n,s]^\\top` of factors ``a``
+    (N, S, d_in), ``g`` (N, S, O, d_out), flattened row-major: (N, O, d_out d_in).  One batched
+    product over samples, ``(N, O d_out, S) @ (N, S, d_in)``: no factor is broadcast (and
+    copied) over the outputs."""
+    n, s, din = a.shape
+    o, dout = g.shape[2], g.shape[3]
+    gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
+    return xp.reshape(gt @ a, (n, o, dout * din))
 
 
 def _take_samples(x: Array, idx: Any) -> Array:
@@ -266,10 +270,7 @@ class Jacobian:
             if not isinstance(b, DenseBlock | KroneckerBlock):
                 raise TypeError(f"block {i} must be a DenseBlock or KroneckerBlock; got "
                                 f"{type(b).__name__}")
-            if b.name is None:
-                b = (DenseBlock(b.jac, name=f"block{i}") if isinstance(b, DenseBlock)
-                     else KroneckerBlock(b.a, b.g, name=f"block{i}"))
-            named.append(b)
+            named.append(b if b.name is not None else replace(b, name=f"block{i}"))
         first = named[0]
         xp = array_api_compat.array_namespace(*first.arrays())
         dev = array_api_compat.device(first.arrays()[0])
@@ -417,16 +418,9 @@ class Jacobian:
         for j in jacobians[1:]:
             if j.names != first.names or [type(b) for b in j] != [type(b) for b in first]:
                 raise ValueError("Jacobians to concatenate must have the same blocks")
-        blocks: list[Block] = []
-        for i, b in enumerate(first.blocks):
-            parts = [j.blocks[i] for j in jacobians]
-            if isinstance(b, DenseBlock):
-                dense = [p for p in parts if isinstance(p, DenseBlock)]
-                blocks.append(DenseBlock(xp.concat([p.jac for p in dense], axis=0), b.name))
-            else:
-                kron = [p for p in parts if isinstance(p, KroneckerBlock)]
-                blocks.append(KroneckerBlock(xp.concat([p.a for p in kron], axis=0),
-                                             xp.concat([p.g for p in kron], axis=0), b.name))
+        blocks = [type(b)(*[xp.concat([j.blocks[i].arrays()[k] for j in jacobians], axis=0)
+                            for k in range(len(b.arrays()))], b.name)
+                  for i, b in enumerate(first.blocks)]
         return Jacobian(blocks)
 
 

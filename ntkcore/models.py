@@ -176,36 +176,29 @@ def _activate(xp: Any, name: str, y: Array, need_grad: bool,
     if name == "relu":
         pos = y > 0
         z = xp.where(pos, y, xp.zeros_like(y))
-        if not need_grad:
-            return z, None
+    elif name == "gelu":  # gelu(y) = y Phi(y)
+        cdf = 0.5 * (1.0 + _erf(xp, y / _SQRT_2))
+        z = y * cdf
+    else:
+        z = xp.tanh(y) if name == "tanh" else _erf(xp, y) if name == "erf" else y
+    if not need_grad:
+        return z, None
+    if name == "relu":
         d = xp.astype(pos, y.dtype)
     elif name == "tanh":  # s (1 - z^2) = -s z^2 + s
-        z = xp.tanh(y)
-        if not need_grad:
-            return z, None
         d = z * z
         d *= -scale
         d += scale
         return z, d
     elif name == "erf":  # erf'(y) = 2/sqrt(pi) exp(-y^2)
-        z = _erf(xp, y)
-        if not need_grad:
-            return z, None
         d = xp.exp(-(y * y))
         d *= _TWO_OVER_SQRT_PI
-    elif name == "gelu":  # gelu(y) = y Phi(y);  gelu'(y) = Phi(y) + y * pdf(y)
-        cdf = 0.5 * (1.0 + _erf(xp, y / _SQRT_2))
-        z = y * cdf
-        if not need_grad:
-            return z, None
+    elif name == "gelu":  # gelu'(y) = Phi(y) + y * pdf(y)
         d = xp.exp(-0.5 * (y * y))
         d *= _INV_SQRT_2PI
         d *= y
         d += cdf
     else:  # identity
-        z = y
-        if not need_grad:
-            return z, None
         d = xp.ones_like(y)
     if scale != 1.0:
         d *= scale
@@ -301,15 +294,18 @@ class MLP:
             named.update({f"biases[{i}]": b for i, b in enumerate(biases)})
         xp, _ = namespace_of(**named)
         dtype = weights[0].dtype
+
+        def check(name: str, x: Array, shape_ok: bool, shape: str) -> None:
+            if not shape_ok:
+                raise ValueError(f"{name} must have shape {shape}; got shape {tuple(x.shape)}")
+            check_floating(xp, x, name)
+            if x.dtype != dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but weights[0] has {dtype}; "
+                                "give all parameters one dtype")
+
         widths = []
         for i, w in enumerate(weights):
-            if w.ndim != 2:
-                raise ValueError(f"weights[{i}] must have shape (d_out, d_in); got shape "
-                                 f"{tuple(w.shape)}")
-            check_floating(xp, w, f"weights[{i}]")
-            if w.dtype != dtype:
-                raise TypeError(f"weights[{i}] has dtype {w.dtype} but weights[0] has {dtype}; "
-                                "give all parameters one dtype")
+            check(f"weights[{i}]", w, w.ndim == 2, "(d_out, d_in)")
             if i == 0:
                 widths.append(int(w.shape[1]))
             elif int(w.shape[1]) != widths[-1]:
@@ -317,14 +313,8 @@ class MLP:
                                  f"weights[{i - 1}] has {widths[-1]} outputs")
             widths.append(int(w.shape[0]))
             if biases is not None:
-                b = biases[i]
-                if tuple(b.shape) != (int(w.shape[0]),):
-                    raise ValueError(f"biases[{i}] must have shape ({w.shape[0]},); got shape "
-                                     f"{tuple(b.shape)}")
-                check_floating(xp, b, f"biases[{i}]")
-                if b.dtype != dtype:
-                    raise TypeError(f"biases[{i}] has dtype {b.dtype} but weights[0] has "
-                                    f"{dtype}; give all parameters one dtype")
+                check(f"biases[{i}]", biases[i], tuple(biases[i].shape) == (widths[-1],),
+                      f"({widths[-1]},)")
         self._xp = xp
         self.weights: tuple[Array, ...] = weights
         self.biases: tuple[Array, ...] | None = biases
@@ -381,9 +371,6 @@ class MLP:
         for i, d in enumerate(widths):
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"widths[{i}] must be a positive integer; got {d!r}")
-        if parameterization not in _PARAMETERIZATIONS:
-            raise ValueError(f"parameterization must be one of {_PARAMETERIZATIONS}; got "
-                             f"{parameterization!r}")
         sw = check_scalar(weight_std, "weight_std", positive=True)
         sb = check_scalar(bias_std, "bias_std", nonnegative=True)
         if dtype is None:

@@ -29,27 +29,21 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import resolve_budget
+from ._memory import itemsize, resolve_budget
 from ._typing import Array
 from ._validation import namespace_of
-from .cg import LinearOperator
+from .gram import _resolve_dtype, gram
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
+from .linop import LinearOperator
 from .modes import check_mode
 from .support import capabilities
-from .tiling import TileGrid, bounds
+from .tiling import TileGrid, bounds, square_tile
 
 __all__ = ["KernelOperator"]
 
 _METHODS = ("tiles", "factors", "auto")
-_TILE_BYTES = 64 * 2**20
-
-
-def _gram(*args: Any, **kwargs: Any) -> Array:
-    from .gram import gram
-
-    return gram(*args, **kwargs)
-
-
+#: Bytes of a kernel tile (in the accumulation dtype) of the default ``block``.
+TILE_BYTES = 64 * 2**20
 
 
 @capabilities(note={"jax": "tiles via gram (concatenation)"})
@@ -65,7 +59,8 @@ class KernelOperator(LinearOperator):
     mode : {"trace", "full"}, default "trace"
         Operator shape (N1, N2) or (N1 O, N2 O); see the module docstring.
     block : int, optional
-        Samples per tile side (default: tiles of about 64 MiB of kernel).
+        Samples per tile side (default: square tiles of at most :data:`TILE_BYTES`, 64 MiB,
+        of kernel in the accumulation dtype).
     reg : float, default 0.0
         Ridge :math:`\lambda` added to the diagonal (symmetric operators only).
     method : {"tiles", "factors", "auto"}, default "tiles"
@@ -125,14 +120,12 @@ class KernelOperator(LinearOperator):
         self.acc_dtype = dtype
         self.xp = self.J1.xp
         self.dtype = self.J1.dtype
-        o = self.J1.num_outputs
-        self._q = o if mode == "full" else 1
-        n1 = self.J1.num_samples
-        n2 = n1 if self.J2 is None else self.J2.num_samples
-        self.shape = (n1 * self._q, n2 * self._q)  # type: ignore[assignment]
+        self._q = self.J1.num_outputs if mode == "full" else 1
+        self.shape = (self.J1.num_samples * self._q,  # type: ignore[assignment]
+                      self._j2.num_samples * self._q)
         if block is None:
-            item = 8
-            block = max(1, int(math.sqrt(_TILE_BYTES / (item * self._q * self._q))))
+            item = itemsize(self.xp, _resolve_dtype(self.xp, dtype, self.dtype))
+            block = square_tile(TILE_BYTES, item * self._q * self._q)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive integer; got {block!r}")
         self.block = block
@@ -190,14 +183,6 @@ class KernelOperator(LinearOperator):
             raise ValueError(f"v must have shape ({self.shape[1]}, k); got {tuple(v.shape)}")
         return xp
 
-    def _tile(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, same: bool) -> Array:
-        """Kernel tile as a matrix (rows (i1-i0) q, columns (j1-j0) q)."""
-        a = self.J1.select(slice(i0, i1))
-        b = None if same else self._j2.select(slice(j0, j1))
-        t = _gram(a, b, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
-        self.tiles_computed += 1
-        return self.mode.matrix(self.xp, t)
-
     # -- products -------------------------------------------------------------------------
     def matmat(self, v: Array) -> Array:
         """:math:`(K + \\lambda I) V` for ``v`` (N2 q, k) -> (N1 q, k), q = O for "full"."""
@@ -213,9 +198,9 @@ class KernelOperator(LinearOperator):
         return self.matmat(v[:, None])[:, 0]
 
     def _matmat_tiles(self, v: Array) -> Array:
-        xp, q, bs = self.xp, self._q, self.block
+        xp, q = self.xp, self._q
         dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
-        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, bs,
+        grid = TileGrid(self.J1.num_samples, self._j2.num_samples, self.block,
                         symmetric=self.symmetric)
         out: list[Array | None] = [None] * len(grid.rows)
 
@@ -224,10 +209,13 @@ class KernelOperator(LinearOperator):
             out[idx] = term if cur is None else cur + term
 
         for i, (i0, i1) in enumerate(grid.rows):
+            rows = self.J1.select(slice(i0, i1))
             for j in grid.row_tiles(i):  # off the diagonal of a symmetric K: both products
                 j0, j1 = grid.cols[j]
-                t = xp.astype(self._tile(i0, i1, j0, j1, dtype, self.symmetric and i == j),
-                              v.dtype)
+                cols = None if self.symmetric and i == j else self._j2.select(slice(j0, j1))
+                t = gram(rows, cols, mode=self.mode, max_memory=self.max_memory, dtype=dtype)
+                self.tiles_computed += 1
+                t = xp.astype(self.mode.matrix(xp, t), v.dtype)  # (r q, c q)
                 add(i, t @ v[j0 * q:j1 * q, :])
                 if self.symmetric and j != i:
                     add(j, t.T @ v[i0 * q:i1 * q, :])
@@ -263,8 +251,8 @@ class KernelOperator(LinearOperator):
         xp = self.xp
         dev = array_api_compat.device(like)
         ind = xp.asarray(idx, dtype=xp.int64, device=dev)
-        t = _gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
-                  dtype=like.dtype)
+        t = gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
+                 dtype=like.dtype)
         self.tiles_computed += 1
         t = xp.astype(t, like.dtype)
         if self.reg:
@@ -281,10 +269,10 @@ class KernelOperator(LinearOperator):
         for s, e in bounds(self.J1.num_samples, bs):
             part = self.J1.select(slice(s, e))
             if self.mode == "trace":
-                t = _gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
+                t = gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
                 parts.append(xp.linalg.diagonal(t))
             else:
-                t = _gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
+                t = gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
                 d = xp.linalg.diagonal(xp.permute_dims(t, (2, 0, 1)))  # (O, b)
                 parts.append(xp.reshape(d.T, (-1,)))
             self.tiles_computed += 1

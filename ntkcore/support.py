@@ -262,24 +262,18 @@ def support_markdown() -> str:
     fast path and notes of each supported backend.
     """
     table = _table()
-    lines = [_SUPPORT_INTRO]
-    lines.append("## Summary\n")
-    lines.append("| function | " + " | ".join(BACKENDS) + " |")
-    lines.append("|---|" + "---|" * len(BACKENDS))
+    lines = [_SUPPORT_INTRO, "## Summary\n", "| function | " + " | ".join(BACKENDS) + " |",
+             "|---|" + "---|" * len(BACKENDS)]
     for fn in table:
         cells = ["yes" if table[fn][b].ok else "no" for b in BACKENDS]
         lines.append(f"| `{fn}` | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("## Details\n")
+    lines += ["", "## Details\n"]
     for fn in table:
-        lines.append(f"### `{fn}`\n")
-        lines.append("| backend | supported | fast path | note |")
-        lines.append("|---|---|---|---|")
+        lines += [f"### `{fn}`\n", "| backend | supported | fast path | note |",
+                  "|---|---|---|---|"]
         for b in BACKENDS:
             s = table[fn][b]
-            fast = f"`{s.fast_path}`" if s.fast_path else "array API standard"
-            if not s.ok:
-                fast = "-"
+            fast = "-" if not s.ok else f"`{s.fast_path}`" if s.fast_path else "array API standard"
             note = s.note.replace("|", "\\|")
             lines.append(f"| {b} | {'yes' if s.ok else 'no'} | {fast} | {note} |")
         lines.append("")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import ntkcore
 from ntkcore._memory import DEFAULT_FRACTION, default_budget, parse_memory
 from ntkcore.gram import BudgetTooSmallError, _gram, plan_gram
+from ntkcore.tiling import panel_bounds
 from tests.tolerances import kernel_tol
 
 
@@ -407,6 +408,18 @@ def test_progress_tqdm_bar(rng, capsys):
     assert "tile" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("progress", [True, "tqdm"])
+def test_progress_bar_without_tqdm_names_the_install(monkeypatch, rng, progress):
+    """Without tqdm, a progress bar is an ImportError that says what to install (not a bare
+    ModuleNotFoundError from inside gram)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # ``import tqdm.auto`` now fails
+    j = to_jacobian_np(make_factors({"O": 1, "blocks": [("dense", 5)]}, 6, rng))
+    with pytest.raises(ImportError, match=r'pip install "ntkcore\[bench\]" or pip install tqdm'):
+        ntkcore.gram(j, mode="trace", progress=progress)
+
+
 # ---------------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------------
@@ -670,24 +683,9 @@ def test_diagonal_tiles_in_row_panels(monkeypatch, backend, rng, mode, layerwise
         lead = k.shape[0] if layerwise else None
         kk = k if lead is None else k[0]
         swap = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}[mode]
-        b = gram_module._panel_bounds(0, plan.tile_rows, plan.panels)[1]
+        b = panel_bounds(0, plan.tile_rows, plan.panels)[1]
         np.testing.assert_array_equal(kk[b:plan.tile_rows, :b],
                                       kk[:b, b:plan.tile_rows].transpose(swap))
-
-
-def test_panel_fraction():
-    import sys
-
-    gram_module = sys.modules["ntkcore.gram"]
-    assert gram_module._panel_fraction(512, 1) == 1.0
-    assert gram_module._panel_fraction(512, 4) == pytest.approx(10 / 16)
-    assert gram_module._panel_bounds(10, 17, 3) == [10, 12, 14, 17]
-    # panels x their widths cover the upper triangle with the diagonal exactly once
-    b = gram_module._panel_bounds(0, 7, 3)
-    covered = np.zeros((7, 7), int)
-    for k in range(3):
-        covered[b[k]:b[k + 1], b[k]:] += 1
-    assert (np.triu(covered) == np.triu(np.ones((7, 7), int))).all()
 
 
 def test_plans_are_reused_by_shape(monkeypatch, rng):
