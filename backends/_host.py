@@ -45,7 +45,7 @@ def _cgroup_free_memory() -> int | None:
                     cache = int(value)
         except (OSError, ValueError):
             pass
-        return max(1, limit - max(0, usage - cache))  # 1, not 0: a full container is known
+        return max(0, limit - max(0, usage - cache))
     return None
 
 

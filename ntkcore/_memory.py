@@ -99,14 +99,15 @@ def parse_memory(value: Any, name: str = "max_memory") -> int:
 
 def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION) -> int:
     """Bytes: ``fraction`` of the free memory of ``device`` as ``backend.free_memory`` reports
-    it, at least :data:`MIN_DEFAULT_BUDGET`; :data:`FALLBACK_BUDGET` when it is unknown."""
+    it, at least :data:`MIN_DEFAULT_BUDGET` (also when none is free); :data:`FALLBACK_BUDGET`
+    when it is unknown (``None``)."""
     try:
         free = backend.free_memory(device)
     except Exception:  # a failing probe must not break the computation
         free = None
-    if free is None or free <= 0:
+    if free is None:
         return FALLBACK_BUDGET
-    return max(MIN_DEFAULT_BUDGET, int(free * fraction))
+    return max(MIN_DEFAULT_BUDGET, int(max(free, 0) * fraction))
 
 
 class Budget(int):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ntkcore._memory import default_budget
+from ntkcore._memory import FALLBACK_BUDGET, MIN_DEFAULT_BUDGET, default_budget
 from ntkcore.backends import _host
 from ntkcore.backends.generic import GenericBackend
 
@@ -91,7 +91,9 @@ def test_missing_and_broken_files(files, monkeypatch):
 def test_full_container_is_not_unknown(files):
     files("v2", "memory.max", 4 * GiB)
     files("v2", "memory.current", 5 * GiB)
-    assert _host.host_free_memory() == 1  # known and tiny, not 0 (which reads as unknown)
+    assert _host.host_free_memory() == 0  # known: nothing free (None would mean unknown)
+    # the default budget is then the floor, not the fallback for an unknown figure
+    assert default_budget(GenericBackend(None), None) == MIN_DEFAULT_BUDGET != FALLBACK_BUDGET
 
 
 def test_default_budget_is_a_share_of_the_cgroup_figure(files):
