@@ -28,7 +28,7 @@ class JaxBackend(Backend):
         if shift:
             a = a + shift * jnp.eye(a.shape[0], dtype=a.dtype)
         l = jnp.linalg.cholesky(a)
-        if isinstance(l, jax.core.Tracer):  # under jit/grad tracing we cannot inspect values
+        if self.is_traced(l):  # under jit the values are unknown: NaN marks a failure
             return l
         if not bool(jnp.all(jnp.isfinite(l))):
             return None
@@ -47,6 +47,38 @@ class JaxBackend(Backend):
 
     def tracks_gradient(self, *xs: Array) -> bool:
         return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+    def is_traced(self, *xs: Array) -> bool:
+        return any(isinstance(x, jax.core.Tracer) and not _has_value(x) for x in xs)
+
+    def first_cholesky(self, a: Array, shifts: Any) -> tuple[Array | None, Any]:
+        if not self.is_traced(a, shifts):
+            return super().first_cholesky(a, shifts)
+        shifts = jax.lax.stop_gradient(jnp.asarray(shifts, dtype=a.dtype))
+        eye = jnp.eye(a.shape[0], dtype=a.dtype)
+        a0 = jax.lax.stop_gradient(a)
+
+        def failed(i: Any) -> Any:  # a bounded search outside autograd (no while_loop VJP)
+            return (i < shifts.shape[0]) & ~jnp.all(jnp.isfinite(
+                jnp.linalg.cholesky(a0 + shifts[jnp.minimum(i, shifts.shape[0] - 1)] * eye)))
+
+        l = jnp.linalg.cholesky(a + shifts[0] * eye)
+        i = jax.lax.cond(jnp.all(jnp.isfinite(l)), lambda: 0,
+                         lambda: jax.lax.while_loop(failed, lambda i: i + 1, 1))
+        l = jax.lax.cond(i == 0, lambda: l, lambda: jnp.linalg.cholesky(
+            a + shifts[jnp.minimum(i, shifts.shape[0] - 1)] * eye))
+        return l, i
+
+    def implicit_solve(self, x: Array, residual: Array, solve: Any) -> Array:
+        if not isinstance(residual, jax.core.Tracer):
+            return x
+
+        @jax.custom_vjp
+        def correction(r: Array) -> Array:
+            return jnp.zeros_like(r)
+
+        correction.defvjp(lambda r: (jnp.zeros_like(r), None), lambda _, g: (solve(g),))
+        return x + correction(residual)
 
     def erf(self, x: Array) -> Array:
         return jax.scipy.special.erf(x)
@@ -68,6 +100,13 @@ class JaxBackend(Backend):
 
     def is_gpu(self, device: Device) -> bool:
         return device is not None and getattr(device, "platform", "cpu") in ("gpu", "cuda", "rocm")
+
+
+def _has_value(x: Any) -> bool:
+    """Whether a tracer carries concrete values (``jax.grad`` outside ``jit``)."""
+    if hasattr(x, "to_concrete_value"):
+        return x.to_concrete_value() is not None
+    return isinstance(getattr(x, "aval", None), getattr(jax.core, "ConcreteArray", ()))
 
 
 class JaxGenerator:

@@ -128,6 +128,34 @@ class Backend:
         """A 0-d array as a Python float (outside any autograd graph; syncs the device)."""
         return float(x)
 
+    def is_traced(self, *xs: Array) -> bool:
+        """Whether the values of any of ``xs`` are unknown (abstract tracers under ``jax.jit``):
+        data-dependent Python decisions on them are impossible, array-valued ones remain."""
+        return False
+
+    def first_cholesky(self, a: Array, shifts: Any) -> tuple[Array | None, Any]:
+        """``(L, i)``: the factor of ``a + shifts[i] I`` for the first ``i`` that succeeds
+        (``(None, len(shifts))`` if none does).  For traced ``a`` or ``shifts`` a backend runs
+        this as a bounded loop in its own control flow; ``i`` is then an array and ``L`` holds
+        NaN when no shift succeeds."""
+        for i, shift in enumerate(shifts):
+            l = self.cholesky(a, shift=shift)
+            if l is not None:
+                return l, i
+        return None, len(shifts)
+
+    def implicit_solve(self, x: Array, residual: Array, solve: Callable[[Array], Array]) -> Array:
+        r"""``x``, a solution of :math:`A x = b` found outside autograd (by iterations that are
+        not differentiated), given the derivative of the exact solve :math:`A^{-1} b`.
+
+        ``residual`` :math:`= b - A x` is computed by the caller inside autograd (b and A's
+        arrays live); the result is :math:`x + A^{-1} r` evaluated as ``x`` (r is at the solver's
+        tolerance) and differentiated through r: its backward pass applies ``solve``
+        (:math:`A^{-\top}`, A itself for symmetric A) once to the cotangent.  Libraries without
+        autograd return ``x``.
+        """
+        return x
+
     # Optional: ``erf(x)``, the error function elementwise.  The standard has none; backends
     # that define it give ntkcore.models an exact, fast erf/gelu (the fallback is a pure
     # array-API series accurate to float64 rounding).

@@ -115,6 +115,26 @@ class _DuckOperator(LinearOperator):
                 setattr(self, method, getattr(op, method))
 
 
+class _Detached(LinearOperator):
+    """The products of an operator cut from autograd (what the iterations use)."""
+
+    def __init__(self, op: LinearOperator, backend: Backend) -> None:
+        self.op, self.backend, self.shape, self.dtype = op, backend, op.shape, op.dtype
+        self.symmetric = op.symmetric
+
+    def matmat(self, v: Array) -> Array:
+        return self.backend.stop_gradient(self.op.matmat(v))
+
+    def sketch(self, v: Array) -> Array:
+        return self.backend.stop_gradient(self.op.sketch(v))
+
+    def columns(self, idx: list[int], like: Array) -> Array:
+        return self.backend.stop_gradient(self.op.columns(idx, like))
+
+    def diagonal(self, like: Array) -> Array:
+        return self.backend.stop_gradient(self.op.diagonal(like))
+
+
 class _Adapter(NamedTuple):
     matches: Callable[[Any], bool]
     adapt: Callable[[Any], LinearOperator]
@@ -540,7 +560,8 @@ def cg_solve(
     if not _is_array(y):
         raise TypeError(f"y must be an array; got {type(y).__name__}")
     xp = array_api_compat.array_namespace(y)
-    check_array(xp, y, "y", (1, 2), "(N,) or (N, k)")
+    backend = get_backend(xp)
+    check_array(xp, backend.stop_gradient(y), "y", (1, 2), "(N,) or (N, k)")
     n = op.shape[0]
     if y.shape[0] != n:
         raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
@@ -550,15 +571,14 @@ def cg_solve(
                 f"{name} is a {type(op.array).__module__} array but y is a "
                 f"{type(y).__module__} array; pass arrays of one library"
             )
-        check_array(xp, op.array, name, (2,), "(N, N)")
-        op = ArrayOperator(check_symmetric(xp, op.array, name))
+        check_array(xp, backend.stop_gradient(op.array), name, (2,), "(N, N)")
+        op = ArrayOperator(check_symmetric(xp, op.array, name, backend))
     reg = check_scalar(reg, "reg", nonnegative=True)
     base, shift = op.split_identity()
     if base is not None and shift > 0:
         # an operator carrying its own ridge (K + s I, e.g. KernelOperator(reg=s)):
         # precondition K, shift by both
         op, reg = base, reg + shift
-    a = op + reg * IdentityOperator(n) if reg else op  # A = K + reg I
     tol_v = _default_tol(xp, y.dtype) if tol is None else check_scalar(tol, "tol", positive=True)
     if maxiter is None:
         maxiter_v = max(10 * n, 1)
@@ -573,29 +593,68 @@ def cg_solve(
             raise ValueError(f"x0 must be an array of shape {tuple(y.shape)}")
         if not all_finite(xp, x0):
             raise ValueError("x0 contains NaN or Inf")
-        xmat = xp.astype(x0[:, None] if vector else x0, y.dtype)
-    else:
-        xmat = xp.zeros_like(ymat)
+        x0 = backend.stop_gradient(xp.astype(x0[:, None] if vector else x0, y.dtype))
+    # The iterations run outside autograd; the solution is differentiated implicitly.
+    op_d = (ArrayOperator(backend.stop_gradient(op.array)) if isinstance(op, ArrayOperator)
+            else _Detached(op, backend))
+    a_d = op_d + reg * IdentityOperator(n) if reg else op_d  # A = K + reg I
 
     t0 = time.perf_counter()
-    precond = _make_preconditioner(preconditioner, op, rank, reg, seed, ymat, name)
+    precond = _make_preconditioner(preconditioner, op_d, rank, reg, seed, ymat, name)
     setup = time.perf_counter() - t0
     pname = "none" if precond is None else getattr(precond, "name", type(precond).__name__)
-    prank = 0 if precond is None else int(getattr(precond, "rank", 0))
+
+    def solve(b: Array, x: Array | None = None, callback: Any = None) -> Any:
+        return _pcg(xp, a_d, precond, b, x, tol_v, maxiter_v, callback, name, pname)
+
+    def solve_adjoint(g: Array) -> Array:  # the backward pass: one more solve with A = A^T
+        x, converged, history = solve(g)
+        if warn and not converged:
+            warnings.warn(f"conjugate gradients for the gradient did not converge in "
+                          f"{len(history)} iterations; raise maxiter or rank, or add a larger "
+                          "reg", ConvergenceWarning, stacklevel=2)
+        return x
 
     t1 = time.perf_counter()
+    xmat, converged, history = solve(backend.stop_gradient(ymat), x0, callback)
+    # honest final residual (the recursive one drifts in low precision), inside autograd
+    resid = ymat - (op + reg * IdentityOperator(n) if reg else op).matmat(xmat)
+    ynorm = xp.linalg.vector_norm(backend.stop_gradient(ymat), axis=0)
+    true_res = xp.linalg.vector_norm(backend.stop_gradient(resid), axis=0) / xp.where(
+        ynorm > 0, ynorm, xp.ones_like(ynorm))
+    residuals = tuple(float(true_res[i]) for i in range(true_res.shape[0]))
+    if not all(math.isfinite(v) for v in residuals):
+        raise ValueError(f"the final residual of conjugate gradients is NaN or Inf: {name} "
+                         "gave a non-finite product; check it for NaN/Inf entries")
+    report = CGReport(converged=converged, iterations=len(history), tol=tol_v,
+                      maxiter=maxiter_v, residuals=residuals, history=tuple(history),
+                      preconditioner=pname,
+                      rank=0 if precond is None else int(getattr(precond, "rank", 0)),
+                      setup_seconds=setup, solve_seconds=time.perf_counter() - t1)
+    if warn and not converged:
+        warnings.warn(f"conjugate gradients did not converge: {report}; raise maxiter or "
+                      "rank, or add a larger reg", ConvergenceWarning, stacklevel=2)
+    xmat = backend.implicit_solve(xmat, resid, solve_adjoint)
+    return (xmat[:, 0] if vector else xmat), report
+
+
+def _pcg(xp: Any, a: LinearOperator, precond: Any, ymat: Array, xmat: Array | None,
+         tol: float, maxiter: int, callback: Any, name: str, pname: str,
+         ) -> tuple[Array, bool, list[float]]:
+    """Preconditioned CG from ``xmat`` (zero if None) for the columns of ``ymat``:
+    ``(x, converged, largest recursive relative residual per iteration)``."""
     ynorm = xp.linalg.vector_norm(ymat, axis=0)  # (k,)
     ynorm_safe = xp.where(ynorm > 0, ynorm, xp.ones_like(ynorm))
-    r = ymat - a.matmat(xmat) if x0 is not None else ymat
+    r = ymat if xmat is None else ymat - a.matmat(xmat)
+    xmat = xp.zeros_like(ymat) if xmat is None else xmat
     z = precond.apply(r) if precond is not None else r
     p = z
     rz = xp.sum(r * z, axis=0)
     res = xp.linalg.vector_norm(r, axis=0) / ynorm_safe
     history: list[float] = []
-    it = 0
-    done = bool(xp.all(res <= tol_v))
-    while not done and it < maxiter_v:
-        active = res > tol_v
+    done = bool(xp.all(res <= tol))
+    while not done and len(history) < maxiter:
+        active = res > tol
         ap = a.matmat(p)
         pap = xp.sum(p * ap, axis=0)
         ok = active & (pap > 0)
@@ -603,17 +662,16 @@ def cg_solve(
         xmat = xmat + step * p
         r = r - step * ap
         res = xp.where(active, xp.linalg.vector_norm(r, axis=0) / ynorm_safe, res)
-        it += 1
         worst = float(xp.max(res))
+        history.append(worst)
         if not math.isfinite(worst):
             raise ValueError(
-                f"conjugate gradients met NaN or Inf at iteration {it}: {name} (or the "
-                f"preconditioner {pname!r}) gave a non-finite product; check {name} for "
+                f"conjugate gradients met NaN or Inf at iteration {len(history)}: {name} (or "
+                f"the preconditioner {pname!r}) gave a non-finite product; check {name} for "
                 "NaN/Inf entries")
-        history.append(worst)
         if callback is not None:
-            callback(it, worst)
-        if worst <= tol_v or not bool(xp.any(ok)):
+            callback(len(history), worst)
+        if worst <= tol or not bool(xp.any(ok)):
             break
         z = precond.apply(r) if precond is not None else r
         rz_new = xp.sum(r * z, axis=0)
@@ -622,39 +680,7 @@ def cg_solve(
                         xp.zeros_like(rz))
         p = z + beta * p
         rz = xp.where(ok, rz_new, rz)
-    # honest final residual (the recursive one drifts in low precision)
-    true_res = xp.linalg.vector_norm(ymat - a.matmat(xmat), axis=0) / ynorm_safe
-    residuals = tuple(float(v) for v in _to_list(xp, true_res))
-    if not all(math.isfinite(v) for v in residuals):
-        raise ValueError(f"the final residual of conjugate gradients is NaN or Inf: {name} "
-                         "gave a non-finite product; check it for NaN/Inf entries")
-    solve_s = time.perf_counter() - t1
-    converged = bool(xp.all(res <= tol_v))
-    report = CGReport(
-        converged=converged,
-        iterations=it,
-        tol=tol_v,
-        maxiter=maxiter_v,
-        residuals=residuals,
-        history=tuple(history),
-        preconditioner=pname,
-        rank=prank,
-        setup_seconds=setup,
-        solve_seconds=solve_s,
-    )
-    if warn and not converged:
-        warnings.warn(
-            f"conjugate gradients did not converge: {report}; raise maxiter or rank, or add "
-            "a larger reg",
-            ConvergenceWarning,
-            stacklevel=2,
-        )
-    x = xmat[:, 0] if vector else xmat
-    return x, report
-
-
-def _to_list(xp: Any, v: Array) -> list[float]:
-    return [float(v[i]) for i in range(v.shape[0])]
+    return xmat, bool(xp.all(res <= tol)), history
 
 
 def _make_preconditioner(

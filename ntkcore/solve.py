@@ -38,7 +38,7 @@ from typing import Any
 import array_api_compat
 
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of
+from ._validation import all_finite, check_array, check_scalar, namespace_of
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .linop import AdjointOperator, ArrayOperator
@@ -236,7 +236,7 @@ class SMWSolver:
             gram = xp.astype(gram, self.wide)
             self._gram = (gram + xp.matrix_transpose(gram)) / 2  # exact symmetry, once
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
-            if not bool(xp.all(xp.isfinite(xp.linalg.diagonal(self._gram)))):
+            if not all_finite(xp, xp.linalg.diagonal(self._gram)):
                 raise ValueError(_NONFINITE_U)
         rho = int(self._gram.shape[0])
         # C = damping I + scale Xi^T Xi: the damping goes in as the factorisation's diagonal
@@ -331,9 +331,8 @@ class SMWSolver:
 
     def _check_direction(self, g: Array, d: Array) -> None:
         """Rows of U outside the sketch never reach the Gram; a NaN there shows up in U b."""
-        xp = self.xp
-        if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
-            if bool(xp.all(xp.isfinite(g))):
+        if self.sketch_vec is not None and not all_finite(self.xp, d):
+            if all_finite(self.xp, g):
                 raise ValueError(_NONFINITE_U)
 
 
