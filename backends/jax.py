@@ -54,20 +54,16 @@ class JaxBackend(Backend):
     def first_cholesky(self, a: Array, shifts: Any) -> tuple[Array | None, Any]:
         if not self.is_traced(a, shifts):
             return super().first_cholesky(a, shifts)
+        # a bounded lax loop on values (while_loop has no reverse mode); the factor gets the
+        # derivative of a Cholesky factor through _factor_jvp
         shifts = jax.lax.stop_gradient(jnp.asarray(shifts, dtype=a.dtype))
-        eye = jnp.eye(a.shape[0], dtype=a.dtype)
-        a0 = jax.lax.stop_gradient(a)
-
-        def failed(i: Any) -> Any:  # a bounded search outside autograd (no while_loop VJP)
-            return (i < shifts.shape[0]) & ~jnp.all(jnp.isfinite(
-                jnp.linalg.cholesky(a0 + shifts[jnp.minimum(i, shifts.shape[0] - 1)] * eye)))
-
-        l = jnp.linalg.cholesky(a + shifts[0] * eye)
-        i = jax.lax.cond(jnp.all(jnp.isfinite(l)), lambda: 0,
-                         lambda: jax.lax.while_loop(failed, lambda i: i + 1, 1))
-        l = jax.lax.cond(i == 0, lambda: l, lambda: jnp.linalg.cholesky(
-            a + shifts[jnp.minimum(i, shifts.shape[0] - 1)] * eye))
-        return l, i
+        a0, eye = jax.lax.stop_gradient(a), jnp.eye(a.shape[0], dtype=a.dtype)
+        last = len(shifts) - 1
+        i, l = jax.lax.while_loop(
+            lambda s: (s[0] < last) & ~jnp.all(jnp.isfinite(s[1])),
+            lambda s: (s[0] + 1, jnp.linalg.cholesky(a0 + shifts[s[0] + 1] * eye)),
+            (0, jnp.linalg.cholesky(a0 + shifts[0] * eye)))
+        return _factor_jvp(a, l), jnp.where(jnp.all(jnp.isfinite(l)), i, last + 1)
 
     def implicit_solve(self, x: Array, residual: Array, solve: Any) -> Array:
         if not isinstance(residual, jax.core.Tracer):
@@ -100,6 +96,22 @@ class JaxBackend(Backend):
 
     def is_gpu(self, device: Device) -> bool:
         return device is not None and getattr(device, "platform", "cpu") in ("gpu", "cuda", "rocm")
+
+
+@jax.custom_jvp
+def _factor_jvp(a: Array, l: Array) -> Array:
+    """``l``, the Cholesky factor of ``a`` plus a constant shift, differentiated as such."""
+    return l
+
+
+@_factor_jvp.defjvp
+def _factor_jvp_rule(primals: Any, tangents: Any) -> Any:
+    (_, l), (da, _) = primals, tangents
+    # dL = L Phi(L^{-1} dA L^{-T}), Phi: the lower triangle with its diagonal halved
+    da = (da + da.T) / 2
+    x = jax.scipy.linalg.solve_triangular(l, jax.scipy.linalg.solve_triangular(l, da, lower=True).T,
+                                          lower=True)
+    return l, l @ (jnp.tril(x) - jnp.diag(jnp.diagonal(x)) / 2)
 
 
 def _has_value(x: Any) -> bool:
