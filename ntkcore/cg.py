@@ -173,10 +173,6 @@ def _adapter(x: Any) -> _Adapter | None:
     return next((a for a in _ADAPTERS if a.matches(x)), None)
 
 
-def _is_operator(k: Any) -> bool:
-    return hasattr(k, "shape") and (hasattr(k, "matmat") or hasattr(k, "matvec"))
-
-
 def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
     """Wrap an array, a dask array or an operator-like object as a :class:`LinearOperator`.
 
@@ -191,7 +187,8 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
         op = k
     elif (adapter := _adapter(k)) is not None:
         op = adapter.adapt(k)
-    elif _is_operator(k) and not _is_array(k):
+    elif not _is_array(k) and hasattr(k, "shape") and (hasattr(k, "matmat")
+                                                        or hasattr(k, "matvec")):
         op = _DuckOperator(k)
     elif _is_array(k):
         if k.ndim != 2:
@@ -314,13 +311,8 @@ def nystrom_preconditioner(
     ValueError
         The product of ``k`` with the Gaussian sketch holds NaN or Inf (so does ``k``).
     """
-    op = aslinearoperator(k)
-    xp = array_api_compat.array_namespace(like)
-    backend = get_backend(xp)
-    n = op.shape[0]
-    r = _check_rank(rank, n)
-    dtype = like.dtype
-    dev = array_api_compat.device(like)
+    op, xp, backend, n, r = _setup(k, rank, like)
+    dtype, dev = like.dtype, array_api_compat.device(like)
     omega = backend.generator(seed, dev).normal((n, r), dtype)
     omega, _ = xp.linalg.qr(omega)  # orthonormal columns, (N, r)
     y = xp.astype(op.sketch(omega), dtype)  # K Omega, (N, r) (may be lower precision)
@@ -378,11 +370,7 @@ def pivoted_cholesky_preconditioner(
     ValueError
         The diagonal or a pivot column of ``k`` holds NaN or Inf.
     """
-    op = aslinearoperator(k)
-    xp = array_api_compat.array_namespace(like)
-    backend = get_backend(xp)
-    n = op.shape[0]
-    r = _check_rank(rank, n)
+    op, xp, backend, n, r = _setup(k, rank, like)
     d = xp.astype(op.diagonal(like), like.dtype)  # remaining diagonal of K - L L^T
     if not all_finite(xp, d):
         raise ValueError(f"{name} contains NaN or Inf (on its diagonal)")
@@ -420,13 +408,14 @@ def pivoted_cholesky_preconditioner(
     return PivotedCholeskyPreconditioner(lmat, chol, shift, tuple(pivots), backend)
 
 
-def _check_rank(rank: Any, n: int) -> int:
+def _setup(k: Any, rank: Any, like: Array) -> tuple[LinearOperator, Any, Backend, int, int]:
+    """``(operator, xp, backend, N, rank capped at N)`` for building a preconditioner."""
     if isinstance(rank, bool) or not hasattr(rank, "__index__"):
         raise TypeError(f"rank must be an integer; got {rank!r}")
-    r = int(rank)
-    if r < 1:
-        raise ValueError(f"rank must be at least 1; got {r}")
-    return min(r, n)
+    if int(rank) < 1:
+        raise ValueError(f"rank must be at least 1; got {int(rank)}")
+    op, xp = aslinearoperator(k), array_api_compat.array_namespace(like)
+    return op, xp, get_backend(xp), op.shape[0], min(int(rank), op.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -689,20 +678,15 @@ def _make_preconditioner(
 ) -> Any:
     if preconditioner is None or preconditioner == "none":
         return None
-    if isinstance(preconditioner, str):
-        if preconditioner == "nystrom":
-            return nystrom_preconditioner(op, rank, reg=reg, seed=seed, like=like, name=name)
-        if preconditioner in ("pivoted_cholesky", "pivchol"):
-            return pivoted_cholesky_preconditioner(op, rank, reg=reg, like=like, name=name)
-        raise ValueError(
+    if preconditioner == "nystrom":
+        return nystrom_preconditioner(op, rank, reg=reg, seed=seed, like=like, name=name)
+    if preconditioner in ("pivoted_cholesky", "pivchol"):
+        return pivoted_cholesky_preconditioner(op, rank, reg=reg, like=like, name=name)
+    if isinstance(preconditioner, str) or not callable(getattr(preconditioner, "apply", None)):
+        text = isinstance(preconditioner, str)
+        raise (ValueError if text else TypeError)(
             "preconditioner must be 'nystrom', 'pivoted_cholesky', None or an object with "
-            f"apply(R); got {preconditioner!r}"
-        )
-    if not callable(getattr(preconditioner, "apply", None)):
-        raise TypeError(
-            "preconditioner must be 'nystrom', 'pivoted_cholesky', None or an object with "
-            f"apply(R); got {type(preconditioner).__name__}"
-        )
+            f"apply(R); got {repr(preconditioner) if text else type(preconditioner).__name__}")
     return preconditioner
 
 
@@ -763,8 +747,4 @@ def cg_kernel_regression(
     alpha, _ = cg_solve(k_train, y_train, reg=reg, name="k_train", **cg_options)
     if _is_array(k_test_train) or array_api_compat.is_dask_array(k_test_train):
         return k_test_train @ alpha
-    if alpha.ndim == 1:
-        if hasattr(k_test_train, "matvec"):
-            return k_test_train.matvec(alpha)
-        return k_test_train.matmat(alpha[:, None])[:, 0]
-    return k_test_train.matmat(alpha)
+    return _DuckOperator(k_test_train) @ alpha

@@ -139,14 +139,8 @@ class ArrayOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.array @ v
 
-    def matvec(self, v: Array) -> Array:
-        return self.array @ v
-
     def rmatmat(self, w: Array) -> Array:
         return self.xp.matrix_transpose(self.array) @ w
-
-    def rmatvec(self, w: Array) -> Array:
-        return w @ self.array
 
     def columns(self, idx: list[int], like: Array) -> Array:
         ind = self.xp.asarray(idx, dtype=self.xp.int64, device=self.device)
@@ -168,9 +162,6 @@ class IdentityOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return v
 
-    def matvec(self, v: Array) -> Array:
-        return v
-
     def split_identity(self) -> tuple[LinearOperator | None, float]:
         return None, 1.0
 
@@ -190,14 +181,8 @@ class AdjointOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.op.rmatmat(v)
 
-    def matvec(self, v: Array) -> Array:
-        return self.op.rmatvec(v)
-
     def rmatmat(self, w: Array) -> Array:
         return self.op.matmat(w)
-
-    def rmatvec(self, w: Array) -> Array:
-        return self.op.matvec(w)
 
     @property
     def T(self) -> LinearOperator:
@@ -218,9 +203,6 @@ class _Sum(LinearOperator):
 
     def matmat(self, v: Array) -> Array:
         return self.a.matmat(v) + self.b.matmat(v)
-
-    def matvec(self, v: Array) -> Array:
-        return self.a.matvec(v) + self.b.matvec(v)
 
     def rmatmat(self, w: Array) -> Array:
         return self.a.rmatmat(w) + self.b.rmatmat(w)
@@ -249,9 +231,6 @@ class _Scaled(LinearOperator):
 
     def matmat(self, v: Array) -> Array:
         return self.c * self.a.matmat(v)
-
-    def matvec(self, v: Array) -> Array:
-        return self.c * self.a.matvec(v)
 
     def rmatmat(self, w: Array) -> Array:
         return self.c * self.a.rmatmat(w)
@@ -284,11 +263,6 @@ class _Product(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.a.matmat(self.b.matmat(v))
 
-    def matvec(self, v: Array) -> Array:
-        return self.a.matvec(self.b.matvec(v))
-
     def rmatmat(self, w: Array) -> Array:
         return self.b.rmatmat(self.a.rmatmat(w))
 
-    def rmatvec(self, w: Array) -> Array:
-        return self.b.rmatvec(self.a.rmatvec(w))

@@ -81,14 +81,7 @@ def sym_gram(xp: Any, u: Array) -> Array:
 
 
 def _jacobian_gram(J: Jacobian) -> Array:
-    r"""(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o): :func:`ntkcore.gram` in
-    ``"full"`` mode, (N, N, O, O) -> (N, O, N, O) -> (N O, N O).
-
-    The gram engine handles every block kind (dense, Kronecker with or without weight
-    sharing), uses the symmetry and bounds memory.  On SENG's small refresh systems (torch,
-    float64, N = 128) a call costs about 0.2 ms more than two bare products did (setup and
-    the output copy; the plan itself is cached).
-    """
+    """(N*O, N*O) Gram J J^T, rows ordered (n, o): ``gram(J, mode="full")`` as a matrix."""
     from .gram import gram
 
     # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
@@ -278,16 +271,17 @@ class SMWSolver:
         common = self.xp.result_type(self.dtype, g.dtype)
         return g if g.dtype == common else self.xp.astype(g, common)
 
-    def coefficients(self, g: Array) -> Array:
+    def coefficients(self, g: Array, t_mul: Any = None) -> Array:
         r""":math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top\Omega g`, (rho,) or (rho, k).
 
-        ``g`` and U are promoted to one dtype for the products (as NumPy's ``U.T @ g`` does).
+        ``g`` and U are promoted to one dtype for the products (as NumPy's ``U.T @ g`` does);
+        ``t_mul(v)``, when given, computes :math:`\Xi^\top v` (see :meth:`solve_with`).
         """
-        xp = self.xp
         g = self._promote(g)
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = xp.astype(self.sketch_op.T @ sg, self.wide) * self.scale
-        return self.backend.cho_solve(self._chol, rhs)
+        rhs = (self.sketch_op.T @ sg) if t_mul is None else t_mul(sg)
+        return self.backend.cho_solve(self._chol,
+                                      self.xp.astype(rhs, self.wide, copy=False) * self.scale)
 
     def solve(self, g: Array) -> Array:
         """:math:`d` for ``g`` (P,) or (P, k); the result has g's shape and dtype.
@@ -296,16 +290,11 @@ class SMWSolver:
         U is computed in float64, for a Jacobian U as for an array U) and ``d`` is returned
         in ``g``'s dtype.
         """
-        xp = self.xp
         p = self.op.num_rows
         if g.ndim not in (1, 2) or g.shape[0] != p:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
-        gp = self._promote(g)
-        b = self.coefficients(gp)
-        ub = self.op @ xp.astype(b, self.dtype)
-        d = xp.astype((gp - ub) / self.damping, g.dtype)
-        self._check_direction(g, d)
-        return d
+        d = self.solve_with(self._promote(g), None, self.op.__matmul__)
+        return self.xp.astype(d, g.dtype, copy=False)
 
     def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
         r""":meth:`solve` for one ``g`` (P,) in U's dtype with the caller's products, unchecked.
@@ -315,15 +304,11 @@ class SMWSolver:
         (:math:`\Xi` = :attr:`sketched_factor`, :math:`\Omega = I` without a sketch) and
         ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.  Returns
         :math:`d = (g - U b)/\lambda` in g's dtype, :math:`b = L^{-\top} L^{-1} s\,\Xi^\top
-        \Omega g` by two triangular solves in float64 (where available); raises ValueError as
+        \Omega g` by a Cholesky solve in float64 (where available); raises ValueError as
         :meth:`solve` does.
         """
-        xp, be, chol = self.xp, self.backend, self._chol
-        sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = xp.astype(t_mul(sg), self.wide, copy=False) * self.scale
-        b = be.solve_triangular(chol, be.solve_triangular(chol, rhs, lower=True), lower=True,
-                                transpose=True)
-        d = g - mul(xp.astype(b, self.dtype, copy=False))
+        xp = self.xp
+        d = g - mul(xp.astype(self.coefficients(g, t_mul), self.dtype, copy=False))
         d /= self.damping  # in place where the namespace allows (d is a new array)
         d = xp.astype(d, g.dtype, copy=False)
         self._check_direction(g, d)
@@ -337,6 +322,20 @@ class SMWSolver:
 
 
 # -- public functions -------------------------------------------------------------------------
+def _check_system(u: Any, g: Array, name: str, what: str, p_axis: int) -> Any:
+    """The namespace of ``u`` (a Jacobian, or an array ``what`` with P on ``p_axis``) and of
+    ``g`` (P,) or (P, k), after checking both."""
+    jac = isinstance(u, Jacobian)
+    xp, _ = namespace_of(**{name: u.blocks[0].arrays()[0] if jac else u}, g=g)
+    if not jac:
+        check_array(xp, u, name, (2,), what, finite=False)
+    p = u.num_params if jac else int(u.shape[p_axis])
+    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
+    if g.shape[0] != p:
+        raise ValueError(f"g must have P={p} rows ({name} has P={p}); got shape {tuple(g.shape)}")
+    return xp
+
+
 @capabilities(fast=CHOLESKY_SOLVE,
               note={"numpy": "U^T U through BLAS syrk (matmul detects it)"})
 def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = None) -> Array:
@@ -375,16 +374,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
     Jacobian U alike); ``d`` has ``g``'s dtype.
     """
     damping = check_scalar(damping, "damping", positive=True)
-    if isinstance(U, Jacobian):
-        xp, _ = namespace_of(U=U.blocks[0].arrays()[0], g=g)
-        p = U.num_params
-    else:
-        xp, _ = namespace_of(U=U, g=g)
-        check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
-        p = int(U.shape[0])
-    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
-    if g.shape[0] != p:
-        raise ValueError(f"g must have P={p} rows (U has P={p}); got shape {tuple(g.shape)}")
+    _check_system(U, g, "U", "(P, rho)", 0)
     return SMWSolver(U, damping, sketch=sketch).solve(g)
 
 
@@ -428,19 +418,11 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
     :math:`d = (g - J^\top b)/\lambda`.
     """
     damping = check_scalar(damping, "damping", positive=True)
-    if isinstance(J, Jacobian):
-        xp, _ = namespace_of(J=J.blocks[0].arrays()[0], g=g)
-        if J.num_outputs != 1:
-            raise ValueError("natural_gradient needs per-sample loss gradients, i.e. a "
-                             f"Jacobian with O = 1; got O = {J.num_outputs}")
-        n, p = J.num_samples, J.num_params
-    else:
-        xp, _ = namespace_of(J=J, g=g)
-        check_array(xp, J, "J", (2,), "(N, P)", finite=False)
-        n, p = int(J.shape[0]), int(J.shape[1])
-    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
-    if g.shape[0] != p:
-        raise ValueError(f"g must have P={p} rows (J has P={p}); got shape {tuple(g.shape)}")
+    if isinstance(J, Jacobian) and J.num_outputs != 1:
+        raise ValueError("natural_gradient needs per-sample loss gradients, i.e. a "
+                         f"Jacobian with O = 1; got O = {J.num_outputs}")
+    xp = _check_system(J, g, "J", "(N, P)", 1)
+    n = J.num_samples if isinstance(J, Jacobian) else int(J.shape[0])
     if n == 0:
         raise ValueError("J has no samples (N = 0): the empirical Fisher J^T J / N is "
                          "undefined")
