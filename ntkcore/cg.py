@@ -74,7 +74,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from ._typing import Array
-from ._validation import all_finite, check_array, check_scalar, check_symmetric
+from ._validation import all_finite, check_array, check_scalar, check_symmetric, namespace_of
 from .backend import Backend, get_backend
 from .linop import ArrayOperator, IdentityOperator, LinearOperator
 from .support import GENERATOR, capabilities
@@ -102,9 +102,7 @@ class ConvergenceWarning(RuntimeWarning):
 # Linear operators (the interface lives in ntkcore.linop)
 # ---------------------------------------------------------------------------------------------
 class _DuckOperator(LinearOperator):
-    """Adapter for a user object exposing ``shape``, ``dtype`` and ``matmat`` / ``matvec``:
-    its ``matmat``, ``matvec``, ``sketch``, ``columns`` and ``diagonal`` where it has them,
-    the :class:`~ntkcore.linop.LinearOperator` defaults otherwise."""
+    """A user object with ``shape``, ``matmat``/``matvec`` (and the optional methods)."""
 
     def __init__(self, op: Any) -> None:
         self.op = op
@@ -472,10 +470,6 @@ class CGReport:
         )
 
 
-def _default_tol(xp: Any, dtype: Any) -> float:
-    return max(1e-6, 100.0 * float(xp.finfo(dtype).eps))
-
-
 @capabilities(fast=GENERATOR, note={
     "numpy": "k may also be a dask array or a linear operator",
     "jax": "works; slow in eager mode (one dispatch per operation per iteration)"})
@@ -546,20 +540,13 @@ def cg_solve(
     adapter = _adapter(y)
     if adapter is not None and adapter.local is not None:
         y = adapter.local(y)
-    if not _is_array(y):
-        raise TypeError(f"y must be an array; got {type(y).__name__}")
-    xp = array_api_compat.array_namespace(y)
-    backend = get_backend(xp)
+    dense = isinstance(op, ArrayOperator)
+    xp, backend = namespace_of(**({name: op.array} if dense else {}), y=y)
     check_array(xp, backend.stop_gradient(y), "y", (1, 2), "(N,) or (N, k)")
     n = op.shape[0]
     if y.shape[0] != n:
         raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
-    if isinstance(op, ArrayOperator):
-        if op.xp is not xp:
-            raise TypeError(
-                f"{name} is a {type(op.array).__module__} array but y is a "
-                f"{type(y).__module__} array; pass arrays of one library"
-            )
+    if dense:
         check_array(xp, backend.stop_gradient(op.array), name, (2,), "(N, N)")
         op = ArrayOperator(check_symmetric(xp, op.array, name, backend))
     reg = check_scalar(reg, "reg", nonnegative=True)
@@ -568,7 +555,8 @@ def cg_solve(
         # an operator carrying its own ridge (K + s I, e.g. KernelOperator(reg=s)):
         # precondition K, shift by both
         op, reg = base, reg + shift
-    tol_v = _default_tol(xp, y.dtype) if tol is None else check_scalar(tol, "tol", positive=True)
+    tol_v = (max(1e-6, 100.0 * float(xp.finfo(y.dtype).eps)) if tol is None
+             else check_scalar(tol, "tol", positive=True))
     if maxiter is None:
         maxiter_v = max(10 * n, 1)
     else:

@@ -58,7 +58,6 @@ __all__ = [
     "kernel_regression",
 ]
 
-_JITTER_START = 1e-10
 _JITTER_CAP = 1e-2
 
 

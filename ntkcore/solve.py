@@ -39,6 +39,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, namespace_of
+from .backend import get_backend
 from .errors import NotPositiveDefiniteError
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .linop import AdjointOperator, ArrayOperator
@@ -93,10 +94,6 @@ def _jacobian_gram(J: Jacobian) -> Array:
 class _ArrayOp(ArrayOperator):
     """U as a (P, rho) array, with its Gram."""
 
-    def __init__(self, xp: Any, u: Array) -> None:
-        super().__init__(u)
-        self.xp, self.num_rows = xp, self.shape[0]
-
     def gram(self) -> Array:
         return sym_gram(self.xp, self.array)
 
@@ -107,7 +104,6 @@ class _JacobianOp(AdjointOperator):
     def __init__(self, J: Jacobian) -> None:
         super().__init__(J.as_operator())
         self.J = J
-        self.num_rows = self.shape[0]
 
     def gram(self) -> Array:
         return _jacobian_gram(self.J)
@@ -168,17 +164,11 @@ class SMWSolver:
                     check_array(xp, arr, f"U (Jacobian block {blk.name!r})", (arr.ndim,),
                                 "a block array", finite=False)
             self.op: Any = _JacobianOp(U)
-            self.dtype = U.dtype
-            self.device = U.device
         else:
             xp, _ = namespace_of(U=U)
             check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
-            self.op = _ArrayOp(xp, U)
-            self.dtype = U.dtype
-            self.device = array_api_compat.device(U)
-        self.xp = xp
-        from .backend import get_backend
-
+            self.op = _ArrayOp(U)
+        self.xp, self.dtype, self.device = xp, self.op.dtype, self.op.device
         self.backend = get_backend(xp)
         self.wide = _wide_float(xp, self.device)
         self.gram_dtype = gram_dtype
@@ -188,10 +178,8 @@ class SMWSolver:
 
     # the sketched operator Xi and the map g -> Omega g
     def _prepare_sketch(self, U: Any, sketch: Any) -> None:
-        xp = self.xp
         if sketch is None:
-            self.sketch_op = self.op
-            self.sketch_vec = None
+            self.sketch_op, self.sketch_vec = self.op, None
             return
         if isinstance(U, Jacobian):
             if isinstance(sketch, Sketch):
@@ -204,16 +192,16 @@ class SMWSolver:
             self.sketch_vec = jsk.apply
             return
         if isinstance(sketch, Sketch):
-            if sketch.n != self.op.num_rows:
-                raise ValueError(f"sketch has n={sketch.n} but U has P={self.op.num_rows} rows")
+            if sketch.n != self.op.shape[0]:
+                raise ValueError(f"sketch has n={sketch.n} but U has P={self.op.shape[0]} rows")
             sk = sketch
         else:
             spec = SketchSpec.coerce(sketch)
-            if spec.q >= self.op.num_rows and spec.kind in ("uniform", "leverage"):
+            if spec.q >= self.op.shape[0] and spec.kind in ("uniform", "leverage"):
                 self.sketch_op, self.sketch_vec = self.op, None  # nothing to save: exact
                 return
             sk = make_sketch(spec.kind, U, spec.q, seed=spec.seed, replace=spec.replace)
-        self.sketch_op = _ArrayOp(xp, sk.apply(U))
+        self.sketch_op = _ArrayOp(sk.apply(U))
         self.sketch_vec = sk.apply
 
     def _factor(self) -> None:
@@ -290,7 +278,7 @@ class SMWSolver:
         U is computed in float64, for a Jacobian U as for an array U) and ``d`` is returned
         in ``g``'s dtype.
         """
-        p = self.op.num_rows
+        p = self.op.shape[0]
         if g.ndim not in (1, 2) or g.shape[0] != p:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
         d = self.solve_with(self._promote(g), None, self.op.__matmul__)
