@@ -41,7 +41,7 @@ from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, namespace_of
 from .backend import get_backend
 from .errors import NotPositiveDefiniteError
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
@@ -81,42 +81,31 @@ def sym_gram(xp: Any, u: Array) -> Array:
     return xp.concat(rows, axis=0)
 
 
-def _jacobian_gram(J: Jacobian) -> Array:
-    """(N*O, N*O) Gram J J^T, rows ordered (n, o): ``gram(J, mode="full")`` as a matrix."""
-    from .gram import gram
-
-    # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
-    k = gram(J, mode="full", check_finite=False)  # (N, N, O, O)
-    return FULL.matrix(J.xp, k)
-
-
-# -- operators standing for U ----------------------------------------------------------------
+# -- operators standing for U, with their Gram in a given dtype -------------------------------
 class _ArrayOp(ArrayOperator):
-    """U as a (P, rho) array, with its Gram."""
+    """U as a (P, rho) array."""
 
-    def gram(self) -> Array:
-        return sym_gram(self.xp, self.array)
+    def gram(self, dtype: Any) -> Array:
+        return sym_gram(self.xp, self.xp.astype(self.array, dtype, copy=False))
 
 
 class _JacobianOp(AdjointOperator):
-    """U = J^T (P, N*O) for a Jacobian J: columns are the N*O rows of J, with their Gram."""
+    """U = J^T (P, N*O) for a Jacobian J: columns are the N*O rows of J."""
 
     def __init__(self, J: Jacobian) -> None:
         super().__init__(J.as_operator())
         self.J = J
 
-    def gram(self) -> Array:
-        return _jacobian_gram(self.J)
+    def gram(self, dtype: Any) -> Array:
+        """J J^T (N*O, N*O), rows ordered (n, o): ``gram(J, mode="full")`` as a matrix."""
+        from .gram import gram
 
-
-def _jacobian_as_float(J: Jacobian, xp: Any, dtype: Any) -> Jacobian:
-    blocks: list[Any] = []
-    for b in J.blocks:
-        if isinstance(b, DenseBlock):
-            blocks.append(DenseBlock(xp.astype(b.jac, dtype), b.name))
-        else:
-            blocks.append(KroneckerBlock(xp.astype(b.a, dtype), xp.astype(b.g, dtype), b.name))
-    return Jacobian(blocks)
+        J, xp = self.J, self.J.xp
+        if dtype != J.dtype:
+            J = Jacobian([type(b)(*(xp.astype(a, dtype) for a in b.arrays()), b.name)
+                          for b in J.blocks])
+        # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
+        return FULL.matrix(xp, gram(J, mode="full", check_finite=False))
 
 
 # -- the prepared solver --------------------------------------------------------------------
@@ -208,13 +197,8 @@ class SMWSolver:
         xp = self.xp
         if not hasattr(self, "_gram"):
             op = self.sketch_op
-            if self.gram_dtype == "wide" and isinstance(op, _JacobianOp):
-                gram = _jacobian_gram(_jacobian_as_float(op.J, xp, self.wide))
-            elif self.gram_dtype == "wide":
-                gram = sym_gram(xp, xp.astype(op.array, self.wide))
-            else:
-                gram = op.gram()
-            gram = xp.astype(gram, self.wide)
+            gram = xp.astype(op.gram(self.wide if self.gram_dtype == "wide" else op.dtype),
+                             self.wide)
             self._gram = (gram + xp.matrix_transpose(gram)) / 2  # exact symmetry, once
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
             if not all_finite(xp, xp.linalg.diagonal(self._gram)):
