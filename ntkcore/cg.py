@@ -33,13 +33,14 @@ Preconditioned CG (per column), with :math:`A = K + \lambda I` and :math:`M^{-1}
 
 stopped when :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column.
 
-Input checks.  An in-memory array ``K`` is checked like the Cholesky path of
-:func:`ntkcore.kernel_regression`: real floating dtype, no NaN/Inf, and symmetric within
-:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (ValueError naming it
-beyond; within, :math:`(K + K^\top)/2` is used), each one O(N^2) pass.  The entries of a dask array
-or an operator are not read up front; instead a NaN/Inf in a product (the preconditioner's
-sketch or columns, or an iterate's residual) raises ValueError at once, instead of
-returning a wrong ``x``.
+Input checks: see :func:`cg_solve` (an in-memory ``K`` is checked like the Cholesky path of
+:func:`ntkcore.kernel_regression`; a NaN/Inf in a product with an operator raises at once).
+
+Differentiation (torch autograd, eager ``jax.grad``): the iterations run outside autograd and
+the solution is differentiated implicitly, as :math:`X = A^{-1} Y` (the semantics of
+``jax.lax.custom_linear_solve``): the backward pass is one more CG solve with :math:`A` for the
+cotangent, whatever the number of forward iterations.  ``cg_solve`` is a host-driven loop and
+does not run under ``jax.jit``.
 
 Preconditioners
 ---------------
@@ -63,6 +64,7 @@ by the Woodbury identity :math:`M^{-1} R = (R - L (sI + L^\top L)^{-1} L^\top R)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import time
@@ -117,20 +119,20 @@ class _Detached(LinearOperator):
     """The products of an operator cut from autograd (what the iterations use)."""
 
     def __init__(self, op: LinearOperator, backend: Backend) -> None:
-        self.op, self.backend, self.shape, self.dtype = op, backend, op.shape, op.dtype
-        self.symmetric = op.symmetric
+        self.op, self.cut = op, backend.stop_gradient
+        self.shape, self.dtype, self.symmetric = op.shape, op.dtype, op.symmetric
 
     def matmat(self, v: Array) -> Array:
-        return self.backend.stop_gradient(self.op.matmat(v))
+        return self.cut(self.op.matmat(v))
 
     def sketch(self, v: Array) -> Array:
-        return self.backend.stop_gradient(self.op.sketch(v))
+        return self.cut(self.op.sketch(v))
 
     def columns(self, idx: list[int], like: Array) -> Array:
-        return self.backend.stop_gradient(self.op.columns(idx, like))
+        return self.cut(self.op.columns(idx, like))
 
     def diagonal(self, like: Array) -> Array:
-        return self.backend.stop_gradient(self.op.diagonal(like))
+        return self.cut(self.op.diagonal(like))
 
 
 class _Adapter(NamedTuple):
@@ -557,12 +559,10 @@ def cg_solve(
         op, reg = base, reg + shift
     tol_v = (max(1e-6, 100.0 * float(xp.finfo(y.dtype).eps)) if tol is None
              else check_scalar(tol, "tol", positive=True))
-    if maxiter is None:
-        maxiter_v = max(10 * n, 1)
-    else:
-        if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 0:
-            raise ValueError(f"maxiter must be a non-negative integer; got {maxiter!r}")
-        maxiter_v = int(maxiter)
+    if maxiter is not None and (isinstance(maxiter, bool) or int(maxiter) != maxiter
+                                or maxiter < 0):
+        raise ValueError(f"maxiter must be a non-negative integer; got {maxiter!r}")
+    maxiter_v = max(10 * n, 1) if maxiter is None else int(maxiter)
     vector = y.ndim == 1
     ymat = y[:, None] if vector else y
     if x0 is not None:
@@ -581,9 +581,7 @@ def cg_solve(
     setup = time.perf_counter() - t0
     pname = "none" if precond is None else getattr(precond, "name", type(precond).__name__)
 
-    def solve(b: Array, x: Array | None = None, callback: Any = None) -> Any:
-        return _pcg(xp, a_d, precond, b, x, tol_v, maxiter_v, callback, name, pname)
-
+    solve = functools.partial(_pcg, xp, a_d, precond, tol_v, maxiter_v, name, pname)
     def solve_adjoint(g: Array) -> Array:  # the backward pass: one more solve with A = A^T
         x, converged, history = solve(g)
         if warn and not converged:
@@ -615,8 +613,8 @@ def cg_solve(
     return (xmat[:, 0] if vector else xmat), report
 
 
-def _pcg(xp: Any, a: LinearOperator, precond: Any, ymat: Array, xmat: Array | None,
-         tol: float, maxiter: int, callback: Any, name: str, pname: str,
+def _pcg(xp: Any, a: LinearOperator, precond: Any, tol: float, maxiter: int, name: str,
+         pname: str, ymat: Array, xmat: Array | None = None, callback: Any = None,
          ) -> tuple[Array, bool, list[float]]:
     """Preconditioned CG from ``xmat`` (zero if None) for the columns of ``ymat``:
     ``(x, converged, largest recursive relative residual per iteration)``."""

@@ -21,17 +21,18 @@ Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing b
 ``jitter="auto"``), warning with :class:`~ntkcore.JitterWarning`; past the cap raise
 :class:`~ntkcore.NotPositiveDefiniteError`.
 
-Input checks (every entry point: :class:`KernelRidge`, :func:`kernel_regression` with either
-solver, :func:`gd_mse_predict`, :func:`gp_inference`): shapes, real floating dtypes and
-finiteness of every array (ValueError / TypeError naming the argument), and symmetry of
-``k_train``: :math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (``eps`` of
-its dtype, :data:`ntkcore._validation.SYMMETRY_RTOL_EPS`), else ValueError.  Within that
-tolerance every path works on :math:`(K + K^\top)/2`, so the Cholesky factor (one
-triangle), the autograd refinement step and the CG products (the whole matrix) agree (an
-exactly symmetric ``k_train`` is used as is).  A kernel that is not positive definite
-beyond the jitter cap raises :class:`~ntkcore.NotPositiveDefiniteError` on every path
-(:func:`gd_mse_predict`: an eigenvalue of :math:`K + \lambda I` at or below
-``-jitter_cap * mean(diag K)``, the shift at which the Cholesky path gives up).
+Input checks (every entry point): shapes, real floating dtypes and finiteness of every array
+(ValueError / TypeError naming the argument), and symmetry of ``k_train`` within
+:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|`
+(:data:`ntkcore._validation.SYMMETRY_RTOL_EPS`; within it every path, Cholesky, refinement and
+CG, works on :math:`(K + K^\top)/2`).  Not positive definite beyond the jitter cap:
+:class:`~ntkcore.NotPositiveDefiniteError` on every path (:func:`gd_mse_predict`: an
+eigenvalue of :math:`K + \lambda I` at or below ``-jitter_cap * mean(diag K)``).
+
+Under ``jax.jit`` values are unknown while tracing: shapes and dtypes are checked as above, the
+jitter search runs as a bounded ``lax`` loop (same jitter, no warning), and the checks that
+depend on values (finiteness, symmetry, positive definiteness, ``t``) cannot raise: NaN/Inf
+inputs propagate, ``k_train`` is symmetrised, and a failure gives NaN results.
 """
 
 from __future__ import annotations

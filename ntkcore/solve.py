@@ -33,6 +33,7 @@ A :class:`~ntkcore.Jacobian` can stand in for U: its columns are the N*O rows of
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import array_api_compat
@@ -66,19 +67,11 @@ def sym_gram(xp: Any, u: Array) -> Array:
     rho = int(u.shape[1])
     if array_api_compat.is_numpy_namespace(xp) or rho <= _SYRK_BLOCK:
         return xp.matrix_transpose(u) @ u
-    edges = [*range(0, rho, _SYRK_BLOCK), rho]
-    cols = [u[:, edges[i]:edges[i + 1]] for i in range(len(edges) - 1)]
+    cols = [u[:, s:min(rho, s + _SYRK_BLOCK)] for s in range(0, rho, _SYRK_BLOCK)]
     m = len(cols)
-    upper: dict[tuple[int, int], Array] = {}
-    for i in range(m):
-        ci = xp.matrix_transpose(cols[i])
-        for j in range(i, m):
-            upper[(i, j)] = ci @ cols[j]
-    rows = []
-    for i in range(m):
-        rows.append(xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
-                               for j in range(m)], axis=1))
-    return xp.concat(rows, axis=0)
+    upper = {(i, j): xp.matrix_transpose(cols[i]) @ cols[j] for i in range(m) for j in range(i, m)}
+    return xp.concat([xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
+                                 for j in range(m)], axis=1) for i in range(m)], axis=0)
 
 
 # -- operators standing for U, with their Gram in a given dtype -------------------------------
@@ -403,11 +396,10 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
         return SMWSolver(xp.matrix_transpose(J), damping, sketch=spec, scale=1.0 / n).solve(g)
     if not blockwise:
         return SMWSolver(J, damping, sketch=spec, scale=1.0 / n).solve(g)
-    pieces, start = [], 0
-    for block in J.blocks:
+    pieces, ends = [], list(itertools.accumulate(J.block_sizes))
+    for block, end in zip(J.blocks, ends, strict=True):
         size = block.num_params
-        gb = g[start:start + size, ...]
-        start += size
+        gb = g[end - size:end, ...]
         bspec = None
         if spec is not None and spec.q < size:
             seed = None if spec.seed is None else spawn_seed(spec.seed, 1000 + len(pieces))
