@@ -96,6 +96,9 @@ __all__ = [
 ]
 
 
+_is_array = array_api_compat.is_array_api_obj
+
+
 class ConvergenceWarning(RuntimeWarning):
     """An iterative solver stopped at its iteration limit before reaching the tolerance."""
 
@@ -202,14 +205,6 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
     if len(op.shape) != 2 or op.shape[0] != op.shape[1]:
         raise ValueError(f"{name} must be square (N, N); got shape {tuple(op.shape)}")
     return op
-
-
-def _is_array(x: Any) -> bool:
-    try:
-        array_api_compat.array_namespace(x)
-    except TypeError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,14 +316,13 @@ def nystrom_preconditioner(
                          "does)")
     eps = float(xp.finfo(dtype).eps)
     nu = math.sqrt(n) * eps * float(xp.linalg.vector_norm(y))
-    nu = nu if nu > 0 else eps
-    c = None
-    while c is None:
-        y_nu = y + nu * omega
-        gram = omega.T @ y_nu
-        c = backend.cholesky(0.5 * (gram + gram.T))
-        if c is None:
-            nu *= 10.0
+    gram = omega.T @ y  # C C^T = Omega^T (Y + nu Omega) = Omega^T Y + nu I, nu grown 10x
+    shifts = [(nu if nu > 0 else eps) * 10.0 ** j for j in range(40)]
+    c, i = backend.first_cholesky(0.5 * (gram + gram.T), shifts)
+    if c is None:
+        raise ValueError(f"{name}: its Nystrom sketch could not be factorised")
+    nu = shifts[i]
+    y_nu = y + nu * omega
     b = backend.solve_triangular(c, y_nu.T, lower=True).T  # Y_nu C^{-T}, (N, r)
     u, s, _ = xp.linalg.svd(b, full_matrices=False)
     lam = xp.clip(s * s - nu, min=0.0)
@@ -400,9 +394,8 @@ def pivoted_cholesky_preconditioner(
     else:
         rem = float(xp.max(d)) if n else 0.0
         shift = rem if rem > 0 else float(xp.finfo(like.dtype).eps) * max(trace / max(n, 1), 1.0)
-    m = lmat.shape[1]
-    small = shift * xp.eye(m, dtype=like.dtype, device=dev) + lmat.T @ lmat
-    chol = backend.cholesky(small) if m else small
+    small = lmat.T @ lmat  # + s I: sI + L^T L
+    chol = backend.cholesky(small, shift=shift) if lmat.shape[1] else small
     if chol is None:  # pragma: no cover - sI + L^T L is SPD for s > 0
         raise ValueError("pivoted-Cholesky preconditioner: inner factorisation failed")
     return PivotedCholeskyPreconditioner(lmat, chol, shift, tuple(pivots), backend)
@@ -716,11 +709,9 @@ def cg_kernel_regression(
         dask ``k_test_train`` is not checked: it is only read by the final product.
     """
     allowed = {"tol", "maxiter", "preconditioner", "rank", "seed", "x0", "callback", "warn"}
-    unknown = set(cg_options) - allowed
-    if unknown:
-        raise TypeError(
-            f"unknown conjugate-gradient option(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
-        )
+    if unknown := set(cg_options) - allowed:
+        raise TypeError(f"unknown conjugate-gradient option(s) {sorted(unknown)}; allowed: "
+                        f"{sorted(allowed)}")
     n = aslinearoperator(k_train, name="k_train").shape[0]
     if len(k_test_train.shape) != 2 or k_test_train.shape[1] != n:
         raise ValueError(
@@ -731,6 +722,6 @@ def cg_kernel_regression(
         check_array(array_api_compat.array_namespace(k_test_train), k_test_train,
                     "k_test_train", (2,), "(M, N)")
     alpha, _ = cg_solve(k_train, y_train, reg=reg, name="k_train", **cg_options)
-    if _is_array(k_test_train) or array_api_compat.is_dask_array(k_test_train):
+    if _is_array(k_test_train):  # dask arrays too: a lazy product
         return k_test_train @ alpha
     return _DuckOperator(k_test_train) @ alpha

@@ -166,9 +166,7 @@ def _check_regression_inputs(
     if y_train is not None:
         check_array(xp, y_train, "y_train", (1, 2), "(N,) or (N, K)")
         if y_train.shape[0] != n:
-            raise ValueError(
-                f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}"
-            )
+            raise ValueError(f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}")
     if k_test_train is not None:
         check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
         if k_test_train.shape[1] != n:

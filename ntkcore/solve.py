@@ -196,14 +196,14 @@ class SMWSolver:
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
             if not all_finite(xp, xp.linalg.diagonal(self._gram)):
                 raise ValueError(_NONFINITE_U)
-        rho = int(self._gram.shape[0])
         # C = damping I + scale Xi^T Xi: the damping goes in as the factorisation's diagonal
         # shift (no identity temporary)
         c = self._gram if self.scale == 1.0 else self.scale * self._gram
         l = self.backend.cholesky(c, shift=self.damping)
         if l is None:
             raise NotPositiveDefiniteError(
-                f"damping*I + scale*U^T U (rho={rho}) is not numerically positive definite; "
+                f"damping*I + scale*U^T U (rho={self._gram.shape[0]}) is not numerically "
+                "positive definite; "
                 f"increase damping (now {self.damping}) or check U for huge entries")
         self._chol = l
 
@@ -392,10 +392,9 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
         raise ValueError("J has no samples (N = 0): the empirical Fisher J^T J / N is "
                          "undefined")
     spec = None if sketch is None else SketchSpec.coerce(sketch)
-    if not isinstance(J, Jacobian):
-        return SMWSolver(xp.matrix_transpose(J), damping, sketch=spec, scale=1.0 / n).solve(g)
-    if not blockwise:
-        return SMWSolver(J, damping, sketch=spec, scale=1.0 / n).solve(g)
+    if not isinstance(J, Jacobian) or not blockwise:
+        u = J if isinstance(J, Jacobian) else xp.matrix_transpose(J)
+        return SMWSolver(u, damping, sketch=spec, scale=1.0 / n).solve(g)
     pieces, ends = [], list(itertools.accumulate(J.block_sizes))
     for block, end in zip(J.blocks, ends, strict=True):
         size = block.num_params
