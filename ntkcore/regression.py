@@ -485,7 +485,7 @@ class GPPosterior:
     log_marginal_likelihood : array, shape ()
         :math:`\\log p(y)` summed over the K independent output columns.
     jitter : float
-        Absolute jitter the factorisation needed.
+        Absolute jitter the factorisation needed (a 0-d array under ``jax.jit``).
     """
 
     mean: Array
