@@ -70,7 +70,7 @@ class JaxBackend(Backend):
             return x
 
         @jax.custom_vjp
-        def correction(r: Array) -> Array:
+        def correction(r: Array) -> Array:  # zero, with the gradient of A^{-1} r
             return jnp.zeros_like(r)
 
         correction.defvjp(lambda r: (jnp.zeros_like(r), None), lambda _, g: (solve(g),))

@@ -145,15 +145,10 @@ class Backend:
         return None, len(shifts)
 
     def implicit_solve(self, x: Array, residual: Array, solve: Callable[[Array], Array]) -> Array:
-        r"""``x``, a solution of :math:`A x = b` found outside autograd (by iterations that are
-        not differentiated), given the derivative of the exact solve :math:`A^{-1} b`.
-
-        ``residual`` :math:`= b - A x` is computed by the caller inside autograd (b and A's
-        arrays live); the result is :math:`x + A^{-1} r` evaluated as ``x`` (r is at the solver's
-        tolerance) and differentiated through r: its backward pass applies ``solve``
-        (:math:`A^{-\top}`, A itself for symmetric A) once to the cotangent.  Libraries without
-        autograd return ``x``.
-        """
+        r"""``x``, solving :math:`A x = b` outside autograd, with the derivative of the exact
+        :math:`A^{-1} b`: :math:`x + A^{-1} r` evaluated as ``x``, for ``residual``
+        :math:`r = b - A x` formed by the caller inside autograd; the backward pass applies
+        ``solve`` (:math:`A^{-\top}`) once to the cotangent.  Without autograd: ``x``."""
         return x
 
     # Optional: ``erf(x)``, the error function elementwise.  The standard has none; backends
