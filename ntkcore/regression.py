@@ -32,7 +32,7 @@ eigenvalue of :math:`K + \lambda I` at or below ``-jitter_cap * mean(diag K)``).
 Under ``jax.jit`` values are unknown while tracing: shapes and dtypes are checked as above, the
 jitter search runs as a bounded ``lax`` loop (same jitter, no warning), and the checks that
 depend on values (finiteness, symmetry, positive definiteness, ``t``) cannot raise: NaN/Inf
-inputs propagate, ``k_train`` is symmetrised, and a failure gives NaN results.
+inputs propagate, ``k_train`` is symmetrised (its gradient too), a failure gives NaN results.
 """
 
 from __future__ import annotations
