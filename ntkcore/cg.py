@@ -575,6 +575,7 @@ def cg_solve(
     pname = "none" if precond is None else getattr(precond, "name", type(precond).__name__)
 
     solve = functools.partial(_pcg, xp, a_d, precond, tol_v, maxiter_v, name, pname)
+
     def solve_adjoint(g: Array) -> Array:  # the backward pass: one more solve with A = A^T
         x, converged, history = solve(g)
         if warn and not converged:
