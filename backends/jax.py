@@ -29,8 +29,8 @@ class JaxBackend(GenericBackend):
         return a + shift * jnp.eye(a.shape[0], dtype=a.dtype)
 
     def _finite(self, l: Array) -> bool:
-        # under jit/grad tracing the values cannot be inspected
-        return isinstance(l, jax.core.Tracer) or bool(jnp.all(jnp.isfinite(l)))
+        # under jit the values are unknown: NaN entries then mark a failed factorisation
+        return self.is_traced(l) or bool(jnp.all(jnp.isfinite(l)))
 
     def solve_triangular(
         self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
@@ -45,6 +45,34 @@ class JaxBackend(GenericBackend):
 
     def tracks_gradient(self, *xs: Array) -> bool:
         return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+    def is_traced(self, *xs: Array) -> bool:
+        return any(isinstance(x, jax.core.Tracer) and not _has_value(x) for x in xs)
+
+    def first_cholesky(self, a: Array, shifts: Any) -> tuple[Array | None, Any]:
+        if not self.is_traced(a, shifts):
+            return super().first_cholesky(a, shifts)
+        # a bounded lax loop on values (while_loop has no reverse mode); the factor gets the
+        # derivative of a Cholesky factor through _factor_jvp
+        shifts = jax.lax.stop_gradient(jnp.asarray(shifts, dtype=a.dtype))
+        a0, eye = jax.lax.stop_gradient(a), jnp.eye(a.shape[0], dtype=a.dtype)
+        last = len(shifts) - 1
+        i, l = jax.lax.while_loop(
+            lambda s: (s[0] < last) & ~jnp.all(jnp.isfinite(s[1])),
+            lambda s: (s[0] + 1, jnp.linalg.cholesky(a0 + shifts[s[0] + 1] * eye)),
+            (0, jnp.linalg.cholesky(a0 + shifts[0] * eye)))
+        return _factor_jvp(a, l), jnp.where(jnp.all(jnp.isfinite(l)), i, last + 1)
+
+    def implicit_solve(self, x: Array, residual: Array, solve: Any) -> Array:
+        if not isinstance(residual, jax.core.Tracer):
+            return x
+
+        @jax.custom_vjp
+        def correction(r: Array) -> Array:  # zero, with the gradient of A^{-1} r
+            return jnp.zeros_like(r)
+
+        correction.defvjp(lambda r: (jnp.zeros_like(r), None), lambda _, g: (solve(g),))
+        return x + correction(residual)
 
     def erf(self, x: Array) -> Array:
         return jax.scipy.special.erf(x)
@@ -75,6 +103,29 @@ class JaxBackend(GenericBackend):
 
     def is_gpu(self, device: Device) -> bool:
         return device is not None and getattr(device, "platform", "cpu") in ("gpu", "cuda", "rocm")
+
+
+@jax.custom_jvp
+def _factor_jvp(a: Array, l: Array) -> Array:
+    """``l``, the Cholesky factor of ``a`` plus a constant shift, differentiated as such."""
+    return l
+
+
+@_factor_jvp.defjvp
+def _factor_jvp_rule(primals: Any, tangents: Any) -> Any:
+    (_, l), (da, _) = primals, tangents
+    # dL = L Phi(L^{-1} dA L^{-T}), Phi: the lower triangle with its diagonal halved
+    da = (da + da.T) / 2
+    x = jax.scipy.linalg.solve_triangular(l, jax.scipy.linalg.solve_triangular(l, da, lower=True).T,
+                                          lower=True)
+    return l, l @ (jnp.tril(x) - jnp.diag(jnp.diagonal(x)) / 2)
+
+
+def _has_value(x: Any) -> bool:
+    """Whether a tracer carries concrete values (``jax.grad`` outside ``jit``)."""
+    if hasattr(x, "to_concrete_value"):
+        return x.to_concrete_value() is not None
+    return isinstance(getattr(x, "aval", None), getattr(jax.core, "ConcreteArray", ()))
 
 
 class JaxGenerator:

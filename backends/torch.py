@@ -56,6 +56,9 @@ class TorchBackend(Backend):
     def tracks_gradient(self, *xs: Array) -> bool:
         return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
+    def implicit_solve(self, x: Array, residual: Array, solve: Any) -> Array:
+        return x + _ImplicitSolve.apply(residual, solve) if residual.requires_grad else x
+
     def scalar(self, x: Array) -> float:
         return float(x.detach())
 
@@ -85,6 +88,19 @@ class TorchBackend(Backend):
 
 
 _MULTINOMIAL_MAX = 2**24
+
+
+class _ImplicitSolve(torch.autograd.Function):
+    """Zero in the forward pass; ``solve`` of the cotangent in the backward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, residual: Array, solve: Any) -> Array:
+        ctx.solve = solve
+        return torch.zeros_like(residual)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Array) -> tuple[Array, None]:
+        return ctx.solve(grad), None
 
 
 class TorchGenerator:

@@ -75,10 +75,6 @@ def _scalar(xp: Any, x: Array) -> Array:
     return xp.asarray(x) if array_api_compat.is_numpy_namespace(xp) else x
 
 
-def _frob_inner(xp: Any, a: Array, b: Array) -> Array:
-    return xp.sum(a * b)
-
-
 @capabilities(name="analysis.kernel_alignment")
 def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
     r"""(Centered) kernel alignment of two kernels of the same shape.
@@ -103,8 +99,7 @@ def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
                          f"{tuple(k2.shape)}")
     if centered:
         a, b = _center(xp, a), _center(xp, b)
-    num = _frob_inner(xp, a, b)
-    return _scalar(xp, num / (xp.sqrt(_frob_inner(xp, a, a)) * xp.sqrt(_frob_inner(xp, b, b))))
+    return _scalar(xp, xp.sum(a * b) / (xp.sqrt(xp.sum(a * a)) * xp.sqrt(xp.sum(b * b))))
 
 
 def centered_kernel_alignment(k1: Array, k2: Array) -> Array:

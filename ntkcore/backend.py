@@ -128,6 +128,29 @@ class Backend:
         """A 0-d array as a Python float (outside any autograd graph; syncs the device)."""
         return float(x)
 
+    def is_traced(self, *xs: Array) -> bool:
+        """Whether the values of any of ``xs`` are unknown (abstract tracers under ``jax.jit``):
+        data-dependent Python decisions on them are impossible, array-valued ones remain."""
+        return False
+
+    def first_cholesky(self, a: Array, shifts: Any) -> tuple[Array | None, Any]:
+        """``(L, i)``: the factor of ``a + shifts[i] I`` for the first ``i`` that succeeds
+        (``(None, len(shifts))`` if none does).  For traced ``a`` or ``shifts`` a backend runs
+        this as a bounded loop in its own control flow; ``i`` is then an array and ``L`` holds
+        NaN when no shift succeeds."""
+        for i, shift in enumerate(shifts):
+            l = self.cholesky(a, shift=shift)
+            if l is not None:
+                return l, i
+        return None, len(shifts)
+
+    def implicit_solve(self, x: Array, residual: Array, solve: Callable[[Array], Array]) -> Array:
+        r"""``x``, solving :math:`A x = b` outside autograd, with the derivative of the exact
+        :math:`A^{-1} b`: :math:`x + A^{-1} r` evaluated as ``x``, for ``residual``
+        :math:`r = b - A x` formed by the caller inside autograd; the backward pass applies
+        ``solve`` (:math:`A^{-\top}`) once to the cotangent.  Without autograd: ``x``."""
+        return x
+
     # Optional: ``erf(x)``, the error function elementwise.  The standard has none; backends
     # that define it give ntkcore.models an exact, fast erf/gelu (the fallback is a pure
     # array-API series accurate to float64 rounding).

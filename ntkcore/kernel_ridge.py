@@ -20,7 +20,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
-from .regression import _check_regression_inputs, _jitter_cap, cholesky_with_jitter
+from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
 __all__ = ["KernelRidge", "NotFittedError"]
@@ -162,23 +162,7 @@ class KernelRidge:
         _jitter_cap(self.jitter)
         xp, backend = namespace_of(k_train=k_train, y_train=y_train)
         k_train = _check_regression_inputs(xp, k_train, y_train, None, backend)
-        differentiate = backend.tracks_gradient(k_train, y_train)
-        k0 = backend.stop_gradient(k_train) if differentiate else k_train
-        y0 = backend.stop_gradient(y_train) if differentiate else y_train
-        l, eps = cholesky_with_jitter(xp, backend, k0, reg=alpha, jitter=self.jitter)
-        dual = backend.cho_solve(l, y0)
-        if differentiate:
-            # One step of iterative refinement, c <- c - A^{-1}(A c - y) with
-            # A = K + (alpha + eps) I, differentiated through the residual only (the factor is a
-            # constant): its value is the solve (refined), and its first derivative is the exact
-            # adjoint  d c = A^{-1}(dy - dA c),  i.e.  grad_y = A^{-1} g,
-            # grad_K = -(A^{-1} g) c^T, at O(N^2) per backward instead of the O(N^3)
-            # backward of a differentiated Cholesky factor.
-            shift = alpha + eps
-            resid = k_train @ dual - y_train
-            if shift:
-                resid = resid + shift * dual
-            dual = dual - backend.cho_solve(l, resid)
+        l, dual, eps = _ridge_solve(xp, backend, k_train, y_train, alpha, self.jitter)
         self.chol_ = l
         self.dual_coef_ = dual
         self.jitter_ = eps

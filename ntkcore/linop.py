@@ -74,20 +74,24 @@ class LinearOperator:
         return self.matvec(other) if other.ndim == 1 else self.matmat(other)
 
     def __add__(self, other: Any) -> LinearOperator:
-        return _Sum(self, other) if isinstance(other, LinearOperator) else NotImplemented
+        if not isinstance(other, LinearOperator):
+            return NotImplemented
+        return _Combination([(1.0, self), (1.0, other)])
 
     def __sub__(self, other: Any) -> LinearOperator:
-        return _Sum(self, -1.0 * other) if isinstance(other, LinearOperator) else NotImplemented
+        if not isinstance(other, LinearOperator):
+            return NotImplemented
+        return _Combination([(1.0, self), (-1.0, other)])
 
     def __mul__(self, c: Any) -> LinearOperator:
         if isinstance(c, bool) or not isinstance(c, numbers.Real):
             return NotImplemented
-        return _Scaled(float(c), self)
+        return _Combination([(float(c), self)])
 
     __rmul__ = __mul__
 
     def __neg__(self) -> LinearOperator:
-        return _Scaled(-1.0, self)
+        return -1.0 * self
 
     def split_identity(self) -> tuple[LinearOperator | None, float]:
         """``(K, s)`` with this operator equal to :math:`K + s I` (``K`` None: zero); the
@@ -116,14 +120,10 @@ class LinearOperator:
     def diagonal(self, like: Array) -> Array:
         """The diagonal of a square A (N,); the generic fallback costs N products (avoid it)."""
         xp = array_api_compat.array_namespace(like)
-        n = self.shape[0]
-        step = 256
-        parts = []
-        for start in range(0, n, step):
-            idx = list(range(start, min(n, start + step)))
-            cols = self.columns(idx, like)
-            parts.append(xp.stack([cols[i, j] for j, i in enumerate(idx)]))
-        return xp.concat(parts)
+        n, step = self.shape[0], 256  # columns s:e hold the diagonal block s:e
+        blocks = [(s, min(n, s + step)) for s in range(0, n, step)]
+        return xp.concat([xp.linalg.diagonal(self.columns(list(range(s, e)), like)[s:e, :])
+                          for s, e in blocks])
 
 
 class ArrayOperator(LinearOperator):
@@ -139,14 +139,8 @@ class ArrayOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.array @ v
 
-    def matvec(self, v: Array) -> Array:
-        return self.array @ v
-
     def rmatmat(self, w: Array) -> Array:
         return self.xp.matrix_transpose(self.array) @ w
-
-    def rmatvec(self, w: Array) -> Array:
-        return w @ self.array
 
     def columns(self, idx: list[int], like: Array) -> Array:
         ind = self.xp.asarray(idx, dtype=self.xp.int64, device=self.device)
@@ -168,9 +162,6 @@ class IdentityOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return v
 
-    def matvec(self, v: Array) -> Array:
-        return v
-
     def split_identity(self) -> tuple[LinearOperator | None, float]:
         return None, 1.0
 
@@ -190,84 +181,56 @@ class AdjointOperator(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.op.rmatmat(v)
 
-    def matvec(self, v: Array) -> Array:
-        return self.op.rmatvec(v)
-
     def rmatmat(self, w: Array) -> Array:
         return self.op.matmat(w)
-
-    def rmatvec(self, w: Array) -> Array:
-        return self.op.matvec(w)
 
     @property
     def T(self) -> LinearOperator:
         return self.op
 
 
-class _Sum(LinearOperator):
-    """:math:`A + B` (both (M, N))."""
+class _Combination(LinearOperator):
+    r""":math:`\sum_i c_i A_i` for real :math:`c_i` and operators of one shape: ``A + B``,
+    ``c * A``."""
 
-    def __init__(self, a: LinearOperator, b: LinearOperator) -> None:
-        if tuple(a.shape) != tuple(b.shape):
-            raise ValueError(f"cannot add operators of shapes {tuple(a.shape)} and "
-                             f"{tuple(b.shape)}")
-        self.a, self.b, self.shape = a, b, tuple(a.shape)  # type: ignore[assignment]
-        self.dtype = a.dtype if a.dtype is not None else b.dtype
-        self.device = a.device if a.device is not None else b.device
-        self.symmetric = a.symmetric and b.symmetric
+    def __init__(self, terms: list[tuple[float, LinearOperator]]) -> None:
+        shapes = [tuple(a.shape) for _, a in terms]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"cannot add operators of shapes {' and '.join(map(str, shapes))}")
+        self.terms, self.shape = terms, shapes[0]  # type: ignore[assignment]
+        self.dtype = next((a.dtype for _, a in terms if a.dtype is not None), None)
+        self.device = next((a.device for _, a in terms if a.device is not None), None)
+        self.symmetric = all(a.symmetric for _, a in terms)
 
-    def matmat(self, v: Array) -> Array:
-        return self.a.matmat(v) + self.b.matmat(v)
-
-    def matvec(self, v: Array) -> Array:
-        return self.a.matvec(v) + self.b.matvec(v)
-
-    def rmatmat(self, w: Array) -> Array:
-        return self.a.rmatmat(w) + self.b.rmatmat(w)
-
-    def split_identity(self) -> tuple[LinearOperator | None, float]:
-        (ka, sa), (kb, sb) = self.a.split_identity(), self.b.split_identity()
-        k = ka if kb is None else kb if ka is None else ka + kb
-        return k, sa + sb
-
-    def sketch(self, v: Array) -> Array:
-        return self.a.sketch(v) + self.b.sketch(v)
-
-    def columns(self, idx: list[int], like: Array) -> Array:
-        return self.a.columns(idx, like) + self.b.columns(idx, like)
-
-    def diagonal(self, like: Array) -> Array:
-        return self.a.diagonal(like) + self.b.diagonal(like)
-
-
-class _Scaled(LinearOperator):
-    """:math:`c A` for a real scalar c."""
-
-    def __init__(self, c: float, a: LinearOperator) -> None:
-        self.c, self.a, self.shape = c, a, tuple(a.shape)  # type: ignore[assignment]
-        self.dtype, self.device, self.symmetric = a.dtype, a.device, a.symmetric
+    def _sum(self, method: str, *args: Any) -> Array:
+        out = None
+        for c, a in self.terms:
+            part = getattr(a, method)(*args)
+            part = part if c == 1.0 else c * part
+            out = part if out is None else out + part
+        return out
 
     def matmat(self, v: Array) -> Array:
-        return self.c * self.a.matmat(v)
-
-    def matvec(self, v: Array) -> Array:
-        return self.c * self.a.matvec(v)
+        return self._sum("matmat", v)
 
     def rmatmat(self, w: Array) -> Array:
-        return self.c * self.a.rmatmat(w)
-
-    def split_identity(self) -> tuple[LinearOperator | None, float]:
-        k, s = self.a.split_identity()
-        return (None if k is None else self.c * k), self.c * s
+        return self._sum("rmatmat", w)
 
     def sketch(self, v: Array) -> Array:
-        return self.c * self.a.sketch(v)
+        return self._sum("sketch", v)
 
     def columns(self, idx: list[int], like: Array) -> Array:
-        return self.c * self.a.columns(idx, like)
+        return self._sum("columns", idx, like)
 
     def diagonal(self, like: Array) -> Array:
-        return self.c * self.a.diagonal(like)
+        return self._sum("diagonal", like)
+
+    def split_identity(self) -> tuple[LinearOperator | None, float]:
+        splits = [(c, a.split_identity()) for c, a in self.terms]
+        ks = [(c, k) for c, (k, _) in splits if k is not None]
+        if len(ks) == 1 and ks[0][0] == 1.0:
+            return ks[0][1], sum(c * s for c, (_, s) in splits)
+        return (_Combination(ks) if ks else None), sum(c * s for c, (_, s) in splits)
 
 
 class _Product(LinearOperator):
@@ -284,11 +247,6 @@ class _Product(LinearOperator):
     def matmat(self, v: Array) -> Array:
         return self.a.matmat(self.b.matmat(v))
 
-    def matvec(self, v: Array) -> Array:
-        return self.a.matvec(self.b.matvec(v))
-
     def rmatmat(self, w: Array) -> Array:
         return self.b.rmatmat(self.a.rmatmat(w))
 
-    def rmatvec(self, w: Array) -> Array:
-        return self.b.rmatvec(self.a.rmatvec(w))

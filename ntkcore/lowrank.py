@@ -59,16 +59,10 @@ def low_rank(J: Jacobian | KroneckerBlock, rank: int) -> tuple[Any, Array]:
     if not isinstance(J, Jacobian):
         raise TypeError(f"J must be a Jacobian or KroneckerBlock; got {type(J).__name__}")
     xp = J.xp
-    blocks, errors = [], []
-    for block in J.blocks:
-        if isinstance(block, KroneckerBlock):
-            nb, err = _low_rank_block(block, rank)
-        else:
-            nb = block
-            err = xp.zeros((J.num_samples,), dtype=J.dtype, device=J.device)
-        blocks.append(nb)
-        errors.append(xp.astype(err, J.dtype))
-    return Jacobian(blocks), xp.stack(errors, axis=0)
+    zero = xp.zeros((J.num_samples,), dtype=J.dtype, device=J.device)
+    pairs = [_low_rank_block(b, rank) if isinstance(b, KroneckerBlock) else (b, zero)
+             for b in J.blocks]
+    return Jacobian([b for b, _ in pairs]), xp.stack([xp.astype(e, J.dtype) for _, e in pairs])
 
 
 def _low_rank_block(block: KroneckerBlock, rank: int) -> tuple[KroneckerBlock, Array]:

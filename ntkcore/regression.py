@@ -21,17 +21,18 @@ Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing b
 ``jitter="auto"``), warning with :class:`~ntkcore.JitterWarning`; past the cap raise
 :class:`~ntkcore.NotPositiveDefiniteError`.
 
-Input checks (every entry point: :class:`KernelRidge`, :func:`kernel_regression` with either
-solver, :func:`gd_mse_predict`, :func:`gp_inference`): shapes, real floating dtypes and
-finiteness of every array (ValueError / TypeError naming the argument), and symmetry of
-``k_train``: :math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|` (``eps`` of
-its dtype, :data:`ntkcore._validation.SYMMETRY_RTOL_EPS`), else ValueError.  Within that
-tolerance every path works on :math:`(K + K^\top)/2`, so the Cholesky factor (one
-triangle), the autograd refinement step and the CG products (the whole matrix) agree (an
-exactly symmetric ``k_train`` is used as is).  A kernel that is not positive definite
-beyond the jitter cap raises :class:`~ntkcore.NotPositiveDefiniteError` on every path
-(:func:`gd_mse_predict`: an eigenvalue of :math:`K + \lambda I` at or below
-``-jitter_cap * mean(diag K)``, the shift at which the Cholesky path gives up).
+Input checks (every entry point): shapes, real floating dtypes and finiteness of every array
+(ValueError / TypeError naming the argument), and symmetry of ``k_train`` within
+:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|`
+(:data:`ntkcore._validation.SYMMETRY_RTOL_EPS`; within it every path, Cholesky, refinement and
+CG, works on :math:`(K + K^\top)/2`).  Not positive definite beyond the jitter cap:
+:class:`~ntkcore.NotPositiveDefiniteError` on every path (:func:`gd_mse_predict`: an
+eigenvalue of :math:`K + \lambda I` at or below ``-jitter_cap * mean(diag K)``).
+
+Under ``jax.jit`` values are unknown while tracing: shapes and dtypes are checked as above, the
+jitter search runs as a bounded ``lax`` loop (same jitter, no warning), and the checks that
+depend on values (finiteness, symmetry, positive definiteness, ``t``) cannot raise: NaN/Inf
+inputs propagate, ``k_train`` is symmetrised (its gradient too), a failure gives NaN results.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
+
+from array_api_compat import device
 
 from ._typing import Array
 from ._validation import check_array, check_scalar, check_symmetric, namespace_of
@@ -55,7 +58,6 @@ __all__ = [
     "kernel_regression",
 ]
 
-_JITTER_START = 1e-10
 _JITTER_CAP = 1e-2
 
 
@@ -71,12 +73,6 @@ def _jitter_cap(jitter: str | float | None) -> float | None:
     return cap if cap > 0 else None
 
 
-def _eye(xp: Any, n: int, like: Array) -> Array:
-    from array_api_compat import device
-
-    return xp.eye(n, dtype=like.dtype, device=device(like))
-
-
 def cholesky_with_jitter(
     xp: Any,
     backend: Backend,
@@ -85,7 +81,7 @@ def cholesky_with_jitter(
     reg: float = 0.0,
     jitter: str | float | None = "auto",
     name: str = "k_train",
-) -> tuple[Array, float]:
+) -> tuple[Array, Any]:
     """Lower Cholesky factor of ``k + (reg + eps) I`` and the absolute jitter ``eps`` used.
 
     Parameters
@@ -106,34 +102,54 @@ def cholesky_with_jitter(
     l : array, shape (N, N)
         Lower-triangular factor in ``k``'s namespace, device and dtype.
     eps : float
-        Absolute jitter added beyond ``reg`` (0.0 when none was needed).
+        Absolute jitter added beyond ``reg`` (0.0 when none was needed).  Under ``jax.jit``
+        (values unknown) a 0-d array, and the factor holds NaN where eager code would raise.
     """
-    n = k.shape[0]
-    l = backend.cholesky(k, shift=reg)
-    if l is not None:
-        return l, 0.0
+    traced = backend.is_traced(k)
+    if not traced:
+        l = backend.cholesky(k, shift=reg)
+        if l is not None:
+            return l, 0.0
     cap = _jitter_cap(jitter)
-    scale = backend.scalar(xp.mean(xp.abs(xp.linalg.diagonal(k)))) if n else 1.0
-    scale = scale if scale > 0 else 1.0
-    if cap is not None:
-        rel = _JITTER_START
-        while rel <= cap * (1 + 1e-12):
-            eps = rel * scale
-            l = backend.cholesky(k, shift=reg + eps)
-            if l is not None:
-                warnings.warn(
-                    f"{name} was not numerically positive definite; added jitter {eps:.3g} "
-                    f"({rel:.0e} x mean(diag)) to its diagonal",
-                    JitterWarning,
-                    stacklevel=3,
-                )
-                return l, eps
-            rel *= 10.0
+    # relative jitters 1e-10, 1e-9, ... up to the cap (and none first when traced)
+    top = -11 if cap is None else math.floor(math.log10(cap) + 1e-12)
+    rels = [0.0] * traced + [10.0 ** e for e in range(-10, top + 1)]
+    scale = backend.stop_gradient(xp.mean(xp.abs(xp.linalg.diagonal(k)))) if k.shape[0] else 1.0
+    if traced:
+        rel_arr = xp.asarray(rels, dtype=k.dtype, device=device(k))
+        scale = xp.where(scale > 0, scale, 1.0)
+        l, i = backend.first_cholesky(k, reg + rel_arr * scale)
+        return l, rel_arr[xp.minimum(i, len(rels) - 1)] * scale
+    scale = backend.scalar(scale) or 1.0
+    l, i = backend.first_cholesky(k, [reg + rel * scale for rel in rels])
+    if l is not None:
+        warnings.warn(f"{name} was not numerically positive definite; added jitter "
+                      f"{rels[i] * scale:.3g} ({rels[i]:.0e} x mean(diag)) to its diagonal",
+                      JitterWarning, stacklevel=3)
+        return l, rels[i] * scale
     limit = "" if cap is None else f" even with jitter up to {cap:g} x mean(diag) = {cap*scale:.3g}"
     raise NotPositiveDefiniteError(
         f"{name} (+ reg={reg:g} I) is not positive definite{limit}; increase reg or check the "
         "kernel"
     )
+
+
+def _ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
+                 jitter: str | float | None) -> tuple[Array, Array, Any]:
+    """``(L, alpha, eps)``: the factor, ``(K + (reg + eps) I)^{-1} y`` and the jitter."""
+    differentiate = backend.tracks_gradient(k, y)
+    k0 = backend.stop_gradient(k) if differentiate else k
+    l, eps = cholesky_with_jitter(xp, backend, k0, reg=reg, jitter=jitter)
+    alpha = backend.cho_solve(l, backend.stop_gradient(y) if differentiate else y)
+    if differentiate:
+        # One step of iterative refinement, alpha <- alpha - A^{-1}(A alpha - y) with
+        # A = K + (reg + eps) I, differentiated through the residual only (the factor is a
+        # constant): its value is the solve (refined), and its first derivative is the exact
+        # adjoint  d alpha = A^{-1}(dy - dA alpha),  i.e.  grad_y = A^{-1} g,
+        # grad_K = -(A^{-1} g) alpha^T, at O(N^2) per backward instead of the O(N^3)
+        # backward of a differentiated Cholesky factor.
+        alpha = alpha - backend.cho_solve(l, k @ alpha + (reg + eps) * alpha - y)
+    return l, alpha, eps
 
 
 def _check_regression_inputs(
@@ -149,9 +165,7 @@ def _check_regression_inputs(
     if y_train is not None:
         check_array(xp, y_train, "y_train", (1, 2), "(N,) or (N, K)")
         if y_train.shape[0] != n:
-            raise ValueError(
-                f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}"
-            )
+            raise ValueError(f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}")
     if k_test_train is not None:
         check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
         if k_test_train.shape[1] != n:
@@ -232,10 +246,11 @@ def kernel_regression(
         raise ValueError(f"solver must be 'cholesky' or 'cg'; got {solver!r}")
     if cg_options:
         raise TypeError(f"options {sorted(cg_options)} apply only to solver='cg'")
-    from .kernel_ridge import KernelRidge
-
     reg = check_scalar(reg, "reg", nonnegative=True)
-    return KernelRidge(alpha=reg, jitter=jitter)._fit(k_train, y_train)._predict(k_test_train)
+    _jitter_cap(jitter)
+    xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
+    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
+    return k_test_train @ _ridge_solve(xp, backend, k_train, y_train, reg, jitter)[1]
 
 
 @capabilities(note=DIFFERENTIABLE)
@@ -301,43 +316,49 @@ def gd_mse_predict(
     k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
-    from array_api_compat import device
-
-    dev = device(k_train)
-    t_arr = xp.asarray(t, dtype=k_train.dtype, device=dev)
+    t_arr = xp.asarray(t, dtype=k_train.dtype, device=device(k_train))
     if t_arr.ndim > 1:
         raise ValueError(f"t must be a scalar or 1-D array of times; got shape {t_arr.shape}")
-    if bool(xp.any(xp.isnan(t_arr))) or bool(xp.any(t_arr < 0)):
-        raise ValueError("t must hold non-negative times (inf allowed)")
-    scalar_t = t_arr.ndim == 0
     ts = xp.reshape(t_arr, (-1,))
+    nan = float("nan")
+    if backend.is_traced(ts):  # under jax.jit: a NaN or negative time gives NaN predictions
+        ts = xp.where(ts >= 0, ts, nan)
+    elif not bool(xp.all(ts >= 0)):
+        raise ValueError("t must hold non-negative times (inf allowed)")
     n = k_train.shape[0]
-    kk = k_train + reg * _eye(xp, n, k_train) if reg else k_train
+    kk = k_train + reg * xp.eye(n, dtype=k_train.dtype, device=device(k_train)) if reg else k_train
     w, v = xp.linalg.eigh(kk)
-    w_max = backend.scalar(xp.max(xp.abs(w))) if n else 1.0
-    tiny = 1e3 * float(xp.finfo(k_train.dtype).eps) * w_max
+    tiny = 1e3 * float(xp.finfo(k_train.dtype).eps) * (xp.max(xp.abs(w)) if n else 1.0)
     if n:
         # Same policy as the Cholesky path: negative eigenvalues that a jitter up to the cap
-        # would repair are treated as zero (with a warning); at or beyond the cap, raise.
-        w_min = backend.scalar(xp.min(w))
-        scale = backend.scalar(xp.mean(xp.abs(xp.linalg.diagonal(k_train))))
-        cap = _JITTER_CAP * (scale if scale > 0 else 1.0)
-        if w_min <= -cap:
-            raise NotPositiveDefiniteError(
-                f"k_train (+ reg={reg:g} I) is not positive semi-definite: smallest eigenvalue "
-                f"{w_min:.3g} is at or below -{_JITTER_CAP:g} x mean(diag) = {-cap:.3g} "
-                "(gradient flow diverges); check the kernel")
-        if w_min < -tiny:
-            warnings.warn(
-                f"k_train (+ reg={reg:g} I) has negative eigenvalues down to {w_min:.3g} "
-                f"(beyond rounding, {tiny:.3g}); they are treated as 0",
-                JitterWarning, stacklevel=2)
-            w = xp.where(w < 0, xp.zeros_like(w), w)
-    infinite = xp.isinf(ts)
-    if bool(xp.any(infinite)) and bool(xp.min(w) <= tiny):
+        # would repair are treated as zero (with a warning); at or beyond the cap, raise
+        # (under jax.jit: NaN predictions).
+        w_min = xp.min(w)
+        scale = xp.mean(xp.abs(xp.linalg.diagonal(k_train)))
+        cap = _JITTER_CAP * xp.where(scale > 0, scale, 1.0)
+        if backend.is_traced(w):
+            w = xp.where(w_min > -cap, w, nan)
+        else:
+            w_min, cap, tiny_v = (backend.scalar(a) for a in (w_min, cap, tiny))
+            if w_min <= -cap:
+                raise NotPositiveDefiniteError(
+                    f"k_train (+ reg={reg:g} I) is not positive semi-definite: smallest "
+                    f"eigenvalue {w_min:.3g} is at or below -{_JITTER_CAP:g} x mean(diag) = "
+                    f"{-cap:.3g} (gradient flow diverges); check the kernel")
+            if w_min < -tiny_v:
+                warnings.warn(
+                    f"k_train (+ reg={reg:g} I) has negative eigenvalues down to {w_min:.3g} "
+                    f"(beyond rounding, {tiny_v:.3g}); they are treated as 0",
+                    JitterWarning, stacklevel=2)
+        w = xp.where(w < 0, xp.zeros_like(w), w)  # those within rounding are as good as 0
+    singular = xp.min(w) <= tiny if n else False
+    if backend.is_traced(w, ts):  # t = inf with a singular kernel: NaN predictions
+        ts = xp.where(xp.isinf(ts) & singular, nan, ts)
+    elif bool(xp.any(xp.isinf(ts))) and bool(singular):
         raise NotPositiveDefiniteError(
             "k_train (+ reg I) is singular, so t=inf (kernel regression) is undefined; use reg>0"
         )
+    infinite = xp.isinf(ts)
     small = xp.abs(w) <= tiny
     w_safe = xp.where(small, xp.ones_like(w), w)
     # phi[t, i] = (1 - exp(-lr w_i t)) / w_i, with the limits w -> 0 and t -> inf.
@@ -352,7 +373,7 @@ def gd_mse_predict(
         out = (phi * vty[None, :]) @ ksv.T  # (T, M)
     else:
         out = xp.stack([ksv @ (phi[i, :, None] * vty) for i in range(phi.shape[0])])
-    return out[0, ...] if scalar_t else out
+    return out[0, ...] if t_arr.ndim == 0 else out
 
 
 @dataclass(frozen=True)
@@ -369,7 +390,7 @@ class GPPosterior:
     log_marginal_likelihood : array, shape ()
         :math:`\\log p(y)` summed over the K independent output columns.
     jitter : float
-        Absolute jitter the factorisation needed.
+        Absolute jitter the factorisation needed (a 0-d array under ``jax.jit``).
     """
 
     mean: Array

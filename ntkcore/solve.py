@@ -33,14 +33,16 @@ A :class:`~ntkcore.Jacobian` can stand in for U: its columns are the N*O rows of
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import array_api_compat
 
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of
+from ._validation import all_finite, check_array, check_scalar, namespace_of
+from .backend import get_backend
 from .errors import NotPositiveDefiniteError
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
@@ -65,69 +67,38 @@ def sym_gram(xp: Any, u: Array) -> Array:
     rho = int(u.shape[1])
     if array_api_compat.is_numpy_namespace(xp) or rho <= _SYRK_BLOCK:
         return xp.matrix_transpose(u) @ u
-    edges = [*range(0, rho, _SYRK_BLOCK), rho]
-    cols = [u[:, edges[i]:edges[i + 1]] for i in range(len(edges) - 1)]
+    cols = [u[:, s:min(rho, s + _SYRK_BLOCK)] for s in range(0, rho, _SYRK_BLOCK)]
     m = len(cols)
-    upper: dict[tuple[int, int], Array] = {}
-    for i in range(m):
-        ci = xp.matrix_transpose(cols[i])
-        for j in range(i, m):
-            upper[(i, j)] = ci @ cols[j]
-    rows = []
-    for i in range(m):
-        rows.append(xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
-                               for j in range(m)], axis=1))
-    return xp.concat(rows, axis=0)
+    upper = {(i, j): xp.matrix_transpose(cols[i]) @ cols[j] for i in range(m) for j in range(i, m)}
+    return xp.concat([xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
+                                 for j in range(m)], axis=1) for i in range(m)], axis=0)
 
 
-def _jacobian_gram(J: Jacobian) -> Array:
-    r"""(N*O, N*O) Gram J J^T of a Jacobian, rows ordered (n, o): :func:`ntkcore.gram` in
-    ``"full"`` mode, (N, N, O, O) -> (N, O, N, O) -> (N O, N O).
-
-    The gram engine handles every block kind (dense, Kronecker with or without weight
-    sharing), uses the symmetry and bounds memory.  On SENG's small refresh systems (torch,
-    float64, N = 128) a call costs about 0.2 ms more than two bare products did (setup and
-    the output copy; the plan itself is cached).
-    """
-    from .gram import gram
-
-    # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
-    k = gram(J, mode="full", check_finite=False)  # (N, N, O, O)
-    return FULL.matrix(J.xp, k)
-
-
-# -- operators standing for U ----------------------------------------------------------------
+# -- operators standing for U, with their Gram in a given dtype -------------------------------
 class _ArrayOp(ArrayOperator):
-    """U as a (P, rho) array, with its Gram."""
+    """U as a (P, rho) array."""
 
-    def __init__(self, xp: Any, u: Array) -> None:
-        super().__init__(u)
-        self.xp, self.num_rows = xp, self.shape[0]
-
-    def gram(self) -> Array:
-        return sym_gram(self.xp, self.array)
+    def gram(self, dtype: Any) -> Array:
+        return sym_gram(self.xp, self.xp.astype(self.array, dtype, copy=False))
 
 
 class _JacobianOp(AdjointOperator):
-    """U = J^T (P, N*O) for a Jacobian J: columns are the N*O rows of J, with their Gram."""
+    """U = J^T (P, N*O) for a Jacobian J: columns are the N*O rows of J."""
 
     def __init__(self, J: Jacobian) -> None:
         super().__init__(J.as_operator())
         self.J = J
-        self.num_rows = self.shape[0]
 
-    def gram(self) -> Array:
-        return _jacobian_gram(self.J)
+    def gram(self, dtype: Any) -> Array:
+        """J J^T (N*O, N*O), rows ordered (n, o): ``gram(J, mode="full")`` as a matrix."""
+        from .gram import gram
 
-
-def _jacobian_as_float(J: Jacobian, xp: Any, dtype: Any) -> Jacobian:
-    blocks: list[Any] = []
-    for b in J.blocks:
-        if isinstance(b, DenseBlock):
-            blocks.append(DenseBlock(xp.astype(b.jac, dtype), b.name))
-        else:
-            blocks.append(KroneckerBlock(xp.astype(b.a, dtype), xp.astype(b.g, dtype), b.name))
-    return Jacobian(blocks)
+        J, xp = self.J, self.J.xp
+        if dtype != J.dtype:
+            J = Jacobian([type(b)(*(xp.astype(a, dtype) for a in b.arrays()), b.name)
+                          for b in J.blocks])
+        # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
+        return FULL.matrix(xp, gram(J, mode="full", check_finite=False))
 
 
 # -- the prepared solver --------------------------------------------------------------------
@@ -175,17 +146,11 @@ class SMWSolver:
                     check_array(xp, arr, f"U (Jacobian block {blk.name!r})", (arr.ndim,),
                                 "a block array", finite=False)
             self.op: Any = _JacobianOp(U)
-            self.dtype = U.dtype
-            self.device = U.device
         else:
             xp, _ = namespace_of(U=U)
             check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
-            self.op = _ArrayOp(xp, U)
-            self.dtype = U.dtype
-            self.device = array_api_compat.device(U)
-        self.xp = xp
-        from .backend import get_backend
-
+            self.op = _ArrayOp(U)
+        self.xp, self.dtype, self.device = xp, self.op.dtype, self.op.device
         self.backend = get_backend(xp)
         self.wide = _wide_float(xp, self.device)
         self.gram_dtype = gram_dtype
@@ -195,10 +160,8 @@ class SMWSolver:
 
     # the sketched operator Xi and the map g -> Omega g
     def _prepare_sketch(self, U: Any, sketch: Any) -> None:
-        xp = self.xp
         if sketch is None:
-            self.sketch_op = self.op
-            self.sketch_vec = None
+            self.sketch_op, self.sketch_vec = self.op, None
             return
         if isinstance(U, Jacobian):
             if isinstance(sketch, Sketch):
@@ -211,41 +174,36 @@ class SMWSolver:
             self.sketch_vec = jsk.apply
             return
         if isinstance(sketch, Sketch):
-            if sketch.n != self.op.num_rows:
-                raise ValueError(f"sketch has n={sketch.n} but U has P={self.op.num_rows} rows")
+            if sketch.n != self.op.shape[0]:
+                raise ValueError(f"sketch has n={sketch.n} but U has P={self.op.shape[0]} rows")
             sk = sketch
         else:
             spec = SketchSpec.coerce(sketch)
-            if spec.q >= self.op.num_rows and spec.kind in ("uniform", "leverage"):
+            if spec.q >= self.op.shape[0] and spec.kind in ("uniform", "leverage"):
                 self.sketch_op, self.sketch_vec = self.op, None  # nothing to save: exact
                 return
             sk = make_sketch(spec.kind, U, spec.q, seed=spec.seed, replace=spec.replace)
-        self.sketch_op = _ArrayOp(xp, sk.apply(U))
+        self.sketch_op = _ArrayOp(sk.apply(U))
         self.sketch_vec = sk.apply
 
     def _factor(self) -> None:
         xp = self.xp
         if not hasattr(self, "_gram"):
             op = self.sketch_op
-            if self.gram_dtype == "wide" and isinstance(op, _JacobianOp):
-                gram = _jacobian_gram(_jacobian_as_float(op.J, xp, self.wide))
-            elif self.gram_dtype == "wide":
-                gram = sym_gram(xp, xp.astype(op.array, self.wide))
-            else:
-                gram = op.gram()
-            gram = xp.astype(gram, self.wide)
+            gram = xp.astype(op.gram(self.wide if self.gram_dtype == "wide" else op.dtype),
+                             self.wide)
             self._gram = (gram + xp.matrix_transpose(gram)) / 2  # exact symmetry, once
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
-            if not bool(xp.all(xp.isfinite(xp.linalg.diagonal(self._gram)))):
+            if not all_finite(xp, xp.linalg.diagonal(self._gram)):
                 raise ValueError(_NONFINITE_U)
-        rho = int(self._gram.shape[0])
         # C = damping I + scale Xi^T Xi: the damping goes in as the factorisation's diagonal
         # shift (no identity temporary)
         c = self._gram if self.scale == 1.0 else self.scale * self._gram
         l = self.backend.cholesky(c, shift=self.damping)
         if l is None:
             raise NotPositiveDefiniteError(
-                f"damping*I + scale*U^T U (rho={rho}) is not numerically positive definite; "
+                f"damping*I + scale*U^T U (rho={self._gram.shape[0]}) is not numerically "
+                "positive definite; "
                 f"increase damping (now {self.damping}) or check U for huge entries")
         self._chol = l
 
@@ -278,16 +236,17 @@ class SMWSolver:
         common = self.xp.result_type(self.dtype, g.dtype)
         return g if g.dtype == common else self.xp.astype(g, common)
 
-    def coefficients(self, g: Array) -> Array:
+    def coefficients(self, g: Array, t_mul: Any = None) -> Array:
         r""":math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top\Omega g`, (rho,) or (rho, k).
 
-        ``g`` and U are promoted to one dtype for the products (as NumPy's ``U.T @ g`` does).
+        ``g`` and U are promoted to one dtype for the products (as NumPy's ``U.T @ g`` does);
+        ``t_mul(v)``, when given, computes :math:`\Xi^\top v` (see :meth:`solve_with`).
         """
-        xp = self.xp
         g = self._promote(g)
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = xp.astype(self.sketch_op.T @ sg, self.wide) * self.scale
-        return self.backend.cho_solve(self._chol, rhs)
+        rhs = (self.sketch_op.T @ sg) if t_mul is None else t_mul(sg)
+        return self.backend.cho_solve(self._chol,
+                                      self.xp.astype(rhs, self.wide, copy=False) * self.scale)
 
     def solve(self, g: Array) -> Array:
         """:math:`d` for ``g`` (P,) or (P, k); the result has g's shape and dtype.
@@ -296,16 +255,11 @@ class SMWSolver:
         U is computed in float64, for a Jacobian U as for an array U) and ``d`` is returned
         in ``g``'s dtype.
         """
-        xp = self.xp
-        p = self.op.num_rows
+        p = self.op.shape[0]
         if g.ndim not in (1, 2) or g.shape[0] != p:
             raise ValueError(f"g must have shape ({p},) or ({p}, k); got {tuple(g.shape)}")
-        gp = self._promote(g)
-        b = self.coefficients(gp)
-        ub = self.op @ xp.astype(b, self.dtype)
-        d = xp.astype((gp - ub) / self.damping, g.dtype)
-        self._check_direction(g, d)
-        return d
+        d = self.solve_with(self._promote(g), None, self.op.__matmul__)
+        return self.xp.astype(d, g.dtype, copy=False)
 
     def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
         r""":meth:`solve` for one ``g`` (P,) in U's dtype with the caller's products, unchecked.
@@ -315,15 +269,11 @@ class SMWSolver:
         (:math:`\Xi` = :attr:`sketched_factor`, :math:`\Omega = I` without a sketch) and
         ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.  Returns
         :math:`d = (g - U b)/\lambda` in g's dtype, :math:`b = L^{-\top} L^{-1} s\,\Xi^\top
-        \Omega g` by two triangular solves in float64 (where available); raises ValueError as
+        \Omega g` by a Cholesky solve in float64 (where available); raises ValueError as
         :meth:`solve` does.
         """
-        xp, be, chol = self.xp, self.backend, self._chol
-        sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = xp.astype(t_mul(sg), self.wide, copy=False) * self.scale
-        b = be.solve_triangular(chol, be.solve_triangular(chol, rhs, lower=True), lower=True,
-                                transpose=True)
-        d = g - mul(xp.astype(b, self.dtype, copy=False))
+        xp = self.xp
+        d = g - mul(xp.astype(self.coefficients(g, t_mul), self.dtype, copy=False))
         d /= self.damping  # in place where the namespace allows (d is a new array)
         d = xp.astype(d, g.dtype, copy=False)
         self._check_direction(g, d)
@@ -331,13 +281,26 @@ class SMWSolver:
 
     def _check_direction(self, g: Array, d: Array) -> None:
         """Rows of U outside the sketch never reach the Gram; a NaN there shows up in U b."""
-        xp = self.xp
-        if self.sketch_vec is not None and not bool(xp.all(xp.isfinite(d))):
-            if bool(xp.all(xp.isfinite(g))):
+        if self.sketch_vec is not None and not all_finite(self.xp, d):
+            if all_finite(self.xp, g):
                 raise ValueError(_NONFINITE_U)
 
 
 # -- public functions -------------------------------------------------------------------------
+def _check_system(u: Any, g: Array, name: str, what: str, p_axis: int) -> Any:
+    """The namespace of ``u`` (a Jacobian, or an array ``what`` with P on ``p_axis``) and of
+    ``g`` (P,) or (P, k), after checking both."""
+    jac = isinstance(u, Jacobian)
+    xp, _ = namespace_of(**{name: u.blocks[0].arrays()[0] if jac else u}, g=g)
+    if not jac:
+        check_array(xp, u, name, (2,), what, finite=False)
+    p = u.num_params if jac else int(u.shape[p_axis])
+    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
+    if g.shape[0] != p:
+        raise ValueError(f"g must have P={p} rows ({name} has P={p}); got shape {tuple(g.shape)}")
+    return xp
+
+
 @capabilities(fast=CHOLESKY_SOLVE,
               note={"numpy": "U^T U through BLAS syrk (matmul detects it)"})
 def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = None) -> Array:
@@ -376,16 +339,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
     Jacobian U alike); ``d`` has ``g``'s dtype.
     """
     damping = check_scalar(damping, "damping", positive=True)
-    if isinstance(U, Jacobian):
-        xp, _ = namespace_of(U=U.blocks[0].arrays()[0], g=g)
-        p = U.num_params
-    else:
-        xp, _ = namespace_of(U=U, g=g)
-        check_array(xp, U, "U", (2,), "(P, rho)", finite=False)
-        p = int(U.shape[0])
-    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
-    if g.shape[0] != p:
-        raise ValueError(f"g must have P={p} rows (U has P={p}); got shape {tuple(g.shape)}")
+    _check_system(U, g, "U", "(P, rho)", 0)
     return SMWSolver(U, damping, sketch=sketch).solve(g)
 
 
@@ -429,32 +383,22 @@ def natural_gradient(J: Jacobian | Array, g: Array, damping: float, *, sketch: A
     :math:`d = (g - J^\top b)/\lambda`.
     """
     damping = check_scalar(damping, "damping", positive=True)
-    if isinstance(J, Jacobian):
-        xp, _ = namespace_of(J=J.blocks[0].arrays()[0], g=g)
-        if J.num_outputs != 1:
-            raise ValueError("natural_gradient needs per-sample loss gradients, i.e. a "
-                             f"Jacobian with O = 1; got O = {J.num_outputs}")
-        n, p = J.num_samples, J.num_params
-    else:
-        xp, _ = namespace_of(J=J, g=g)
-        check_array(xp, J, "J", (2,), "(N, P)", finite=False)
-        n, p = int(J.shape[0]), int(J.shape[1])
-    check_array(xp, g, "g", (1, 2), "(P,) or (P, k)")
-    if g.shape[0] != p:
-        raise ValueError(f"g must have P={p} rows (J has P={p}); got shape {tuple(g.shape)}")
+    if isinstance(J, Jacobian) and J.num_outputs != 1:
+        raise ValueError("natural_gradient needs per-sample loss gradients, i.e. a "
+                         f"Jacobian with O = 1; got O = {J.num_outputs}")
+    xp = _check_system(J, g, "J", "(N, P)", 1)
+    n = J.num_samples if isinstance(J, Jacobian) else int(J.shape[0])
     if n == 0:
         raise ValueError("J has no samples (N = 0): the empirical Fisher J^T J / N is "
                          "undefined")
     spec = None if sketch is None else SketchSpec.coerce(sketch)
-    if not isinstance(J, Jacobian):
-        return SMWSolver(xp.matrix_transpose(J), damping, sketch=spec, scale=1.0 / n).solve(g)
-    if not blockwise:
-        return SMWSolver(J, damping, sketch=spec, scale=1.0 / n).solve(g)
-    pieces, start = [], 0
-    for block in J.blocks:
+    if not isinstance(J, Jacobian) or not blockwise:
+        u = J if isinstance(J, Jacobian) else xp.matrix_transpose(J)
+        return SMWSolver(u, damping, sketch=spec, scale=1.0 / n).solve(g)
+    pieces, ends = [], list(itertools.accumulate(J.block_sizes))
+    for block, end in zip(J.blocks, ends, strict=True):
         size = block.num_params
-        gb = g[start:start + size, ...]
-        start += size
+        gb = g[end - size:end, ...]
         bspec = None
         if spec is not None and spec.q < size:
             seed = None if spec.seed is None else spawn_seed(spec.seed, 1000 + len(pieces))

@@ -497,3 +497,114 @@ def test_kernel_regression_solver_cg(backend, rng):
         ntkcore.kernel_regression(k, y, ks, solver="lu")
     with pytest.raises(TypeError, match="only to solver='cg'"):
         ntkcore.kernel_regression(k, y, ks, tol=1e-3)
+
+
+# -- differentiating through cg_solve: an implicit adjoint, one more solve in the backward --
+def _graph_nodes(t) -> int:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(f for f, _ in node.next_functions)
+    return len(seen)
+
+
+class _CountingOperator(ntkcore.linop.LinearOperator):
+    """A dense kernel used only through products, which it counts."""
+
+    symmetric = True
+
+    def __init__(self, k):
+        self.k, self.shape, self.dtype, self.calls = k, tuple(k.shape), k.dtype, 0
+
+    def matmat(self, v):
+        self.calls += 1
+        return self.k @ v
+
+
+def _grad_problem(rng, n=40, reg=1e-2):
+    k = rbf_kernel(rng, n)
+    k = (k + k.T) / 2  # exactly symmetric: used as is, so its gradient is not symmetrised
+    a = k + reg * np.eye(n)
+    return k, rng.standard_normal((n, 2)), rng.standard_normal((n, 2)), reg, np.linalg.cond(a)
+
+
+@pytest.mark.parametrize("lib", ["torch", "jax"])
+def test_cg_gradient_matches_direct_solve_gradient(rng, lib):
+    """d/db and d/dK of <w, x(K, b)> through cg_solve against autograd through the
+    framework's direct float64 solve."""
+    k, b, w, reg, cond = _grad_problem(rng)
+    tol = 1e-12
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+
+        def grads(solve):
+            kt = torch.tensor(k, requires_grad=True)
+            bt = torch.tensor(b, requires_grad=True)
+            (solve(kt, bt) * torch.tensor(w)).sum().backward()
+            return kt.grad.numpy(), bt.grad.numpy()
+
+        eye = torch.eye(len(k), dtype=torch.float64)
+        direct = grads(lambda kt, bt: torch.linalg.solve(kt + reg * eye, bt))
+    else:
+        jax = pytest.importorskip("jax")
+        jnp = jax.numpy
+
+        def grads(solve):
+            loss = lambda kj, bj: jnp.sum(solve(kj, bj) * w)  # noqa: E731
+            return tuple(np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(
+                jnp.asarray(k), jnp.asarray(b)))
+
+        direct = grads(lambda kj, bj: jnp.linalg.solve(kj + reg * jnp.eye(len(k)), bj))
+    via_cg = grads(lambda kk, bb: ntkcore.cg_solve(kk, bb, reg=reg, tol=tol,
+                                                   preconditioner=None)[0])
+    # forward and adjoint solves each within cond * tol (normwise), plus the direct solve's
+    # rounding; the K gradient -A^{-1} w x^T carries both
+    bound = 2 * cond * tol + 2 * cond * 2 * np.finfo(np.float64).eps
+    for got, ref in zip(via_cg, direct, strict=True):
+        assert np.linalg.norm(got - ref) <= bound * np.linalg.norm(ref)
+
+
+def test_cg_backward_is_one_solve_not_the_iterations():
+    """torch: the graph of x does not grow with the iterations, and the backward pass costs
+    the products of one solve of the cotangent (with K an operator closing over a tensor)."""
+    torch = pytest.importorskip("torch")
+    k, b, w, reg, cond = _grad_problem(np.random.default_rng(1))
+    sizes = []
+    for tol in (1e-3, 1e-12):
+        kt = torch.tensor(k, requires_grad=True)
+        op = _CountingOperator(kt)
+        x, report = ntkcore.cg_solve(op, torch.tensor(b), reg=reg, tol=tol,
+                                     preconditioner=None)
+        sizes.append((report.iterations, _graph_nodes(x)))
+        before = op.calls
+        (x * torch.tensor(w)).sum().backward()
+        _, adjoint = ntkcore.cg_solve(k, w, reg=reg, tol=tol, preconditioner=None)
+        assert op.calls - before == adjoint.iterations
+        lam, xs = np.linalg.solve(k + reg * np.eye(len(k)), w), x.detach().numpy()
+        ref = -lam @ xs.T
+        assert np.linalg.norm(kt.grad.numpy() - ref) <= 4 * cond * tol * np.linalg.norm(ref)
+    (it_loose, nodes_loose), (it_tight, nodes_tight) = sizes
+    assert it_tight > it_loose
+    assert nodes_tight == nodes_loose
+
+
+def test_cg_backward_is_one_solve_jax():
+    """jax.grad (eager): the backward pass runs one CG solve of the cotangent (products
+    counted on an operator; JAX differentiates with respect to y here, see docs)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    k, b, w, reg, cond = _grad_problem(np.random.default_rng(2), n=20)
+    op = _CountingOperator(jnp.asarray(k))
+
+    def loss(bj):
+        return jnp.sum(ntkcore.cg_solve(op, bj, reg=reg, tol=1e-12, preconditioner=None)[0] * w)
+
+    _, vjp = jax.vjp(loss, jnp.asarray(b))
+    before = op.calls
+    (grad,) = vjp(1.0)
+    _, adjoint = ntkcore.cg_solve(k, w, reg=reg, tol=1e-12, preconditioner=None)
+    assert op.calls - before == adjoint.iterations
+    ref = np.linalg.solve(k + reg * np.eye(len(k)), w)
+    assert np.linalg.norm(np.asarray(grad) - ref) <= 2 * cond * 1e-12 * np.linalg.norm(ref)

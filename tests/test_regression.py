@@ -7,6 +7,8 @@ float64 NumPy, independent of ntkcore's code path.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import scipy.linalg
@@ -290,3 +292,68 @@ def test_jax_grad():
     alpha = np.linalg.solve(k_tr, y)
     expected = 2 * np.outer(k_te @ alpha, alpha)
     np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-8)
+
+
+# -- jax.jit ---------------------------------------------------------------------------------
+def _jit_problem(rng, case):
+    k_tr, y, k_te, k_tt = _problem(rng, k=2)
+    if case == "jitter":  # indefinite by 3e-5 mean(diag): jitter 1e-4 mean(diag) repairs it
+        x = rng.normal(size=(len(k_tr), 2))
+        k_tr = x @ x.T - 3e-5 * np.mean(np.sum(x * x, axis=1)) * np.eye(len(k_tr))
+    return k_tr, y, k_te, k_tt
+
+
+def _regression_outputs(k_tr, y, k_te, k_tt, times):
+    post = ntkcore.gp_inference(k_tr, y, k_te, k_tt, reg=0.0)
+    return (ntkcore.kernel_regression(k_tr, y, k_te), ntkcore.gd_mse_predict(k_tr, y, k_te, times),
+            post.mean, post.covariance, post.log_marginal_likelihood, post.jitter)
+
+
+@pytest.mark.parametrize("case", ["definite", "jitter"])
+def test_jit_matches_eager(rng, case):
+    """kernel_regression, gd_mse_predict and gp_inference under jax.jit equal the un-jitted
+    float64 results, jitter included (decided by a bounded lax loop under jit)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    k_tr, y, k_te, k_tt = (jnp.asarray(a) for a in _jit_problem(rng, case))
+    times = jnp.asarray([0.5, 3.0] + ([float("inf")] if case == "definite" else []))
+    with pytest.warns(ntkcore.JitterWarning) if case == "jitter" else warnings.catch_warnings():
+        eager = _regression_outputs(k_tr, y, k_te, k_tt, times)
+    jitted = jax.jit(_regression_outputs)(k_tr, y, k_te, k_tt, times)
+    k = np.asarray(k_tr) + float(eager[-1]) * np.eye(len(k_tr))
+    tol = solve_tol(np.float64, cond(k), computations=10)
+    for got, ref in zip(jitted, eager, strict=True):
+        ref = np.asarray(ref)
+        assert np.linalg.norm(np.asarray(got) - ref) <= tol * max(np.linalg.norm(ref), 1e-300)
+    # the gradient through the jittered factor, too (the lax loop runs outside autodiff)
+    lml = lambda kk: ntkcore.gp_inference(kk, y, k_te, reg=0.0).log_marginal_likelihood  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ntkcore.JitterWarning)
+        g_eager = np.asarray(jax.grad(lml)(k_tr))
+    g_jit = np.asarray(jax.jit(jax.grad(lml))(k_tr))
+    assert np.linalg.norm(g_jit - g_eager) <= tol * cond(k) * np.linalg.norm(g_eager)
+    # kernel regression's gradient (refinement step) too; under jit k_train is always
+    # symmetrised, so its gradient is the symmetric part of the eager one
+    loss = lambda kk: jnp.sum(ntkcore.kernel_regression(kk, y, k_te) ** 2)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ntkcore.JitterWarning)
+        g_eager = np.asarray(jax.grad(loss)(k_tr))
+    g_jit, g_sym = np.asarray(jax.jit(jax.grad(loss))(k_tr)), (g_eager + g_eager.T) / 2
+    assert np.linalg.norm(g_jit - g_sym) <= tol * cond(k) * np.linalg.norm(g_sym)
+
+
+def test_jit_gives_nan_where_eager_raises():
+    """Under jax.jit a value-dependent failure cannot raise: the result is NaN (documented)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    k = jnp.asarray([[1.0, 0.0], [0.0, -1.0]])  # indefinite beyond the jitter cap
+    y = jnp.ones(2)
+    with pytest.raises(ntkcore.NotPositiveDefiniteError):
+        ntkcore.kernel_regression(k, y, k)
+    assert np.all(np.isnan(jax.jit(ntkcore.kernel_regression)(k, y, k)))
+    assert np.all(np.isnan(jax.jit(lambda a, b: ntkcore.gp_inference(a, b, a).mean)(k, y)))
+    assert np.all(np.isnan(jax.jit(ntkcore.gd_mse_predict)(k, y, k, 1.0)))
+    # a negative time and t = inf with a singular kernel: NaN for those times only
+    ks = jnp.asarray([[1.0, 1.0], [1.0, 1.0]])
+    out = np.asarray(jax.jit(ntkcore.gd_mse_predict)(ks, y, ks, jnp.asarray([1.0, -1.0, jnp.inf])))
+    assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:]))

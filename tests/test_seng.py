@@ -314,7 +314,7 @@ def test_cached_direction_equals_smw_solver(sketch):
     gen = torch.Generator().manual_seed(5)
     assert set(opt._directions) == set(opt._solvers) and len(opt._solvers) == 3
     for name, solver in opt._solvers.items():
-        g = torch.randn(solver.op.num_rows, generator=gen, dtype=torch.float64)
+        g = torch.randn(solver.op.shape[0], generator=gen, dtype=torch.float64)
         torch.testing.assert_close(opt._directions[name](g), solver.solve(g), rtol=1e-10,
                                    atol=1e-12)
 

@@ -214,3 +214,18 @@ def test_bad_inputs(rng):
     u_copy = u.copy()
     ntkcore.smw_solve(u, g, 1.0, sketch=("leverage", 4, 0))
     np.testing.assert_array_equal(u, u_copy)  # never mutates inputs
+
+
+@pytest.mark.parametrize("sketch", [None, ("uniform", 12, 3)])
+def test_smw_solve_under_jit_matches_eager(rng, sketch):
+    """smw_solve under jax.jit equals the un-jitted float64 result."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    u, g, lam = jnp.asarray(rng.standard_normal((30, 6))), jnp.asarray(rng.standard_normal(30)), 0.3
+    eager = np.asarray(ntkcore.smw_solve(u, g, lam, sketch=sketch))
+    jitted = np.asarray(jax.jit(lambda a, b: ntkcore.smw_solve(a, b, lam, sketch=sketch))(u, g))
+    un = np.asarray(u)
+    cond = np.linalg.cond(lam * np.eye(6) + un.T @ un)
+    assert np.linalg.norm(jitted - eager) <= solve_tol(np.float64, cond, 4) * np.linalg.norm(eager)
+    if sketch is None:
+        np.testing.assert_allclose(eager, _dense_solve(un, np.asarray(g), lam), rtol=1e-9)
