@@ -144,6 +144,25 @@ def test_torch_in_torch_out():
     assert e32.dual_coef_.dtype == torch.float32
 
 
+def test_fit_predict_under_jax_jit():
+    """The estimator's fit and predict trace under ``jax.jit`` (the jitter search runs as a
+    bounded lax loop there) and agree with scikit-learn's float64 solve."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not jax.config.jax_enable_x64:
+        pytest.skip("needs jax_enable_x64 for a float64 comparison")
+    rng = np.random.default_rng(2)
+    k_tr, y, k_te, _ = _problem(rng)
+
+    @jax.jit
+    def fit_predict(k, yy, kt):
+        return ntkcore.KernelRidge(alpha=0.1).fit(k, yy).predict(kt)
+
+    pred = np.asarray(fit_predict(jnp.asarray(k_tr), jnp.asarray(y), jnp.asarray(k_te)))
+    ref = SkKernelRidge(alpha=0.1, kernel="precomputed").fit(k_tr, y).predict(k_te)
+    assert np.linalg.norm(pred - ref) <= _pred_tol(k_tr, 0.1) * np.linalg.norm(ref)
+
+
 def test_lists_and_integer_targets(rng):
     k_tr, y, k_te, _ = _problem(rng, n=12)
     yi = (y > 0).astype(np.int64)
