@@ -93,7 +93,7 @@ from .torch_jacobian import (
     _provider_pass,
     in_provider_pass,
 )
-from .torch_layers import CONV, layer_block, layer_type, output_factor
+from .torch_layers import CONV, cat, layer_block, layer_type, output_factor
 
 __all__ = ["SENG"]
 
@@ -115,22 +115,14 @@ class _Owner:
         return self.name if self.module is not None else "dense:" + self.name
 
     def flat(self, ts: list[torch.Tensor], lead: tuple[int, ...] = ()) -> torch.Tensor:
-        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout."""
-        if self.module is None:
-            return torch.cat([t.reshape(*lead, -1) for t in ts], dim=-1)
-        mats = [t.reshape(*lead, self.params[0].shape[0], -1) for t in ts]
-        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)).reshape(*lead, -1)
-
-    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
-        """inv * gradient + wd * parameter, flattened in the block's layout."""
-        return self.flat([_grad(p, wd, inv) for p in self.params])
+        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout: a
+        (rows, P_b / rows) matrix, row-major (rows = d_out with a module, else 1)."""
+        rows = 1 if self.module is None else self.params[0].shape[0]
+        return cat([t.reshape(*lead, rows, -1) for t in ts], -1).reshape(*lead, -1)
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        if self.module is None:
-            parts = d.split([p.numel() for p in self.params])
-        else:
-            rows = self.params[0].shape[0]
-            parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
+        rows = 1 if self.module is None else self.params[0].shape[0]
+        parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
         return [q.reshape(p.shape) for q, p in zip(parts, self.params, strict=True)]
 
 
@@ -139,11 +131,6 @@ def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
     g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
     g = g if inv == 1.0 else g * inv
     return g + wd * p.detach() if wd else g
-
-
-def _inside_functorch(x: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check(x)) if check is not None else False
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -426,16 +413,6 @@ class SENG(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"{len(missing)} optimised parameter(s) do not belong to the model")
 
-    def _install_hooks(self) -> None:
-        inner = _unwrap(self.model)
-        self._handles = [
-            inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
-                                            with_kwargs=True),
-            inner.register_forward_hook(partial(_eager, self._root_hook))]
-        for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(
-                partial(_eager, self._make_unit_hook(unit)), with_kwargs=True))
-
     def _drop_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -448,7 +425,13 @@ class SENG(torch.optim.Optimizer):
             return
         due = self._refresh_due()
         if due and not self._handles:
-            self._install_hooks()
+            inner = _unwrap(self.model)
+            self._handles = [
+                inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
+                                                with_kwargs=True),
+                inner.register_forward_hook(partial(_eager, self._root_hook)),
+                *(unit.module.register_forward_hook(partial(_eager, self._make_unit_hook(unit)),
+                                                    with_kwargs=True) for unit in self.units)]
         elif not due and self._handles:
             self._drop_hooks()
 
@@ -466,7 +449,8 @@ class SENG(torch.optim.Optimizer):
             return False
         if in_provider_pass():
             return False  # ntkcore's own passes over the model (ntk() between backward/step)
-        if isinstance(x, torch.Tensor) and _inside_functorch(x):
+        wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+        if isinstance(x, torch.Tensor) and wrapped is not None and wrapped(x):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
         return self._refresh_due()
 
@@ -485,15 +469,12 @@ class SENG(torch.optim.Optimizer):
             # the torch.func pass of the dense layers, a deterministic forward (no Dropout):
             # recorded for this forward, raised by the refresh before anything changes.
             self._coupling = self._random = None
-            try:
-                _check_sample_coupling(module, dropout=False)
-            except ValueError as exc:
-                self._coupling = str(exc)
-            else:
+            for dropout, attr in ((False, "_coupling"), (True, "_random")):
                 try:
-                    _check_sample_coupling(module, dropout=True)
+                    _check_sample_coupling(module, dropout=dropout)
                 except ValueError as exc:
-                    self._random = str(exc)
+                    setattr(self, attr, str(exc))
+                    break
 
     def _root_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self._root_calls or not self._capturing(out):
@@ -765,15 +746,15 @@ class SENG(torch.optim.Optimizer):
                              "grad_scaler=scaler to SENG; no parameter was changed")
         return 1.0 if scale is None else float(scale)
 
-    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[_Owner,
-                                                                      torch.Tensor]] | None:
-        """(owner, direction) of every block, refreshing the curvature first when due; None
-        when ``skip_nonfinite`` and a gradient is not finite."""
+    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[Any, torch.Tensor]] | None:
+        """(parameter, its direction) for every parameter, refreshing the curvature first when
+        due; None when ``skip_nonfinite`` and a gradient is not finite."""
         groups = self._group_of()
         owners = self.units + self.dense
         scale = getattr(self, "grad_scale", None)  # GradScaler.step: the grads are still scaled
         inv = 1.0 if scale is None else 1.0 / float(scale)
-        grads = [o.flat_grad(groups[id(o.params[0])]["weight_decay"], inv) for o in owners]
+        grads = [o.flat([_grad(p, groups[id(o.params[0])]["weight_decay"], inv)
+                         for p in o.params]) for o in owners]
         # one device synchronisation; before the refresh and before any write
         if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             if skip_nonfinite:
@@ -797,7 +778,8 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
                              "(finite gradient; overflow in the curvature?); no parameter was "
                              "changed")
-        return list(zip(owners, directions, strict=True))
+        return [(p, dp) for o, d in zip(owners, directions, strict=True)
+                for p, dp in zip(o.params, o.split(d), strict=True)]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -810,19 +792,17 @@ class SENG(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
         if found_inf is not None and bool(found_inf):
             return loss
-        blocks = self._natural_directions(skip_nonfinite=False)
-        assert blocks is not None
+        pairs = self._natural_directions(skip_nonfinite=False)
+        assert pairs is not None
         # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
         # (lr, momentum) with the foreach kernels of torch.optim
         groups = self._group_of()
         batches: dict[tuple[float, float], list[tuple[Any, torch.Tensor]]] = {}
-        for owner, d in blocks:
-            for p, dp in zip(owner.params, owner.split(d), strict=True):
-                group = groups[id(p)]
-                batches.setdefault((group["lr"], group["momentum"]), []).append((p, dp))
-        for (lr, mu), pairs in batches.items():
-            params = [p for p, _ in pairs]
-            ds = [dp.to(p.dtype) for p, dp in pairs]
+        for p, dp in pairs:
+            batches.setdefault((groups[id(p)]["lr"], groups[id(p)]["momentum"]), []).append((p, dp))
+        for (lr, mu), batch in batches.items():
+            params = [p for p, _ in batch]
+            ds = [dp.to(p.dtype) for p, dp in batch]
             if mu:
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
@@ -848,12 +828,11 @@ class SENG(torch.optim.Optimizer):
         (as for any change to ``.grad``): then a non-finite gradient leaves ``.grad`` as it is
         for ``scaler.step(opt)`` to skip, where otherwise it raises ``ValueError``.
         """
-        blocks = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
-        if blocks is None:
+        pairs = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
+        if pairs is None:
             return
-        for owner, d in blocks:
-            for p, dp in zip(owner.params, owner.split(d), strict=True):
-                p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
+        for p, dp in pairs:
+            p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
         self._step += 1
         self._sync_hooks()
 
@@ -881,11 +860,9 @@ class SENG(torch.optim.Optimizer):
         self._curvature, self._solvers, self._directions = {}, {}, {}
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]
-            if "jac" in arrays:
-                block: Any = DenseBlock(arrays["jac"].to(like.device), name.split(":", 1)[-1])
-            else:
-                block = KroneckerBlock(arrays["a"].to(like.device), arrays["g"].to(like.device),
-                                       name)
+            arrays = {k: v.to(like.device) for k, v in arrays.items()}
+            block: Any = (DenseBlock(arrays["jac"], name.split(":", 1)[-1]) if "jac" in arrays
+                          else KroneckerBlock(arrays["a"], arrays["g"], name))
             self._curvature[name] = block
             self._build_solver(name, block, self._damping(groups[id(like)]))
         self._sync_hooks()
