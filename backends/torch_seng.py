@@ -80,7 +80,7 @@ from ntkcore.backend import seed_from
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
-from ntkcore.sketch import SketchSpec, spawn_seed
+from ntkcore.sketch import KINDS, SketchSpec, spawn_seed
 from ntkcore.solve import SMWSolver
 from ntkcore.support import capabilities
 
@@ -318,10 +318,8 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"momentum must be in [0, 1); got {momentum}")
         if int(update_freq) != update_freq or update_freq < 1:
             raise ValueError(f"update_freq must be a positive integer; got {update_freq}")
-        if sketch is not None and sketch not in ("uniform", "leverage", "gaussian",
-                                                 "sparse_sign"):
-            raise ValueError("sketch must be None, 'uniform', 'leverage', 'gaussian' or "
-                             f"'sparse_sign'; got {sketch!r}")
+        if sketch is not None and sketch not in KINDS:
+            raise ValueError(f"sketch must be None or one of {KINDS}; got {sketch!r}")
         if int(sketch_size) != sketch_size or sketch_size < 1:
             raise ValueError(f"sketch_size must be a positive integer; got {sketch_size}")
         if loss_reduction not in ("mean", "sum"):
@@ -393,14 +391,11 @@ class SENG(torch.optim.Optimizer):
             # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
             if layer_type(mod) not in (nn.Linear, *CONV) or getattr(mod, "groups", 1) != 1:
                 continue
-            w, b = mod.weight, mod.bias
-            if id(w) not in owned or (b is not None and id(b) not in owned):
-                continue
-            if id(w) in covered or (b is not None and id(b) in covered):
-                continue  # a weight shared with an earlier layer: updated once, there
-            unit = _Owner(name or "<root>", [w] if b is None else [w, b], mod)
-            self.units.append(unit)
-            covered.update(id(q) for q in unit.params)
+            params = [mod.weight] if mod.bias is None else [mod.weight, mod.bias]
+            # (a weight shared with an earlier layer: updated once, there)
+            if all(id(q) in owned and id(q) not in covered for q in params):
+                self.units.append(_Owner(name or "<root>", params, mod))
+                covered.update(id(q) for q in params)
         by_module: dict[str, _Owner] = {}
         for pname, p in inner.named_parameters():
             if id(p) in owned and id(p) not in covered:
@@ -603,8 +598,8 @@ class SENG(torch.optim.Optimizer):
         sample axis), each in the layout of its ``flat_grad``, from ``torch.func``."""
         if not owners:
             return []
-        rec = self._root_calls[0] if self._root_calls else None
-        if rec is None or rec["gy"] is None:
+        rec = self._root_calls[0]  # (_refresh checked that there is one)
+        if rec["gy"] is None:
             what = [o.name for o in owners]
             raise RuntimeError("SENG has no captured model-output gradient for the layers "
                                f"without Kronecker structure ({what}); run the forward and "
@@ -698,8 +693,7 @@ class SENG(torch.optim.Optimizer):
             self._suspended = False
         groups = self._group_of()
         self._refreshes += 1
-        self._curvature = {}
-        self._solvers, self._directions = {}, {}
+        self._curvature, self._solvers, self._directions = {}, {}, {}
         for i, o in enumerate(self.units + self.dense):  # the units, then the dense groups
             self._curvature[o.key] = kron[o.key]
             self._sketch_seeds[o.key] = spawn_seed(self.seed, self._refreshes, i)
@@ -719,23 +713,6 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _raise_nonfinite(self, owners: list[_Owner]) -> None:
-        """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
-        the parameter itself) is not finite."""
-        groups = self._group_of()
-        for owner in owners:
-            for p in owner.params:
-                name = self._names.get(id(p), "?")
-                if not bool(torch.isfinite(_grad(p)).all()):
-                    what = f"the gradient of parameter {name!r}"
-                elif groups[id(p)]["weight_decay"] and not bool(torch.isfinite(p).all()):
-                    what = f"parameter {name!r} (weight decay adds it to the gradient)"
-                else:
-                    continue
-                raise ValueError(f"SENG.step: {what} contains NaN or Inf; no parameter was "
-                                 "changed (check the loss, the data and the learning rate)")
-        raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
-
     def _loss_scale(self) -> float:
         """The factor the loss was multiplied by in the captured backward (GradScaler)."""
         scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
@@ -759,7 +736,17 @@ class SENG(torch.optim.Optimizer):
         if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             if skip_nonfinite:
                 return None
-            self._raise_nonfinite(owners)
+            for p in [p for o in owners for p in o.params]:  # name the first culprit
+                name = self._names.get(id(p), "?")
+                if not bool(torch.isfinite(_grad(p)).all()):
+                    what = f"the gradient of parameter {name!r}"
+                elif groups[id(p)]["weight_decay"] and not bool(torch.isfinite(p).all()):
+                    what = f"parameter {name!r} (weight decay adds it to the gradient)"
+                else:
+                    continue
+                raise ValueError(f"SENG.step: {what} contains NaN or Inf; no parameter was "
+                                 "changed (check the loss, the data and the learning rate)")
+            raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
