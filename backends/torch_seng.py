@@ -144,11 +144,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _keep_grad(out: torch.Tensor, rec: dict[str, Any]) -> None:
-    """Store ``out``'s gradient in ``rec["gy"]`` when the backward reaches it."""
-    out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
-
-
 def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, run eagerly when ``torch.compile`` traces the model (a graph
     break there), so that a hook sees real tensors and can register tensor hooks on them."""
@@ -425,7 +420,7 @@ class SENG(torch.optim.Optimizer):
                 inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
                                                 with_kwargs=True),
                 inner.register_forward_hook(partial(_eager, self._root_hook)),
-                *(unit.module.register_forward_hook(partial(_eager, self._make_unit_hook(unit)),
+                *(unit.module.register_forward_hook(partial(_eager, self._unit_hook, unit),
                                                     with_kwargs=True) for unit in self.units)]
         elif not due and self._handles:
             self._drop_hooks()
@@ -479,20 +474,17 @@ class SENG(torch.optim.Optimizer):
         rec["outs"] = [t for t in torch.utils._pytree.tree_leaves(out)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            _keep_grad(out, rec)
+            out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
 
-    def _make_unit_hook(self, unit: _Owner) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 out: torch.Tensor) -> None:
-            x = args[0] if args else kwargs.get("input")
-            if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
-                return
-            if not out.requires_grad or not self._capturing(out):
-                return
-            unit.calls.append({"x": x.detach(), "gy": None})
-            _keep_grad(out, unit.calls[-1])
-
-        return hook
+    def _unit_hook(self, unit: _Owner, module: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
+            return
+        if out.requires_grad and self._capturing(out):
+            call: dict[str, Any] = {"x": x.detach(), "gy": None}
+            unit.calls.append(call)
+            out.register_hook(lambda grad: call.__setitem__("gy", grad.detach()))
 
     # -- the sample axis of each hooked call ------------------------------------------------
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
@@ -504,12 +496,13 @@ class SENG(torch.optim.Optimizer):
 
         used = {u.name: [i for i, c in enumerate(u.calls) if c["gy"] is not None]
                 for u in self.units}
+        # (input shape, output shape) of every call; a call without a gradient has no recorded
+        # output shape: it is not used, and its entry only keeps the call order
+        shapes = {u.name: tuple((tuple(c["x"].shape), () if c["gy"] is None
+                                 else tuple(c["gy"].shape)) for c in u.calls) for u in self.units}
         key = (tuple(sig(a) for a in rec["args"]),
                tuple((k, sig(v)) for k, v in rec["kwargs"].items()),
-               tuple((u.name, tuple((tuple(c["x"].shape), tuple(c["gy"].shape))
-                                    if c["gy"] is not None else tuple(c["x"].shape)
-                                    for c in u.calls), tuple(used[u.name]))
-                     for u in self.units))
+               tuple((k, v, tuple(used[k])) for k, v in shapes.items()))
         plan = self._axes_cache.get(key)
         if plan is not None:
             return plan
@@ -526,14 +519,14 @@ class SENG(torch.optim.Optimizer):
             else:
                 need[u.name] = idx
         if need:
-            plan.update(self._probe(rec, need))
+            plan.update(self._probe(rec, need, shapes))
         if len(self._axes_cache) >= 64:  # bounded: drop the oldest signature
             self._axes_cache.pop(next(iter(self._axes_cache)))
         self._axes_cache[key] = plan
         return plan
 
-    def _probe(self, rec: dict[str, Any],
-               need: dict[str, list[int]]) -> dict[str, list[int] | str]:
+    def _probe(self, rec: dict[str, Any], need: dict[str, list[int]],
+               shapes: dict[str, Any]) -> dict[str, list[int] | str]:
         """The sample axes of the ``need``-ed units' calls from a forward on p != N samples
         (N: the leading length of the model's first tensor argument)."""
         n = next((int(a.shape[0]) for a in (*rec["args"], *rec["kwargs"].values())
@@ -551,12 +544,7 @@ class SENG(torch.optim.Optimizer):
         args = tuple(cut(a) for a in rec["args"])
         kwargs = {k: cut(v) for k, v in rec["kwargs"].items()}
         inner = _unwrap(self.model)
-        by_name = {u.name: u for u in self.units}
-        modules = {k: by_name[k].module for k in need}
-        real = {k: [(tuple(c["x"].shape), tuple(c["gy"].shape if c["gy"] is not None else ()))
-                    for c in by_name[k].calls] for k in need}
-        # a call without a gradient has no recorded output shape: it is not used, and its
-        # entry only keeps the call order (never compared)
+        modules = {u.name: u.module for u in self.units}
         cuda = sorted({a.device.index or 0 for a in (*args, *kwargs.values())
                        if isinstance(a, torch.Tensor) and a.is_cuda})
         self._probes += 1
@@ -564,7 +552,7 @@ class SENG(torch.optim.Optimizer):
             # ntkcore's own pass (SENG's hooks ignore it; the model's lock is held), on a
             # forked RNG so that the user's random stream (Dropout masks) is unchanged
             with _provider_pass(inner), torch.random.fork_rng(devices=cuda):
-                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, real, need,
+                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, shapes, need,
                                           n, p)
         except _ProbeFailed as exc:
             raise ValueError(
@@ -703,10 +691,8 @@ class SENG(torch.optim.Optimizer):
         self._root_calls = []
 
     def _world(self) -> int:
-        if self.distributed is False:
-            return 1
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.distributed is False or not (dist.is_available() and dist.is_initialized()):
             if self.distributed is True:
                 raise RuntimeError("distributed=True but torch.distributed is not initialised")
             return 1
