@@ -596,8 +596,7 @@ class SENG(torch.optim.Optimizer):
         from torch.func import functional_call, vjp, vmap
 
         inner = _unwrap(self.model)
-        base = {k: v.detach() for k, v in inner.named_parameters()}
-        base.update({k: v.detach() for k, v in inner.named_buffers()})
+        base = {k: v.detach() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
         fb = {self._names[id(q)]: base[self._names[id(q)]] for o in owners for q in o.params}
         args = rec["args"]
         batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
@@ -623,8 +622,16 @@ class SENG(torch.optim.Optimizer):
 
     def _sample_scale(self, n: int) -> float:
         """Per-sample gradients from captured output gradients: ``N * dL/dy`` for a mean
-        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale."""
-        return (n if self.loss_reduction == "mean" else 1.0) / self._loss_scale()
+        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale (the factor the loss
+        was multiplied by in the captured backward)."""
+        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
+                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
+        if scale is None and getattr(self, "found_inf", None) is not None:
+            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
+                             " so the scale of the captured output gradients is unknown; pass "
+                             "grad_scaler=scaler to SENG; no parameter was changed")
+        return (n if self.loss_reduction == "mean" else 1.0) / (1.0 if scale is None
+                                                                else float(scale))
 
     def _damping(self, group: dict[str, Any]) -> float:
         if self.damping_schedule is not None:
@@ -699,16 +706,6 @@ class SENG(torch.optim.Optimizer):
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _loss_scale(self) -> float:
-        """The factor the loss was multiplied by in the captured backward (GradScaler)."""
-        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
-                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
-        if scale is None and getattr(self, "found_inf", None) is not None:
-            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
-                             " so the scale of the captured output gradients is unknown; pass "
-                             "grad_scaler=scaler to SENG; no parameter was changed")
-        return 1.0 if scale is None else float(scale)
-
     def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[Any, torch.Tensor]] | None:
         """(parameter, its direction) for every parameter, refreshing the curvature first when
         due; None when ``skip_nonfinite`` and a gradient is not finite."""
