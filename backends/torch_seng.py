@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntkcore._validation import check_scalar
+from ntkcore._validation import check_scalar, first_nonfinite
 from ntkcore.backend import seed_from
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
@@ -434,11 +434,10 @@ class SENG(torch.optim.Optimizer):
         return self._step % self.update_freq == 0 or not self._solvers
 
     def _capturing(self, x: Any = None) -> bool:
-        # (a deep copy of a hooked model carries hooks bound to a stripped optimizer copy)
-        if getattr(self, "_suspended", True) or not torch.is_grad_enabled():
+        # not in ntkcore's own passes over the model (ntk() between backward and step); (a deep
+        # copy of a hooked model carries hooks bound to a stripped optimizer copy)
+        if getattr(self, "_suspended", True) or not torch.is_grad_enabled() or in_provider_pass():
             return False
-        if in_provider_pass():
-            return False  # ntkcore's own passes over the model (ntk() between backward/step)
         wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
         if isinstance(x, torch.Tensor) and wrapped is not None and wrapped(x):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
@@ -479,9 +478,8 @@ class SENG(torch.optim.Optimizer):
     def _unit_hook(self, unit: _Owner, module: nn.Module, args: tuple[Any, ...],
                    kwargs: dict[str, Any], out: torch.Tensor) -> None:
         x = args[0] if args else kwargs.get("input")
-        if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
-            return
-        if out.requires_grad and self._capturing(out):
+        if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.requires_grad \
+                and self._capturing(out):
             call: dict[str, Any] = {"x": x.detach(), "gy": None}
             unit.calls.append(call)
             out.register_hook(lambda grad: call.__setitem__("gy", grad.detach()))
@@ -568,16 +566,15 @@ class SENG(torch.optim.Optimizer):
     # -- per-sample factors ---------------------------------------------------------------
     def _unit_block(self, unit: _Owner, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
-        mod = unit.module
         n = int(calls[0]["x"].shape[axes[0]])
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
         dt = unit.params[0].dtype
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(mod, c["gy"].to(dt)[None], n, 1, ax)
+        gs = [output_factor(unit.module, c["gy"].to(dt)[None], n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
-        block = layer_block(mod, xs, gs, n, unit.name, bias=len(unit.params) == 2)
+        block = layer_block(unit.module, xs, gs, n, unit.name, bias=len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
         return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
 
@@ -644,9 +641,8 @@ class SENG(torch.optim.Optimizer):
         :meth:`SMWSolver.solve_with` (the small solve in float64) with :class:`_Thin`'s
         products."""
         jac = Jacobian([block])
-        spec = None
-        if self.sketch is not None and jac.num_params > self.sketch_size:
-            spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
+        spec = (SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
+                if self.sketch is not None and jac.num_params > self.sketch_size else None)
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
         full = _Thin(jac)
@@ -719,17 +715,15 @@ class SENG(torch.optim.Optimizer):
         if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             if skip_nonfinite:
                 return None
-            for p in [p for o in owners for p in o.params]:  # name the first culprit
+            named = []  # name the first culprit
+            for p in [p for o in owners for p in o.params]:
                 name = self._names.get(id(p), "?")
-                if not bool(torch.isfinite(_grad(p)).all()):
-                    what = f"the gradient of parameter {name!r}"
-                elif groups[id(p)]["weight_decay"] and not bool(torch.isfinite(p).all()):
-                    what = f"parameter {name!r} (weight decay adds it to the gradient)"
-                else:
-                    continue
-                raise ValueError(f"SENG.step: {what} contains NaN or Inf; no parameter was "
-                                 "changed (check the loss, the data and the learning rate)")
-            raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
+                named.append((f"the gradient of parameter {name!r}", _grad(p)))
+                if groups[id(p)]["weight_decay"]:
+                    named.append((f"parameter {name!r} (weight decay adds it to the gradient)", p))
+            raise ValueError(f"SENG.step: {first_nonfinite(named) or 'a gradient'} contains NaN or "
+                             "Inf; no parameter was changed (check the loss, the data and the "
+                             "learning rate)")
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
