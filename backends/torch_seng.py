@@ -294,16 +294,15 @@ class SENG(torch.optim.Optimizer):
                  loss_reduction: str = "mean", low_rank: int | None = None,
                  distributed: str | bool = "auto", seed: int | None = 0,
                  grad_scaler: Any = None) -> None:
+        params: Any = params_or_model
         if isinstance(params_or_model, nn.Module):
             if model is not None and model is not params_or_model:
                 raise ValueError("pass the model either as the first argument or as model=")
             model = params_or_model
-            params: Any = [p for p in model.parameters() if p.requires_grad]
-        else:
-            if model is None:
-                raise TypeError("SENG needs the model (to capture per-sample gradients): "
-                                "SENG(model, ...) or SENG(params, ..., model=model)")
-            params = params_or_model
+            params = [p for p in model.parameters() if p.requires_grad]
+        elif model is None:
+            raise TypeError("SENG needs the model (to capture per-sample gradients): "
+                            "SENG(model, ...) or SENG(params, ..., model=model)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         lr = check_scalar(lr, "lr", positive=True)
