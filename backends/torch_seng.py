@@ -344,8 +344,7 @@ class SENG(torch.optim.Optimizer):
         self._root_calls: list[dict[str, Any]] = []
         self._coupling: str | None = None  # why the captured forward has no per-sample grads
         self._random: str | None = None  # a Dropout in training mode (dense layers fail on it)
-        # per input shape signature: unit name -> sample axis of each used call, or why the
-        # unit has none (then its per-sample gradients come from torch.func)
+        # per shape signature: unit name -> sample axes of its used calls, or why it has none
         self._axes_cache: dict[Any, dict[str, list[int] | str]] = {}
         self._probes = 0  # probe forwards run (one per new shape signature)
         self._suspended = False
@@ -636,9 +635,7 @@ class SENG(torch.optim.Optimizer):
         return float(group["damping"])
 
     def _build_solver(self, name: str, block: Any, damping: float) -> None:
-        r"""Factor block ``name``'s system; its direction ``g -> d`` is
-        :meth:`SMWSolver.solve_with` (the small solve in float64) with :class:`_Thin`'s
-        products."""
+        """Factor block ``name``'s system; its direction: ``SMWSolver.solve_with``, ``_Thin``."""
         jac = Jacobian([block])
         spec = (SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
                 if self.sketch is not None and jac.num_params > self.sketch_size else None)
