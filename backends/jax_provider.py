@@ -396,16 +396,14 @@ def jacobian(
         out = plan.batched(leaves, xc)
         parts.append([t[:m] for t in out] if m < chunk_size else out)
 
-    def cat(j: int) -> Any:
-        return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
-
+    outs = [c[0] if len(c) == 1 else jnp.concatenate(c, 0) for c in zip(*parts, strict=True)]
     blocks = []
     nd = len(plan.dense)
     for kind, j, name in plan.specs:
         if kind == "dense":
-            blocks.append(DenseBlock(cat(j), name))
+            blocks.append(DenseBlock(outs[j], name))
         else:
-            g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
+            g, a = outs[nd + 2 * j], outs[nd + 2 * j + 1]
             blocks.append(KroneckerBlock(a if kind == "kron" else jnp.ones_like(a[..., :1]), g,
                                          name))
 
