@@ -74,6 +74,38 @@ def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
 
     var_leaf = {v: i for i, v in enumerate(leaf_vars)}
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def bias_of(y_var: Any, layer: _Layer) -> int | None:  # the leaf of its bias, or None
+        add = only_use(y_var)
+        if add is None or add.primitive.name != "add" or len(add.invars) != 2:
+            return None
+        other = add.invars[1] if add.invars[0] is y_var else add.invars[0]
+        if other is y_var or isinstance(other, Literal) or tuple(add.outvars[0].aval.shape) != \
+                layer.y_shape or len(other.aval.shape) != len(layer.y_shape) or any(
+                so not in (1, sy) for so, sy in zip(other.aval.shape, layer.y_shape, strict=True)):
+            return None
+        axis = 0 if layer.w_first else len(layer.y_shape) - 1  # the output-feature axis
+        d_out = layer.y_shape[axis]
+        # walk back from the add to a 1-D leaf, following the axis that carries the bias entries
+        v = other
+        while d_out == 1 or (axis >= 0 and v.aval.shape[axis] == d_out):
+            if v in var_leaf:
+                b = var_leaf[v]
+                ok = b in candidates and tuple(v.aval.shape) == (d_out,) and only_use(v) is not None
+                return b if ok else None
+            eqn = producer.get(v)
+            if eqn is None or only_use(v) is None or eqn.primitive.name not in _BIAS_PATH_PRIMS \
+                    or len(eqn.invars) != 1 or isinstance(eqn.invars[0], Literal):
+                return None
+            if eqn.primitive.name == "broadcast_in_dim":
+                dims = tuple(eqn.params["broadcast_dimensions"])
+                axis = dims.index(axis) if axis in dims else -1
+            elif eqn.primitive.name == "reshape":
+                big = [j for j, n in enumerate(eqn.invars[0].aval.shape) if n != 1]
+                axis = big[0] if len(big) == 1 else -1
+            v = eqn.invars[0]
+        return None
+
     layers: list[_Layer] = []
     for i in sorted(candidates):
         w_var = leaf_vars[i]
@@ -97,43 +129,9 @@ def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
         layer = _Layer(w_leaf=i, eqn=uses[w_var][0], a_pos=1 - w_pos,
                        a_contract=(lc, rc)[1 - w_pos][0], w_first=(w_pos == 0),
                        transposed=(leaf_contract == 0), y_shape=tuple(eqn.outvars[0].aval.shape))
-        layer.b_leaf = _find_bias(eqn.outvars[0], layer, only_use, producer, var_leaf,
-                                  candidates)
+        layer.b_leaf = bias_of(eqn.outvars[0], layer)
         layers.append(layer)
     return layers
-
-
-def _find_bias(y_var: Any, layer: _Layer, only_use: Callable, producer: dict, var_leaf: dict,
-               candidates: set[int]) -> int | None:
-    add = only_use(y_var)
-    if add is None or add.primitive.name != "add" or len(add.invars) != 2:
-        return None
-    other = add.invars[1] if add.invars[0] is y_var else add.invars[0]
-    if other is y_var or isinstance(other, Literal) or tuple(add.outvars[0].aval.shape) != \
-            layer.y_shape or len(other.aval.shape) != len(layer.y_shape) or any(
-            so not in (1, sy) for so, sy in zip(other.aval.shape, layer.y_shape, strict=True)):
-        return None
-    axis = 0 if layer.w_first else len(layer.y_shape) - 1  # the output-feature axis
-    d_out = layer.y_shape[axis]
-    # walk back from the add to a 1-D leaf, following the axis that carries the bias entries
-    v = other
-    while d_out == 1 or (axis >= 0 and v.aval.shape[axis] == d_out):
-        if v in var_leaf:
-            b = var_leaf[v]
-            ok = b in candidates and tuple(v.aval.shape) == (d_out,) and only_use(v) is not None
-            return b if ok else None
-        eqn = producer.get(v)
-        if eqn is None or only_use(v) is None or eqn.primitive.name not in _BIAS_PATH_PRIMS \
-                or len(eqn.invars) != 1 or isinstance(eqn.invars[0], Literal):
-            return None
-        if eqn.primitive.name == "broadcast_in_dim":
-            dims = tuple(eqn.params["broadcast_dimensions"])
-            axis = dims.index(axis) if axis in dims else -1
-        elif eqn.primitive.name == "reshape":
-            big = [j for j, n in enumerate(eqn.invars[0].aval.shape) if n != 1]
-            axis = big[0] if len(big) == 1 else -1
-        v = eqn.invars[0]
-    return None
 
 
 def _interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
@@ -398,16 +396,14 @@ def jacobian(
         out = plan.batched(leaves, xc)
         parts.append([t[:m] for t in out] if m < chunk_size else out)
 
-    def cat(j: int) -> Any:
-        return parts[0][j] if len(parts) == 1 else jnp.concatenate([p[j] for p in parts], 0)
-
+    outs = [c[0] if len(c) == 1 else jnp.concatenate(c, 0) for c in zip(*parts, strict=True)]
     blocks = []
     nd = len(plan.dense)
     for kind, j, name in plan.specs:
         if kind == "dense":
-            blocks.append(DenseBlock(cat(j), name))
+            blocks.append(DenseBlock(outs[j], name))
         else:
-            g, a = cat(nd + 2 * j), cat(nd + 2 * j + 1)
+            g, a = outs[nd + 2 * j], outs[nd + 2 * j + 1]
             blocks.append(KroneckerBlock(a if kind == "kron" else jnp.ones_like(a[..., :1]), g,
                                          name))
 

@@ -75,12 +75,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntkcore._validation import check_scalar
+from ntkcore._validation import check_scalar, first_nonfinite
 from ntkcore.backend import seed_from
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.linop import LinearOperator
 from ntkcore.lowrank import low_rank as _low_rank
-from ntkcore.sketch import SketchSpec, spawn_seed
+from ntkcore.sketch import KINDS, SketchSpec, spawn_seed
 from ntkcore.solve import SMWSolver
 from ntkcore.support import capabilities
 
@@ -93,7 +93,7 @@ from .torch_jacobian import (
     _provider_pass,
     in_provider_pass,
 )
-from .torch_layers import CONV, layer_block, layer_type, output_factor
+from .torch_layers import CONV, cat, layer_block, layer_type, output_factor
 
 __all__ = ["SENG"]
 
@@ -115,22 +115,14 @@ class _Owner:
         return self.name if self.module is not None else "dense:" + self.name
 
     def flat(self, ts: list[torch.Tensor], lead: tuple[int, ...] = ()) -> torch.Tensor:
-        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout."""
-        if self.module is None:
-            return torch.cat([t.reshape(*lead, -1) for t in ts], dim=-1)
-        mats = [t.reshape(*lead, self.params[0].shape[0], -1) for t in ts]
-        return (mats[0] if len(mats) == 1 else torch.cat(mats, dim=-1)).reshape(*lead, -1)
-
-    def flat_grad(self, wd: float, inv: float) -> torch.Tensor:
-        """inv * gradient + wd * parameter, flattened in the block's layout."""
-        return self.flat([_grad(p, wd, inv) for p in self.params])
+        """Tensors shaped as ``params`` (after the axes ``lead``) in the block's layout: a
+        (rows, P_b / rows) matrix, row-major (rows = d_out with a module, else 1)."""
+        rows = 1 if self.module is None else self.params[0].shape[0]
+        return cat([t.reshape(*lead, rows, -1) for t in ts], -1).reshape(*lead, -1)
 
     def split(self, d: torch.Tensor) -> list[torch.Tensor]:
-        if self.module is None:
-            parts = d.split([p.numel() for p in self.params])
-        else:
-            rows = self.params[0].shape[0]
-            parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
+        rows = 1 if self.module is None else self.params[0].shape[0]
+        parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
         return [q.reshape(p.shape) for q, p in zip(parts, self.params, strict=True)]
 
 
@@ -139,11 +131,6 @@ def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
     g = torch.zeros_like(p) if p.grad is None else p.grad.detach()
     g = g if inv == 1.0 else g * inv
     return g + wd * p.detach() if wd else g
-
-
-def _inside_functorch(x: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check(x)) if check is not None else False
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -155,11 +142,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # torch.compile(model)
         else:
             return model
-
-
-def _keep_grad(out: torch.Tensor, rec: dict[str, Any]) -> None:
-    """Store ``out``'s gradient in ``rec["gy"]`` when the backward reaches it."""
-    out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
 
 
 def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -312,16 +294,15 @@ class SENG(torch.optim.Optimizer):
                  loss_reduction: str = "mean", low_rank: int | None = None,
                  distributed: str | bool = "auto", seed: int | None = 0,
                  grad_scaler: Any = None) -> None:
+        params: Any = params_or_model
         if isinstance(params_or_model, nn.Module):
             if model is not None and model is not params_or_model:
                 raise ValueError("pass the model either as the first argument or as model=")
             model = params_or_model
-            params: Any = [p for p in model.parameters() if p.requires_grad]
-        else:
-            if model is None:
-                raise TypeError("SENG needs the model (to capture per-sample gradients): "
-                                "SENG(model, ...) or SENG(params, ..., model=model)")
-            params = params_or_model
+            params = [p for p in model.parameters() if p.requires_grad]
+        elif model is None:
+            raise TypeError("SENG needs the model (to capture per-sample gradients): "
+                            "SENG(model, ...) or SENG(params, ..., model=model)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         lr = check_scalar(lr, "lr", positive=True)
@@ -331,10 +312,8 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"momentum must be in [0, 1); got {momentum}")
         if int(update_freq) != update_freq or update_freq < 1:
             raise ValueError(f"update_freq must be a positive integer; got {update_freq}")
-        if sketch is not None and sketch not in ("uniform", "leverage", "gaussian",
-                                                 "sparse_sign"):
-            raise ValueError("sketch must be None, 'uniform', 'leverage', 'gaussian' or "
-                             f"'sparse_sign'; got {sketch!r}")
+        if sketch is not None and sketch not in KINDS:
+            raise ValueError(f"sketch must be None or one of {KINDS}; got {sketch!r}")
         if int(sketch_size) != sketch_size or sketch_size < 1:
             raise ValueError(f"sketch_size must be a positive integer; got {sketch_size}")
         if loss_reduction not in ("mean", "sum"):
@@ -365,8 +344,7 @@ class SENG(torch.optim.Optimizer):
         self._root_calls: list[dict[str, Any]] = []
         self._coupling: str | None = None  # why the captured forward has no per-sample grads
         self._random: str | None = None  # a Dropout in training mode (dense layers fail on it)
-        # per input shape signature: unit name -> sample axis of each used call, or why the
-        # unit has none (then its per-sample gradients come from torch.func)
+        # per shape signature: unit name -> sample axes of its used calls, or why it has none
         self._axes_cache: dict[Any, dict[str, list[int] | str]] = {}
         self._probes = 0  # probe forwards run (one per new shape signature)
         self._suspended = False
@@ -406,14 +384,11 @@ class SENG(torch.optim.Optimizer):
             # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
             if layer_type(mod) not in (nn.Linear, *CONV) or getattr(mod, "groups", 1) != 1:
                 continue
-            w, b = mod.weight, mod.bias
-            if id(w) not in owned or (b is not None and id(b) not in owned):
-                continue
-            if id(w) in covered or (b is not None and id(b) in covered):
-                continue  # a weight shared with an earlier layer: updated once, there
-            unit = _Owner(name or "<root>", [w] if b is None else [w, b], mod)
-            self.units.append(unit)
-            covered.update(id(q) for q in unit.params)
+            params = [mod.weight] if mod.bias is None else [mod.weight, mod.bias]
+            # (a weight shared with an earlier layer: updated once, there)
+            if all(id(q) in owned and id(q) not in covered for q in params):
+                self.units.append(_Owner(name or "<root>", params, mod))
+                covered.update(id(q) for q in params)
         by_module: dict[str, _Owner] = {}
         for pname, p in inner.named_parameters():
             if id(p) in owned and id(p) not in covered:
@@ -425,16 +400,6 @@ class SENG(torch.optim.Optimizer):
         missing = [p for g in self.param_groups for p in g["params"] if id(p) not in covered]
         if missing:
             raise ValueError(f"{len(missing)} optimised parameter(s) do not belong to the model")
-
-    def _install_hooks(self) -> None:
-        inner = _unwrap(self.model)
-        self._handles = [
-            inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
-                                            with_kwargs=True),
-            inner.register_forward_hook(partial(_eager, self._root_hook))]
-        for unit in self.units:
-            self._handles.append(unit.module.register_forward_hook(
-                partial(_eager, self._make_unit_hook(unit)), with_kwargs=True))
 
     def _drop_hooks(self) -> None:
         for h in self._handles:
@@ -448,7 +413,13 @@ class SENG(torch.optim.Optimizer):
             return
         due = self._refresh_due()
         if due and not self._handles:
-            self._install_hooks()
+            inner = _unwrap(self.model)
+            self._handles = [
+                inner.register_forward_pre_hook(partial(_eager, self._root_pre_hook),
+                                                with_kwargs=True),
+                inner.register_forward_hook(partial(_eager, self._root_hook)),
+                *(unit.module.register_forward_hook(partial(_eager, self._unit_hook, unit),
+                                                    with_kwargs=True) for unit in self.units)]
         elif not due and self._handles:
             self._drop_hooks()
 
@@ -461,12 +432,12 @@ class SENG(torch.optim.Optimizer):
         return self._step % self.update_freq == 0 or not self._solvers
 
     def _capturing(self, x: Any = None) -> bool:
-        # (a deep copy of a hooked model carries hooks bound to a stripped optimizer copy)
-        if getattr(self, "_suspended", True) or not torch.is_grad_enabled():
+        # not in ntkcore's own passes over the model (ntk() between backward and step); (a deep
+        # copy of a hooked model carries hooks bound to a stripped optimizer copy)
+        if getattr(self, "_suspended", True) or not torch.is_grad_enabled() or in_provider_pass():
             return False
-        if in_provider_pass():
-            return False  # ntkcore's own passes over the model (ntk() between backward/step)
-        if isinstance(x, torch.Tensor) and _inside_functorch(x):
+        wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+        if isinstance(x, torch.Tensor) and wrapped is not None and wrapped(x):
             return False  # forwards inside torch.func transforms (vmap, grad) are not batches
         return self._refresh_due()
 
@@ -485,15 +456,12 @@ class SENG(torch.optim.Optimizer):
             # the torch.func pass of the dense layers, a deterministic forward (no Dropout):
             # recorded for this forward, raised by the refresh before anything changes.
             self._coupling = self._random = None
-            try:
-                _check_sample_coupling(module, dropout=False)
-            except ValueError as exc:
-                self._coupling = str(exc)
-            else:
+            for dropout, attr in ((False, "_coupling"), (True, "_random")):
                 try:
-                    _check_sample_coupling(module, dropout=True)
+                    _check_sample_coupling(module, dropout=dropout)
                 except ValueError as exc:
-                    self._random = str(exc)
+                    setattr(self, attr, str(exc))
+                    break
 
     def _root_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if not self._root_calls or not self._capturing(out):
@@ -503,20 +471,16 @@ class SENG(torch.optim.Optimizer):
         rec["outs"] = [t for t in torch.utils._pytree.tree_leaves(out)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            _keep_grad(out, rec)
+            out.register_hook(lambda grad: rec.__setitem__("gy", grad.detach()))
 
-    def _make_unit_hook(self, unit: _Owner) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 out: torch.Tensor) -> None:
-            x = args[0] if args else kwargs.get("input")
-            if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor):
-                return
-            if not out.requires_grad or not self._capturing(out):
-                return
-            unit.calls.append({"x": x.detach(), "gy": None})
-            _keep_grad(out, unit.calls[-1])
-
-        return hook
+    def _unit_hook(self, unit: _Owner, module: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.requires_grad \
+                and self._capturing(out):
+            call: dict[str, Any] = {"x": x.detach(), "gy": None}
+            unit.calls.append(call)
+            out.register_hook(lambda grad: call.__setitem__("gy", grad.detach()))
 
     # -- the sample axis of each hooked call ------------------------------------------------
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
@@ -528,12 +492,13 @@ class SENG(torch.optim.Optimizer):
 
         used = {u.name: [i for i, c in enumerate(u.calls) if c["gy"] is not None]
                 for u in self.units}
+        # (input shape, output shape) of every call; a call without a gradient has no recorded
+        # output shape: it is not used, and its entry only keeps the call order
+        shapes = {u.name: tuple((tuple(c["x"].shape), () if c["gy"] is None
+                                 else tuple(c["gy"].shape)) for c in u.calls) for u in self.units}
         key = (tuple(sig(a) for a in rec["args"]),
                tuple((k, sig(v)) for k, v in rec["kwargs"].items()),
-               tuple((u.name, tuple((tuple(c["x"].shape), tuple(c["gy"].shape))
-                                    if c["gy"] is not None else tuple(c["x"].shape)
-                                    for c in u.calls), tuple(used[u.name]))
-                     for u in self.units))
+               tuple((k, v, tuple(used[k])) for k, v in shapes.items()))
         plan = self._axes_cache.get(key)
         if plan is not None:
             return plan
@@ -550,14 +515,14 @@ class SENG(torch.optim.Optimizer):
             else:
                 need[u.name] = idx
         if need:
-            plan.update(self._probe(rec, need))
+            plan.update(self._probe(rec, need, shapes))
         if len(self._axes_cache) >= 64:  # bounded: drop the oldest signature
             self._axes_cache.pop(next(iter(self._axes_cache)))
         self._axes_cache[key] = plan
         return plan
 
-    def _probe(self, rec: dict[str, Any],
-               need: dict[str, list[int]]) -> dict[str, list[int] | str]:
+    def _probe(self, rec: dict[str, Any], need: dict[str, list[int]],
+               shapes: dict[str, Any]) -> dict[str, list[int] | str]:
         """The sample axes of the ``need``-ed units' calls from a forward on p != N samples
         (N: the leading length of the model's first tensor argument)."""
         n = next((int(a.shape[0]) for a in (*rec["args"], *rec["kwargs"].values())
@@ -575,12 +540,7 @@ class SENG(torch.optim.Optimizer):
         args = tuple(cut(a) for a in rec["args"])
         kwargs = {k: cut(v) for k, v in rec["kwargs"].items()}
         inner = _unwrap(self.model)
-        by_name = {u.name: u for u in self.units}
-        modules = {k: by_name[k].module for k in need}
-        real = {k: [(tuple(c["x"].shape), tuple(c["gy"].shape if c["gy"] is not None else ()))
-                    for c in by_name[k].calls] for k in need}
-        # a call without a gradient has no recorded output shape: it is not used, and its
-        # entry only keeps the call order (never compared)
+        modules = {u.name: u.module for u in self.units}
         cuda = sorted({a.device.index or 0 for a in (*args, *kwargs.values())
                        if isinstance(a, torch.Tensor) and a.is_cuda})
         self._probes += 1
@@ -588,7 +548,7 @@ class SENG(torch.optim.Optimizer):
             # ntkcore's own pass (SENG's hooks ignore it; the model's lock is held), on a
             # forked RNG so that the user's random stream (Dropout masks) is unchanged
             with _provider_pass(inner), torch.random.fork_rng(devices=cuda):
-                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, real, need,
+                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, shapes, need,
                                           n, p)
         except _ProbeFailed as exc:
             raise ValueError(
@@ -604,16 +564,15 @@ class SENG(torch.optim.Optimizer):
     # -- per-sample factors ---------------------------------------------------------------
     def _unit_block(self, unit: _Owner, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
-        mod = unit.module
         n = int(calls[0]["x"].shape[axes[0]])
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
         dt = unit.params[0].dtype
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(mod, c["gy"].to(dt)[None], n, 1, ax)
+        gs = [output_factor(unit.module, c["gy"].to(dt)[None], n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
-        block = layer_block(mod, xs, gs, n, unit.name, bias=len(unit.params) == 2)
+        block = layer_block(unit.module, xs, gs, n, unit.name, bias=len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
         return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
 
@@ -622,8 +581,8 @@ class SENG(torch.optim.Optimizer):
         sample axis), each in the layout of its ``flat_grad``, from ``torch.func``."""
         if not owners:
             return []
-        rec = self._root_calls[0] if self._root_calls else None
-        if rec is None or rec["gy"] is None:
+        rec = self._root_calls[0]  # (_refresh checked that there is one)
+        if rec["gy"] is None:
             what = [o.name for o in owners]
             raise RuntimeError("SENG has no captured model-output gradient for the layers "
                                f"without Kronecker structure ({what}); run the forward and "
@@ -632,8 +591,7 @@ class SENG(torch.optim.Optimizer):
         from torch.func import functional_call, vjp, vmap
 
         inner = _unwrap(self.model)
-        base = {k: v.detach() for k, v in inner.named_parameters()}
-        base.update({k: v.detach() for k, v in inner.named_buffers()})
+        base = {k: v.detach() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
         fb = {self._names[id(q)]: base[self._names[id(q)]] for o in owners for q in o.params}
         args = rec["args"]
         batched = tuple(0 if isinstance(a, torch.Tensor) else None for a in args)
@@ -659,8 +617,16 @@ class SENG(torch.optim.Optimizer):
 
     def _sample_scale(self, n: int) -> float:
         """Per-sample gradients from captured output gradients: ``N * dL/dy`` for a mean
-        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale."""
-        return (n if self.loss_reduction == "mean" else 1.0) / self._loss_scale()
+        loss, ``dL/dy`` for a sum, divided by the GradScaler's loss scale (the factor the loss
+        was multiplied by in the captured backward)."""
+        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
+                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
+        if scale is None and getattr(self, "found_inf", None) is not None:
+            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
+                             " so the scale of the captured output gradients is unknown; pass "
+                             "grad_scaler=scaler to SENG; no parameter was changed")
+        return (n if self.loss_reduction == "mean" else 1.0) / (1.0 if scale is None
+                                                                else float(scale))
 
     def _damping(self, group: dict[str, Any]) -> float:
         if self.damping_schedule is not None:
@@ -669,13 +635,10 @@ class SENG(torch.optim.Optimizer):
         return float(group["damping"])
 
     def _build_solver(self, name: str, block: Any, damping: float) -> None:
-        r"""Factor block ``name``'s system; its direction ``g -> d`` is
-        :meth:`SMWSolver.solve_with` (the small solve in float64) with :class:`_Thin`'s
-        products."""
+        """Factor block ``name``'s system; its direction: ``SMWSolver.solve_with``, ``_Thin``."""
         jac = Jacobian([block])
-        spec = None
-        if self.sketch is not None and jac.num_params > self.sketch_size:
-            spec = SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
+        spec = (SketchSpec(self.sketch, self.sketch_size, self._sketch_seeds.get(name))
+                if self.sketch is not None and jac.num_params > self.sketch_size else None)
         solver = SMWSolver(jac, damping, sketch=spec, scale=1.0 / jac.num_samples,
                            gram_dtype="wide")
         full = _Thin(jac)
@@ -717,8 +680,7 @@ class SENG(torch.optim.Optimizer):
             self._suspended = False
         groups = self._group_of()
         self._refreshes += 1
-        self._curvature = {}
-        self._solvers, self._directions = {}, {}
+        self._curvature, self._solvers, self._directions = {}, {}, {}
         for i, o in enumerate(self.units + self.dense):  # the units, then the dense groups
             self._curvature[o.key] = kron[o.key]
             self._sketch_seeds[o.key] = spawn_seed(self.seed, self._refreshes, i)
@@ -728,57 +690,36 @@ class SENG(torch.optim.Optimizer):
         self._root_calls = []
 
     def _world(self) -> int:
-        if self.distributed is False:
-            return 1
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.distributed is False or not (dist.is_available() and dist.is_initialized()):
             if self.distributed is True:
                 raise RuntimeError("distributed=True but torch.distributed is not initialised")
             return 1
         return dist.get_world_size()
 
     # -- the step --------------------------------------------------------------------------
-    def _raise_nonfinite(self, owners: list[_Owner]) -> None:
-        """Raise ValueError naming the first parameter whose gradient (or, with weight decay,
-        the parameter itself) is not finite."""
-        groups = self._group_of()
-        for owner in owners:
-            for p in owner.params:
-                name = self._names.get(id(p), "?")
-                if not bool(torch.isfinite(_grad(p)).all()):
-                    what = f"the gradient of parameter {name!r}"
-                elif groups[id(p)]["weight_decay"] and not bool(torch.isfinite(p).all()):
-                    what = f"parameter {name!r} (weight decay adds it to the gradient)"
-                else:
-                    continue
-                raise ValueError(f"SENG.step: {what} contains NaN or Inf; no parameter was "
-                                 "changed (check the loss, the data and the learning rate)")
-        raise ValueError("SENG.step: a gradient contains NaN or Inf; no parameter was changed")
-
-    def _loss_scale(self) -> float:
-        """The factor the loss was multiplied by in the captured backward (GradScaler)."""
-        scale = (self.grad_scaler.get_scale() if self.grad_scaler is not None
-                 else getattr(self, "grad_scale", None))  # set by GradScaler.step (READY)
-        if scale is None and getattr(self, "found_inf", None) is not None:
-            raise ValueError("SENG: scaler.unscale_(optimizer) ran before scaler.step(optimizer),"
-                             " so the scale of the captured output gradients is unknown; pass "
-                             "grad_scaler=scaler to SENG; no parameter was changed")
-        return 1.0 if scale is None else float(scale)
-
-    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[_Owner,
-                                                                      torch.Tensor]] | None:
-        """(owner, direction) of every block, refreshing the curvature first when due; None
-        when ``skip_nonfinite`` and a gradient is not finite."""
+    def _natural_directions(self, skip_nonfinite: bool) -> list[tuple[Any, torch.Tensor]] | None:
+        """(parameter, its direction) for every parameter, refreshing the curvature first when
+        due; None when ``skip_nonfinite`` and a gradient is not finite."""
         groups = self._group_of()
         owners = self.units + self.dense
         scale = getattr(self, "grad_scale", None)  # GradScaler.step: the grads are still scaled
         inv = 1.0 if scale is None else 1.0 / float(scale)
-        grads = [o.flat_grad(groups[id(o.params[0])]["weight_decay"], inv) for o in owners]
+        grads = [o.flat([_grad(p, groups[id(o.params[0])]["weight_decay"], inv)
+                         for p in o.params]) for o in owners]
         # one device synchronisation; before the refresh and before any write
         if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             if skip_nonfinite:
                 return None
-            self._raise_nonfinite(owners)
+            named = []  # name the first culprit
+            for p in [p for o in owners for p in o.params]:
+                name = self._names.get(id(p), "?")
+                named.append((f"the gradient of parameter {name!r}", _grad(p)))
+                if groups[id(p)]["weight_decay"]:
+                    named.append((f"parameter {name!r} (weight decay adds it to the gradient)", p))
+            raise ValueError(f"SENG.step: {first_nonfinite(named) or 'a gradient'} contains NaN or "
+                             "Inf; no parameter was changed (check the loss, the data and the "
+                             "learning rate)")
         if self._refresh_due():
             self._refresh()
         directions: list[torch.Tensor] = []
@@ -797,7 +738,8 @@ class SENG(torch.optim.Optimizer):
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "
                              "(finite gradient; overflow in the curvature?); no parameter was "
                              "changed")
-        return list(zip(owners, directions, strict=True))
+        return [(p, dp) for o, d in zip(owners, directions, strict=True)
+                for p, dp in zip(o.params, o.split(d), strict=True)]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -810,19 +752,17 @@ class SENG(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
         if found_inf is not None and bool(found_inf):
             return loss
-        blocks = self._natural_directions(skip_nonfinite=False)
-        assert blocks is not None
+        pairs = self._natural_directions(skip_nonfinite=False)
+        assert pairs is not None
         # theta <- theta - lr * m, m <- mu m + d (m = d without momentum), batched per
         # (lr, momentum) with the foreach kernels of torch.optim
         groups = self._group_of()
         batches: dict[tuple[float, float], list[tuple[Any, torch.Tensor]]] = {}
-        for owner, d in blocks:
-            for p, dp in zip(owner.params, owner.split(d), strict=True):
-                group = groups[id(p)]
-                batches.setdefault((group["lr"], group["momentum"]), []).append((p, dp))
-        for (lr, mu), pairs in batches.items():
-            params = [p for p, _ in pairs]
-            ds = [dp.to(p.dtype) for p, dp in pairs]
+        for p, dp in pairs:
+            batches.setdefault((groups[id(p)]["lr"], groups[id(p)]["momentum"]), []).append((p, dp))
+        for (lr, mu), batch in batches.items():
+            params = [p for p, _ in batch]
+            ds = [dp.to(p.dtype) for p, dp in batch]
             if mu:
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
@@ -848,12 +788,11 @@ class SENG(torch.optim.Optimizer):
         (as for any change to ``.grad``): then a non-finite gradient leaves ``.grad`` as it is
         for ``scaler.step(opt)`` to skip, where otherwise it raises ``ValueError``.
         """
-        blocks = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
-        if blocks is None:
+        pairs = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
+        if pairs is None:
             return
-        for owner, d in blocks:
-            for p, dp in zip(owner.params, owner.split(d), strict=True):
-                p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
+        for p, dp in pairs:
+            p.grad = dp.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(dp)
         self._step += 1
         self._sync_hooks()
 
@@ -881,11 +820,9 @@ class SENG(torch.optim.Optimizer):
         self._curvature, self._solvers, self._directions = {}, {}, {}
         for name, arrays in extra["curvature"].items():
             like = dev_of[name]
-            if "jac" in arrays:
-                block: Any = DenseBlock(arrays["jac"].to(like.device), name.split(":", 1)[-1])
-            else:
-                block = KroneckerBlock(arrays["a"].to(like.device), arrays["g"].to(like.device),
-                                       name)
+            arrays = {k: v.to(like.device) for k, v in arrays.items()}
+            block: Any = (DenseBlock(arrays["jac"], name.split(":", 1)[-1]) if "jac" in arrays
+                          else KroneckerBlock(arrays["a"], arrays["g"], name))
             self._curvature[name] = block
             self._build_solver(name, block, self._damping(groups[id(like)]))
         self._sync_hooks()
