@@ -141,9 +141,25 @@ def make_case(name: str) -> BackendCase:
     raise ValueError(name)
 
 
+def skip_unsupported(request: pytest.FixtureRequest, name: str) -> None:
+    """Skip a test marked ``@pytest.mark.supports("entry", ...)`` on a backend that the
+    support table (``ntkcore.support``, the source of docs/backends.md) marks unsupported for
+    one of those entries; an entry the table does not know is an error, not a skip."""
+    marker = request.node.get_closest_marker("supports")
+    if marker is None:
+        return
+    from ntkcore.support import supports
+
+    lib = "torch" if name == "torch-cuda" else name
+    for entry in marker.args:
+        if not supports(entry, lib):
+            pytest.skip(f"ntkcore.support marks {entry} unsupported on {lib}")
+
+
 @pytest.fixture(params=_cases())
 def backend(request: pytest.FixtureRequest) -> BackendCase:
-    """Every array library; see the module docstring."""
+    """Every array library; see the module docstring (and :func:`skip_unsupported`)."""
+    skip_unsupported(request, request.param)
     return make_case(request.param)
 
 
@@ -155,6 +171,7 @@ def _eager_cases() -> list[Any]:
 @pytest.fixture(params=_eager_cases())
 def backend_eager(request: pytest.FixtureRequest) -> BackendCase:
     """numpy, torch, array_api_strict (and torch-cuda with a GPU): no jax, no cupy."""
+    skip_unsupported(request, request.param)
     return make_case(request.param)
 
 

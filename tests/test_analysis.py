@@ -11,6 +11,11 @@ from hypothesis import strategies as st
 import ntkcore
 from ntkcore import analysis
 
+pytestmark = pytest.mark.supports(
+    "analysis.kernel_alignment", "analysis.relative_kernel_distance", "analysis.kernel_spectrum",
+    "analysis.effective_rank", "analysis.trace_share",
+)
+
 
 def fixture_settings(max_examples: int) -> settings:
     return settings(max_examples=min(max_examples, settings.default.max_examples),

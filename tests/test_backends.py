@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.linalg
+
 from ntkcore.backends import get_backend, namespace_and_backend
 
 

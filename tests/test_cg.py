@@ -15,6 +15,8 @@ import ntkcore
 from ntkcore import cg
 from tests.tolerances import gamma
 
+pytestmark = pytest.mark.supports("cg_solve")
+
 
 def rbf_kernel(rng: np.random.Generator, n: int, d: int = 4, scale: float = 3.0) -> np.ndarray:
     x = rng.standard_normal((n, d))
@@ -440,7 +442,6 @@ def test_kernel_operator_resolves_the_default_budget_once(monkeypatch, rng):
     once per tile; every tile gets that budget, still marked as the default (so gram's plan
     cache rounds it), and the products match the dense kernel."""
     from ntkcore.backends.numpy import NumpyBackend
-
     from ntkcore.operators import KernelOperator
 
     reads = []

@@ -32,7 +32,7 @@ def fixture_settings(max_examples: int) -> settings:
 
 # The tile loops are tested on ragged tiles down to one sample with small factors: the
 # smallest-useful-tile rule is lifted here (test_budget_below_a_useful_tile tests the rule).
-pytestmark = pytest.mark.usefixtures("tiny_tiles")
+pytestmark = [pytest.mark.usefixtures("tiny_tiles"), pytest.mark.supports("gram", "Jacobian")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ntkcore.backends import torch_kip
-from ntkcore.backends.torch_kip import checkpointed_ntk, kip_loss
 from torch import nn
 from torch.autograd import gradcheck
 
 import ntkcore
+from ntkcore.backends import torch_kip
+from ntkcore.backends.torch_kip import checkpointed_ntk, kip_loss
 from ntkcore.modes import check_mode
 from tests.references import autograd_jacobian_graph
 
@@ -244,9 +244,8 @@ def test_auto_routing(monkeypatch):
 def test_checkpoint_routes_by_provider_capability(monkeypatch):
     """``checkpoint=True`` goes to the provider's declared ``checkpointed_ntk`` capability,
     whatever the provider is called (here a provider other than "torch" for wrapped modules)."""
-    from ntkcore.backends.torch_jacobian import jacobian
-
     from ntkcore import providers
+    from ntkcore.backends.torch_jacobian import jacobian
 
     class Wrapped:  # a model kind only the provider below knows
         def __init__(self, module: nn.Module) -> None:

@@ -21,6 +21,8 @@ from ntkcore.models import ACTIVATIONS, MLP, erf
 from ntkcore.providers import find_provider
 from tests.tolerances import kernel_tol
 
+pytestmark = pytest.mark.supports("models.MLP")
+
 torch = pytest.importorskip("torch")
 
 

@@ -21,6 +21,8 @@ import ntkcore
 from tests.strategies import cond, spd_matrices
 from tests.tolerances import solve_tol
 
+pytestmark = pytest.mark.supports("kernel_regression", "gd_mse_predict", "gp_inference")
+
 
 def _problem(rng, n=9, m=4, k=None):
     x = rng.normal(size=(n + m, 3))

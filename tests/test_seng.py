@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from ntkcore.backends.torch import SENG  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
+
+from ntkcore.backends.torch import SENG  # noqa: E402
 
 LAM = 0.5
 LR = 0.3

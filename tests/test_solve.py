@@ -13,6 +13,8 @@ from ntkcore import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.solve import SMWSolver, sym_gram
 from tests.tolerances import solve_tol
 
+pytestmark = pytest.mark.supports("smw_solve", "natural_gradient")
+
 
 @pytest.fixture
 def backend(backend_eager):
