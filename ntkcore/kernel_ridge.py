@@ -31,15 +31,6 @@ class NotFittedError(ValueError, AttributeError):
     ``NotFittedError``, also a ``ValueError`` and ``AttributeError``, when it is installed)."""
 
 
-def _not_fitted(est: Any) -> Exception:
-    try:
-        from sklearn.exceptions import NotFittedError as error
-    except ImportError:
-        error = NotFittedError
-    return error(f"This {type(est).__name__} instance is not fitted yet; call "
-                 "fit(k_train, y) before using this estimator")
-
-
 def _floating(**arrays: Any) -> list[Any]:
     """The arguments as real floating arrays of one namespace (see the module docstring)."""
     out = {}
@@ -174,10 +165,7 @@ class KernelRidge:
             # adjoint  d c = A^{-1}(dy - dA c),  i.e.  grad_y = A^{-1} g,
             # grad_K = -(A^{-1} g) c^T, at O(N^2) per backward instead of the O(N^3)
             # backward of a differentiated Cholesky factor.
-            shift = alpha + eps
-            resid = k_train @ dual - y_train
-            if shift:
-                resid = resid + shift * dual
+            resid = k_train @ dual - y_train + (alpha + eps) * dual
             dual = dual - backend.cho_solve(l, resid)
         self.chol_ = l
         self.dual_coef_ = dual
@@ -196,7 +184,12 @@ class KernelRidge:
             Wrong shape or NaN/Inf in ``k_test_train``.
         """
         if not hasattr(self, "dual_coef_"):
-            raise _not_fitted(self)
+            try:
+                from sklearn.exceptions import NotFittedError as error
+            except ImportError:
+                error = NotFittedError
+            raise error(f"This {type(self).__name__} instance is not fitted yet; call "
+                        "fit(k_train, y) before using this estimator")
         return self._predict(*_floating(k_test_train=k_test_train))
 
     def _predict(self, k_test_train: Array) -> Array:

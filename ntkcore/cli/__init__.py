@@ -52,7 +52,7 @@ def _version(dist: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# info
+# commands
 
 
 def _devices(name: str, module: Any) -> list[tuple[str, Any]]:
@@ -128,7 +128,11 @@ def collect_info() -> dict[str, Any]:
     }
 
 
-def _print_info(info: dict[str, Any]) -> None:
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
     nk, py = info["ntkcore"], info["python"]
     print(f"ntkcore {nk['version']}  ({nk['path']})\npython  {py['version']} "
           f"({py['implementation']}, {py['platform']}), {info['cpu_count']} logical CPUs\n"
@@ -152,18 +156,6 @@ def _print_info(info: dict[str, Any]) -> None:
               f"{p['path']}")
     if info["env"]:
         print("\nenvironment\n" + "\n".join(f"  {k}={v}" for k, v in info["env"].items()))
-
-
-# --------------------------------------------------------------------------------------------
-# commands
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info()
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        _print_info(info)
     return 0
 
 

@@ -44,14 +44,9 @@ def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
         import torch
 
         t = a.detach()
-        shape = tuple(int(s) for s in t.shape)
-        dtype = str(t.dtype)
-        flat = t.reshape(-1).contiguous()
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        if flat.is_conj():
-            flat = flat.resolve_conj()
-        return dtype, shape, memoryview(flat.view(torch.uint8).numpy())
+        flat = t.reshape(-1).contiguous().cpu().resolve_conj()
+        return (str(t.dtype), tuple(int(s) for s in t.shape),
+                memoryview(flat.view(torch.uint8).numpy()))
     from ._ntk import _to_numpy
 
     h = np.ascontiguousarray(_to_numpy(a))

@@ -284,23 +284,15 @@ def _entries(loc: Any) -> list[str]:
 
 
 def _existing_store(loc: Any) -> dict[str, Any] | None:
-    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one.
-
-    Raises
-    ------
-    ValueError
-        ``loc`` is a file, or a directory or store that is not an ntkcore kernel store:
-        ntkcore neither writes into it nor deletes it.
-    """
+    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one;
+    ValueError for a file or a directory or store that is not an ntkcore kernel store."""
     entries = _entries(loc)
     if not entries:
         return None
-    meta = None
-    if "zarr.json" in entries:
-        try:
-            meta = _open_meta(loc)[1]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            meta = None
+    try:
+        meta = _open_meta(loc)[1] if "zarr.json" in entries else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        meta = None
     if meta is None:
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)"
                                           if len(entries) > 5 else "")

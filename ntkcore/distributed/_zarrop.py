@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from .._validation import check_size
 from ..cg import LinearOperator
 from ..tiling import TileGrid, bounds
 from ._cluster import get_client
@@ -240,15 +241,11 @@ class ZarrMatrixOperator(LinearOperator):
         if symmetric and arr.chunks[0] != arr.chunks[1]:
             raise ValueError(f"symmetric=True needs square tiles; the store has tiles "
                              f"{tuple(arr.chunks)}")
-        if (isinstance(tasks_per_worker, bool) or not isinstance(tasks_per_worker, int)
-                or tasks_per_worker < 1):
-            raise ValueError(f"tasks_per_worker must be a positive integer; got "
-                             f"{tasks_per_worker!r}")
         self.path = path
         self.client = client
         self.symmetric = bool(symmetric)
         self.product_dtype = None if product_dtype is None else np.dtype(product_dtype)
-        self.tasks_per_worker = tasks_per_worker
+        self.tasks_per_worker = check_size(tasks_per_worker, "tasks_per_worker")
         self.dtype = np.dtype(arr.dtype)
         self.shape = (int(arr.shape[0]), int(arr.shape[1]))
         self.chunks = (int(arr.chunks[0]), int(arr.chunks[1]))
