@@ -72,13 +72,18 @@ def _identity(blob: bytes) -> bytes:
     return blob
 
 
-def _load(token: str, blob: bytes) -> Any:
-    obj = _LOADED.get(token)
+def _cached(cache: dict[Any, Any], key: Any, make: Any) -> Any:
+    """``cache[key]``, made by ``make()`` when missing (a cache of at most 9 entries)."""
+    obj = cache.get(key)
     if obj is None:
-        if len(_LOADED) > 8:
-            _LOADED.clear()
-        obj = _LOADED[token] = cloudpickle.loads(blob)
+        if len(cache) > 8:
+            cache.clear()
+        obj = cache[key] = make()
     return obj
+
+
+def _load(token: str, blob: bytes) -> Any:
+    return _cached(_LOADED, token, lambda: cloudpickle.loads(blob))
 
 
 def _worker_limit() -> int:

@@ -19,6 +19,7 @@ import array_api_compat
 import dask.array as da
 import numpy as np
 
+from .._validation import check_scalar
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ..support import capabilities
@@ -37,10 +38,9 @@ def _lazy(x: Any) -> da.Array:
 
 def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
     """One tile's share ``t @ v`` (rows, 1, k) in ``dtype`` (tile upcast in row blocks)."""
-    dt = np.dtype(dtype)
-    out = np.zeros((t.shape[0], v.shape[1]), dtype=dt)
-    vv = v if v.dtype == dt else v.astype(dt)
-    _accumulate(np.asarray(t), vv, out, (0, t.shape[0]), (0, t.shape[1]), False, dt)
+    out = np.zeros((t.shape[0], v.shape[1]), dtype=dtype)
+    _accumulate(np.asarray(t), v.astype(out.dtype, copy=False), out, (0, t.shape[0]),
+                (0, t.shape[1]), False, out.dtype)
     return out[:, None, :]
 
 
@@ -153,9 +153,7 @@ def cholesky_regression(
     if k.ndim != 2 or k.shape[0] != k.shape[1]:
         raise ValueError(f"k_train must be square (N, N); got shape {tuple(k.shape)}")
     n = int(k.shape[0])
-    reg = float(reg)
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be a finite non-negative number; got {reg}")
+    reg = check_scalar(reg, "reg", nonnegative=True)
     y = _lazy(y_train)
     if y.shape[0] != n:
         raise ValueError(f"y_train has {y.shape[0]} rows but k_train is {n} x {n}")

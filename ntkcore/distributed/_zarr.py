@@ -157,7 +157,12 @@ def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = Fal
     try:
         if flush:
             os.fsync(fd)
-            _fsync_dir(os.path.dirname(name))
+            with contextlib.suppress(OSError):  # platforms without directory descriptors
+                dir_fd = os.open(os.path.dirname(name), os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
         size = os.fstat(fd).st_size
         crc = 0
         if checksum and size:
@@ -166,15 +171,6 @@ def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = Fal
         return int(size), int(crc)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(name: str) -> None:
-    with contextlib.suppress(OSError):  # platforms without directory descriptors
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool = True
@@ -563,17 +559,18 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
     """
     loc = _location(store)
     status = zarr_status(loc, checksums=checksums)
-    if require_complete and not status.complete:
-        raise ValueError(_incomplete_message(loc, status) + " or pass require_complete="
-                         "False (missing tiles read as 0)")
+    if require_complete:
+        _check_complete(loc, status, ", or pass require_complete=False (missing tiles read as 0)")
     k = da.from_zarr(loc, component="kernel")
     k._ntkcore_zarr_store = loc  # picked up by DaskMatrixOperator (fast product path)
     return k
 
 
-def _incomplete_message(loc: Any, status: ZarrStatus) -> str:
+def _check_complete(loc: Any, status: ZarrStatus, more: str = "") -> None:
+    if status.complete:
+        return
     text = (f"the kernel at {loc!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
             "tiles written")
     if status.torn:
         text += (f"; {len(status.torn)} marked done but damaged: {status.describe_torn()}")
-    return text + "); finish it with ntk_to_zarr(..., resume=True) (or to_zarr),"
+    raise ValueError(text + "); finish it with ntk_to_zarr(..., resume=True) (or to_zarr)" + more)

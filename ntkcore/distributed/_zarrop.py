@@ -40,7 +40,7 @@ from .._validation import check_size
 from ..cg import LinearOperator
 from ..tiling import TileGrid, bounds
 from ._cluster import get_client
-from ._ntk import _back, _to_numpy
+from ._ntk import _back, _cached, _to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
@@ -69,23 +69,13 @@ def _plan(loc: Any, arr: Any) -> dict[str, Any]:
 
 
 def _zarr_array(loc: Any) -> Any:
-    cache = getattr(_local, "arrays", None)
-    if cache is None:
-        cache = _local.arrays = {}
-    arr = cache.get(key := loc if isinstance(loc, str) else id(loc))
-    if arr is None:
-        if len(cache) > 8:
-            cache.clear()
-        arr = cache[key] = zarr.open_array(store=loc, path="kernel", mode="r")
-    return arr
+    return _cached(_local.__dict__.setdefault("arrays", {}), loc if isinstance(loc, str)
+                   else id(loc), lambda: zarr.open_array(store=loc, path="kernel", mode="r"))
 
 
 def _read_tile(plan: dict[str, Any], i: int, j: int) -> np.ndarray:
-    """Tile (i, j) of the stored kernel, (rows, cols).
-
-    Raw stores: a read-only memory map of the chunk file (the pages come straight from the
-    OS page cache, no copy); it is unmapped when the returned array is garbage collected.
-    """
+    """Tile (i, j) of the stored kernel; of a raw store, a read-only memory map of its chunk
+    file (unmapped when the array is garbage collected)."""
     (r0, r1), (c0, c1) = plan["rows"][i], plan["cols"][j]
     if not plan["raw"]:
         return np.asarray(_zarr_array(plan["path"])[r0:r1, c0:c1])
@@ -148,12 +138,11 @@ def _accumulate(t: np.ndarray, v: np.ndarray, out: np.ndarray, rows: tuple[int, 
 def _product_task(plan: dict[str, Any], tiles: list[tuple[int, int]], v: np.ndarray,
                   dtype: str, symmetric: bool) -> np.ndarray:
     """Partial K V over ``tiles`` (on a worker): (N, k) in ``dtype``."""
-    dt = np.dtype(dtype)
-    vv = v if v.dtype == dt else v.astype(dt)
-    out = np.zeros((plan["rows"][-1][1], v.shape[1]), dtype=dt)
+    out = np.zeros((plan["rows"][-1][1], v.shape[1]), dtype=dtype)
+    vv = v.astype(out.dtype, copy=False)
     for i, j in tiles:
         _accumulate(_read_tile(plan, i, j), vv, out, plan["rows"][i], plan["cols"][j],
-                    symmetric and j != i, dt)
+                    symmetric and j != i, out.dtype)
     return out
 
 
@@ -225,12 +214,10 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _incomplete_message, _location, zarr_status
+        from ._zarr import _ATTR, _check_complete, _location, zarr_status
 
         path = _location(store)
-        status = zarr_status(path)
-        if not status.complete:
-            raise ValueError(_incomplete_message(path, status).rstrip(","))
+        _check_complete(path, zarr_status(path))
         arr = zarr.open_array(store=path, path="kernel", mode="r")
         if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
             raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "
