@@ -158,19 +158,16 @@ def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
     if dtype is not None:
         return o, _np_dtype(dtype)
     try:
-        if provider == "mlp":
-            found = [model.dtype]
-        elif provider == "torch":
-            found = [p.dtype for p in model.parameters()]
-        elif provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
+        if provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
             import jax
             import jax.numpy as jnp
 
             found = [leaf.dtype for leaf in jax.tree_util.tree_leaves(model[1])
                      if jnp.issubdtype(leaf.dtype, jnp.inexact)]
             return o, np.dtype(jnp.result_type(*found, _np_dtype(x.dtype)))
-        else:
+        if provider not in ("mlp", "torch"):
             return o, None
+        found = [model.dtype] if provider == "mlp" else [p.dtype for p in model.parameters()]
         found = [d for d in map(_np_dtype, [*found, x.dtype]) if np.issubdtype(d, np.floating)]
         return o, np.result_type(*found) if found else None
     except TypeError:  # a dtype NumPy does not know (bfloat16)
