@@ -37,10 +37,9 @@ __all__ = ["DEFAULT_PLOT", "DemoResult", "demo_data", "demo_model", "main", "run
            "support_markdown"]
 
 PROG = "ntkcore"
-# backend name -> the module whose namespace it serves (ntkcore.backend.BACKEND_NAMES);
-# "generic" stands for any other array-API namespace (array_api_strict's version is shown)
-_NAMESPACES = {"numpy": "numpy", "torch": "torch", "cupy": "cupy", "jax": "jax.numpy",
-               "generic": "array_api_strict"}
+# backend name (ntkcore.backend.BACKEND_NAMES) -> the module whose namespace it serves, where
+# they differ; "generic" stands for any other array-API namespace (array_api_strict is shown)
+_NAMESPACES = {"jax": "jax.numpy", "generic": "array_api_strict"}
 
 
 def _version(dist: str) -> str | None:

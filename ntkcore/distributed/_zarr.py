@@ -121,16 +121,6 @@ def _location(store: Any) -> Any:
     return zarr.storage.FsspecStore.from_url(path) if "://" in path else path
 
 
-def _regular_chunks(k: da.Array) -> tuple[int, ...]:
-    out = []
-    for axis, c in enumerate(k.chunks):
-        if len(c) > 1 and (len(set(c[:-1])) > 1 or c[-1] > c[0]):
-            raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
-                             "to a regular grid before writing to Zarr")
-        out.append(int(c[0]))
-    return tuple(out)
-
-
 def _key(arr: Any, index: tuple[int, ...]) -> str:
     """The store key of tile ``index`` of the ``kernel`` array ``arr``."""
     return "kernel/" + arr.metadata.encode_chunk_key(tuple(int(i) for i in index))
@@ -211,9 +201,21 @@ def _open_meta(loc: Any) -> tuple[Any, dict[str, Any]]:
     return group, dict(meta)
 
 
-def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
-                 checksums: bool) -> dict[tuple[int, ...], str]:
-    """Tiles marked done whose chunk does not match its record -> what is wrong."""
+def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
+    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
+
+    Every tile marked done is checked against the size of its chunk recorded when it was
+    written (one ``stat`` per tile); ``checksums=True`` also reads every chunk and compares
+    its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
+    counted as done.
+    """
+    loc = _location(store)
+    group, meta = _open_meta(loc)
+    if "done" not in group or "kernel" not in group:
+        raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
+                         "'kernel' array is missing); rewrite it with overwrite=True")
+    done = np.asarray(group["done"][...]).astype(bool)
+    # tiles marked done whose chunk does not match its record -> what is wrong
     kernel = group["kernel"]
     records = np.asarray(group["tiles"][...]) if "tiles" in group else None
     expected_raw = None
@@ -238,24 +240,6 @@ def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
             size, _ = _tile_record(loc, where, checksum=False)
             if size not in (0, expected_raw):
                 bad[idx] = f"{head} has {size} bytes, an uncompressed tile has {expected_raw}"
-    return bad
-
-
-def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
-    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
-
-    Every tile marked done is checked against the size of its chunk recorded when it was
-    written (one ``stat`` per tile); ``checksums=True`` also reads every chunk and compares
-    its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
-    counted as done.
-    """
-    loc = _location(store)
-    group, meta = _open_meta(loc)
-    if "done" not in group or "kernel" not in group:
-        raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
-                         "'kernel' array is missing); rewrite it with overwrite=True")
-    done = np.asarray(group["done"][...]).astype(bool)
-    bad = _check_tiles(loc, group, meta, done, checksums)
     torn = tuple(sorted(bad))
     n_done = int(done.sum()) - len(torn)
     return ZarrStatus(shape=tuple(meta["shape"]), chunks=tuple(meta["chunks"]),
@@ -454,7 +438,11 @@ def to_zarr(
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
     loc = _location(store)
-    chunks = _regular_chunks(kernel)
+    for axis, c in enumerate(kernel.chunks):
+        if len(c) > 1 and (len(set(c[:-1])) > 1 or c[-1] > c[0]):
+            raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
+                             "to a regular grid before writing to Zarr")
+    chunks = tuple(int(c[0]) for c in kernel.chunks)
     grid = tuple(len(c) for c in kernel.chunks)
     meta = {"format": _FORMAT, "shape": [int(s) for s in kernel.shape], "chunks": list(chunks),
             "dtype": str(kernel.dtype), "key": key, "complete": False,

@@ -214,15 +214,15 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _check_complete, _location, zarr_status
+        from ._zarr import _check_complete, _location, _open_meta, zarr_status
 
         path = _location(store)
         _check_complete(path, zarr_status(path))
-        arr = zarr.open_array(store=path, path="kernel", mode="r")
+        group, meta = _open_meta(path)
+        arr = group["kernel"]
         if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
             raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "
                              f"shape {tuple(arr.shape)}")
-        meta = dict(zarr.open_group(store=path, mode="r").attrs.asdict().get(_ATTR, {}))
         if symmetric is None:
             symmetric = bool(meta.get("symmetric", False))
         if symmetric and arr.chunks[0] != arr.chunks[1]:
