@@ -248,25 +248,21 @@ def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
                       problems=tuple(bad[i] for i in torn))
 
 
-def _entries(loc: Any) -> list[str]:
-    """The names at the top of the store (none for a missing directory)."""
+def _existing_store(loc: Any) -> dict[str, Any] | None:
+    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one;
+    ValueError for a file or a directory or store that is not an ntkcore kernel store."""
     if not isinstance(loc, str):
         async def names() -> list[str]:
             return sorted([k async for k in loc.list_dir("")])
 
-        return sync(names())
-    if not os.path.lexists(loc):
-        return []
-    if not os.path.isdir(loc):
-        raise ValueError(f"store {loc!r} exists and is not a directory; ntkcore will not "
-                         "replace it (even with overwrite=True): choose another path")
-    return sorted(os.listdir(loc))
-
-
-def _existing_store(loc: Any) -> dict[str, Any] | None:
-    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one;
-    ValueError for a file or a directory or store that is not an ntkcore kernel store."""
-    entries = _entries(loc)
+        entries = sync(names())
+    elif not os.path.isdir(loc):
+        if os.path.lexists(loc):
+            raise ValueError(f"store {loc!r} exists and is not a directory; ntkcore will not "
+                             "replace it (even with overwrite=True): choose another path")
+        return None
+    else:
+        entries = sorted(os.listdir(loc))
     if not entries:
         return None
     try:
