@@ -10,6 +10,7 @@ resumed without an explicit ``key``.  Cost: one SHA-256 pass over the parameters
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import types
@@ -174,10 +175,8 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
     model_part: dict[str, str | None] = {"model": None, "parameters": None,
                                          "params": _simple_selection(params)}
     if fn is not None:
-        try:
+        with contextlib.suppress(Exception):  # an exotic model: unverifiable (resume with a key)
             model_part = fn(model, params)
-        except Exception:  # an exotic model: unverifiable (a resume then needs a key)
-            pass
     opts = {k: v for k, v in options.items() if k not in _NO_VALUE_EFFECT}
     return {
         "ntkcore": _text_digest(f"{__version__}|{SCHEME}"),
