@@ -165,7 +165,10 @@ class KernelRidge:
             # adjoint  d c = A^{-1}(dy - dA c),  i.e.  grad_y = A^{-1} g,
             # grad_K = -(A^{-1} g) c^T, at O(N^2) per backward instead of the O(N^3)
             # backward of a differentiated Cholesky factor.
-            resid = k_train @ dual - y_train + (alpha + eps) * dual
+            shift = alpha + eps
+            resid = k_train @ dual - y_train
+            if shift:
+                resid = resid + shift * dual
             dual = dual - backend.cho_solve(l, resid)
         self.chol_ = l
         self.dual_coef_ = dual
