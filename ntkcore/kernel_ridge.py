@@ -31,15 +31,6 @@ class NotFittedError(ValueError, AttributeError):
     ``NotFittedError``, also a ``ValueError`` and ``AttributeError``, when it is installed)."""
 
 
-def _not_fitted(est: Any) -> Exception:
-    try:
-        from sklearn.exceptions import NotFittedError as error
-    except ImportError:
-        error = NotFittedError
-    return error(f"This {type(est).__name__} instance is not fitted yet; call "
-                 "fit(k_train, y) before using this estimator")
-
-
 def _floating(**arrays: Any) -> list[Any]:
     """The arguments as real floating arrays of one namespace (see the module docstring)."""
     out = {}
@@ -180,7 +171,12 @@ class KernelRidge:
             Wrong shape or NaN/Inf in ``k_test_train``.
         """
         if not hasattr(self, "dual_coef_"):
-            raise _not_fitted(self)
+            try:
+                from sklearn.exceptions import NotFittedError as error
+            except ImportError:
+                error = NotFittedError
+            raise error(f"This {type(self).__name__} instance is not fitted yet; call "
+                        "fit(k_train, y) before using this estimator")
         return self._predict(*_floating(k_test_train=k_test_train))
 
     def _predict(self, k_test_train: Array) -> Array:

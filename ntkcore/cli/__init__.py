@@ -37,10 +37,9 @@ __all__ = ["DEFAULT_PLOT", "DemoResult", "demo_data", "demo_model", "main", "run
            "support_markdown"]
 
 PROG = "ntkcore"
-# backend name -> the module whose namespace it serves (ntkcore.backend.BACKEND_NAMES);
-# "generic" stands for any other array-API namespace (array_api_strict's version is shown)
-_NAMESPACES = {"numpy": "numpy", "torch": "torch", "cupy": "cupy", "jax": "jax.numpy",
-               "generic": "array_api_strict"}
+# backend name (ntkcore.backend.BACKEND_NAMES) -> the module whose namespace it serves, where
+# they differ; "generic" stands for any other array-API namespace (array_api_strict is shown)
+_NAMESPACES = {"jax": "jax.numpy", "generic": "array_api_strict"}
 
 
 def _version(dist: str) -> str | None:
@@ -52,7 +51,7 @@ def _version(dist: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# info
+# commands
 
 
 def _devices(name: str, module: Any) -> list[tuple[str, Any]]:
@@ -128,7 +127,11 @@ def collect_info() -> dict[str, Any]:
     }
 
 
-def _print_info(info: dict[str, Any]) -> None:
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
     nk, py = info["ntkcore"], info["python"]
     print(f"ntkcore {nk['version']}  ({nk['path']})\npython  {py['version']} "
           f"({py['implementation']}, {py['platform']}), {info['cpu_count']} logical CPUs\n"
@@ -152,18 +155,6 @@ def _print_info(info: dict[str, Any]) -> None:
               f"{p['path']}")
     if info["env"]:
         print("\nenvironment\n" + "\n".join(f"  {k}={v}" for k, v in info["env"].items()))
-
-
-# --------------------------------------------------------------------------------------------
-# commands
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info()
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        _print_info(info)
     return 0
 
 

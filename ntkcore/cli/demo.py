@@ -305,9 +305,9 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
     torch = _require("torch", "the demo", "torch")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda: torch sees no CUDA device (see `ntkcore info`)")
     if device == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: torch sees no CUDA device (see `ntkcore info`)")
         torch.cuda.reset_peak_memory_stats()
     tdtype = getattr(torch, dtype)
 

@@ -37,10 +37,8 @@ def get_client(client: distributed.Client | str | None = None, **cluster_kwargs:
     if client is not None:
         raise TypeError(f"client must be a distributed.Client, a scheduler address or None; "
                         f"got {type(client).__name__}")
-    try:
+    with contextlib.suppress(ValueError):  # no current client
         return distributed.get_client()
-    except ValueError:
-        pass
     with _lock:
         if _default is None or _default.status not in ("running", "connecting"):
             _default = distributed.Client(distributed.LocalCluster(

@@ -10,6 +10,7 @@ resumed without an explicit ``key``.  Cost: one SHA-256 pass over the parameters
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import types
@@ -44,14 +45,9 @@ def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
         import torch
 
         t = a.detach()
-        shape = tuple(int(s) for s in t.shape)
-        dtype = str(t.dtype)
-        flat = t.reshape(-1).contiguous()
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        if flat.is_conj():
-            flat = flat.resolve_conj()
-        return dtype, shape, memoryview(flat.view(torch.uint8).numpy())
+        flat = t.reshape(-1).contiguous().cpu().resolve_conj()
+        return (str(t.dtype), tuple(int(s) for s in t.shape),
+                memoryview(flat.view(torch.uint8).numpy()))
     from ._ntk import _to_numpy
 
     h = np.ascontiguousarray(_to_numpy(a))
@@ -60,10 +56,14 @@ def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
     return h.dtype.str, tuple(int(s) for s in h.shape), memoryview(h.reshape(-1).view(np.uint8))
 
 
-def _update_array(h: Any, name: str, a: Any) -> None:
-    dtype, shape, data = _host_view(a)
-    h.update(f"{name}|{dtype}|{shape}|{data.nbytes}|".encode())
-    h.update(data)
+def _arrays_digest(named: Any, h: Any = None) -> str:
+    """SHA-256 of ``(name, array)`` pairs: each one's name, dtype, shape and bytes."""
+    h = hashlib.sha256() if h is None else h
+    for name, a in named:
+        dtype, shape, data = _host_view(a)
+        h.update(f"{name}|{dtype}|{shape}|{data.nbytes}|".encode())
+        h.update(data)
+    return h.hexdigest()
 
 
 def _safe_digest(a: Any) -> str | None:
@@ -71,12 +71,10 @@ def _safe_digest(a: Any) -> str | None:
     its graph); None for an array that cannot be read as bytes."""
     if isinstance(a, da.Array):
         return _text_digest("dask:" + a.name)
-    h = hashlib.sha256()
     try:
-        _update_array(h, "", a)
+        return _arrays_digest([("", a)])
     except Exception:
         return None
-    return h.hexdigest()
 
 
 def _text_digest(text: str) -> str:
@@ -124,14 +122,11 @@ def _torch(model: Any, params: Any) -> dict[str, str | None]:
         if not cls.__module__.startswith("torch.") and fwd is not nn.Module.forward:
             text += "|" + _function_text(fwd)
         parts.append(_ADDRESS.sub("", text))
-    h = hashlib.sha256()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        _update_array(h, "p:" + name, p)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        _update_array(h, "b:" + name, b)
+    arrays = [*(("p:" + n, p) for n, p in model.named_parameters(remove_duplicate=False)),
+              *(("b:" + n, b) for n, b in model.named_buffers(remove_duplicate=False))]
     return {
         "model": _text_digest("torch\n" + "\n".join(parts)),
-        "parameters": h.hexdigest(),
+        "parameters": _arrays_digest(arrays),
         "params": _text_digest("\n".join(_select_params(model, params))),
     }
 
@@ -139,12 +134,9 @@ def _torch(model: Any, params: Any) -> dict[str, str | None]:
 def _mlp(model: Any, params: Any) -> dict[str, str | None]:
     text = (f"MLP|{model.widths}|{model.activation}|{model.parameterization}|"
             f"{float(model.weight_std).hex()}|{float(model.bias_std).hex()}|{model.bias}")
-    h = hashlib.sha256()
-    for i, w in enumerate(model.weights):
-        _update_array(h, f"weights[{i}]", w)
-    for i, b in enumerate(model.biases or ()):
-        _update_array(h, f"biases[{i}]", b)
-    return {"model": _text_digest(text), "parameters": h.hexdigest(),
+    arrays = [*((f"weights[{i}]", w) for i, w in enumerate(model.weights)),
+              *((f"biases[{i}]", b) for i, b in enumerate(model.biases or ()))]
+    return {"model": _text_digest(text), "parameters": _arrays_digest(arrays),
             "params": _text_digest(repr(model._select_layers(params)))}
 
 
@@ -156,12 +148,10 @@ def _jax(model: Any, params: Any) -> dict[str, str | None]:
     owner = getattr(apply_fn, "__self__", None)
     if owner is not None:  # a bound method, e.g. a flax Module's apply
         text += "|" + _ADDRESS.sub("", f"{type(owner).__qualname__}:{owner!r}")
-    h = hashlib.sha256()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    h.update(_ADDRESS.sub("", str(treedef)).encode())
-    for path, leaf in leaves:
-        _update_array(h, jax.tree_util.keystr(path), leaf)
-    return {"model": _text_digest(text), "parameters": h.hexdigest(),
+    h = hashlib.sha256(_ADDRESS.sub("", str(treedef)).encode())
+    parameters = _arrays_digest(((jax.tree_util.keystr(p), leaf) for p, leaf in leaves), h)
+    return {"model": _text_digest(text), "parameters": parameters,
             "params": _simple_selection(params)}
 
 
@@ -185,10 +175,8 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
     model_part: dict[str, str | None] = {"model": None, "parameters": None,
                                          "params": _simple_selection(params)}
     if fn is not None:
-        try:
+        with contextlib.suppress(Exception):  # an exotic model: unverifiable (resume with a key)
             model_part = fn(model, params)
-        except Exception:  # an exotic model: unverifiable (a resume then needs a key)
-            pass
     opts = {k: v for k, v in options.items() if k not in _NO_VALUE_EFFECT}
     return {
         "ntkcore": _text_digest(f"{__version__}|{SCHEME}"),
@@ -203,11 +191,6 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
 def compare(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(components that differ, components that cannot be compared)."""
     old = old or {}
-    differ, unknown = [], []
-    for k in sorted(set(old) | set(new)):
-        o, n = old.get(k), new.get(k)
-        if o is None or n is None:
-            unknown.append(k)
-        elif o != n:
-            differ.append(k)
-    return differ, unknown
+    keys = sorted(set(old) | set(new))
+    unknown = [k for k in keys if old.get(k) is None or new.get(k) is None]
+    return [k for k in keys if k not in unknown and old[k] != new[k]], unknown

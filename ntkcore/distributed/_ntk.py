@@ -27,6 +27,7 @@ import dask.array as da
 import distributed
 import numpy as np
 
+from .._validation import check_size
 from ..modes import Mode, check_mode
 from ..providers import find_provider
 from ..support import capabilities
@@ -71,13 +72,18 @@ def _identity(blob: bytes) -> bytes:
     return blob
 
 
-def _load(token: str, blob: bytes) -> Any:
-    obj = _LOADED.get(token)
+def _cached(cache: dict[Any, Any], key: Any, make: Any) -> Any:
+    """``cache[key]``, made by ``make()`` when missing (a cache of at most 9 entries)."""
+    obj = cache.get(key)
     if obj is None:
-        if len(_LOADED) > 8:
-            _LOADED.clear()
-        obj = _LOADED[token] = cloudpickle.loads(blob)
+        if len(cache) > 8:
+            cache.clear()
+        obj = cache[key] = make()
     return obj
+
+
+def _load(token: str, blob: bytes) -> Any:
+    return _cached(_LOADED, token, lambda: cloudpickle.loads(blob))
 
 
 def _worker_limit() -> int:
@@ -144,10 +150,6 @@ def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any, expect:
     return t
 
 
-def _transpose_task(t: np.ndarray, mode: Mode) -> np.ndarray:
-    return np.ascontiguousarray(np.transpose(t, mode.swap()))
-
-
 def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
                ) -> tuple[int | None, np.dtype | None]:
     """(output count, tile dtype) read off the model without calling it; None where unknown
@@ -156,19 +158,16 @@ def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
     if dtype is not None:
         return o, _np_dtype(dtype)
     try:
-        if provider == "mlp":
-            found = [model.dtype]
-        elif provider == "torch":
-            found = [p.dtype for p in model.parameters()]
-        elif provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
+        if provider == "jax":  # as the provider promotes (with JAX's lattice and x64 flag)
             import jax
             import jax.numpy as jnp
 
             found = [leaf.dtype for leaf in jax.tree_util.tree_leaves(model[1])
                      if jnp.issubdtype(leaf.dtype, jnp.inexact)]
             return o, np.dtype(jnp.result_type(*found, _np_dtype(x.dtype)))
-        else:
+        if provider not in ("mlp", "torch"):
             return o, None
+        found = [model.dtype] if provider == "mlp" else [p.dtype for p in model.parameters()]
         found = [d for d in map(_np_dtype, [*found, x.dtype]) if np.issubdtype(d, np.floating)]
         return o, np.result_type(*found) if found else None
     except TypeError:  # a dtype NumPy does not know (bfloat16)
@@ -262,8 +261,7 @@ def ntk_dask(
             raise ValueError(f"{name} has unknown chunk sizes; call {name}.compute_chunk_sizes()")
     if chunks is None:
         chunks = int(x1.chunks[0][0]) if isinstance(x1, da.Array) else 2048
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer; got {chunks!r}")
+    chunks = check_size(chunks, "chunks")
     if x2 is not None and tuple(x2.shape[1:]) != tuple(x1.shape[1:]):
         raise ValueError(f"x1 samples have shape {tuple(x1.shape[1:])} but x2 samples have "
                          f"{tuple(x2.shape[1:])}")
@@ -297,14 +295,13 @@ def ntk_dask(
     j1 = [jac_task(fn_d, model_d, x1[s:e], params, check) for s, e in grid.rows]
     j2 = j1 if x2 is None else [jac_task(fn_d, model_d, x2[s:e], params, check)
                                 for s, e in grid.cols]
-    expect = (tail, out_dtype)
-    tiles = {(i, j): tile_task(j1[i], None if x2 is None and i == j else j2[j], mode,
-                               max_memory, dtype, expect) for i, j in grid.schedule()}
     meta = np.empty((0,) * (2 + len(tail)), dtype=out_dtype)
-    t_task = dask.delayed(_transpose_task, pure=True)
-    rows = [da.concatenate([da.from_delayed(
-        t_task(tiles[j, i], mode) if grid.mirrored(i, j) else tiles[i, j],
-        shape=(e1 - s1, e2 - s2, *tail), dtype=out_dtype, meta=meta)
-        for j, (s2, e2) in enumerate(grid.cols)], axis=1)
-        for i, (s1, e1) in enumerate(grid.rows)]
-    return da.concatenate(rows, axis=0)
+
+    def tile(i: int, j: int) -> da.Array:
+        (s1, e1), (s2, e2) = grid.rows[i], grid.cols[j]
+        t = tile_task(j1[i], None if x2 is None and i == j else j2[j], mode, max_memory, dtype,
+                      (tail, out_dtype))
+        return da.from_delayed(t, shape=(e1 - s1, e2 - s2, *tail), dtype=out_dtype, meta=meta)
+
+    tiles = {(i, j): tile(i, j) for i, j in grid.schedule()}
+    return grid.assemble(array_api_compat.array_namespace(tiles[0, 0]), tiles, mode)

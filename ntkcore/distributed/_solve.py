@@ -19,6 +19,7 @@ import array_api_compat
 import dask.array as da
 import numpy as np
 
+from .._validation import check_scalar
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ..support import capabilities
@@ -31,12 +32,15 @@ def to_local(x: Any) -> np.ndarray:
     return np.asarray(x.compute()) if hasattr(x, "compute") else _to_numpy(x)
 
 
+def _lazy(x: Any) -> da.Array:
+    return x if isinstance(x, da.Array) else da.from_array(_to_numpy(x))
+
+
 def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
     """One tile's share ``t @ v`` (rows, 1, k) in ``dtype`` (tile upcast in row blocks)."""
-    dt = np.dtype(dtype)
-    out = np.zeros((t.shape[0], v.shape[1]), dtype=dt)
-    vv = v if v.dtype == dt else v.astype(dt)
-    _accumulate(np.asarray(t), vv, out, (0, t.shape[0]), (0, t.shape[1]), False, dt)
+    out = np.zeros((t.shape[0], v.shape[1]), dtype=dtype)
+    _accumulate(np.asarray(t), v.astype(out.dtype, copy=False), out, (0, t.shape[0]),
+                (0, t.shape[1]), False, out.dtype)
     return out[:, None, :]
 
 
@@ -66,6 +70,9 @@ class DaskMatrixOperator(LinearOperator):
             raise ValueError(f"k must have shape (N, N); got shape {tuple(k.shape)}")
         store = None if persist else getattr(k, "_ntkcore_zarr_store", None)
         self.zarr = None if store is None else ZarrMatrixOperator(store)
+        if self.zarr is not None:  # read_zarr's array: every product straight from the store
+            self.matmat, self.sketch = self.zarr.matmat, self.zarr.sketch
+            self.columns, self.diagonal = self.zarr.columns, self.zarr.diagonal
         self.k = k.persist() if persist else k
         self.shape = (int(k.shape[0]), int(k.shape[1]))
         self.dtype = k.dtype
@@ -78,31 +85,20 @@ class DaskMatrixOperator(LinearOperator):
         parts = da.blockwise(_tile_product, "ijk", self.k, "ij", vd, "jk", dtype.str,
                              None, dtype=dtype, adjust_chunks={"j": 1}, concatenate=False,
                              meta=np.empty((0, 0, 0), dtype=dtype))
-        return _back(np.asarray(parts.sum(axis=1).compute()), v)
+        return _back(to_local(parts.sum(axis=1)), v)
 
     def matmat(self, v: Any) -> Any:
-        if self.zarr is not None:
-            return self.zarr.matmat(v)
         return self._product(v, np.promote_types(self.dtype, _to_numpy(v[:1]).dtype))
-
-    def matvec(self, v: Any) -> Any:
-        return self.matmat(v[:, None])[:, 0]
 
     def sketch(self, v: Any) -> Any:
         """:math:`K V` in the kernel's dtype (for building preconditioners)."""
-        if self.zarr is not None:
-            return self.zarr.sketch(v)
         return self._product(v, np.dtype(self.dtype))
 
     def columns(self, idx: list[int], like: Any) -> Any:
-        if self.zarr is not None:
-            return self.zarr.columns(idx, like)
-        return _back(np.asarray(self.k[:, list(idx)].compute()), like)
+        return _back(to_local(self.k[:, list(idx)]), like)
 
     def diagonal(self, like: Any) -> Any:
-        if self.zarr is not None:
-            return self.zarr.diagonal(like)
-        return _back(np.asarray(da.diagonal(self.k).compute()), like)
+        return _back(to_local(da.diagonal(self.k)), like)
 
 
 def _finite(block: np.ndarray, reg: float) -> np.ndarray:
@@ -153,14 +149,12 @@ def cholesky_regression(
         time), or, with ``compute=True``, a block factorisation failed (a lazy result raises
         dask's ``numpy.linalg.LinAlgError`` then).
     """
-    k = k_train if isinstance(k_train, da.Array) else da.from_array(_to_numpy(k_train))
+    k = _lazy(k_train)
     if k.ndim != 2 or k.shape[0] != k.shape[1]:
         raise ValueError(f"k_train must be square (N, N); got shape {tuple(k.shape)}")
     n = int(k.shape[0])
-    reg = float(reg)
-    if not np.isfinite(reg) or reg < 0:
-        raise ValueError(f"reg must be a finite non-negative number; got {reg}")
-    y = y_train if isinstance(y_train, da.Array) else da.from_array(_to_numpy(y_train))
+    reg = check_scalar(reg, "reg", nonnegative=True)
+    y = _lazy(y_train)
     if y.shape[0] != n:
         raise ValueError(f"y_train has {y.shape[0]} rows but k_train is {n} x {n}")
     # dask's blocked Cholesky needs equal square chunks: pad K to a multiple of the chunk
@@ -178,9 +172,7 @@ def cholesky_regression(
     alpha = da.linalg.solve_triangular(lower.T, z, lower=False)[:n]
     out = alpha.map_blocks(_finite, reg, dtype=alpha.dtype)
     if k_test_train is not None:  # one graph: the factor is computed once
-        kt = k_test_train if isinstance(k_test_train, da.Array) else da.from_array(
-            _to_numpy(k_test_train))
-        out = kt @ out
+        out = _lazy(k_test_train) @ out
     if not compute:
         return out
     try:

@@ -21,7 +21,6 @@ ntkcore's, never calling a torn store complete) are those of :func:`to_zarr`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
 import shutil
@@ -122,16 +121,6 @@ def _location(store: Any) -> Any:
     return zarr.storage.FsspecStore.from_url(path) if "://" in path else path
 
 
-def _regular_chunks(k: da.Array) -> tuple[int, ...]:
-    out = []
-    for axis, c in enumerate(k.chunks):
-        if len(c) > 1 and (len(set(c[:-1])) > 1 or c[-1] > c[0]):
-            raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
-                             "to a regular grid before writing to Zarr")
-        out.append(int(c[0]))
-    return tuple(out)
-
-
 def _key(arr: Any, index: tuple[int, ...]) -> str:
     """The store key of tile ``index`` of the ``kernel`` array ``arr``."""
     return "kernel/" + arr.metadata.encode_chunk_key(tuple(int(i) for i in index))
@@ -158,7 +147,12 @@ def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = Fal
     try:
         if flush:
             os.fsync(fd)
-            _fsync_dir(os.path.dirname(name))
+            with contextlib.suppress(OSError):  # platforms without directory descriptors
+                dir_fd = os.open(os.path.dirname(name), os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
         size = os.fstat(fd).st_size
         crc = 0
         if checksum and size:
@@ -169,16 +163,8 @@ def _tile_record(loc: Any, key: str, *, checksum: bool = True, flush: bool = Fal
         os.close(fd)
 
 
-def _fsync_dir(name: str) -> None:
-    with contextlib.suppress(OSError):  # platforms without directory descriptors
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool) -> None:
+def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: bool = True
+                ) -> None:
     """Record a written tile's chunk, then (with ``done``) set its marker: in that order."""
     rec = zarr.open_array(store=loc, path="tiles", mode="r+")
     rec[(*(slice(i, i + 1) for i in index), slice(None))] = np.array(
@@ -188,8 +174,7 @@ def _set_record(loc: Any, index: tuple[int, ...], size: int, crc: int, done: boo
                                                                 for i in index)] = 1
 
 
-def _mark_done(loc: Any, index: tuple[int, ...], size: int, crc: int) -> None:
-    _set_record(loc, index, size, crc, True)
+_mark_done = _set_record  # tests interrupt a run here
 
 
 def _write_tile(tile: np.ndarray, loc: Any, index: tuple[int, ...],
@@ -216,9 +201,21 @@ def _open_meta(loc: Any) -> tuple[Any, dict[str, Any]]:
     return group, dict(meta)
 
 
-def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
-                 checksums: bool) -> dict[tuple[int, ...], str]:
-    """Tiles marked done whose chunk does not match its record -> what is wrong."""
+def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
+    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
+
+    Every tile marked done is checked against the size of its chunk recorded when it was
+    written (one ``stat`` per tile); ``checksums=True`` also reads every chunk and compares
+    its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
+    counted as done.
+    """
+    loc = _location(store)
+    group, meta = _open_meta(loc)
+    if "done" not in group or "kernel" not in group:
+        raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
+                         "'kernel' array is missing); rewrite it with overwrite=True")
+    done = np.asarray(group["done"][...]).astype(bool)
+    # tiles marked done whose chunk does not match its record -> what is wrong
     kernel = group["kernel"]
     records = np.asarray(group["tiles"][...]) if "tiles" in group else None
     expected_raw = None
@@ -243,24 +240,6 @@ def _check_tiles(loc: Any, group: Any, meta: dict[str, Any], done: np.ndarray,
             size, _ = _tile_record(loc, where, checksum=False)
             if size not in (0, expected_raw):
                 bad[idx] = f"{head} has {size} bytes, an uncompressed tile has {expected_raw}"
-    return bad
-
-
-def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
-    """How much of the kernel at ``store`` is written (:class:`ZarrStatus`).
-
-    Every tile marked done is checked against the size of its chunk recorded when it was
-    written (one ``stat`` per tile); ``checksums=True`` also reads every chunk and compares
-    its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
-    counted as done.
-    """
-    loc = _location(store)
-    group, meta = _open_meta(loc)
-    if "done" not in group or "kernel" not in group:
-        raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
-                         "'kernel' array is missing); rewrite it with overwrite=True")
-    done = np.asarray(group["done"][...]).astype(bool)
-    bad = _check_tiles(loc, group, meta, done, checksums)
     torn = tuple(sorted(bad))
     n_done = int(done.sum()) - len(torn)
     return ZarrStatus(shape=tuple(meta["shape"]), chunks=tuple(meta["chunks"]),
@@ -269,39 +248,27 @@ def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
                       problems=tuple(bad[i] for i in torn))
 
 
-def _entries(loc: Any) -> list[str]:
-    """The names at the top of the store (none for a missing directory)."""
+def _existing_store(loc: Any) -> dict[str, Any] | None:
+    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one;
+    ValueError for a file or a directory or store that is not an ntkcore kernel store."""
     if not isinstance(loc, str):
         async def names() -> list[str]:
             return sorted([k async for k in loc.list_dir("")])
 
-        return sync(names())
-    if not os.path.lexists(loc):
-        return []
-    if not os.path.isdir(loc):
-        raise ValueError(f"store {loc!r} exists and is not a directory; ntkcore will not "
-                         "replace it (even with overwrite=True): choose another path")
-    return sorted(os.listdir(loc))
-
-
-def _existing_store(loc: Any) -> dict[str, Any] | None:
-    """The ntkcore metadata of the store at ``loc``; None for a missing or empty one.
-
-    Raises
-    ------
-    ValueError
-        ``loc`` is a file, or a directory or store that is not an ntkcore kernel store:
-        ntkcore neither writes into it nor deletes it.
-    """
-    entries = _entries(loc)
+        entries = sync(names())
+    elif not os.path.isdir(loc):
+        if os.path.lexists(loc):
+            raise ValueError(f"store {loc!r} exists and is not a directory; ntkcore will not "
+                             "replace it (even with overwrite=True): choose another path")
+        return None
+    else:
+        entries = sorted(os.listdir(loc))
     if not entries:
         return None
-    meta = None
-    if "zarr.json" in entries:
-        try:
-            meta = _open_meta(loc)[1]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            meta = None
+    try:
+        meta = _open_meta(loc)[1] if "zarr.json" in entries else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        meta = None
     if meta is None:
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)"
                                           if len(entries) > 5 else "")
@@ -467,7 +434,11 @@ def to_zarr(
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
     loc = _location(store)
-    chunks = _regular_chunks(kernel)
+    for axis, c in enumerate(kernel.chunks):
+        if len(c) > 1 and (len(set(c[:-1])) > 1 or c[-1] > c[0]):
+            raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
+                             "to a regular grid before writing to Zarr")
+    chunks = tuple(int(c[0]) for c in kernel.chunks)
     grid = tuple(len(c) for c in kernel.chunks)
     meta = {"format": _FORMAT, "shape": [int(s) for s in kernel.shape], "chunks": list(chunks),
             "dtype": str(kernel.dtype), "key": key, "complete": False,
@@ -491,15 +462,14 @@ def to_zarr(
         group.attrs.update({_ATTR: meta})
         done = np.zeros(grid, dtype=bool)
 
-    todo = [idx for idx in itertools.product(*(range(g) for g in grid)) if not done[idx]]
+    # tile index -> its region of the kernel, in the same (C) order
+    todo = [(idx, region) for idx, region in zip(np.ndindex(grid),
+                                                 da.core.slices_from_chunks(kernel.chunks),
+                                                 strict=True) if not done[idx]]
     if todo:
         blocks = kernel.to_delayed(optimize_graph=False)
-        offsets = [np.concatenate([[0], np.cumsum(c)]) for c in kernel.chunks]
         write = dask.delayed(_write_tile, pure=False)
-        compute([write(blocks[idx], loc, idx, tuple(slice(int(offsets[a][i]),
-                                                          int(offsets[a][i + 1]))
-                                                    for a, i in enumerate(idx)))
-                 for idx in todo], client, progress)
+        compute([write(blocks[idx], loc, idx, region) for idx, region in todo], client, progress)
     status = zarr_status(loc)
     if not status.complete:
         raise RuntimeError(
@@ -573,17 +543,18 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
     """
     loc = _location(store)
     status = zarr_status(loc, checksums=checksums)
-    if require_complete and not status.complete:
-        raise ValueError(_incomplete_message(loc, status) + " or pass require_complete="
-                         "False (missing tiles read as 0)")
+    if require_complete:
+        _check_complete(loc, status, ", or pass require_complete=False (missing tiles read as 0)")
     k = da.from_zarr(loc, component="kernel")
     k._ntkcore_zarr_store = loc  # picked up by DaskMatrixOperator (fast product path)
     return k
 
 
-def _incomplete_message(loc: Any, status: ZarrStatus) -> str:
+def _check_complete(loc: Any, status: ZarrStatus, more: str = "") -> None:
+    if status.complete:
+        return
     text = (f"the kernel at {loc!r} is incomplete ({status.tiles_done}/{status.tiles_total} "
             "tiles written")
     if status.torn:
         text += (f"; {len(status.torn)} marked done but damaged: {status.describe_torn()}")
-    return text + "); finish it with ntk_to_zarr(..., resume=True) (or to_zarr),"
+    raise ValueError(text + "); finish it with ntk_to_zarr(..., resume=True) (or to_zarr)" + more)

@@ -36,9 +36,11 @@ from typing import Any
 import numpy as np
 import zarr
 
+from .._validation import check_size
 from ..cg import LinearOperator
+from ..tiling import TileGrid, bounds
 from ._cluster import get_client
-from ._ntk import _back, _to_numpy
+from ._ntk import _back, _cached, _to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
@@ -52,10 +54,12 @@ def _plan(loc: Any, arr: Any) -> dict[str, Any]:
            and not tuple(arr.compressors) and type(arr.serializer).__name__ == "BytesCodec")
     endian = getattr(getattr(arr.serializer, "endian", None), "value", "little") if raw else ""
     dtype = np.dtype(arr.dtype)
+    (n1, n2), (c1, c2) = arr.shape, arr.chunks
     return {
         "path": loc,
-        "shape": tuple(int(s) for s in arr.shape),
-        "chunks": tuple(int(c) for c in arr.chunks),
+        "rows": bounds(int(n1), int(c1)),  # (start, stop) of the tile rows and columns
+        "cols": bounds(int(n2), int(c2)),
+        "chunks": (int(c1), int(c2)),
         "dtype": dtype.str,
         "disk_dtype": dtype.newbyteorder(">" if endian == "big" else "<").str,
         "fill": float(arr.fill_value or 0),
@@ -64,42 +68,22 @@ def _plan(loc: Any, arr: Any) -> dict[str, Any]:
     }
 
 
-def _bounds(plan: dict[str, Any], axis: int, i: int) -> tuple[int, int]:
-    c = plan["chunks"][axis]
-    return i * c, min(plan["shape"][axis], (i + 1) * c)
-
-
-def _chunk_file(plan: dict[str, Any], i: int, j: int) -> str:
-    sep = plan["sep"]
-    return os.path.join(plan["path"], "kernel", *f"c{sep}{i}{sep}{j}".split("/"))
-
-
 def _zarr_array(loc: Any) -> Any:
-    cache = getattr(_local, "arrays", None)
-    if cache is None:
-        cache = _local.arrays = {}
-    arr = cache.get(key := loc if isinstance(loc, str) else id(loc))
-    if arr is None:
-        if len(cache) > 8:
-            cache.clear()
-        arr = cache[key] = zarr.open_array(store=loc, path="kernel", mode="r")
-    return arr
+    return _cached(_local.__dict__.setdefault("arrays", {}), loc if isinstance(loc, str)
+                   else id(loc), lambda: zarr.open_array(store=loc, path="kernel", mode="r"))
 
 
 def _read_tile(plan: dict[str, Any], i: int, j: int) -> np.ndarray:
-    """Tile (i, j) of the stored kernel, (rows, cols).
-
-    Raw stores: a read-only memory map of the chunk file (the pages come straight from the
-    OS page cache, no copy); it is unmapped when the returned array is garbage collected.
-    """
-    r0, r1 = _bounds(plan, 0, i)
-    c0, c1 = _bounds(plan, 1, j)
+    """Tile (i, j) of the stored kernel; of a raw store, a read-only memory map of its chunk
+    file (unmapped when the array is garbage collected)."""
+    (r0, r1), (c0, c1) = plan["rows"][i], plan["cols"][j]
     if not plan["raw"]:
         return np.asarray(_zarr_array(plan["path"])[r0:r1, c0:c1])
     ch0, ch1 = plan["chunks"]
     disk = np.dtype(plan["disk_dtype"])
     nbytes = ch0 * ch1 * disk.itemsize  # Zarr stores edge chunks at full size
-    name = _chunk_file(plan, i, j)
+    sep = plan["sep"]
+    name = os.path.join(plan["path"], "kernel", *f"c{sep}{i}{sep}{j}".split("/"))
     try:
         fd = os.open(name, os.O_RDONLY)
     except FileNotFoundError:  # Zarr leaves chunks equal to the fill value unwritten
@@ -154,13 +138,11 @@ def _accumulate(t: np.ndarray, v: np.ndarray, out: np.ndarray, rows: tuple[int, 
 def _product_task(plan: dict[str, Any], tiles: list[tuple[int, int]], v: np.ndarray,
                   dtype: str, symmetric: bool) -> np.ndarray:
     """Partial K V over ``tiles`` (on a worker): (N, k) in ``dtype``."""
-    dt = np.dtype(dtype)
-    vv = v if v.dtype == dt else v.astype(dt)
-    out = np.zeros((plan["shape"][0], v.shape[1]), dtype=dt)
+    out = np.zeros((plan["rows"][-1][1], v.shape[1]), dtype=dtype)
+    vv = v.astype(out.dtype, copy=False)
     for i, j in tiles:
-        t = _read_tile(plan, i, j)
-        _accumulate(t, vv, out, _bounds(plan, 0, i), _bounds(plan, 1, j),
-                    symmetric and j != i, dt)
+        _accumulate(_read_tile(plan, i, j), vv, out, plan["rows"][i], plan["cols"][j],
+                    symmetric and j != i, out.dtype)
     return out
 
 
@@ -171,8 +153,8 @@ def _diagonal_task(plan: dict[str, Any], i: int) -> np.ndarray:
 def _rows_task(plan: dict[str, Any], rows: list[int]) -> np.ndarray:
     """Whole rows K[rows, :] (len(rows), N); raw tiles are memory-mapped, so only the pages
     of those rows are read."""
-    ch0, nb = plan["chunks"][0], -(-plan["shape"][1] // plan["chunks"][1])
-    out = np.empty((len(rows), plan["shape"][1]), dtype=np.dtype(plan["dtype"]))
+    ch0, nb = plan["chunks"][0], len(plan["cols"])
+    out = np.empty((len(rows), plan["cols"][-1][1]), dtype=np.dtype(plan["dtype"]))
     for a, r in enumerate(rows):
         out[a] = np.concatenate([_read_tile(plan, r // ch0, j)[r % ch0] for j in range(nb)])
     return out
@@ -180,8 +162,8 @@ def _rows_task(plan: dict[str, Any], rows: list[int]) -> np.ndarray:
 
 def _cols_task(plan: dict[str, Any], j: int, local: list[int]) -> np.ndarray:
     """Columns ``j * chunk + local`` of the kernel (N, len(local)), reading tile column j."""
-    nb = -(-plan["shape"][0] // plan["chunks"][0])
-    return np.concatenate([_read_tile(plan, i, j)[:, local] for i in range(nb)], axis=0)
+    return np.concatenate([_read_tile(plan, i, j)[:, local] for i in range(len(plan["rows"]))],
+                          axis=0)
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
@@ -232,41 +214,32 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _ATTR, _incomplete_message, _location, zarr_status
+        from ._zarr import _check_complete, _location, _open_meta, zarr_status
 
         path = _location(store)
-        status = zarr_status(path)
-        if not status.complete:
-            raise ValueError(_incomplete_message(path, status).rstrip(","))
-        arr = zarr.open_array(store=path, path="kernel", mode="r")
+        _check_complete(path, zarr_status(path))
+        group, meta = _open_meta(path)
+        arr = group["kernel"]
         if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
             raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "
                              f"shape {tuple(arr.shape)}")
-        meta = dict(zarr.open_group(store=path, mode="r").attrs.asdict().get(_ATTR, {}))
         if symmetric is None:
             symmetric = bool(meta.get("symmetric", False))
         if symmetric and arr.chunks[0] != arr.chunks[1]:
             raise ValueError(f"symmetric=True needs square tiles; the store has tiles "
                              f"{tuple(arr.chunks)}")
-        if (isinstance(tasks_per_worker, bool) or not isinstance(tasks_per_worker, int)
-                or tasks_per_worker < 1):
-            raise ValueError(f"tasks_per_worker must be a positive integer; got "
-                             f"{tasks_per_worker!r}")
         self.path = path
         self.client = client
         self.symmetric = bool(symmetric)
         self.product_dtype = None if product_dtype is None else np.dtype(product_dtype)
-        self.tasks_per_worker = tasks_per_worker
+        self.tasks_per_worker = check_size(tasks_per_worker, "tasks_per_worker")
         self.dtype = np.dtype(arr.dtype)
         self.shape = (int(arr.shape[0]), int(arr.shape[1]))
         self.chunks = (int(arr.chunks[0]), int(arr.chunks[1]))
         self._plan = _plan(path, arr)
         self.raw = bool(self._plan["raw"])
         self.products = 0
-        grid = [int(np.ceil(s / c)) for s, c in zip(self.shape, self.chunks, strict=True)]
-        self._tiles = [(i, j) for i in range(grid[0]) for j in range(grid[1])
-                       if not self.symmetric or j >= i]
-        self._grid = grid
+        self._tiles = TileGrid(*self.shape, *self.chunks, symmetric=self.symmetric).schedule()
 
     def __repr__(self) -> str:
         return (f"ZarrMatrixOperator({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
@@ -295,9 +268,6 @@ class ZarrMatrixOperator(LinearOperator):
         host_dtype = np.dtype(_to_numpy(v[:1]).dtype)
         return self._product(v, self.product_dtype or np.promote_types(self.dtype, host_dtype))
 
-    def matvec(self, v: Any) -> Any:
-        return self.matmat(v)
-
     def sketch(self, v: Any) -> Any:
         """:math:`K V` in the kernel's dtype (for preconditioners: fast, less precise)."""
         return self._product(v, self.dtype)
@@ -305,10 +275,9 @@ class ZarrMatrixOperator(LinearOperator):
     def diagonal(self, like: Any) -> Any:
         """The diagonal of K (N,), reading the diagonal tiles."""
         client = get_client(self.client)
-        nd = min(self._grid)
+        nd = min(len(self._plan["rows"]), len(self._plan["cols"]))
         futures = [client.submit(_diagonal_task, self._plan, i, pure=False) for i in range(nd)]
-        d = np.concatenate(client.gather(futures))
-        return _back(d, like)
+        return _back(np.concatenate(client.gather(futures)), like)
 
     def columns(self, idx: list[int], like: Any) -> Any:
         """Columns ``K[:, idx]`` (N, len(idx)); a symmetric kernel reads rows instead."""
