@@ -426,6 +426,18 @@ def test_graph_computes_on_the_callers_client(net, no_cluster_no_model_call):
                                atol=1e-12)
 
 
+def test_max_memory_string_on_a_worker_with_a_limit(net):
+    """``max_memory="200kB"`` reaches the worker's fit check (which compares bytes with the
+    worker's memory limit) as bytes, as ``ntk`` accepts it."""
+    x = np.random.default_rng(13).standard_normal((10, 3))
+    k = nd.ntk_dask(net, x, mode="trace", chunks=5, max_memory="200kB")
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                memory_limit="2GiB", silence_logs=logging.ERROR):
+        got = k.compute()
+    np.testing.assert_allclose(got, dense_reference(net, x, None, "trace"), rtol=1e-12,
+                               atol=1e-12)
+
+
 @pytest.mark.slow
 def test_torch_graph_build_calls_no_model():
     torch = pytest.importorskip("torch")

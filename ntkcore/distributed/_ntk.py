@@ -27,6 +27,7 @@ import dask.array as da
 import distributed
 import numpy as np
 
+from .._memory import parse_memory
 from .._validation import check_size
 from ..modes import Mode, check_mode
 from ..providers import find_provider
@@ -96,7 +97,7 @@ def _worker_limit() -> int:
 
 def _budget(max_memory: Any) -> Any:
     if max_memory is not None:
-        return max_memory
+        return parse_memory(max_memory)  # "200MB" as well as bytes
     limit = _worker_limit()
     return max(32 * 2**20, limit // 8) if limit else 256 * 2**20
 
