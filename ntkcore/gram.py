@@ -85,7 +85,7 @@ import array_api_compat
 
 from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
-from ._validation import first_nonfinite, namespace_of
+from ._validation import all_finite, first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian, flat_weights
 from .modes import Mode, check_mode
@@ -713,11 +713,15 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
         ``progress(done, total)`` is called after each tile; ``True`` / ``"tqdm"`` shows a
         tqdm bar.
     check_finite : bool, default True
-        Check that every factor array (a dense block's ``jac``, a Kronecker block's ``a`` and
-        ``g``) is finite before contracting: one reduction per array and one device sync,
-        O(factor size), which the contraction exceeds by a factor of about N.  Values of
-        arrays traced by ``jax.jit`` are unknown and not checked.  ``False`` skips it (a
-        NaN/Inf then propagates into the kernel).
+        Raise rather than return a kernel computed from a NaN/Inf factor (a dense block's
+        ``jac``, a Kronecker block's ``a`` or ``g``) or one whose entries overflow ``dtype``.
+        The check reads the smaller side: the factors before contracting (one reduction per
+        array), or, when the kernel has fewer entries (convolutions: many positions per
+        sample), the kernel afterwards, where any NaN/Inf factor shows (IEEE products and
+        sums propagate NaN/Inf, and a factor enters its own sample's diagonal entry); the
+        factors are then read only to name the culprit.  Values of arrays traced by
+        ``jax.jit`` are unknown and not checked.  ``False`` skips it (a NaN/Inf then
+        propagates into the kernel).
 
     Returns
     -------
@@ -748,9 +752,20 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
     st = _setup(J1, J2, mode, layerwise, max_memory, dtype, None)
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be True or False; got {check_finite!r}")
-    if check_finite:
+    if not check_finite:
+        return _execute(st, layerwise, progress)
+    blocks = {id(b): b for p in st.pairs for b in (p.b1, p.b2)}.values()
+    factors = sum(math.prod(a.shape) for b in blocks for a in b.arrays())
+    entries = st.n1 * st.n2 * math.prod(st.mode.tail(st.o)) * (len(st.pairs) if layerwise else 1)
+    if factors <= entries:  # read the smaller side (see check_finite above)
         _check_factors_finite(st.pairs, J2 is None)
-    return _execute(st, layerwise, progress)
+        return _execute(st, layerwise, progress)
+    out = _execute(st, layerwise, progress)
+    if not all_finite(st.xp, out):
+        _check_factors_finite(st.pairs, J2 is None)
+        raise ValueError(f"the kernel holds Inf or NaN although every factor is finite: its "
+                         f"entries overflow {st.dtype} (pass dtype= a wider floating type)")
+    return out
 
 
 def _check_factors_finite(pairs: list[_Pair], symmetric: bool) -> None:

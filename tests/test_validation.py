@@ -208,6 +208,46 @@ def test_gram_nonfinite_factor_is_named(backend, rng, kind):
     assert not np.isfinite(k).all()
 
 
+@pytest.mark.parametrize("mode", ["trace", "full", "diagonal"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_gram_nonfinite_factor_is_found_through_the_kernel(backend, rng, mode, value):
+    """With many positions per sample the factors outnumber the kernel's entries and gram
+    reads the kernel instead: a NaN/Inf anywhere in ``a`` or ``g`` must still raise, also an
+    Inf whose partner entries are all zero (0 * Inf = NaN), and in a cross kernel."""
+    n, s, o = 3, 40, 2
+
+    def jac(field=None, zero_partner=False):
+        a = rng.standard_normal((n, s, 5))
+        g = rng.standard_normal((n, s, o, 4))
+        if field == "a":
+            a[2, 17, 3] = value
+            if zero_partner:
+                g[2, 17] = 0.0
+        elif field == "g":
+            g[1, 5, 1, 2] = value
+            if zero_partner:
+                a[1, 5] = 0.0
+        return Jacobian([KroneckerBlock(backend.asarray(a), backend.asarray(g), "conv")])
+
+    assert 2 * n * s * 9 > n * n * o * o  # the kernel is the smaller side
+    for field in ("a", "g"):
+        for zero_partner in (False, True):
+            with pytest.raises(ValueError, match=f"J1 block 'conv' \\(factor {field}\\)"):
+                ntkcore.gram(jac(field, zero_partner), mode=mode)
+            with pytest.raises(ValueError, match=f"J2 block 'conv' \\(factor {field}\\)"):
+                ntkcore.gram(jac(), jac(field, zero_partner), mode=mode)
+
+
+def test_gram_overflow_is_loud(backend, rng):
+    """Finite float32 factors whose kernel overflows float32 raise instead of returning Inf."""
+    a = rng.standard_normal((2, 40, 5)) * 1e12
+    g = rng.standard_normal((2, 40, 1, 4)) * 1e12
+    j = Jacobian([KroneckerBlock(backend.asarray(a, "float32"), backend.asarray(g, "float32"),
+                                 "conv")])
+    with pytest.raises(ValueError, match="overflow .*float32"):
+        ntkcore.gram(j, mode="trace")
+
+
 # -- conjugate gradients ----------------------------------------------------------------------
 class _NaNOperator(LinearOperator):
     """A symmetric operator whose products are NaN in one row (a corrupted kernel tile)."""
