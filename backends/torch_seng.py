@@ -67,6 +67,7 @@ paper).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -124,6 +125,16 @@ class _Owner:
         rows = 1 if self.module is None else self.params[0].shape[0]
         parts = d.reshape(rows, -1).split([p.numel() // rows for p in self.params], dim=1)
         return [q.reshape(p.shape) for q, p in zip(parts, self.params, strict=True)]
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry is finite, with one device sync: a finite sum proves its tensor
+    finite; only a non-finite sum (NaN/Inf, or an overflow of finite entries) is looked at
+    entry by entry."""
+    total = sum(t.sum(dtype=torch.float32) for t in tensors)  # NaN/Inf in a sum stays
+    if math.isfinite(float(total)):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _grad(p: torch.Tensor, wd: float = 0.0, inv: float = 1.0) -> torch.Tensor:
@@ -644,7 +655,8 @@ class SENG(torch.optim.Optimizer):
         full = _Thin(jac)
         xi = _Thin(solver.sketched_factor) if solver.sketched_factor is not jac else full
         self._solvers[name] = solver
-        self._directions[name] = lambda g: solver.solve_with(g, xi.rmatvec, full.matvec)
+        # unchecked: _natural_directions tests every block's direction with one sync
+        self._directions[name] = lambda g: solver.solve_with(g, xi.rmatvec, full.matvec, False)
 
     def _refresh(self) -> None:
         if self._coupling is not None:
@@ -708,7 +720,7 @@ class SENG(torch.optim.Optimizer):
         grads = [o.flat([_grad(p, groups[id(o.params[0])]["weight_decay"], inv)
                          for p in o.params]) for o in owners]
         # one device synchronisation; before the refresh and before any write
-        if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if not _all_finite(grads):
             if skip_nonfinite:
                 return None
             named = []  # name the first culprit
@@ -732,7 +744,7 @@ class SENG(torch.optim.Optimizer):
             torch.distributed.all_reduce(flat)
             flat /= world
             directions = list(torch.split(flat, [d.numel() for d in directions]))
-        if not bool(torch.stack([torch.isfinite(d).all() for d in directions]).all()):
+        if not _all_finite(directions):
             bad = [o.key for o, d in zip(owners, directions, strict=True)
                    if not bool(torch.isfinite(d).all())]
             raise ValueError(f"SENG.step: the direction of block {bad[0]!r} contains NaN or Inf "

@@ -261,7 +261,7 @@ class SMWSolver:
         d = self.solve_with(self._promote(g), None, self.op.__matmul__)
         return self.xp.astype(d, g.dtype, copy=False)
 
-    def solve_with(self, g: Array, t_mul: Any, mul: Any) -> Array:
+    def solve_with(self, g: Array, t_mul: Any, mul: Any, check: bool = True) -> Array:
         r""":meth:`solve` for one ``g`` (P,) in U's dtype with the caller's products, unchecked.
 
         For a caller that keeps U's factors in a layout of its own (SENG, every step):
@@ -270,13 +270,15 @@ class SMWSolver:
         ``mul(b)`` = :math:`U b` (P,) for b (rho,) in U's dtype.  Returns
         :math:`d = (g - U b)/\lambda` in g's dtype, :math:`b = L^{-\top} L^{-1} s\,\Xi^\top
         \Omega g` by a Cholesky solve in float64 (where available); raises ValueError as
-        :meth:`solve` does.
+        :meth:`solve` does (``check=False`` skips the finiteness test of ``d``, one device
+        sync, for a caller that tests all its directions at once, as SENG does).
         """
         xp = self.xp
         d = g - mul(xp.astype(self.coefficients(g, t_mul), self.dtype, copy=False))
         d /= self.damping  # in place where the namespace allows (d is a new array)
         d = xp.astype(d, g.dtype, copy=False)
-        self._check_direction(g, d)
+        if check:
+            self._check_direction(g, d)
         return d
 
     def _check_direction(self, g: Array, d: Array) -> None:
