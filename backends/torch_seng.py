@@ -579,13 +579,13 @@ class SENG(torch.optim.Optimizer):
         # the factors of torch_layers, the sample axis moved to the front (a sequence-first
         # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
-        dt = unit.params[0].dtype
+        dt, scale = unit.params[0].dtype, self._sample_scale(n)
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(unit.module, c["gy"].to(dt)[None], n, 1, ax)
+        gs = [output_factor(unit.module, c["gy"].to(dt)[None] * scale, n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
         block = layer_block(unit.module, xs, gs, n, unit.name, bias=len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
-        return KroneckerBlock(block.a, (block.g * self._sample_scale(n)).contiguous(), unit.name)
+        return block
 
     def _dense_blocks(self, owners: list[_Owner]) -> list[DenseBlock]:
         """The DenseBlocks of ``owners`` (dense groups and Linear/Conv layers without a
