@@ -102,15 +102,20 @@ def test_grad_scaler_step_equals_the_unscaled_step(mode):
     kw = {"grad_scaler": scaler} if mode == "unscale_ first" else {}
     opt = SENG(model, lr=LR, damping=LAM, momentum=0.5, **kw)
     for _ in range(2):
-        opt.zero_grad()
-        scaler.scale(_loss(model, x, y)).backward()
-        if mode == "unscale_ first":
-            scaler.unscale_(opt)  # as for gradient clipping
-        scaler.step(opt)
-        scaler.update()
+        _scaled_step(model, opt, scaler, x, y, unscale=mode == "unscale_ first")
     expected = _plain_steps(x, y, momentum=0.5)
     _assert_same_update(model, before, expected,
                         solve_tol(torch.float32, _cond_bound(model, x, y), computations=2))
+
+
+def _scaled_step(model, opt, scaler, x, y, unscale=False):
+    """One GradScaler training step; ``unscale``: unscale_ first, as for gradient clipping."""
+    opt.zero_grad()
+    scaler.scale(_loss(model, x, y)).backward()
+    if unscale:
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
 
 
 def test_grad_scaler_unscale_without_the_argument_is_loud():
@@ -138,15 +143,10 @@ def test_grad_scaler_skips_a_non_finite_step():
     opt = SENG(model, lr=LR, damping=LAM)
     bad = x.clone()
     bad[0, 0] = float("inf")
-    scaler.scale(_loss(model, bad, y)).backward()
-    scaler.step(opt)
-    scaler.update()
+    _scaled_step(model, opt, scaler, bad, y)
     assert scaler.get_scale() == 2.0**9 and opt._step == 0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    opt.zero_grad()
-    scaler.scale(_loss(model, x, y)).backward()
-    scaler.step(opt)
-    scaler.update()
+    _scaled_step(model, opt, scaler, x, y)
     expected = _plain_steps(x, y, steps=1)
     _assert_same_update(model, before, expected,
                         solve_tol(torch.float32, _cond_bound(model, x, y), computations=2))
