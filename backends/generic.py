@@ -68,6 +68,10 @@ class GenericBackend(Backend):
         return Backend.seed_from(seed)
 
     @staticmethod
+    def host_array(x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    @staticmethod
     def spawn_seed(seed: int, spawn_key: tuple[int, ...]) -> int:
         """``SeedSequence(seed, spawn_key=spawn_key)``'s first 64-bit word, low 63 bits."""
         state = np.random.SeedSequence(seed, spawn_key=spawn_key).generate_state(1, np.uint64)

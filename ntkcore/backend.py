@@ -243,6 +243,12 @@ def seed_from(seed: Any, spawn_key: tuple[int, ...] | None = None) -> Any:
     return _backend_class(_GENERIC).spawn_seed(seed, spawn_key)
 
 
+def host_array(x: Any) -> Array:
+    """A list, tuple or scalar as an array of the host library (NumPy), which is what
+    scikit-learn makes of non-array input; NumPy is reached through the generic backend."""
+    return _backend_class(_GENERIC).host_array(x)
+
+
 def namespace_and_backend(*arrays: Any) -> tuple[Any, Backend]:
     """``(xp, backend)`` for arrays that must share one namespace (``None`` entries ignored)."""
     xp = _compat.array_namespace(*[a for a in arrays if a is not None])

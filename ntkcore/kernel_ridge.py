@@ -20,6 +20,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of
+from .backend import host_array
 from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
@@ -36,10 +37,8 @@ def _floating(**arrays: Any) -> list[Any]:
     out = {}
     for name, x in arrays.items():
         if x is not None and not array_api_compat.is_array_api_obj(x):
-            import numpy as np
-
             kind = type(x).__name__
-            x = np.asarray(x)
+            x = host_array(x)
             if x.dtype == object:  # also scipy.sparse matrices (not supported)
                 raise TypeError(f"{name} must be a dense array of numbers; got {kind} (sparse "
                                 "input is not supported: densify it with .toarray())")
