@@ -30,17 +30,22 @@ module                 block
 ``nn.Embedding``       KroneckerBlock with one-hot inputs a (N, T, V) and weight
                        :math:`W^\top` (D, V) (so its parameters are the *transposed* table);
                        ``padding_idx`` rows get zero gradient as in torch.
-``nn.LayerNorm``       over the last axis: a DenseBlock (N, O, 2 d) assembled from the same
-                       hooks and output gradients, :math:`\sum_s g \odot \hat x` and
-                       :math:`\sum_s g` (no torch.func pass; see ``torch_layers``).
+normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_shape``,
+                       ``nn.BatchNorm1d/2d/3d`` in eval mode, ``nn.GroupNorm``,
+                       ``nn.InstanceNorm1d/2d/3d`` (with an elementwise affine): a DenseBlock
+                       (N, O, C [+ C]) assembled from the same hooks and output gradients,
+                       :math:`\sum_s g \odot \hat x` and :math:`\sum_s g` over the positions
+                       s the C parameters are broadcast over, :math:`\hat x` recomputed from
+                       the hooked input (no torch.func pass; why a DenseBlock and not a new
+                       block kind: ``torch_layers``).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
-                       ``chunk_size`` samples (LayerNorm over several axes, BatchNorm in eval
-                       mode, custom modules, bare ``nn.Parameter``, subclasses overriding
-                       ``forward``).  Where ``torch.func`` cannot run the model (it raises
-                       for ``nn.GRU`` / ``nn.RNN`` / stacked or bidirectional ``nn.LSTM``
-                       with the default ``hx`` and ``nn.PReLU`` in torch 2.13, and for
-                       data-dependent control flow such as ``if x.isfinite().all():``), the
+                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter``, subclasses
+                       overriding ``forward`` such as timm's ``LayerNorm2d``).  Where
+                       ``torch.func`` cannot run the model (it raises for ``nn.GRU`` /
+                       ``nn.RNN`` / stacked or bidirectional ``nn.LSTM`` with the default
+                       ``hx`` and ``nn.PReLU`` in torch 2.13, and for data-dependent control
+                       flow such as ``if x.isfinite().all():``), the
                        same DenseBlocks come from plain autograd, one sample and one output
                        at a time: exact, silent, N * O backward passes.  An error the model
                        also raises on one sample is raised (with the ``torch.func`` error as
@@ -68,10 +73,12 @@ of both its input and its output whose length is N in the real pass and p in the
 other axis unchanged.  Then:
 
 * that axis is 0: the block is built as above;
-* it is another axis (Linear / Embedding / LayerNorm on a sequence-first tensor): the same
-  block from views with that axis moved to the front, a (N, S, d_in) and g (N, S, O, d_out);
+* it is another axis (Linear / Embedding / LayerNorm / RMSNorm on a sequence-first tensor;
+  never a normalised axis): the same block from views with that axis moved to the front,
+  a (N, S, d_in) and g (N, S, O, d_out);
 * there is none (the input is shared by all samples, or a sample axis merged with another, as
-  in a (N*T, d) reshape), a convolution's sample axis is not axis 0, the probe calls the module
+  in a (N*T, d) reshape), the sample axis of a convolution or channel normalisation (BatchNorm,
+  GroupNorm, InstanceNorm) is not axis 0, the probe calls the module
   a different number of times, or the probe itself fails: the module becomes a DenseBlock.
 
 The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
@@ -138,7 +145,14 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
-from .torch_layers import CONV, cat, layer_block, layer_type, output_factor, sample_axis_ok
+from .torch_layers import (
+    CHANNELS_FIRST,
+    cat,
+    layer_block,
+    layer_type,
+    output_factor,
+    sample_axis_ok,
+)
 
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
@@ -519,23 +533,19 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                     for gr, m, ax in zip(grads, mods, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    convs = [isinstance(m, CONV) for m in mods]  # the loop's buffers: g's layout, as above
-    bufs = []
-    for y, cv in zip(ys, convs, strict=True):
-        if cv:
-            bufs.append(y.new_empty((n, o, y.shape[1], y[0, 0].numel())))
-        else:
-            bufs.append(y.new_empty((n, y.numel() // (n * y.shape[-1]), o, y.shape[-1])))
+    gs: list[torch.Tensor] = []  # g (N, S, O, d) views of the loop's buffers, layouts as above
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        for buf, gr, cv, ax in zip(bufs, grads, convs, axes, strict=True):
-            if cv:
-                buf[:, k].copy_(gr.reshape(n, gr.shape[1], -1))
-            else:
-                buf[:, :, k].copy_(gr.movedim(ax, 0).reshape(n, -1, gr.shape[-1]))
-    return [buf.permute(0, 3, 1, 2) if cv else buf for buf, cv in zip(bufs, convs, strict=True)]
+        for i, (gr, m, ax) in enumerate(zip(grads, mods, axes, strict=True)):
+            g1 = output_factor(m, gr[None], n, 1, ax)  # (N, S, 1, d)
+            if k == 0:
+                s, d = g1.shape[1], g1.shape[3]
+                gs.append(gr.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
+                          if isinstance(m, CHANNELS_FIRST) else gr.new_empty((n, s, o, d)))
+            gs[i][:, :, k:k + 1].copy_(g1)
+    return gs
 
 
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
@@ -619,7 +629,8 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
 # the provider
 # --------------------------------------------------------------------------------------------
 @capabilities(name="backends.torch.jacobian", fast={
-    "torch": "Kronecker for Linear/Conv1-3d/Embedding, torch.func for the rest"},
+    "torch": "Kronecker for Linear/Conv1-3d/Embedding, hooks for norm layers, torch.func for "
+             "the rest"},
     note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
     missing=("numpy", "cupy", "jax", "array_api_strict"))
 def jacobian(
