@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from ntkcore.backends.torch_jacobian import from_block_order, jacobian, to_block_order
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.backends.torch_jacobian import from_block_order, jacobian, to_block_order
 from tests.references import autograd_jacobian_graph
 from tests.tolerances import kernel_tol
 
@@ -363,7 +363,6 @@ def test_blocks_cover_parameters_once():
 
 def test_registry_finds_torch_provider():
     from ntkcore.backends.torch import jacobian as reexported
-
     from ntkcore.providers import find_provider
 
     assert reexported is jacobian

@@ -244,7 +244,7 @@ def test_gram_overflow_is_loud(backend, rng):
     g = rng.standard_normal((2, 40, 1, 4)) * 1e12
     j = Jacobian([KroneckerBlock(backend.asarray(a, "float32"), backend.asarray(g, "float32"),
                                  "conv")])
-    with pytest.raises(ValueError, match="overflow .*float32"):
+    with pytest.raises(ValueError, match=r"overflow .*float32"):
         ntkcore.gram(j, mode="trace")
 
 
