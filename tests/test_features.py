@@ -378,3 +378,15 @@ def test_nonfinite_jacobian_is_reported(rng):
     J = _jacobian(make_case("numpy"), a, g, jac)
     with pytest.raises(ValueError, match="samples 0:5 contain NaN or Inf"):
         ntkcore.features(J, dim=8)
+
+
+def test_differentiable_in_the_inputs_torch():
+    """The features carry autograd graphs to x (the provider's create_graph factors): the
+    gradient of a function of them passes torch's finite-difference gradcheck in float64."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
+                              torch.nn.Linear(5, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda z: ntkcore.features(net, z, dim=16, seed=1).pow(2).sum(), (x,))
