@@ -545,9 +545,19 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
 
 
 # -- error model ----------------------------------------------------------------------------
-def _pair_stats(block: Any) -> dict[str, Array]:
-    """Statistics of every pair u = (n, r), v = (m, p) of per-sample gradients of one block
-    (module docstring): K, K^2, N_xy, and T, F_A, F_G (Kronecker) or E4 (dense)."""
+def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
+    r"""Statistics of every pair u = (n, r), v = (m, p) of per-sample gradients of one block
+    (module docstring): K, K^2, N_xy, and T, F_A, F_G (Kronecker) or E4 (dense).
+
+    A Kronecker block takes the cheaper of two routes (``factored=None``; True/False force
+    one): from the per-sample weights X (d_out x d_in; per pair O(d_in d_out min(d_in,
+    d_out)) flops), or from the factors' S x S Grams (per pair O(S^3), memory (N O S)^2),
+    with :math:`G_a = A_u A_v^\top`, :math:`G_g = G_u G_v^\top`, :math:`P = A_u A_u^\top`,
+    :math:`Q = G_u G_u^\top` (rows of A_u, G_u: the positions' a and g):
+    :math:`K = \sum G_a \circ G_g`, :math:`T = \mathrm{tr}((G_g G_a^\top)^2)`,
+    :math:`F_A = \mathrm{tr}(G_g^\top P_u G_g P_v)`, :math:`F_G = \mathrm{tr}(G_a^\top Q_u G_a
+    Q_v)`.
+    """
     xp = array_api_compat.array_namespace(*block.arrays())
     if isinstance(block, DenseBlock):
         n, o, p = block.jac.shape
@@ -556,6 +566,11 @@ def _pair_stats(block: Any) -> dict[str, Array]:
         nrm = xp.sum(sq, axis=1)
         k = x @ x.T
         return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "e4": sq @ sq.T}
+    s, d_in, d_out = block.num_positions, block.d_in, block.d_out
+    if factored is None:
+        factored = s * s * (s + d_in + d_out) <= d_in * d_out * min(d_in, d_out)
+    if factored:
+        return _factored_stats(xp, block)
     w = block.per_sample_weights()  # (N, R, d_out, d_in)
     n, r, d_out, d_in = w.shape
     X = xp.reshape(w, (n * r, d_out, d_in))
@@ -580,6 +595,30 @@ def _pair_stats(block: Any) -> dict[str, Array]:
             "fa": fa, "fg": fg}
 
 
+def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
+    """:func:`_pair_stats` of a Kronecker block from its factors' Grams (its docstring)."""
+    n, s, r = block.num_samples, block.num_positions, block.num_outputs
+    a = xp.reshape(xp.broadcast_to(block.a[:, None, ...], (n, r, s, block.d_in)),
+                   (n * r * s, block.d_in))  # rows (u, s), u = n r + o
+    g = xp.reshape(xp.permute_dims(block.g, (0, 2, 1, 3)), (n * r * s, block.d_out))
+    u = n * r
+
+    def pairs(f: Array) -> tuple[Array, Array]:
+        """(U, U, S, S) Grams of all pairs, and the (U, S, S) self-Grams."""
+        grams = xp.permute_dims(xp.reshape(f @ f.T, (u, s, u, s)), (0, 2, 1, 3))
+        fu = xp.reshape(f, (u, s, -1))
+        return grams, fu @ xp.permute_dims(fu, (0, 2, 1))
+
+    (ga, p), (gg, q) = pairs(a), pairs(g)
+    k = xp.sum(ga * gg, axis=(2, 3))
+    m = gg @ xp.permute_dims(ga, (0, 1, 3, 2))  # G_g G_a^T
+    t = xp.sum(m * xp.permute_dims(m, (0, 1, 3, 2)), axis=(2, 3))
+    fa = xp.sum((p[:, None, ...] @ gg) * (gg @ p[None, ...]), axis=(2, 3))
+    fg = xp.sum((q[:, None, ...] @ ga) * (ga @ q[None, ...]), axis=(2, 3))
+    nrm = xp.sum(p * q, axis=(1, 2))  # ||X_u||^2 = tr(P_u Q_u)
+    return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "t": t, "fa": fa, "fg": fg}
+
+
 def _model_stats(model: Any, x: Any, dim: int, method: str, mode: str, params: Any,
                  probe: Any, kronecker: str
                  ) -> tuple[Jacobian, list[_BlockPlan], list[dict[str, Array]]]:
@@ -599,8 +638,10 @@ def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: st
     ----------
     model, x, dim, method, mode, params, probe, kronecker
         As for :func:`features` (the variance does not depend on the seed).  ``x`` should be
-        a small batch: this forms per-sample gradients, :math:`O((N O)^2 d_\text{in}
-        d_\text{out} \min(d_\text{in}, d_\text{out}))` flops per Kronecker block in full mode.
+        a small batch: every pair of its U = N O (full) or N (trace) per-sample gradients is
+        visited, per Kronecker block from its factors' Grams (:math:`O(U^2 S^3)` flops,
+        :math:`(U S)^2` memory) or, when cheaper, from the per-sample weights
+        (:math:`O(U^2 d_\text{in} d_\text{out} \min(d_\text{in}, d_\text{out}))`).
 
     Returns
     -------

@@ -107,6 +107,28 @@ def test_full_grid_variance_is_the_closed_form(rng):
         assert got == pytest.approx(want, rel=1e-13)
 
 
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_pair_statistics_two_routes_agree(backend, rng, mode):
+    """The Kronecker pair statistics from per-sample weights and from the factors' Grams
+    agree (and K is the exact kernel of the block)."""
+    from ntkcore.features import _merge, _pair_stats
+
+    a, g, jac = _factors(rng, n=3)
+    block = _merge(_jacobian(backend, a, g, jac), mode).blocks[0]
+    dense, factored = _pair_stats(block, factored=False), _pair_stats(block, factored=True)
+    assert set(dense) == set(factored) == {"k", "k2", "nn", "t", "fa", "fg"}
+    ref = _dense_kernel(a, g, np.zeros_like(jac), "full")  # the Kronecker block alone
+    ref = ref.transpose(0, 2, 1, 3).reshape(6, 6) if mode == "full" else \
+        np.einsum("nmoo->nm", ref)
+    for key in dense:
+        want = backend.to_numpy(dense[key])
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(backend.to_numpy(factored[key]), want, rtol=0,
+                                   atol=kernel_tol("float64", 4 * 48, 4) * scale)
+    np.testing.assert_allclose(backend.to_numpy(dense["k"]), ref, rtol=0,
+                               atol=kernel_tol("float64", 48, 2) * np.abs(ref).max())
+
+
 # -- shapes, namespaces, reproducibility -----------------------------------------------------
 @pytest.mark.parametrize("mode", ["trace", "full", "pseudo"])
 def test_shapes_namespace_and_layerwise(backend, rng, mode):
