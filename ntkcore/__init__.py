@@ -24,6 +24,7 @@ from .cg import (
     cg_solve,
 )
 from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
+from .features import choose_dim, feature_error, feature_variance, features
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .kernel_ridge import KernelRidge
@@ -55,7 +56,11 @@ __all__ = [
     "analysis",
     "centered_kernel_alignment",
     "cg_solve",
+    "choose_dim",
     "effective_rank",
+    "feature_error",
+    "feature_variance",
+    "features",
     "gd_mse_predict",
     "gp_inference",
     "gram",

@@ -175,14 +175,14 @@ def _declared_in_source(module: str) -> tuple[tuple[str, dict[str, Support]], ..
 
 
 #: Modules whose ``@capabilities`` declarations make up the table (imported on first use).
-_MODULES = ("ntkcore.regression", "ntkcore.models", "ntkcore._api", "ntkcore.gram",
-            "ntkcore.jacobian", "ntkcore.analysis", "ntkcore.solve", "ntkcore.sketch",
-            "ntkcore.lowrank", "ntkcore.cg", "ntkcore.operators")
+_MODULES = ("ntkcore.regression", "ntkcore.models", "ntkcore._api", "ntkcore.features",
+            "ntkcore.gram", "ntkcore.jacobian", "ntkcore.analysis", "ntkcore.solve",
+            "ntkcore.sketch", "ntkcore.lowrank", "ntkcore.cg", "ntkcore.operators")
 
 #: Row order of the table and of ``docs/backends.md``; every entry is listed exactly once.
 ROWS = (
     "kernel_regression", "KernelRidge", "gd_mse_predict", "gp_inference", "models.MLP",
-    "backends.jax.jacobian", "ntk", "pseudo_ntk", "backends.torch.jacobian",
+    "backends.jax.jacobian", "ntk", "pseudo_ntk", "features", "backends.torch.jacobian",
     "backends.torch.checkpointed_ntk", "backends.torch.kip_loss", "gram", "Jacobian",
     "analysis.kernel_alignment", "analysis.relative_kernel_distance",
     "analysis.kernel_spectrum", "analysis.effective_rank", "analysis.trace_share",

@@ -1,0 +1,745 @@
+r"""Projected eNTK features: :math:`\Phi` with :math:`\mathbb{E}[\Phi\Phi^\top] = \Theta`.
+
+For a per-sample Jacobian :math:`J[n] \in \mathbb{R}^{O\times P}` (blocks b, see
+:mod:`ntkcore.jacobian`) :func:`features` returns random projections of the per-sample
+gradients whose inner products are unbiased estimates of the empirical NTK, without forming a
+per-sample gradient of a Kronecker block.
+
+Modes
+-----
+``"full"``
+    :math:`\Phi[n, o] = \Omega\, J[n, o, :]^\top` with one random :math:`\Omega` (dim x P),
+    :math:`\mathbb{E}[\Omega^\top\Omega] = I`, so :math:`\mathbb{E}[\Phi[n,o]\cdot\Phi[m,p]]
+    = \Theta[n,m,o,p]`.  Shape (N, O, dim).
+``"trace"``
+    The output axis is sketched too: :math:`\Phi[n] = \sum_o \Omega_o J[n,o,:]^\top` with
+    independent :math:`\Omega_o` (:math:`\mathbb{E}[\Omega_o^\top\Omega_p] = \delta_{op} I`), so
+    :math:`\mathbb{E}[\Phi[n]\cdot\Phi[m]] = \sum_{o,p} J[n,o] \mathbb{E}[\Omega_o^\top\Omega_p]
+    J[m,p]^\top = \sum_o \Theta[n,m,o,o]`.  Equivalently :math:`[\Omega_1 \dots \Omega_O]` is one
+    projection of the flattened (O P) Jacobian: trace features are the full features of the
+    Jacobian whose outputs are merged into its parameter axis (one output; a Kronecker block's
+    ``g`` (N, S, O, d_out) becomes (N, S, 1, O d_out)), and the error model of one output
+    applies unchanged.  Shape (N, dim).
+``"pseudo"``
+    The same for the pseudo-NTK Jacobian of :math:`\sum_o f_o / \sqrt{O}` (one output, the
+    provider's one-backward-pass ``pseudo=True``): estimates :func:`ntkcore.pseudo_ntk`.
+    Shape (N, dim).
+
+Projections
+-----------
+Blocks are projected independently (so the total is unbiased and the variances add), block b
+onto :math:`q_b` of the ``dim`` columns.
+
+*Dense block* (:math:`x = J_b[n,o,:]`, ``n_b`` parameters): a Gaussian
+(:func:`ntkcore.sketch.gaussian`, :math:`G/\sqrt{q}`) or sparse-sign
+(:func:`ntkcore.sketch.sparse_sign`, one nonzero per column) projection, :math:`\phi = \Omega x`.
+For fixed :math:`x, y` with :math:`K = x\cdot y`:
+
+.. math:: \mathrm{Var}_\text{gauss}[\phi_x\cdot\phi_y] = \frac{K^2 + |x|^2|y|^2}{q}, \qquad
+          \mathrm{Var}_\text{sign}[\phi_x\cdot\phi_y] = \frac{K^2 + |x|^2|y|^2
+          - 2\sum_i x_i^2 y_i^2}{q} .
+
+*Kronecker block* (per-sample weight :math:`X = \sum_s g_s a_s^\top`, d_out x d_in): Gaussian
+factor sketches :math:`G_A` (q_A x d_in) and :math:`G_G` (q_G x d_out) with i.i.d. N(0, 1)
+rows :math:`\alpha_t, \gamma_r`, and the grid of features
+
+.. math:: \phi_{rt} = \frac{1}{\sqrt{q}}\, \gamma_r^\top X \alpha_t
+          = \frac{1}{\sqrt{q}} \sum_s (\gamma_r\cdot g_s)(\alpha_t\cdot a_s)
+
+for the first ``q`` pairs (r, t) of the q_G x q_A grid in row-major order (all full rows, then
+part of the last one): ``(G_G g) (x) (G_A a)`` summed over positions, one batched product
+``(N, O q_G, S) @ (N, S, q_A)``, cost :math:`O(S (d_\text{in} q_A + d_\text{out} q_G) + S q_A
+q_G)` per sample and output.  Every pair has :math:`\mathbb{E}[(\gamma^\top X\alpha)(\gamma^\top
+Y\alpha)] = \mathrm{tr}(X^\top Y) = K`, so any subset of pairs, scaled by :math:`1/q`, is
+unbiased; with the whole grid (:math:`q = q_A q_G`) this is exactly :math:`\Omega_G \otimes
+\Omega_A` of :func:`ntkcore.sketch.sketch_jacobian` (same seeds, same draws).  With
+:math:`T = \mathrm{tr}((X^\top Y)^2)`, :math:`F_A = \|X^\top Y\|_F^2`, :math:`F_G = \|X
+Y^\top\|_F^2`, :math:`N_{xy} = \|X\|_F^2 \|Y\|_F^2` (Isserlis' theorem for the Gaussian
+moments):
+
+.. math::
+
+    V_1 &= \mathrm{Var}[(\gamma^\top X\alpha)(\gamma^\top Y\alpha)]
+         = N_{xy} + K^2 + 2T + 2F_A + 2F_G, \\
+    c_G &= \mathrm{Cov}[\text{pairs sharing } \gamma] = T + F_G, \qquad
+    c_A = \mathrm{Cov}[\text{pairs sharing } \alpha] = T + F_A, \\
+    \mathrm{Var}[\phi_X\cdot\phi_Y] &= \frac{q V_1 + n_G c_G + n_A c_A}{q^2},
+
+(pairs sharing neither are independent) where :math:`n_G = \sum_r k_r(k_r-1)` and
+:math:`n_A = \sum_t l_t(l_t-1)` count the ordered pairs of grid cells in one row (:math:`k_r`
+cells in row r) and in one column (:math:`l_t` cells in column t).  For the whole grid this is
+
+.. math:: \frac{T + F_A}{q_A} + \frac{T + F_G}{q_G} + \frac{N_{xy} + K^2 + F_A + F_G}{q_A q_G} .
+
+``kronecker="pairs"`` uses q independent pairs instead, :math:`\phi_i = \gamma_i^\top X
+\alpha_i / \sqrt{q}` (2q factor rows, cost :math:`O(S q (d_\text{in} + d_\text{out}))` per
+sample and output): no two cells share a factor row, :math:`n_G = n_A = 0` and the variance is
+:math:`V_1 / q`, falling like 1/q where the grid's falls like :math:`1/q_A + 1/q_G`.
+
+The variance of an entry of :math:`\Phi\Phi^\top` is the sum of its blocks' variances
+(:func:`feature_variance`); the expected squared Frobenius error over a batch is the sum of
+the entries' variances, and :func:`feature_error` reports its square root relative to the exact
+kernel's Frobenius norm; :func:`choose_dim` finds the smallest ``dim`` meeting a target.
+
+Splitting ``dim`` (:func:`allocate`, deterministic): block b gets :math:`q_b \ge 1` columns in
+proportion to a weight :math:`w_b`: :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least
+1), the remaining columns one at a time to the largest remainders (ties: the lower block
+index), excess ones taken back from the smallest remainders.  Default weights are the block
+sizes (parameters): they depend on the model only, so the same ``(model, dim, method, seed,
+mode)`` gives the same projection for every ``x`` (features of a training and a test set live
+in one space).  ``probe=x_probe`` weights by each block's share of the kernel trace on that
+batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
+:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  A
+Kronecker block's :math:`q_b` is laid out on a grid with :math:`q_A = \mathrm{clip}(
+\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)` columns (equal sampling
+fractions of both factors, as :func:`ntkcore.sketch.split_kronecker`) and
+:math:`q_G = \lceil q_b / q_A\rceil` rows.  ``method="auto"`` projects a dense block with a
+Gaussian when its matrix has at most :data:`AUTO_GAUSSIAN_ENTRIES` entries (:math:`q_b n_b`),
+else with a sparse sign; Kronecker factors are always Gaussian (small: d x q).
+
+Seeds: block b draws from ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
+``spawn_seed(seed, b, 2)`` (factors A / G), the convention of
+:func:`ntkcore.sketch.sketch_jacobian`.  The same seed gives the same projection on the same
+backend (different backends draw from different generators).
+
+Pure array API: nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+from ._api import _check_model_finite, _explain, _jac_bytes
+from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
+from ._typing import Array
+from ._validation import all_finite, check_size, namespace_of
+from ._validation import check_finite as _check_finite_array
+from .backend import get_backend
+from .errors import BudgetTooSmallError
+from .gram import gram
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock, flat_weights
+from .providers import find_provider
+from .sketch import _check_seed, gaussian, sparse_sign, spawn_seed
+from .support import GENERATOR, capabilities
+from .tiling import progress_steps
+
+__all__ = ["AUTO_GAUSSIAN_ENTRIES", "FEATURE_MODES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
+           "choose_dim",
+           "feature_error", "feature_variance", "features", "kronecker_grid"]
+
+#: Feature modes (``ntk``'s "full" and "trace", and the pseudo-NTK).
+FEATURE_MODES = ("full", "trace", "pseudo")
+#: Projection methods of dense blocks (Kronecker factors are always Gaussian).
+METHODS = ("auto", "gaussian", "sparse_sign")
+#: Layouts of a Kronecker block's features: the q_G x q_A grid, or q independent pairs.
+KRONECKER_LAYOUTS = ("grid", "pairs")
+#: ``method="auto"``: a dense block whose Gaussian matrix has at most this many entries is
+#: projected with a Gaussian, a larger one with a sparse sign (no stored matrix).
+AUTO_GAUSSIAN_ENTRIES = 1 << 24
+
+
+# -- the rule that splits dim -------------------------------------------------------------
+def allocate(dim: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """Columns per block: ``dim`` split in proportion to ``weights``, each at least 1.
+
+    Largest remainders (module docstring): deterministic, ties to the lower index.
+    """
+    nb = len(weights)
+    if dim < nb:
+        raise ValueError(f"dim={dim} is smaller than the number of parameter blocks ({nb}): "
+                         "every block needs at least one feature column")
+    total = float(sum(weights))
+    if not math.isfinite(total) or total <= 0.0:  # an all-zero probe: equal weights
+        weights, total = [1.0] * nb, float(nb)
+    ideal = [dim * float(w) / total for w in weights]
+    q = [max(1, math.floor(v)) for v in ideal]
+    while sum(q) < dim:
+        b = max(range(nb), key=lambda i: (ideal[i] - q[i], -i))
+        q[b] += 1
+    while sum(q) > dim:
+        b = min((i for i in range(nb) if q[i] > 1), key=lambda i: (ideal[i] - q[i], i))
+        q[b] -= 1
+    return tuple(q)
+
+
+def kronecker_grid(q: int, d_in: int, d_out: int) -> tuple[int, int]:
+    """``(q_A, q_G)``: the grid of a Kronecker block's ``q`` features (module docstring)."""
+    q_a = min(q, max(1, round(math.sqrt(q * d_in / d_out))))
+    return q_a, -(-q // q_a)
+
+
+def _grid_pairs(q: int, q_a: int) -> tuple[int, int]:
+    """``(n_G, n_A)``: ordered pairs of distinct cells sharing a row / a column among the
+    first ``q`` cells (row-major) of a grid with ``q_a`` columns."""
+    rows, last = divmod(q, q_a)  # full rows, cells in the partial last row
+    n_g = rows * q_a * (q_a - 1) + last * (last - 1)
+    n_a = last * (rows + 1) * rows + (q_a - last) * rows * (rows - 1)
+    return n_g, n_a
+
+
+@dataclass(frozen=True)
+class _BlockPlan:
+    """How one block is projected: ``dim`` columns by ``method`` ("gaussian", "sparse_sign",
+    "grid" or "pairs"); ``n`` parameters (dense) or d_in (Kronecker), ``d_out`` and the
+    factor sketch sizes (``q_a``, ``q_g``: the grid, or ``dim`` each for pairs)."""
+
+    name: str
+    dim: int
+    method: str
+    n: int
+    d_out: int = 0
+    q_a: int = 0
+    q_g: int = 0
+
+    def variance(self, st: dict[str, Any]) -> Any:
+        """Variance of the block's estimate from the pair statistics ``st`` (arrays over
+        pairs, or their sums: the formulas are linear in them; module docstring)."""
+        q = self.dim
+        if self.method in KRONECKER_LAYOUTS:
+            n_g, n_a = _grid_pairs(q, self.q_a) if self.method == "grid" else (0, 0)
+            v1 = st["nn"] + st["k2"] + 2 * (st["t"] + st["fa"] + st["fg"])
+            return (q * v1 + n_g * (st["t"] + st["fg"]) + n_a * (st["t"] + st["fa"])) / q**2
+        v = st["k2"] + st["nn"]
+        return (v - 2 * st["e4"] if self.method == "sparse_sign" else v) / q
+
+
+def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
+          kronecker: str = "grid") -> list[_BlockPlan]:
+    """The plan of the (output-merged) Jacobian ``J``; ``weights=None``: block sizes."""
+    qs = allocate(dim, list(J.block_sizes) if weights is None else weights)
+    plans = []
+    for block, q in zip(J.blocks, qs, strict=True):
+        if isinstance(block, KroneckerBlock):
+            q_a, q_g = kronecker_grid(q, block.d_in, block.d_out) if kronecker == "grid" \
+                else (q, q)
+            plans.append(_BlockPlan(str(block.name), q, kronecker, block.d_in, block.d_out,
+                                    q_a, q_g))
+        else:
+            kind = method
+            if kind == "auto":
+                kind = "gaussian" if q * block.num_params <= AUTO_GAUSSIAN_ENTRIES \
+                    else "sparse_sign"
+            plans.append(_BlockPlan(str(block.name), q, kind, block.num_params))
+    return plans
+
+
+def _signature(J: Jacobian) -> tuple[Any, ...]:
+    """What the projection depends on: names, kinds and parameter shapes (not N, not S)."""
+    return tuple((b.name, "dense", b.num_params) if isinstance(b, DenseBlock)
+                 else (b.name, "kronecker", b.d_in, b.d_out) for b in J.blocks)
+
+
+class _FeatureMap:
+    """The projections of a plan, drawn at the first :meth:`apply` on that Jacobian's
+    namespace and device (seeds by block, module docstring)."""
+
+    def __init__(self, plans: list[_BlockPlan], seed: int) -> None:
+        self.plans, self.seed = plans, seed
+        self._sketches: list[Any] | None = None
+        self._cast: dict[tuple[int, str], Array] = {}
+
+    def _draw(self, J: Jacobian) -> list[Any]:
+        sketches: list[Any] = []
+        for b, (p, block) in enumerate(zip(self.plans, J.blocks, strict=True)):
+            like = block.arrays()[0]
+            if p.method in KRONECKER_LAYOUTS:
+                sketches.append((gaussian(p.n, p.q_a, seed=spawn_seed(self.seed, b, 1),
+                                          like=like),
+                                 gaussian(p.d_out, p.q_g, seed=spawn_seed(self.seed, b, 2),
+                                          like=like)))
+            else:
+                make = gaussian if p.method == "gaussian" else sparse_sign
+                sketches.append(make(p.n, p.dim, seed=spawn_seed(self.seed, b, 0), like=like))
+        return sketches
+
+    def _omega_t(self, sk: Any, dtype: Any) -> Array:
+        """:math:`\\Omega^\\top` (n, q) of a Gaussian sketch in ``dtype`` (cast once)."""
+        key = (id(sk), str(dtype))
+        if key not in self._cast:
+            xp = sk.namespace
+            self._cast[key] = xp.astype(sk.omega, dtype).T
+        return self._cast[key]
+
+    def sketch_bytes(self) -> int:
+        """Bytes of the drawn projections (float64 draws and one cast copy)."""
+        total = 0
+        for p in self.plans:
+            if p.method in KRONECKER_LAYOUTS:
+                total += 16 * (p.q_a * p.n + p.q_g * p.d_out)
+            else:
+                total += 16 * (p.dim * p.n if p.method == "gaussian" else p.n)
+        return total
+
+    def apply(self, J: Jacobian) -> Array:
+        """Features of the (output-merged) ``J``: (N, R, dim) for R outputs."""
+        if self._sketches is None:
+            self._sketches = self._draw(J)
+        xp = J.xp
+        out = []
+        for p, sk, block in zip(self.plans, self._sketches, J.blocks, strict=True):
+            if p.method in KRONECKER_LAYOUTS:
+                a_s = block.a @ self._omega_t(sk[0], block.a.dtype)  # (N, S, q_A)
+                g_s = block.g @ self._omega_t(sk[1], block.g.dtype)  # (N, S, R, q_G)
+                if p.method == "pairs":  # cell i: (gamma_i . g_s)(alpha_i . a_s), summed
+                    out.append(xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(p.dim))
+                    continue
+                w = flat_weights(xp, a_s, g_s)  # (N, R, q_G q_A), cell (r, t) at r q_A + t
+                if p.q_a * p.q_g != p.dim:
+                    w = w[:, :, :p.dim]
+                scale = math.sqrt(p.q_a * p.q_g / p.dim)  # the 1/sqrt(q) of the grid
+                out.append(w * scale if scale != 1.0 else w)
+            elif p.method == "gaussian":
+                out.append(block.jac @ self._omega_t(sk, block.jac.dtype))
+            else:
+                out.append(sk.apply(block.jac, axis=2))
+        return out[0] if len(out) == 1 else xp.concat(out, axis=2)
+
+
+# -- Jacobians of a model, by sample range ---------------------------------------------------
+def _merge(J: Jacobian, mode: str) -> Jacobian:
+    """``J`` for ``mode``: as is ("full"), or with its outputs merged into the parameter axis
+    ("trace"; "pseudo" first contracts the outputs, module docstring)."""
+    if mode == "full":
+        return J
+    if mode == "pseudo" and J.num_outputs > 1:
+        J = J.pseudo()
+    if J.num_outputs == 1:
+        return J
+    xp = J.xp
+    blocks: list[Any] = []
+    for b in J.blocks:
+        if isinstance(b, DenseBlock):
+            n, o, p = b.jac.shape
+            blocks.append(DenseBlock(xp.reshape(b.jac, (n, 1, o * p)), b.name))
+        else:
+            n, s, o, d = b.g.shape
+            blocks.append(KroneckerBlock(b.a, xp.reshape(b.g, (n, s, 1, o * d)), b.name))
+    return Jacobian(blocks)
+
+
+def _check_samples(x: Any, name: str) -> tuple[Any, Any]:
+    xp, backend = namespace_of(**{name: x})
+    if x.ndim < 1 or x.shape[0] is None:
+        raise ValueError(f"{name} must lead with the sample axis N; got shape {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} has no samples (N = 0)")
+    return xp, backend
+
+
+def _source(model: Any, x: Any, name: str, mode: str, params: Any, check_finite: bool
+            ) -> tuple[Callable[[int, int], Jacobian], int, Any]:
+    """``(call, N, backend)``: ``call(start, stop)`` is the merged Jacobian of those samples
+    of ``x`` (a model's inputs, or ``model`` itself when it is a Jacobian and ``x`` is None)."""
+    if isinstance(model, DenseBlock | KroneckerBlock):
+        model = Jacobian([model])
+    if isinstance(model, Jacobian):
+        if x is not None:
+            raise ValueError(f"{name} must be None when model is a Jacobian (its samples are "
+                             "the inputs)")
+        if params is not None:
+            raise ValueError("params selects parameters of a model; a Jacobian takes none")
+        J = model
+        return (lambda s, e: _merge(J.select(slice(s, e)), mode)), J.num_samples, \
+            get_backend(J.xp)
+    if x is None:
+        raise TypeError(f"{name} is required: the inputs of the model, leading with the "
+                        "sample axis")
+    provider = find_provider(model)
+    xp, backend = _check_samples(x, name)
+    if check_finite:
+        _check_finite_array(xp, x, name)
+        _check_model_finite(model)
+    kwargs: dict[str, Any] = {"params": params}
+    if mode == "pseudo":
+        kwargs["pseudo"] = True
+
+    def call(start: int, stop: int) -> Jacobian:
+        try:
+            j = provider.jacobian(model, x[start:stop, ...], **kwargs)
+        except Exception as exc:
+            _explain(exc, model, name, x, x)
+            raise
+        if not isinstance(j, Jacobian):
+            raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, not an "
+                            "ntkcore.Jacobian")
+        return _merge(j, mode)
+
+    return call, int(x.shape[0]), backend
+
+
+def _check_args(dim: Any, method: Any, mode: Any, kronecker: Any, seed: Any = 0
+                ) -> tuple[int, int]:
+    if not isinstance(mode, str) or mode not in FEATURE_MODES:
+        hint = " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')" \
+            if mode == "diagonal" else ""
+        raise ValueError(f"mode must be one of {FEATURE_MODES}; got {mode!r}{hint}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if not isinstance(kronecker, str) or kronecker not in KRONECKER_LAYOUTS:
+        raise ValueError(f"kronecker must be one of {KRONECKER_LAYOUTS}; got {kronecker!r}")
+    if seed is None:
+        raise TypeError("seed must be a non-negative integer or a generator, not None: "
+                        "features of different calls share one projection only through one "
+                        "seed")
+    return check_size(dim, "dim"), _check_seed(seed)
+
+
+def _weights(probe: Any, model: Any, mode: str, params: Any, check_finite: bool
+             ) -> list[float] | None:
+    """Block weights from ``probe`` (each block's share of the kernel trace), or None."""
+    if probe is None:
+        return None
+    is_jac = isinstance(model, Jacobian | DenseBlock | KroneckerBlock)
+    if is_jac and not isinstance(probe, Jacobian | DenseBlock | KroneckerBlock):
+        raise TypeError(f"probe must be a Jacobian when model is one; got {type(probe).__name__}")
+    call, n, _ = _source(probe if is_jac else model, None if is_jac else probe, "probe", mode,
+                         params, check_finite)
+    jp = call(0, n)
+    kb = gram(jp, mode="trace", layerwise=True)  # (B, Np, Np)
+    xp = jp.xp
+    eye = xp.eye(n, dtype=kb.dtype, device=array_api_compat.device(kb))
+    return [float(t) for t in xp.sum(kb * eye, axis=(1, 2))]
+
+
+# -- features ------------------------------------------------------------------------------
+@capabilities(fast=GENERATOR, note={"torch": "torch.nn.Module (CPU and CUDA) or models.MLP",
+                                    "jax": "(apply_fn, params) or models.MLP"})
+def features(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
+             seed: Any = 0, mode: str = "trace", params: Any = None, layerwise: bool = False,
+             max_memory: Any = None, progress: Any = None, probe: Any = None,
+             kronecker: str = "grid", check_finite: bool = True) -> Array | tuple[Array, ...]:
+    r"""Random features of the per-sample gradients: :math:`\mathbb{E}[\Phi\Phi^\top]` is the eNTK.
+
+    Parameters
+    ----------
+    model : model object or Jacobian
+        Anything :func:`ntkcore.ntk` takes (a ``torch.nn.Module``, a JAX ``(apply_fn,
+        params)`` pair, an :class:`ntkcore.models.MLP`, ...), or a :class:`~ntkcore.Jacobian`
+        (then ``x`` is None).
+    x : array, shape (N, ...)
+        The model's inputs, leading with the sample axis.
+    dim : int
+        Feature columns in all, split over the parameter blocks (at least one each) by
+        :func:`allocate` (module docstring).
+    method : {"auto", "gaussian", "sparse_sign"}
+        Projection of dense blocks; Kronecker blocks always use Gaussian factor sketches.
+    seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key
+        The projection's seed (not None).  The same ``(model, dim, method, seed, mode,
+        probe)`` gives the same projection for every ``x`` on one backend, so
+        ``features(model, x1) @ features(model, x2).T`` estimates ``ntk(model, x1, x2)``.  A
+        generator is drawn from once per call (different calls: different projections; draw
+        an integer once with :func:`ntkcore.backend.seed_from` to reuse it).
+    mode : {"trace", "full", "pseudo"}
+        ``trace``: (N, dim), estimates ``ntk(..., mode="trace")``; ``full``: (N, O, dim),
+        :math:`\Phi[n,o]\cdot\Phi[m,p]` estimates ``ntk(...)[n, m, o, p]``; ``pseudo``:
+        (N, dim), estimates :func:`ntkcore.pseudo_ntk`.
+    params : optional
+        Provider-specific parameter subset, as for :func:`ntkcore.ntk`.
+    layerwise : bool
+        Return one array per block (a tuple, ``q_b`` columns each, in block order) whose
+        concatenation along the last axis is the ``layerwise=False`` result.
+    max_memory : int, float or str, optional
+        Working-memory budget (bytes or ``"1GB"``) for the projections, the Jacobian factors of
+        a batch of samples and their features; the result (N dim numbers) is not counted.
+        Default: a quarter of the device's free memory.
+    progress : None, callable, True or "tqdm"
+        Progress per sample batch, as for :func:`ntkcore.ntk`.
+    probe : array or Jacobian, optional
+        Inputs (a Jacobian when ``model`` is one) on which each block's share of the kernel
+        trace is measured to split ``dim`` (default: block sizes, independent of any data).
+    kronecker : {"grid", "pairs"}
+        Layout of a Kronecker block's ``q`` features: ``grid``, the cells of
+        :math:`\Omega_G \otimes \Omega_A` (q_A + q_G factor rows, variance falling like
+        :math:`1/q_A + 1/q_G`); ``pairs``, q independent pairs :math:`\gamma_i \otimes
+        \alpha_i` (2q factor rows, cost :math:`O(S q (d_\text{in} + d_\text{out}))`,
+        variance :math:`V_1 / q`).  Module docstring.
+    check_finite : bool, default True
+        Check ``x``, the model's parameters and the features for NaN/Inf.
+
+    Returns
+    -------
+    array or tuple of arrays
+        In the namespace, device and dtype of the Jacobian: (N, dim) for ``trace`` and
+        ``pseudo``, (N, O, dim) for ``full``.
+
+    Raises
+    ------
+    TypeError
+        No provider for ``model``; ``x`` not an array or missing; ``seed`` None or not a
+        seed; bad ``dim`` / ``layerwise`` / ``check_finite`` / ``progress`` types.
+    ValueError
+        A bad ``mode`` or ``method``; ``dim`` below 1 or below the number of blocks; ``x``
+        without samples; ``x`` given with a Jacobian; NaN/Inf (``check_finite``); a Jacobian
+        whose blocks change between sample batches.
+    BudgetTooSmallError
+        ``max_memory`` cannot hold the projections and one sample (the message states the
+        smallest budget that can).
+
+    Notes
+    -----
+    Cost per sample and output: :math:`O(S (d_\text{in} q_A + d_\text{out} q_G) + S q_A
+    q_G)` per Kronecker block, :math:`O(n_b q_b)` per dense block, after the provider's
+    factors.  The variance of every entry of :math:`\Phi\Phi^\top` is
+    :func:`feature_variance`; see ``docs/features.md``.
+    """
+    dim, seed = _check_args(dim, method, mode, kronecker, seed)
+    for name, flag in (("layerwise", layerwise), ("check_finite", check_finite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; got {flag!r}")
+    call, n, backend = _source(model, x, "x", mode, params, check_finite)
+    weights = _weights(probe, model, mode, params, check_finite)
+    first = call(0, min(n, PROBE_SAMPLES))
+    xp, sig = first.xp, _signature(first)
+    budget = resolve_budget(max_memory, backend, first.device)
+    fmap = _FeatureMap(_plan(first, dim, method, weights, kronecker), seed)
+    per_sample = _jac_bytes(first) / first.num_samples
+    r = first.num_outputs
+    item = itemsize(xp, first.dtype)
+    extra = item * sum(
+        (b.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g)
+        if p.method in KRONECKER_LAYOUTS
+        else r * p.dim for p, b in zip(fmap.plans, first.blocks, strict=True)) + item * r * dim
+    avail = budget - fmap.sketch_bytes()
+    need_one = CALL_OVERHEAD * per_sample + extra
+    if avail < need_one:
+        need = math.ceil(fmap.sketch_bytes() + need_one)
+        raise BudgetTooSmallError(
+            f"{budget.given} ({budget} bytes) is too small for the projections "
+            f"({fmap.sketch_bytes()} bytes) and one sample ({need_one:.0f} bytes of Jacobian "
+            f"factors and features): pass max_memory >= {need} bytes", budget, need)
+    batch = batch_samples(per_sample, avail, extra)
+    n0 = first.num_samples
+    stops = [*range(n0 + batch, n, batch), n] if n > n0 else []  # ends of the next batches
+    parts = []
+    with progress_steps(progress, 1 + len(stops), "features") as step:
+        j, start, stop = first, 0, first.num_samples
+        for nxt in [*stops, None]:
+            if _signature(j) != sig:
+                raise ValueError(f"the Jacobian of samples {start}:{stop} has blocks "
+                                 f"{_signature(j)} but that of the first ones has {sig}")
+            phi = fmap.apply(j)
+            if check_finite and not all_finite(xp, phi):
+                raise ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
+                                 "(a non-finite Jacobian: an overflow or a non-finite "
+                                 "activation); pass check_finite=False to skip this check")
+            parts.append(phi)
+            step()
+            if nxt is not None:
+                start, stop = stop, nxt
+                j = call(start, stop)
+    phi = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+    if mode != "full":
+        phi = phi[:, 0, :]
+    if not layerwise:
+        return phi
+    out, col = [], 0
+    for p in fmap.plans:
+        out.append(phi[..., col:col + p.dim])
+        col += p.dim
+    return tuple(out)
+
+
+# -- error model ----------------------------------------------------------------------------
+def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
+    r"""Statistics of every pair u = (n, r), v = (m, p) of per-sample gradients of one block
+    (module docstring): K, K^2, N_xy, and T, F_A, F_G (Kronecker) or E4 (dense).
+
+    A Kronecker block takes the cheaper of two routes (``factored=None``; True/False force
+    one): from the per-sample weights X (d_out x d_in; per pair O(d_in d_out min(d_in,
+    d_out)) flops), or from the factors' S x S Grams (per pair O(S^3), memory (N O S)^2),
+    with :math:`G_a = A_u A_v^\top`, :math:`G_g = G_u G_v^\top`, :math:`P = A_u A_u^\top`,
+    :math:`Q = G_u G_u^\top` (rows of A_u, G_u: the positions' a and g):
+    :math:`K = \sum G_a \circ G_g`, :math:`T = \mathrm{tr}((G_g G_a^\top)^2)`,
+    :math:`F_A = \mathrm{tr}(G_g^\top P_u G_g P_v)`, :math:`F_G = \mathrm{tr}(G_a^\top Q_u G_a
+    Q_v)`.
+    """
+    xp = array_api_compat.array_namespace(*block.arrays())
+    if isinstance(block, DenseBlock):
+        n, o, p = block.jac.shape
+        x = xp.reshape(block.jac, (n * o, p))
+        sq = x * x
+        nrm = xp.sum(sq, axis=1)
+        k = x @ x.T
+        return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "e4": sq @ sq.T}
+    s, d_in, d_out = block.num_positions, block.d_in, block.d_out
+    if factored is None:
+        factored = s * s * (s + d_in + d_out) <= d_in * d_out * min(d_in, d_out)
+    if factored:
+        return _factored_stats(xp, block)
+    w = block.per_sample_weights()  # (N, R, d_out, d_in)
+    n, r, d_out, d_in = w.shape
+    X = xp.reshape(w, (n * r, d_out, d_in))
+    swap = d_out < d_in  # loop over the smaller Gram (T and F are symmetric under X -> X^T)
+    if swap:
+        X = xp.permute_dims(X, (0, 2, 1))
+    u, c = X.shape[0], X.shape[2]
+    xt = xp.permute_dims(X, (0, 2, 1))  # (U, c, p)
+    g = xp.reshape(xt @ X, (u, c * c))  # X_u^T X_u
+    f_outer = g @ g.T  # <X_u^T X_u, X_v^T X_v> = ||X_u X_v^T||^2
+    t_rows, f_rows = [], []
+    for i in range(u):
+        m = xt[i, ...] @ X  # X_u^T X_v for all v: (U, c, c)
+        t_rows.append(xp.sum(m * xp.permute_dims(m, (0, 2, 1)), axis=(1, 2)))
+        f_rows.append(xp.sum(m * m, axis=(1, 2)))
+    f_inner = xp.stack(f_rows)  # ||X_u^T X_v||^2
+    flat = xp.reshape(X, (u, -1))
+    k = flat @ flat.T
+    nrm = xp.sum(flat * flat, axis=1)
+    fa, fg = (f_outer, f_inner) if swap else (f_inner, f_outer)
+    return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "t": xp.stack(t_rows),
+            "fa": fa, "fg": fg}
+
+
+def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
+    """:func:`_pair_stats` of a Kronecker block from its factors' Grams (its docstring)."""
+    n, s, r = block.num_samples, block.num_positions, block.num_outputs
+    a = xp.reshape(xp.broadcast_to(block.a[:, None, ...], (n, r, s, block.d_in)),
+                   (n * r * s, block.d_in))  # rows (u, s), u = n r + o
+    g = xp.reshape(xp.permute_dims(block.g, (0, 2, 1, 3)), (n * r * s, block.d_out))
+    u = n * r
+
+    def pairs(f: Array) -> tuple[Array, Array]:
+        """(U, U, S, S) Grams of all pairs, and the (U, S, S) self-Grams."""
+        grams = xp.permute_dims(xp.reshape(f @ f.T, (u, s, u, s)), (0, 2, 1, 3))
+        fu = xp.reshape(f, (u, s, -1))
+        return grams, fu @ xp.permute_dims(fu, (0, 2, 1))
+
+    (ga, p), (gg, q) = pairs(a), pairs(g)
+    k = xp.sum(ga * gg, axis=(2, 3))
+    m = gg @ xp.permute_dims(ga, (0, 1, 3, 2))  # G_g G_a^T
+    t = xp.sum(m * xp.permute_dims(m, (0, 1, 3, 2)), axis=(2, 3))
+    fa = xp.sum((p[:, None, ...] @ gg) * (gg @ p[None, ...]), axis=(2, 3))
+    fg = xp.sum((q[:, None, ...] @ ga) * (ga @ q[None, ...]), axis=(2, 3))
+    nrm = xp.sum(p * q, axis=(1, 2))  # ||X_u||^2 = tr(P_u Q_u)
+    return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "t": t, "fa": fa, "fg": fg}
+
+
+def _model_stats(model: Any, x: Any, dim: int, method: str, mode: str, params: Any,
+                 probe: Any, kronecker: str
+                 ) -> tuple[Jacobian, list[_BlockPlan], list[dict[str, Array]]]:
+    call, n, _ = _source(model, x, "x", mode, params, True)
+    J = call(0, n)
+    plans = _plan(J, dim, method, _weights(probe, model, mode, params, True), kronecker)
+    return J, plans, [_pair_stats(b) for b in J.blocks]
+
+
+def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
+                     mode: str = "trace", params: Any = None, probe: Any = None,
+                     kronecker: str = "grid") -> Array:
+    r"""Predicted variance of every entry of :math:`\Phi\Phi^\top` for ``features(model, x,
+    dim=dim, ...)`` (exact for the Gaussian and sparse-sign projections; module docstring).
+
+    Parameters
+    ----------
+    model, x, dim, method, mode, params, probe, kronecker
+        As for :func:`features` (the variance does not depend on the seed).  ``x`` should be
+        a small batch: every pair of its U = N O (full) or N (trace) per-sample gradients is
+        visited, per Kronecker block from its factors' Grams (:math:`O(U^2 S^3)` flops,
+        :math:`(U S)^2` memory) or, when cheaper, from the per-sample weights
+        (:math:`O(U^2 d_\text{in} d_\text{out} \min(d_\text{in}, d_\text{out}))`).
+
+    Returns
+    -------
+    array
+        Shaped like the kernel: (N, N) for ``trace`` / ``pseudo``, (N, N, O, O) for ``full``.
+    """
+    dim, _ = _check_args(dim, method, mode, kronecker)
+    J, plans, stats = _model_stats(model, x, dim, method, mode, params, probe, kronecker)
+    xp = J.xp
+    var = plans[0].variance(stats[0])
+    for p, st in zip(plans[1:], stats[1:], strict=True):
+        var = var + p.variance(st)
+    if mode != "full":
+        return var
+    n, o = J.num_samples, J.num_outputs
+    return xp.permute_dims(xp.reshape(var, (n, o, n, o)), (0, 2, 1, 3))
+
+
+def _relative_error(plans: list[_BlockPlan], sums: list[dict[str, float]], k2: float) -> float:
+    return math.sqrt(sum(p.variance(s) for p, s in zip(plans, sums, strict=True)) / k2)
+
+
+def _sums(xp: Any, stats: list[dict[str, Array]]) -> tuple[list[dict[str, float]], float]:
+    """Pair statistics summed over all pairs, and the squared Frobenius norm of the kernel."""
+    sums = [{k: float(xp.sum(v)) for k, v in st.items() if k != "k"} for st in stats]
+    total = stats[0]["k"]
+    for st in stats[1:]:
+        total = total + st["k"]
+    return sums, float(xp.sum(total * total))
+
+
+def feature_error(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
+                  mode: str = "trace", params: Any = None, probe: Any = None,
+                  kronecker: str = "grid") -> float:
+    r"""Predicted relative Frobenius error of the feature kernel on the batch ``x``:
+
+    .. math:: \sqrt{\mathbb{E}\|\Phi\Phi^\top - \Theta\|_F^2} / \|\Theta\|_F
+              = \sqrt{\textstyle\sum_{n,m} \mathrm{Var}[(\Phi\Phi^\top)_{nm}]} / \|\Theta\|_F .
+
+    Arguments as for :func:`feature_variance`.
+    """
+    dim, _ = _check_args(dim, method, mode, kronecker)
+    J, plans, stats = _model_stats(model, x, dim, method, mode, params, probe, kronecker)
+    sums, k2 = _sums(J.xp, stats)
+    if k2 <= 0.0:
+        raise ValueError("the kernel of x is zero: a relative error is undefined")
+    return _relative_error(plans, sums, k2)
+
+
+def choose_dim(model: Any, x: Array | None = None, *, target: float, method: str = "auto",
+               mode: str = "trace", params: Any = None, probe: Any = None,
+               kronecker: str = "grid", max_dim: int = 1 << 20) -> int:
+    """The smallest ``dim`` whose predicted relative Frobenius error (:func:`feature_error`)
+    on the batch ``x`` is at most ``target``.
+
+    The pair statistics are computed once; each candidate ``dim`` then costs a plan
+    (exponential search, then bisection).
+
+    Parameters
+    ----------
+    model, x, method, mode, params, probe, kronecker
+        As for :func:`feature_variance`.
+    target : float
+        In (0, inf): e.g. 0.1 for a 10 % kernel error.
+    max_dim : int
+        Largest ``dim`` tried; ValueError (with the error at ``max_dim``) if not reached.
+
+    Returns
+    -------
+    int
+    """
+    if isinstance(target, bool) or not isinstance(target, int | float) or \
+            not math.isfinite(target) or target <= 0:
+        raise ValueError(f"target must be a positive finite relative error; got {target!r}")
+    max_dim = check_size(max_dim, "max_dim")
+    _check_args(1, method, mode, kronecker)
+    call, n, _ = _source(model, x, "x", mode, params, True)
+    J = call(0, n)
+    weights = _weights(probe, model, mode, params, True)
+    sums, k2 = _sums(J.xp, [_pair_stats(b) for b in J.blocks])
+    if k2 <= 0.0:
+        raise ValueError("the kernel of x is zero: a relative error is undefined")
+
+    def err(d: int) -> float:
+        return _relative_error(_plan(J, d, method, weights, kronecker), sums, k2)
+
+    lo = len(J.blocks)
+    if lo > max_dim:
+        raise ValueError(f"max_dim={max_dim} is below the number of blocks ({lo})")
+    if err(lo) <= target:
+        return lo
+    hi = lo
+    while err(hi) > target:
+        if hi >= max_dim:
+            raise ValueError(f"target={target} is not reached below max_dim={max_dim} "
+                             f"(predicted error there: {err(max_dim):.3g})")
+        lo, hi = hi, min(2 * hi, max_dim)
+    while hi - lo > 1:  # err(lo) > target >= err(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if err(mid) <= target else (mid, hi)
+    return hi

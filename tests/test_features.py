@@ -1,0 +1,414 @@
+"""ntkcore.features: projected eNTK features and their error model.
+
+References are independent: kernels of dense float64 Jacobians (``np.einsum``) or
+:func:`ntkcore.ntk` (itself tested against torch.func / jax.jacrev).  Monte-Carlo checks average
+M independent projections and accept a mean within Z standard errors; the standard error of the
+kernel estimate comes from the predicted variance (so the unbiasedness check is as tight as the
+error model says), and the error model is checked against the measured squared errors with
+their own empirical standard error.  Each check is shown to reject a wrong answer (a 50 % bias,
+half the variance), so it can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import ntkcore
+from ntkcore import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.features import _BlockPlan, _grid_pairs, allocate, kronecker_grid
+from ntkcore.models import MLP
+from tests.conftest import make_case
+from tests.tolerances import kernel_tol
+
+Z = 5.0  # standard errors allowed per entry
+
+
+# -- fixtures and references -----------------------------------------------------------------
+def _factors(rng: np.random.Generator, n: int = 5, o: int = 2):
+    """A Kronecker block (S=2 positions, d_in 8, d_out 6) and a dense block of 10 parameters."""
+    return (rng.standard_normal((n, 2, 8)), rng.standard_normal((n, 2, o, 6)),
+            rng.standard_normal((n, o, 10)))
+
+
+def _jacobian(backend, a, g, jac) -> Jacobian:
+    return Jacobian([KroneckerBlock(backend.asarray(a), backend.asarray(g), "kron"),
+                     DenseBlock(backend.asarray(jac), "dense")])
+
+
+def _dense_kernel(a, g, jac, mode):
+    """The exact kernel from the materialised per-sample gradients, in float64 NumPy."""
+    w = np.einsum("nsod,nsi->nodi", g, a).reshape(a.shape[0], g.shape[2], -1)
+    jd = np.concatenate([w, jac], axis=2)  # (N, O, P)
+    if mode == "pseudo":
+        jp = jd.sum(axis=1) / math.sqrt(jd.shape[1])
+        return jp @ jp.T
+    full = np.einsum("nok,mpk->nmop", jd, jd)
+    return full if mode == "full" else np.einsum("nmoo->nm", full)
+
+
+def _feature_kernel(phi: np.ndarray, mode: str) -> np.ndarray:
+    return np.einsum("nod,mpd->nmop", phi, phi) if mode == "full" else phi @ phi.T
+
+
+def _draws(backend, model, x, mode, dim, seeds, **kw) -> np.ndarray:
+    return np.stack([_feature_kernel(backend.to_numpy(ntkcore.features(
+        model, x, dim=dim, seed=s, mode=mode, **kw)), mode) for s in seeds])
+
+
+def _unbiased_violation(samples: np.ndarray, exact: np.ndarray, var: np.ndarray) -> float:
+    """Largest excess of |mean - exact| over Z standard errors sqrt(var / M) (<= 0: pass)."""
+    tol = Z * np.sqrt(var / samples.shape[0]) + 1e-10 * np.abs(exact).max()
+    return float(np.max(np.abs(samples.mean(axis=0) - exact) - tol))
+
+
+def _mlp(backend, widths=(3, 5, 4, 2), seed=0):
+    return MLP.random(widths, xp=backend.xp, seed=seed, dtype=backend.xp.float64,
+                      device=backend.device, activation="tanh")
+
+
+# -- the split of dim and the grid -----------------------------------------------------------
+def test_allocate_rule():
+    assert allocate(15, (48, 10)) == (12, 3)  # as sketch.split_budget(15, (48, 10))
+    assert allocate(3, (1000, 1, 1)) == (1, 1, 1)  # at least one each
+    assert allocate(10, (1, 1, 1)) == (4, 3, 3)  # ties go to the lower index
+    assert allocate(7, (0.0, 0.0)) == (4, 3)  # an all-zero probe: equal weights
+    for dim, w in itertools.product((5, 17, 64, 1000), ((3, 1, 7), (1e-9, 1.0, 5.0, 2.0))):
+        q = allocate(dim, w)
+        assert sum(q) == dim and min(q) >= 1
+        ideal = [dim * wi / sum(w) for wi in w]
+        bumped = sum(1 for v in ideal if v < 1)  # blocks raised to their one column
+        assert all(abs(qi - v) <= 1 + bumped for qi, v in zip(q, ideal, strict=True))
+    with pytest.raises(ValueError, match="dim=2 is smaller than the number of parameter blocks"):
+        allocate(2, (1, 1, 1))
+
+
+def test_grid_pairs_count_cells_by_enumeration():
+    for q, q_a in [(1, 1), (6, 3), (7, 3), (12, 4), (13, 4), (5, 7), (9, 1)]:
+        cells = [(i // q_a, i % q_a) for i in range(q)]
+        rows = sum(1 for c, d in itertools.permutations(cells, 2) if c[0] == d[0])
+        cols = sum(1 for c, d in itertools.permutations(cells, 2) if c[1] == d[1])
+        assert _grid_pairs(q, q_a) == (rows, cols)
+    assert kronecker_grid(12, 8, 6) == (4, 3)
+    assert kronecker_grid(1, 8, 6) == (1, 1)
+
+
+def test_full_grid_variance_is_the_closed_form(rng):
+    """The grid formula with q = q_A q_G equals (T+F_A)/q_A + (T+F_G)/q_G + (N+K^2+F_A+F_G)/q."""
+    st = dict(zip(("k2", "nn", "t", "fa", "fg"), rng.uniform(0.1, 3.0, 5), strict=True))
+    for q_a, q_g in [(1, 1), (3, 4), (5, 2)]:
+        q = q_a * q_g
+        got = _BlockPlan("b", q, "grid", 8, 6, q_a, q_g).variance(st)
+        want = ((st["t"] + st["fa"]) / q_a + (st["t"] + st["fg"]) / q_g
+                + (st["nn"] + st["k2"] + st["fa"] + st["fg"]) / q)
+        assert got == pytest.approx(want, rel=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_pair_statistics_two_routes_agree(backend, rng, mode):
+    """The Kronecker pair statistics from per-sample weights and from the factors' Grams
+    agree (and K is the exact kernel of the block)."""
+    from ntkcore.features import _merge, _pair_stats
+
+    a, g, jac = _factors(rng, n=3)
+    block = _merge(_jacobian(backend, a, g, jac), mode).blocks[0]
+    dense, factored = _pair_stats(block, factored=False), _pair_stats(block, factored=True)
+    assert set(dense) == set(factored) == {"k", "k2", "nn", "t", "fa", "fg"}
+    ref = _dense_kernel(a, g, np.zeros_like(jac), "full")  # the Kronecker block alone
+    ref = ref.transpose(0, 2, 1, 3).reshape(6, 6) if mode == "full" else \
+        np.einsum("nmoo->nm", ref)
+    for key in dense:
+        want = backend.to_numpy(dense[key])
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(backend.to_numpy(factored[key]), want, rtol=0,
+                                   atol=kernel_tol("float64", 4 * 48, 4) * scale)
+    np.testing.assert_allclose(backend.to_numpy(dense["k"]), ref, rtol=0,
+                               atol=kernel_tol("float64", 48, 2) * np.abs(ref).max())
+
+
+# -- shapes, namespaces, reproducibility -----------------------------------------------------
+@pytest.mark.parametrize("mode", ["trace", "full", "pseudo"])
+def test_shapes_namespace_and_layerwise(backend, rng, mode):
+    net = _mlp(backend)
+    x = backend.asarray(rng.standard_normal((7, 3)))
+    phi = ntkcore.features(net, x, dim=24, mode=mode)
+    assert backend.is_native(phi)
+    assert tuple(phi.shape) == ((7, 2, 24) if mode == "full" else (7, 24))
+    parts = ntkcore.features(net, x, dim=24, mode=mode, layerwise=True)
+    assert isinstance(parts, tuple) and len(parts) == 3
+    np.testing.assert_array_equal(np.concatenate([backend.to_numpy(p) for p in parts], axis=-1),
+                                  backend.to_numpy(phi))
+
+
+@pytest.mark.parametrize("mode", ["trace", "full", "pseudo"])
+def test_one_space_for_every_x(backend, rng, mode):
+    """Same seed: the same projection whatever x (rows of a concatenation equal separate
+    calls), in one call or in sample batches; another seed: another projection."""
+    net = _mlp(backend)
+    xn = rng.standard_normal((14, 3))
+    x = backend.asarray(xn)
+    phi = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode))
+    again = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode))
+    np.testing.assert_array_equal(phi, again)
+    other = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=6, mode=mode))
+    assert not np.allclose(phi, other)
+    parts = [backend.to_numpy(ntkcore.features(net, backend.asarray(xn[s]), dim=24, seed=5,
+                                               mode=mode)) for s in (slice(0, 4), slice(4, 14))]
+    scale = np.abs(phi).max()
+    tol = kernel_tol("float64", 64, computations=2) * scale
+    np.testing.assert_allclose(np.concatenate(parts), phi, rtol=0, atol=tol)
+    with pytest.raises(ntkcore.BudgetTooSmallError) as info:
+        ntkcore.features(net, x, dim=24, seed=5, mode=mode, max_memory=1)
+    calls = []  # the smallest budget: a first batch of 8 samples, then one at a time
+    batched = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode,
+                                                max_memory=info.value.needed,
+                                                progress=lambda d, t: calls.append((d, t))))
+    assert calls == [(i, 7) for i in range(1, 8)]
+    np.testing.assert_allclose(batched, phi, rtol=0, atol=tol)
+
+
+def test_generator_seed_is_drawn_once(rng):
+    net = MLP.random((3, 4, 2), xp=np, seed=0)
+    x = rng.standard_normal((4, 3))
+    s = ntkcore.backend.seed_from(np.random.default_rng(7))
+    a = ntkcore.features(net, x, dim=8, seed=np.random.default_rng(7))
+    np.testing.assert_array_equal(a, ntkcore.features(net, x, dim=8, seed=s))
+
+
+# -- agreement with sketch_jacobian + gram ---------------------------------------------------
+def test_full_grid_equals_sketch_jacobian_gram(backend, rng):
+    """Full mode, Gaussian, whole grids: Phi Phi^T is gram(sketch_jacobian(J)) of the same
+    Omega (same split (12, 3), same grid (4, 3), same seeds, same draws)."""
+    a, g, jac = _factors(rng)
+    J = _jacobian(backend, a, g, jac)
+    phi = backend.to_numpy(ntkcore.features(J, dim=15, seed=3, mode="full", method="gaussian"))
+    js = ntkcore.sketch.sketch_jacobian(J, 15, method="gaussian", seed=3)
+    assert [b.num_params for b in js.blocks] == [12, 3]
+    ref = backend.to_numpy(ntkcore.gram(js, mode="full"))
+    got = _feature_kernel(phi, "full")
+    np.testing.assert_allclose(got, ref, rtol=0,
+                               atol=kernel_tol("float64", 58, 2) * 4 * np.abs(ref).max())
+
+
+# -- unbiasedness ----------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["trace", "full", "pseudo"])
+@pytest.mark.parametrize(("method", "kronecker"), [("gaussian", "grid"),
+                                                   ("sparse_sign", "pairs")])
+def test_unbiased_on_a_jacobian(backend_eager, rng, mode, method, kronecker):
+    a, g, jac = _factors(rng)
+    J = _jacobian(backend_eager, a, g, jac)
+    exact = _dense_kernel(a, g, jac, mode)
+    kw = dict(method=method, kronecker=kronecker)
+    var = backend_eager.to_numpy(ntkcore.feature_variance(J, dim=19, mode=mode, **kw))
+    samples = _draws(backend_eager, J, None, mode, 19, range(300), **kw)
+    assert _unbiased_violation(samples, exact, var) <= 0
+    assert _unbiased_violation(1.5 * samples, exact, var) > 0  # a 50 % bias is caught
+
+
+def test_cross_kernel_of_separate_calls_is_unbiased(backend_eager, rng):
+    """features(x1) @ features(x2).T estimates ntk(x1, x2) (same seed, separate calls)."""
+    net = _mlp(backend_eager)
+    x1, x2 = rng.standard_normal((4, 3)), rng.standard_normal((3, 3))
+    b1, b2 = backend_eager.asarray(x1), backend_eager.asarray(x2)
+    exact = backend_eager.to_numpy(ntkcore.ntk(net, b1, b2, mode="trace"))
+    var = backend_eager.to_numpy(ntkcore.feature_variance(
+        net, backend_eager.asarray(np.concatenate([x1, x2])), dim=16))[:4, 4:]
+    samples = np.stack([
+        backend_eager.to_numpy(ntkcore.features(net, b1, dim=16, seed=s))
+        @ backend_eager.to_numpy(ntkcore.features(net, b2, dim=16, seed=s)).T
+        for s in range(300)])
+    assert _unbiased_violation(samples, exact, var) <= 0
+
+
+# -- the error model -------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["trace", "full"])
+@pytest.mark.parametrize("method", ["gaussian", "sparse_sign"])
+@pytest.mark.parametrize("kronecker", ["grid", "pairs"])
+def test_predicted_variance_matches_measured(rng, mode, method, kronecker):
+    """E||Phi Phi^T - K||_F^2 = sum of the predicted variances, per entry and in total, within
+    Z empirical standard errors of M draws; half the predicted variance is rejected."""
+    a, g, jac = _factors(rng, n=4)
+    J = _jacobian(make_case("numpy"), a, g, jac)
+    exact = _dense_kernel(a, g, jac, mode)
+    dim = 13  # partial grids: kronecker_grid of the Kronecker block's share is not a product
+    kw = dict(mode=mode, method=method, kronecker=kronecker)
+    var = np.asarray(ntkcore.feature_variance(J, dim=dim, **kw))
+    m = 2000
+    sq = np.stack([(_feature_kernel(np.asarray(ntkcore.features(J, dim=dim, seed=s, **kw)),
+                                    mode) - exact) ** 2 for s in range(m)])
+
+    def violation(pred: np.ndarray) -> float:
+        tot = sq.reshape(m, -1).sum(axis=1)
+        se_tot = tot.std(ddof=1) / math.sqrt(m)
+        per = np.max(np.abs(sq.mean(axis=0) - pred) - Z * sq.std(axis=0, ddof=1) / math.sqrt(m)
+                     - 1e-12 * pred.max())
+        return max(per, abs(tot.mean() - pred.sum()) - Z * se_tot)
+
+    assert violation(var) <= 0
+    assert violation(0.5 * var) > 0
+    err = ntkcore.feature_error(J, dim=dim, **kw)
+    assert err == pytest.approx(math.sqrt(var.sum() / (exact**2).sum()), rel=1e-12)
+
+
+def test_choose_dim_is_the_smallest_meeting_the_target(rng):
+    net = MLP.random((3, 8, 6, 2), xp=np, seed=1, activation="tanh")
+    x = rng.standard_normal((6, 3))
+    d = ntkcore.choose_dim(net, x, target=0.2)
+    assert ntkcore.feature_error(net, x, dim=d) <= 0.2
+    assert d == 3 or ntkcore.feature_error(net, x, dim=d - 1) > 0.2
+    assert ntkcore.choose_dim(net, x, target=1e6) == 3  # one column per block suffices
+    with pytest.raises(ValueError, match="not reached below max_dim=8"):
+        ntkcore.choose_dim(net, x, target=1e-3, max_dim=8)
+    with pytest.raises(ValueError, match="target must be a positive"):
+        ntkcore.choose_dim(net, x, target=0.0)
+
+
+def test_probe_allocates_by_trace_share(backend, rng):
+    net = _mlp(backend)
+    probe_np = rng.standard_normal((6, 3))
+    probe = backend.asarray(probe_np)
+    kb = backend.to_numpy(ntkcore.ntk(net, probe, mode="trace", layerwise=True))
+    want = allocate(40, [np.trace(k) for k in kb])
+    x = backend.asarray(rng.standard_normal((5, 3)))
+    parts = ntkcore.features(net, x, dim=40, probe=probe, layerwise=True)
+    assert tuple(int(p.shape[-1]) for p in parts) == want
+    default = ntkcore.features(net, x, dim=40, layerwise=True)
+    assert tuple(int(p.shape[-1]) for p in default) == allocate(40, net.block_sizes)
+    # the same probe gives the same space for another x
+    phi = backend.to_numpy(ntkcore.features(net, x, dim=40, probe=probe, seed=2))
+    head = backend.to_numpy(ntkcore.features(net, x[:2, ...], dim=40, probe=probe, seed=2))
+    np.testing.assert_allclose(head, phi[:2], rtol=0,
+                               atol=kernel_tol("float64", 64, 2) * np.abs(phi).max())
+
+
+# -- the providers ---------------------------------------------------------------------------
+def test_torch_module_with_a_dense_block(rng):
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 3)).double()
+    x = torch.as_tensor(rng.standard_normal((5, 4)))
+    from ntkcore.backends.torch import jacobian
+
+    J = jacobian(net, x)
+    assert any(isinstance(b, DenseBlock) for b in J.blocks)  # LayerNorm
+    for mode, exact in (("trace", ntkcore.ntk(net, x, mode="trace")),
+                        ("pseudo", ntkcore.pseudo_ntk(net, x))):
+        var = ntkcore.feature_variance(net, x, dim=30, mode=mode).detach().numpy()
+        samples = np.stack([_feature_kernel(ntkcore.features(
+            net, x, dim=30, seed=s, mode=mode).detach().numpy(), mode) for s in range(200)])
+        assert _unbiased_violation(samples, exact.detach().numpy(), var) <= 0
+
+
+def test_torch_cnn_float32(rng):
+    """Convolution blocks (S = 16 positions) in float32: unbiased in full mode against
+    ntk in float64 (the float32 rounding, ~1e-6 relative, is far below the 5 standard
+    errors); the features stay float32."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(48, 2))
+    x = torch.as_tensor(rng.standard_normal((4, 1, 6, 6)), dtype=torch.float32)
+    exact = ntkcore.ntk(net.double(), x.double()).detach().numpy()
+    var = ntkcore.feature_variance(net, x.double(), dim=40, mode="full").detach().numpy()
+    net = net.float()
+    phi = ntkcore.features(net, x, dim=40, mode="full")
+    assert phi.dtype == torch.float32 and tuple(phi.shape) == (4, 2, 40)
+    samples = np.stack([_feature_kernel(ntkcore.features(
+        net, x, dim=40, seed=s, mode="full").detach().double().numpy(), "full")
+        for s in range(200)])
+    assert _unbiased_violation(samples, exact, var) <= 0
+
+
+def test_jax_pair(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    p = {"w1": jnp.asarray(rng.standard_normal((5, 3))), "b1": jnp.zeros(5),
+         "w2": jnp.asarray(rng.standard_normal((2, 5)))}
+
+    def apply_fn(p, x):
+        return jnp.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
+
+    x = jnp.asarray(rng.standard_normal((4, 3)))
+    exact = np.asarray(ntkcore.ntk((apply_fn, p), x, mode="full"))
+    var = np.asarray(ntkcore.feature_variance((apply_fn, p), x, dim=12, mode="full"))
+    samples = np.stack([_feature_kernel(np.asarray(ntkcore.features(
+        (apply_fn, p), x, dim=12, seed=s, mode="full")), "full") for s in range(100)])
+    assert _unbiased_violation(samples, exact, var) <= 0
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_bad_arguments_name_the_argument(rng):
+    net = MLP.random((3, 4, 2), xp=np, seed=0)
+    x = rng.standard_normal((4, 3))
+    cases = [
+        (dict(dim=0), ValueError, "dim must be a positive integer"),
+        (dict(dim="8"), TypeError, "dim must be a positive integer"),
+        (dict(dim=1), ValueError, "dim=1 is smaller than the number of parameter blocks"),
+        (dict(dim=8, mode="diagonal"), ValueError, "mode must be one of .*mode='full'"),
+        (dict(dim=8, mode="bogus"), ValueError, "mode must be one of"),
+        (dict(dim=8, method="uniform"), ValueError, "method must be one of"),
+        (dict(dim=8, kronecker="kr"), ValueError, "kronecker must be one of"),
+        (dict(dim=8, seed=None), TypeError, "seed must be .* not None"),
+        (dict(dim=8, seed=-1), TypeError, "seed must be"),
+        (dict(dim=8, layerwise="yes"), TypeError, "layerwise must be True or False"),
+        (dict(dim=8, check_finite=1), TypeError, "check_finite must be True or False"),
+        (dict(dim=8, max_memory=100), ntkcore.BudgetTooSmallError, "max_memory >= "),
+        (dict(dim=8, probe=[1, 2]), TypeError, "probe must be an array"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            ntkcore.features(net, x, **kw)
+    with pytest.raises(TypeError, match="x is required"):
+        ntkcore.features(net, dim=8)
+    with pytest.raises(TypeError, match="x must be an array"):
+        ntkcore.features(net, [[1.0, 2.0, 3.0]], dim=8)
+    with pytest.raises(ValueError, match="x has no samples"):
+        ntkcore.features(net, x[:0], dim=8)
+    bad = x.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="x contains NaN"):
+        ntkcore.features(net, bad, dim=8)
+    assert not np.isnan(x).any()  # the caller's array is untouched
+    J = net.jacobian(x)
+    with pytest.raises(ValueError, match="x must be None when model is a Jacobian"):
+        ntkcore.features(J, x, dim=8)
+    with pytest.raises(TypeError, match="probe must be a Jacobian"):
+        ntkcore.features(J, dim=8, probe=x)
+    with pytest.raises(TypeError, match="has no Jacobian provider"):
+        ntkcore.features(object(), x, dim=8)
+
+
+def test_budget_error_states_a_budget_that_works(rng):
+    net = MLP.random((3, 4, 2), xp=np, seed=0)
+    x = rng.standard_normal((4, 3))
+    with pytest.raises(ntkcore.BudgetTooSmallError) as info:
+        ntkcore.features(net, x, dim=8, max_memory=100)
+    need = info.value.needed
+    np.testing.assert_allclose(ntkcore.features(net, x, dim=8, max_memory=need),
+                               ntkcore.features(net, x, dim=8), rtol=1e-13, atol=1e-13)
+
+
+def test_nonfinite_jacobian_is_reported(rng):
+    a, g, jac = _factors(rng)
+    jac[2, 0, 3] = np.inf
+    J = _jacobian(make_case("numpy"), a, g, jac)
+    with pytest.raises(ValueError, match="samples 0:5 contain NaN or Inf"):
+        ntkcore.features(J, dim=8)
+
+
+def test_differentiable_in_the_inputs_torch():
+    """The features carry autograd graphs to x (the provider's create_graph factors): the
+    gradient of a function of them passes torch's finite-difference gradcheck in float64."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
+                              torch.nn.Linear(5, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda z: ntkcore.features(net, z, dim=16, seed=1).pow(2).sum(), (x,))
