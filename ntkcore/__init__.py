@@ -24,6 +24,12 @@ from .cg import (
     cg_solve,
 )
 from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
+from .feature_regression import (
+    FeatureRidge,
+    feature_gd_mse_predict,
+    feature_gp_inference,
+    feature_regression,
+)
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
 from .kernel_ridge import KernelRidge
@@ -41,6 +47,7 @@ __all__ = [
     "CGReport",
     "ConvergenceWarning",
     "DenseBlock",
+    "FeatureRidge",
     "GPPosterior",
     "GramPlan",
     "Jacobian",
@@ -56,6 +63,9 @@ __all__ = [
     "centered_kernel_alignment",
     "cg_solve",
     "effective_rank",
+    "feature_gd_mse_predict",
+    "feature_gp_inference",
+    "feature_regression",
     "gd_mse_predict",
     "gp_inference",
     "gram",
