@@ -24,6 +24,12 @@ from .cg import (
     cg_solve,
 )
 from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
+from .feature_regression import (
+    FeatureRidge,
+    feature_gd_mse_predict,
+    feature_gp_inference,
+    feature_regression,
+)
 from .features import choose_dim, feature_error, feature_variance, features
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
@@ -42,6 +48,7 @@ __all__ = [
     "CGReport",
     "ConvergenceWarning",
     "DenseBlock",
+    "FeatureRidge",
     "GPPosterior",
     "GramPlan",
     "Jacobian",
@@ -59,6 +66,9 @@ __all__ = [
     "choose_dim",
     "effective_rank",
     "feature_error",
+    "feature_gd_mse_predict",
+    "feature_gp_inference",
+    "feature_regression",
     "feature_variance",
     "features",
     "gd_mse_predict",

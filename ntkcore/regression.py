@@ -135,11 +135,11 @@ def cholesky_with_jitter(
 
 
 def _ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
-                 jitter: str | float | None) -> tuple[Array, Array, Any]:
+                 jitter: str | float | None, name: str = "k_train") -> tuple[Array, Array, Any]:
     """``(L, alpha, eps)``: the factor, ``(K + (reg + eps) I)^{-1} y`` and the jitter."""
     differentiate = backend.tracks_gradient(k, y)
     k0 = backend.stop_gradient(k) if differentiate else k
-    l, eps = cholesky_with_jitter(xp, backend, k0, reg=reg, jitter=jitter)
+    l, eps = cholesky_with_jitter(xp, backend, k0, reg=reg, jitter=jitter, name=name)
     alpha = backend.cho_solve(l, backend.stop_gradient(y) if differentiate else y)
     if differentiate:
         # One step of iterative refinement, alpha <- alpha - A^{-1}(A alpha - y) with
@@ -253,6 +253,34 @@ def kernel_regression(
     return k_test_train @ _ridge_solve(xp, backend, k_train, y_train, reg, jitter)[1]
 
 
+def _check_times(xp: Any, backend: Backend, t: float | Array, like: Array) -> tuple[Array, Array]:
+    """``(t_arr, ts)``: ``t`` in ``like``'s dtype and device, and as a 1-D array (T,)."""
+    t_arr = xp.asarray(t, dtype=like.dtype, device=device(like))
+    if t_arr.ndim > 1:
+        raise ValueError(f"t must be a scalar or 1-D array of times; got shape {t_arr.shape}")
+    ts = xp.reshape(t_arr, (-1,))
+    if backend.is_traced(ts):  # under jax.jit: a NaN or negative time gives NaN predictions
+        ts = xp.where(ts >= 0, ts, float("nan"))
+    elif not bool(xp.all(ts >= 0)):
+        raise ValueError("t must hold non-negative times (inf allowed)")
+    return t_arr, ts
+
+
+def _flow_factor(xp: Any, w: Array, ts: Array, lr: float, tiny: Any) -> Array:
+    """``f[t, i] = (1 - exp(-lr w_i t)) / w_i`` (T, n) for eigenvalues ``w >= 0``, with the
+    limits ``lr t`` for ``w_i <= tiny`` and, at ``t = inf``, ``1 / w_i`` (0 for
+    ``w_i <= tiny``: the pseudo-inverse)."""
+    infinite = xp.isinf(ts)
+    small = xp.abs(w) <= tiny
+    w_safe = xp.where(small, xp.ones_like(w), w)
+    ts_finite = xp.where(infinite, xp.zeros_like(ts), ts)
+    lwt = lr * w_safe[None, :] * ts_finite[:, None]
+    f = -xp.expm1(-lwt) / w_safe[None, :]
+    f = xp.where(small[None, :], lr * ts_finite[:, None] * xp.ones_like(w)[None, :], f)
+    limit = xp.where(small, xp.zeros_like(w), 1.0 / w_safe)
+    return xp.where(infinite[:, None], limit[None, :] * xp.ones_like(f), f)
+
+
 @capabilities(note=DIFFERENTIABLE)
 def gd_mse_predict(
     k_train: Array,
@@ -316,15 +344,8 @@ def gd_mse_predict(
     k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
-    t_arr = xp.asarray(t, dtype=k_train.dtype, device=device(k_train))
-    if t_arr.ndim > 1:
-        raise ValueError(f"t must be a scalar or 1-D array of times; got shape {t_arr.shape}")
-    ts = xp.reshape(t_arr, (-1,))
+    t_arr, ts = _check_times(xp, backend, t, k_train)
     nan = float("nan")
-    if backend.is_traced(ts):  # under jax.jit: a NaN or negative time gives NaN predictions
-        ts = xp.where(ts >= 0, ts, nan)
-    elif not bool(xp.all(ts >= 0)):
-        raise ValueError("t must hold non-negative times (inf allowed)")
     n = k_train.shape[0]
     kk = k_train + reg * xp.eye(n, dtype=k_train.dtype, device=device(k_train)) if reg else k_train
     w, v = xp.linalg.eigh(kk)
@@ -358,15 +379,7 @@ def gd_mse_predict(
         raise NotPositiveDefiniteError(
             "k_train (+ reg I) is singular, so t=inf (kernel regression) is undefined; use reg>0"
         )
-    infinite = xp.isinf(ts)
-    small = xp.abs(w) <= tiny
-    w_safe = xp.where(small, xp.ones_like(w), w)
-    # phi[t, i] = (1 - exp(-lr w_i t)) / w_i, with the limits w -> 0 and t -> inf.
-    ts_finite = xp.where(infinite, xp.zeros_like(ts), ts)
-    lwt = lr * w_safe[None, :] * ts_finite[:, None]
-    phi = -xp.expm1(-lwt) / w_safe[None, :]
-    phi = xp.where(small[None, :], lr * ts_finite[:, None] * xp.ones_like(w)[None, :], phi)
-    phi = xp.where(infinite[:, None], (1.0 / w_safe)[None, :] * xp.ones_like(phi), phi)
+    phi = _flow_factor(xp, w, ts, lr, tiny)
     vty = v.T @ y_train  # (N,) or (N, K)
     ksv = k_test_train @ v  # (M, N)
     if y_train.ndim == 1:
@@ -391,12 +404,17 @@ class GPPosterior:
         :math:`\\log p(y)` summed over the K independent output columns.
     jitter : float
         Absolute jitter the factorisation needed (a 0-d array under ``jax.jit``).
+    variance : array, shape (M,), or None
+        The posterior variances, the diagonal of the covariance (``None`` where
+        :func:`gp_inference` has no ``k_test_test``; :func:`ntkcore.feature_gp_inference`
+        always gives them).
     """
 
     mean: Array
     covariance: Array | None
     log_marginal_likelihood: Array
     jitter: float
+    variance: Array | None = None
 
 
 @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
@@ -461,14 +479,16 @@ def gp_inference(
     l, eps = cholesky_with_jitter(xp, backend, k_train, reg=reg, jitter=jitter)
     alpha = backend.cho_solve(l, y_train)
     mean = k_test_train @ alpha
-    cov = None
+    cov = var = None
     if k_test_test is not None:
         w = backend.solve_triangular(l, k_test_train.T, lower=True)
         cov = k_test_test - w.T @ w
+        var = xp.linalg.diagonal(cov)
     n = k_train.shape[0]
     cols = 1 if y_train.ndim == 1 else y_train.shape[1]
     logdet_half = xp.sum(xp.log(xp.linalg.diagonal(l)))
     lml = -0.5 * xp.sum(y_train * alpha) - cols * logdet_half - 0.5 * n * cols * math.log(
         2 * math.pi
     )
-    return GPPosterior(mean=mean, covariance=cov, log_marginal_likelihood=lml, jitter=eps)
+    return GPPosterior(mean=mean, covariance=cov, log_marginal_likelihood=lml, jitter=eps,
+                       variance=var)

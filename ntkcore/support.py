@@ -181,7 +181,8 @@ _MODULES = ("ntkcore.regression", "ntkcore.models", "ntkcore._api", "ntkcore.fea
 
 #: Row order of the table and of ``docs/backends.md``; every entry is listed exactly once.
 ROWS = (
-    "kernel_regression", "KernelRidge", "gd_mse_predict", "gp_inference", "models.MLP",
+    "kernel_regression", "KernelRidge", "gd_mse_predict", "gp_inference", "feature_regression",
+    "FeatureRidge", "feature_gd_mse_predict", "feature_gp_inference", "models.MLP",
     "backends.jax.jacobian", "ntk", "pseudo_ntk", "features", "backends.torch.jacobian",
     "backends.torch.checkpointed_ntk", "backends.torch.kip_loss", "gram", "Jacobian",
     "analysis.kernel_alignment", "analysis.relative_kernel_distance",
