@@ -98,7 +98,6 @@ import array_api_compat.torch as _xp
 import torch
 from torch import nn
 
-from ntkcore._api import _jac_bytes
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
@@ -288,7 +287,7 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode
     out_dtype = dtype if dtype is not None else torch.promote_types(probe.dtype, js.dtype)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     layout = _choose_layout(probe, js, mode, budget, itemsize)
-    per_sample = _jac_bytes(probe) / probe.num_samples
+    per_sample = probe.nbytes / probe.num_samples
     mat_bytes = sum(b.num_outputs * b.num_params * itemsize
                     for b, kind in zip(probe.blocks, layout.kinds, strict=True) if kind == "mat")
     o = probe.num_outputs

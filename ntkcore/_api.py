@@ -73,11 +73,6 @@ from .tiling import TileGrid, progress_steps
 __all__ = ["ntk", "pseudo_ntk"]
 
 
-def _jac_bytes(j: Jacobian) -> int:
-    return sum(math.prod(arr.shape) * itemsize(j.xp, arr.dtype)
-               for b in j.blocks for arr in b.arrays())
-
-
 def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
     xp, backend = namespace_of(x1=x1, x2=x2)
     for name, x in (("x1", x1), ("x2", x2)):
@@ -297,7 +292,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
     if cached is None:
         probe = call(x1[0:min(n1, PROBE_SAMPLES), ...])
-        cached = (_jac_bytes(probe) / probe.num_samples, block_shapes(probe),
+        cached = (probe.nbytes / probe.num_samples, block_shapes(probe),
                   probe.num_outputs, itemsize(probe.xp, probe.dtype))
         if key is not None:
             _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
@@ -324,7 +319,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         batch = batch_size or batch_samples(per_sample, budget / 2)
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
-        rest = budget.less(_jac_bytes(j1) + (0 if j2 is None else _jac_bytes(j2)),
+        rest = budget.less(j1.nbytes + (0 if j2 is None else j2.nbytes),
                            budget // 4)
         return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
                     progress=progress, check_finite=check_finite)

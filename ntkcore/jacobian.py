@@ -21,12 +21,14 @@ Everything here is pure array API: the blocks hold arrays of one namespace and d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import array_api_compat
 
+from ._memory import itemsize
 from ._typing import Array
 from .linop import LinearOperator
 from .support import capabilities
@@ -326,6 +328,12 @@ class Jacobian:
     @property
     def num_params(self) -> int:
         return sum(b.num_params for b in self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the blocks' factor arrays (what the memory budget charges for them)."""
+        return sum(math.prod(a.shape) * itemsize(self._xp, a.dtype)
+                   for b in self.blocks for a in b.arrays())
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

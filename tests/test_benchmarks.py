@@ -453,3 +453,19 @@ def test_peers_full_mode_reference_matches_autodiff() -> None:
     # the crop used for large N keeps the leading block
     big = dict(p, n=100)
     assert suite._crop(np.zeros((100, 100, o, o)), big).shape == (suite.N_REF, suite.N_REF, o, o)
+
+
+def test_ab_compares_two_trees(tmp_path: Path) -> None:
+    """``python -m benchmarks.ab`` times each case in both trees, every round, and records
+    every timed call (here the same tree twice, on the seconds-long smoke case)."""
+    from benchmarks.ab.__main__ import main
+
+    out = tmp_path / "ab.json"
+    root = str(Path(__file__).resolve().parents[1])
+    assert main(["--before", root, "--after", root, "--rounds", "2", "--out", str(out),
+                 "smoke=3"]) == 0
+    data = json.loads(out.read_text())
+    assert data["rounds"] == 2
+    for side in ("before", "after"):
+        times = data["timings_s"]["smoke"][side]
+        assert len(times) == 2 * 3 and all(t > 0 for t in times)

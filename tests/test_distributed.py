@@ -434,8 +434,9 @@ def test_max_memory_string_on_a_worker_with_a_limit(net):
     with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 memory_limit="2GiB", silence_logs=logging.ERROR):
         got = k.compute()
-    np.testing.assert_allclose(got, dense_reference(net, x, None, "trace"), rtol=1e-12,
-                               atol=1e-12)
+    ref = dense_reference(net, x, None, "trace")  # float64 einsum of dense Jacobians
+    # both sides sum P products per output (Cauchy-Schwarz bound of tests/tolerances.py)
+    assert np.abs(got - ref).max() <= kernel_tol(np.float64, net.num_params, 2) * np.abs(ref).max()
 
 
 @pytest.mark.slow

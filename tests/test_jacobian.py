@@ -262,3 +262,13 @@ def test_inputs_not_mutated(rng):
     for b, c in zip(f, copies, strict=True):
         for x, y in zip(b[1:], c, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_nbytes_counts_every_factor_array(backend, rng):
+    """``Jacobian.nbytes`` is the bytes of its factor arrays (dense ``jac``, Kronecker ``a``
+    and ``g``), item size from each array's dtype: what the memory budget charges."""
+    a = backend.asarray(rng.standard_normal((3, 2, 4)), "float32")
+    g = backend.asarray(rng.standard_normal((3, 2, 5, 6)), "float32")
+    d = backend.asarray(rng.standard_normal((3, 5, 7)))
+    j = ntkcore.Jacobian([ntkcore.KroneckerBlock(a, g, "k"), ntkcore.DenseBlock(d, "d")])
+    assert j.nbytes == (3 * 2 * 4 + 3 * 2 * 5 * 6) * 4 + 3 * 5 * 7 * 8
