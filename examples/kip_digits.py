@@ -27,12 +27,12 @@ import time
 
 import numpy as np
 import torch
-from ntkcore.backends.torch_kip import kip_loss
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
 import ntkcore
+from ntkcore.backends.torch_kip import kip_loss
 
 CLASSES = 10
 

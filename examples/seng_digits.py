@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from ntkcore.backends.torch import SENG
 from sklearn.datasets import load_digits
 from torch import nn
+
+from ntkcore.backends.torch import SENG
 
 
 def load_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

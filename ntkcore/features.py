@@ -114,7 +114,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._api import _check_model_finite, _explain, _jac_bytes
+from ._api import _check_model_finite, _explain
 from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, check_size, namespace_of
@@ -497,7 +497,7 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     xp, sig = first.xp, _signature(first)
     budget = resolve_budget(max_memory, backend, first.device)
     fmap = _FeatureMap(_plan(first, dim, method, weights, kronecker), seed)
-    per_sample = _jac_bytes(first) / first.num_samples
+    per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
     item = itemsize(xp, first.dtype)
     extra = item * sum(

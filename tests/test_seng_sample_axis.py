@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from ntkcore.backends.torch import SENG  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
+from ntkcore.backends.torch import SENG  # noqa: E402
 from tests.sample_axis_models import Buffer, BufferConv, SeqFirst  # noqa: E402
 
 DT = torch.float64

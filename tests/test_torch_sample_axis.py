@@ -19,11 +19,11 @@ from functools import partial
 
 import pytest
 import torch
-from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from torch import nn
 
 import ntkcore
 from ntkcore import KroneckerBlock
+from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from tests.references import autograd_jacobian_graph
 from tests.sample_axis_models import Buffer, BufferConv, SeqFirst
 from tests.test_torch_provider import check_model, dense_reference, reference, rel

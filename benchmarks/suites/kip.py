@@ -114,9 +114,9 @@ def loss_fn(impl: str, p: dict[str, Any], max_memory: Any, batch_size: int | Non
             timings: dict[str, float] | None = None) -> Any:
     """The KIP loss of ``impl`` (a torch scalar with a graph to ``p["xs"]``)."""
     import torch
-    from ntkcore.backends.torch_kip import kip_loss
 
     import ntkcore
+    from ntkcore.backends.torch_kip import kip_loss
 
     model, xs, ys, xt, yt = p["model"], p["xs"], p["ys"], p["xt"], p["yt"]
     if impl in ("fused", "checkpointed"):

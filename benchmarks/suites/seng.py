@@ -36,6 +36,7 @@ def _models() -> dict[str, Callable[[], Any]]:
 
 def _optimizer(impl: str, model: Any) -> Any:
     import torch
+
     from ntkcore.backends.torch import SENG
 
     if impl == "sgd":
