@@ -38,13 +38,22 @@ normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_s
                        s the C parameters are broadcast over, :math:`\hat x` recomputed from
                        the hooked input (no torch.func pass; why a DenseBlock and not a new
                        block kind: ``torch_layers``).
+recurrent layers       ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (3-D tensor input, no projection):
+                       one KroneckerBlock per layer, direction and matrix, positions = time
+                       steps: ``[W_ih | b_ih]`` with a = [x_t, 1], ``[W_hh | b_hh]`` with
+                       a = [h_{t-1}, 1], g the gradient w.r.t. the gate pre-activations
+                       (``torch_layers.recurrent_blocks``).  The hooked forward replaces
+                       the module's output by a step-by-step recomputation with its own
+                       parameters, so that these are on the graph; named after the first
+                       selected parameter of each (weight, bias) pair, e.g.
+                       ``gru.weight_ih_l0``, in the layout of a Linear.
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (custom modules, bare ``nn.Parameter``, subclasses
                        overriding ``forward`` such as timm's ``LayerNorm2d``).  Where
-                       ``torch.func`` cannot run the model (it raises for ``nn.GRU`` /
-                       ``nn.RNN`` / stacked or bidirectional ``nn.LSTM`` with the default
-                       ``hx`` and ``nn.PReLU`` in torch 2.13, and for data-dependent control
+                       ``torch.func`` cannot run the model (it raises for a recurrent layer
+                       that is not unrolled, e.g. on a ``PackedSequence``, for ``nn.PReLU``
+                       in torch 2.13, and for data-dependent control
                        flow such as ``if x.isfinite().all():``), the
                        same DenseBlocks come from plain autograd, one sample and one output
                        at a time: exact, silent, N * O backward passes.  An error the model
@@ -101,6 +110,9 @@ and appear in the order of their first parameter in ``names``:
   d_in = 1 with a = 1), flattened row-major, i.e. the bias is *interleaved* as the last column
   of each row, not appended after the weight.
 * KroneckerBlock of an Embedding at ``m``: ``m.weight.T`` flattened row-major.
+* KroneckerBlock of a recurrent module at ``m`` named ``m.weight_ih_l0`` (or
+  ``m.bias_ih_l0`` when only the bias is selected): ``[weight_ih_l0, bias_ih_l0[:, None]]``
+  flattened row-major, as a Linear's; likewise ``hh`` and ``_reverse``.
 * DenseBlock named ``m`` (a module path): the selected parameters registered directly on
   ``m``, each flattened row-major, concatenated in ``named_parameters`` order.  A parameter
   registered on the root module gets its own DenseBlock named by the parameter name.

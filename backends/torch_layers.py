@@ -293,42 +293,6 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
 # --------------------------------------------------------------------------------------------
 # recurrent layers: nn.RNN / nn.GRU / nn.LSTM unrolled over time (positions = time steps)
 # --------------------------------------------------------------------------------------------
-r"""Recurrent layers as time-unrolled Linear layers.
-
-Layer k, direction d of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` applies two weight matrices
-at every time step t (torch's gate order; G = 1, 3, 4 gates of H units):
-
-.. math:: u_t = W_{ih} x_t + b_{ih}, \qquad v_t = W_{hh} h_{t-1} + b_{hh}
-          \qquad (u_t, v_t \in \mathbb R^{G H},\ h_{-1} = h_0),
-
-then the cell (:func:`_cell`): RNN :math:`h_t = \tanh(u_t + v_t)` (or ReLU); GRU
-:math:`r, z = \sigma(u_{r,z} + v_{r,z})`, :math:`n = \tanh(u_n + r \odot v_n)`,
-:math:`h_t = (1 - z) \odot n + z \odot h_{t-1}`; LSTM :math:`i, f, g, o = \sigma, \sigma,
-\tanh, \sigma\,(u + v)`, :math:`c_t = f \odot c_{t-1} + i \odot g`,
-:math:`h_t = o \odot \tanh(c_t)`.  With the positions s = t, :math:`[W_{ih} | b_{ih}]` is a
-Kronecker block with
-
-.. math:: a_{ih}[n, t] = [x_t, 1], \qquad g_{ih}[n, t, o] = \partial f_o(x_n) / \partial u_t,
-
-and :math:`[W_{hh} | b_{hh}]` one with :math:`a_{hh}[n, t] = [h_{t-1}, 1]` and
-:math:`g_{hh}[n, t, o] = \partial f_o / \partial v_t`.  The second needs no gradient pass of its
-own: :math:`v_t` enters the cell exactly where :math:`u_t` does, except GRU's candidate gate,
-which sees :math:`r_t \odot v_{n,t}` (:math:`b_{hn}` sits inside the product), so
-
-.. math:: g_{hh} = g_{ih} \ \text{(RNN, LSTM; all gates of the GRU but n)}, \qquad
-          g_{hh, n} = r_t \odot g_{ih, n} \ \text{(GRU)}.
-
-``torch``'s fused op hides :math:`x_t` (above layer 0), :math:`h_{t-1}` and the gate
-pre-activations from hooks, so the provider replaces the module's output in its hooked forward
-by :func:`recurrent_forward`, which recomputes it step by step with the module's own
-parameters (equal to the fused output up to rounding), computing all :math:`u_t` of a layer as
-one tensor: the gradient of every output with respect to it is :math:`g_{ih}` for all t at once
-(it is split by ``unbind``, whose backward stacks, so no per-step zero padding).
-Structured: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, explicit or
-default ``hx``, 3-D tensor input; not (a DenseBlock from the exact per-sample path):
-``proj_size > 0``, unbatched 2-D input, ``PackedSequence`` input, subclasses with their own
-``forward``.  Inter-layer dropout in training mode is random and refused by the provider.
-"""
 
 RECURRENT = {c: c.forward for c in (nn.RNN, nn.GRU, nn.LSTM)}
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
@@ -367,7 +331,7 @@ class RecurrentPass:
 def _cell(mode: str, u: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
           c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
                                            torch.Tensor | None]:
-    """One time step (the module docstring's formulas, in ATen's order of operations):
+    """One time step (the formulas of :func:`recurrent_blocks`, in ATen's order of operations):
     (h_t, c_t or None, GRU's r_t or None) from u_t, v_t, h_{t-1}, c_{t-1}."""
     if mode == "GRU":
         u_r, u_z, u_n = u.chunk(3, 1)
@@ -417,7 +381,7 @@ def _direction(mod: nn.Module, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
 
 def recurrent_forward(mod: nn.Module, inp: torch.Tensor,
                       hx: Any) -> tuple[tuple[torch.Tensor, Any], list[RecurrentPass]]:
-    """``mod(inp, hx)`` unrolled step by step (3-D ``inp``; see the module docstring), as
+    """``mod(inp, hx)`` unrolled step by step (3-D ``inp``; see :func:`recurrent_blocks`), as
     ``(output, h_n)`` (LSTM: ``(output, (h_n, c_n))``), and the passes of every layer and
     direction.  The input and ``hx`` are cloned first, so that later in-place changes by the
     model cannot alter the recorded factors."""
@@ -456,8 +420,44 @@ def recurrent_blocks(mod: nn.Module, path: str, calls: list[list[RecurrentPass]]
     :math:`g_{ih}` (N, T, O, G H), one per pass in the same order, ``names`` the selected local
     parameter names.  One block per selected (weight, bias) pair, named ``path.<first
     selected of the pair>``, layout ``[W | b]`` (the bias as the last column, as a Linear's);
-    the calls are concatenated along the positions.  :math:`g_{hh}` from :math:`g_{ih}` as in
-    the module docstring; ``detach`` drops the graph of the a factors and of :math:`r_t`.
+    the calls are concatenated along the positions.  :math:`g_{hh}` from :math:`g_{ih}` as
+    below; ``detach`` drops the graph of the a factors and of :math:`r_t`.
+
+    Recurrent layers as time-unrolled Linear layers
+    -----------------------------------------------
+    Layer k, direction d of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` applies two weight matrices
+    at every time step t (torch's gate order; G = 1, 3, 4 gates of H units):
+
+    .. math:: u_t = W_{ih} x_t + b_{ih}, \qquad v_t = W_{hh} h_{t-1} + b_{hh}
+              \qquad (u_t, v_t \in \mathbb R^{G H},\ h_{-1} = h_0),
+
+    then the cell (:func:`_cell`): RNN :math:`h_t = \tanh(u_t + v_t)` (or ReLU); GRU
+    :math:`r, z = \sigma(u_{r,z} + v_{r,z})`, :math:`n = \tanh(u_n + r \odot v_n)`,
+    :math:`h_t = (1 - z) \odot n + z \odot h_{t-1}`; LSTM :math:`i, f, g, o = \sigma, \sigma,
+    \tanh, \sigma\,(u + v)`, :math:`c_t = f \odot c_{t-1} + i \odot g`,
+    :math:`h_t = o \odot \tanh(c_t)`.  With the positions s = t, :math:`[W_{ih} | b_{ih}]` is a
+    Kronecker block with
+
+    .. math:: a_{ih}[n, t] = [x_t, 1], \qquad g_{ih}[n, t, o] = \partial f_o(x_n) / \partial u_t,
+
+    and :math:`[W_{hh} | b_{hh}]` one with :math:`a_{hh}[n, t] = [h_{t-1}, 1]` and
+    :math:`g_{hh}[n, t, o] = \partial f_o / \partial v_t`.  The second needs no gradient pass of its
+    own: :math:`v_t` enters the cell exactly where :math:`u_t` does, except GRU's candidate gate,
+    which sees :math:`r_t \odot v_{n,t}` (:math:`b_{hn}` sits inside the product), so
+
+    .. math:: g_{hh} = g_{ih} \ \text{(RNN, LSTM; all gates of the GRU but n)}, \qquad
+              g_{hh, n} = r_t \odot g_{ih, n} \ \text{(GRU)}.
+
+    ``torch``'s fused op hides :math:`x_t` (above layer 0), :math:`h_{t-1}` and the gate
+    pre-activations from hooks, so the provider replaces the module's output in its hooked forward
+    by :func:`recurrent_forward`, which recomputes it step by step with the module's own
+    parameters (equal to the fused output up to rounding), computing all :math:`u_t` of a layer as
+    one tensor: the gradient of every output with respect to it is :math:`g_{ih}` for all t at once
+    (it is split by ``unbind``, whose backward stacks, so no per-step zero padding).
+    Structured: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, explicit or
+    default ``hx``, 3-D tensor input; not (a DenseBlock from the exact per-sample path):
+    ``proj_size > 0``, unbatched 2-D input, ``PackedSequence`` input, subclasses with their own
+    ``forward``.  Inter-layer dropout in training mode is random and refused by the provider.
     """
     sel = set(names)
     by_key: dict[str, list[tuple[RecurrentPass, torch.Tensor]]] = {}
