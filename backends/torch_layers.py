@@ -363,6 +363,8 @@ def _direction(mod: nn.Module, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
                 views[f"{w}_{kind}_{key}"] = p.view(p.shape)
     get = views.get
     u = F.linear(x, views[f"weight_ih_{key}"], get(f"bias_ih_{key}"))
+    if not u.requires_grad and torch.is_grad_enabled():
+        u.requires_grad_()  # (W_ih, b_ih frozen, x constant): g_hh still comes from g_ih
     steps = u.unbind(1)
     n_t = len(steps)
     hs: list[torch.Tensor] = [h] * n_t

@@ -250,7 +250,7 @@ class TwoCalls(nn.Module):
 
     def forward(self, x):
         a, (h, _) = self.rnn(x[:, :T])
-        b, _ = self.rnn(x[:, T:], (h, torch.zeros_like(h)))
+        b, _ = self.rnn(x[:, T:], hx=(h, torch.zeros_like(h)))  # hx as a keyword
         return self.out(a.mean(1) * b.mean(1))
 
 
@@ -398,3 +398,31 @@ def test_float32_kernel(dense_calls):
                                               computations=2)
     assert isinstance(jacobian(model.float(), x).blocks[1], KroneckerBlock)
     assert not isinstance(jacobian(model.float(), x).blocks[1], DenseBlock)
+
+
+def test_frozen_input_weights(dense_calls):
+    """W_ih and b_ih frozen (requires_grad False) on a plain input: u = W_ih x + b_ih is then
+    off the graph, yet g_hh (derived from the gradient w.r.t. u) must not be zero."""
+    for cell in ("gru", "lstm"):
+        model, layers = make(cell, "1-layer")
+        for name in ("weight_ih_l0", "bias_ih_l0"):
+            getattr(model.rnn, name).requires_grad_(False)
+        x1, x2 = torch.randn(3, T, IN, dtype=DT), torch.randn(2, T, IN, dtype=DT)
+        j = check_against_reference(model, x1, x2, layers)
+        assert kinds(j) == "KK" and j.names == ("rnn.weight_hh_l0", "out")
+    assert dense_calls == []
+
+
+def test_single_output_and_backward_loop(dense_calls):
+    """O = 1 (one backward pass) and the loop of O passes give the same blocks as the
+    reference / the batched pass."""
+    model = EmbGRU(classes=1).to(DT).eval()
+    x1, x2 = torch.randint(0, 20, (4, 6)), torch.randint(0, 20, (3, 6))
+    check_against_reference(model, x1, x2, 1, t=6, fan_in=6 + 5 + 1)
+    model, layers = make("lstm", "2-layer-bidir")
+    x = torch.randn(3, T, IN, dtype=DT)
+    jb, jl = jacobian(model, x, backward="batched"), jacobian(model, x, backward="loop")
+    tol = tol_for(jb.num_params, 2, layers)
+    assert kinds(jl) == kinds(jb) == "K" * 9
+    assert rel(jl.to_dense(), jb.to_dense()) < tol
+    assert dense_calls == []
