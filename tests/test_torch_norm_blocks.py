@@ -19,8 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
 from torch.func import functional_call, grad, jacrev, vmap  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import ntkcore  # noqa: E402
 import ntkcore.backends.torch_jacobian as tj  # noqa: E402
