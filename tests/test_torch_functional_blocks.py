@@ -13,9 +13,10 @@ Jacobian in block order and the full / trace kernels, symmetric and cross.  The 
 each of them went through it), and the block kinds that they are Dense / Kronecker blocks.
 
 Guards: a parameter used in a way the mode does not recognise (an extra ``gamma.sum()``, an
-in-place ``mul_``, ``addcmul``, a transposed Linear weight, an ``autograd.Function``, a use
-without a sample axis, a merged (N*T, C) axis) keeps the ``torch.func`` path, with the same
-exact numbers; a parameter used twice in recognised ways is the sum of both.  timm's own
+in-place ``mul_``, ``addcmul``, a scaled copy, a transposed Linear weight: caught in the
+forward pass), inside an ``autograd.Function`` next to a recognised use (caught by the count of
+graph edges), a use without a sample axis or with a merged (N*2, C) axis (caught by the probe)
+keeps the ``torch.func`` path, with the same exact numbers; a parameter used twice in recognised ways is the sum of both.  timm's own
 ``LayerNorm2d``, ``BatchNormAct2d``, ``ConvNeXtBlock`` and a one-block ``VisionTransformer`` at
 tiny sizes (skipped without timm), and a plain MLP that never enters the mode.
 """
@@ -308,10 +309,11 @@ class Guarded(nn.Module):
             y = h * (2.0 * g)
         elif self.how == "transposed-linear":
             y = F.linear(h, g[:, None].expand(5, 5).t())
-        elif self.how == "function":
-            y = _Product.apply(h, g)
+        elif self.how == "function":  # a recognised use and one the mode cannot see
+            y = h * g + _Product.apply(torch.tanh(h), g)
         elif self.how == "no-sample-axis":  # gamma * a fixed table, then added to every sample
-            y = h + g * torch.linspace(0.5, 1.5, 5, dtype=h.dtype)
+            table = torch.linspace(0.5, 1.5, 15, dtype=h.dtype).reshape(3, 5)
+            y = (h[:, None] + g * table).sum(1)
         elif self.how == "merged-axis":  # (N*2, 5): no axis of length N
             y = (torch.stack([h, 2 * h], 1).reshape(-1, 5) * g).reshape(-1, 2, 5).sum(1)
         elif self.how == "twice":  # two recognised uses: structured, their sum
