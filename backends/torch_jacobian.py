@@ -38,10 +38,21 @@ normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_s
                        s the C parameters are broadcast over, :math:`\hat x` recomputed from
                        the hooked input (no torch.func pass; why a DenseBlock and not a new
                        block kind: ``torch_layers``).
+functional calls       parameters no hooked module owns, when every use of them is an
+                       ``F.linear`` (KroneckerBlock: ``nn.MultiheadAttention``'s ``in_proj``
+                       and ``out_proj``), an ``F.layer_norm`` / ``batch_norm`` (eval) /
+                       ``group_norm`` / ``instance_norm`` / ``rms_norm`` (subclasses with
+                       their own ``forward`` such as timm's ``LayerNorm2d``,
+                       ``BatchNormAct2d``), a product ``h * P`` or sum ``h + P`` (layer-scale
+                       ``gamma``, ``pos_embed``, a bias added by hand) or a piece of a
+                       ``torch.cat`` (``cls_token.expand(N, ...)``): recorded by a
+                       ``TorchFunctionMode`` during the same forward and probe (only when such
+                       parameters exist), blocks from the same output gradients
+                       (``torch_functional``: the rules and the guards).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
-                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter``, subclasses
-                       overriding ``forward`` such as timm's ``LayerNorm2d``).  Where
+                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
+                       other ways, anything the functional calls do not cover).  Where
                        ``torch.func`` cannot run the model (it raises for ``nn.GRU`` /
                        ``nn.RNN`` / stacked or bidirectional ``nn.LSTM`` with the default
                        ``hx`` and ``nn.PReLU`` in torch 2.13, and for data-dependent control
