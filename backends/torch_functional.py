@@ -56,6 +56,12 @@ all selected parameters registered on its module are structured the same way (on
 Kronecker matrix [W | b], weight registered first, or all dense).  Otherwise the parameter
 keeps the exact ``torch.func`` path.
 
+Not covered (they keep ``torch.func``): other ops (``-``, ``/``, ``addcmul``, ``matmul``,
+``F.embedding``, in-place ops), a result with fewer than two axes (an (N,) output plus a
+bias), a Linear weight registered on the root module, ``nn.MultiheadAttention`` with separate
+q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG`` does not use this module (its non-Linear /
+Conv layers keep its own ``torch.func`` path).
+
 ``nn.MultiheadAttention``.  ``F.multi_head_attention_forward`` is a Python function that
 dispatches to the mode as a whole; the mode runs a copy of its body with its
 ``has_torch_function`` check off and the mode active, so that its ``F.linear`` calls are seen.
@@ -84,7 +90,8 @@ from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
 from .torch_layers import _with_ones, cat
 
-__all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "functional_blocks", "sample_axes"]
+__all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
+           "structured_groups"]
 
 # Structured module classes whose parameters the parent applies functionally (never a module
 # call): left to the mode instead of the hooks.

@@ -16,9 +16,10 @@ Guards: a parameter used in a way the mode does not recognise (an extra ``gamma.
 in-place ``mul_``, ``addcmul``, a scaled copy, a transposed Linear weight: caught in the
 forward pass), inside an ``autograd.Function`` next to a recognised use (caught by the count of
 graph edges), a use without a sample axis or with a merged (N*2, C) axis (caught by the probe)
-keeps the ``torch.func`` path, with the same exact numbers; a parameter used twice in recognised ways is the sum of both.  timm's own
-``LayerNorm2d``, ``BatchNormAct2d``, ``ConvNeXtBlock`` and a one-block ``VisionTransformer`` at
-tiny sizes (skipped without timm), and a plain MLP that never enters the mode.
+keeps the ``torch.func`` path, with the same exact numbers; a parameter used twice in
+recognised ways is the sum of both.  timm's own ``LayerNorm2d``, ``BatchNormAct2d``,
+``ConvNeXtBlock`` and a one-block ``VisionTransformer`` at tiny sizes (skipped without timm),
+and a plain MLP that never enters the mode.
 """
 
 from __future__ import annotations
