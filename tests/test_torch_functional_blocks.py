@@ -252,6 +252,28 @@ def test_attention_weight_or_bias_only(params, dense_calls):
     assert dense_calls == []
 
 
+@pytest.mark.parametrize("name", ["cls-pos", "mha-seq-first", "conv-scale"])
+@pytest.mark.parametrize("n", [1, 6])  # N = 1 (the probe takes 2 samples); N = T + 1 for cls-pos
+def test_batch_sizes(name, n, dense_calls):
+    model, _, _, _ = _make(name)
+    x = torch.randn(n, *MODELS[name][1][1:], dtype=DT)
+    j = jacobian(model, x)
+    assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
+        tol_for(j.num_params, 3)
+    assert dense_calls == []
+
+
+def test_attention_emits_no_warning():
+    """No torch.func pass, so no batching-rule warning of scaled_dot_product_attention."""
+    import warnings
+
+    model, x, _, _ = _make("mha")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ntkcore.ntk(model, x, mode="full")
+    assert [str(w.message) for w in caught] == []
+
+
 def test_differentiable_in_x():
     """create_graph: the functional factors keep the graph to x (KIP's path)."""
     model, x, _, _ = _make("cls-pos")
