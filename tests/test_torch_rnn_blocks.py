@@ -426,3 +426,28 @@ def test_single_output_and_backward_loop(dense_calls):
     assert kinds(jl) == kinds(jb) == "K" * 9
     assert rel(jl.to_dense(), jb.to_dense()) < tol
     assert dense_calls == []
+
+
+class GRUAttention(nn.Module):
+    """A GRU next to parameters found as functional calls (MultiheadAttention's in_proj /
+    out_proj): both mechanisms in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(IN, HID, batch_first=True, bidirectional=True)
+        self.attn = nn.MultiheadAttention(2 * HID, 2, batch_first=True)
+        self.out = nn.Linear(2 * HID, 2)
+
+    def forward(self, x):
+        h = self.gru(x)[0]
+        return self.out(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # the reference's jacrev
+def test_with_functional_calls(dense_calls):
+    model = GRUAttention().to(DT).eval()
+    x1, x2 = torch.randn(3, T, IN, dtype=DT), torch.randn(2, T, IN, dtype=DT)
+    j = check_against_reference(model, x1, x2, 2, fan_in=IN + 3 * 2 * HID + 1)
+    assert dense_calls == []
+    assert j.names[:4] == ("gru.weight_ih_l0", "gru.weight_hh_l0", "gru.weight_ih_l0_reverse",
+                           "gru.weight_hh_l0_reverse")
