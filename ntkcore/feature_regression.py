@@ -137,7 +137,7 @@ def _ridge_weights(xp: Any, backend: Backend, phi: Array, y: Array, reg: float,
 PRIMAL_COPIES = 5
 
 
-def _stream_moments(model: Any, x: Array, y: Array, kw: dict[str, Any]
+def _stream_moments(model: Any, x: Array | None, y: Array, kw: dict[str, Any]
                     ) -> tuple[Any, Backend, Array, Array, tuple[int, ...]]:
     r"""``(xp, backend, G, c, tail)``: :math:`G = \sum_b \Phi_b^\top\Phi_b` (dim, dim) and
     :math:`c = \sum_b \Phi_b^\top y_b` (dim, K) over the sample batches ``b`` of
@@ -146,7 +146,8 @@ def _stream_moments(model: Any, x: Array, y: Array, kw: dict[str, Any]
     features are never held together."""
     from .features import feature_batches  # features imports this package's modules
 
-    n = int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else 0
+    n = int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else \
+        getattr(model, "num_samples", 0) if x is None else 0  # model: a Jacobian
     if getattr(y, "ndim", 0) < 1 or int(y.shape[0]) != n:
         raise ValueError(f"y must have one row per sample of x ({n}); got shape "
                          f"{tuple(getattr(y, 'shape', ()))}")
@@ -451,7 +452,7 @@ class FeatureRidge(Regressor):
         self.__dict__.pop("_features_kw", None)  # no model arguments: fit_model's are void
         return self
 
-    def fit_model(self, model: Any, x: Array, y: Array, *, dim: int, seed: Any = 0,
+    def fit_model(self, model: Any, x: Array | None, y: Array, *, dim: int, seed: Any = 0,
                   mode: str = "trace", max_memory: Any = None, **features_kw: Any
                   ) -> FeatureRidge:
         r"""Fit on ``ntkcore.features(model, x, dim=dim, seed=seed, mode=mode, ...)`` streamed
@@ -468,7 +469,8 @@ class FeatureRidge(Regressor):
         ----------
         model, x, dim, seed, mode, max_memory, **features_kw
             As for :func:`ntkcore.features` (``method``, ``params``, ``probe``, ``kronecker``,
-            ``progress``, ``check_finite``); remembered for :meth:`predict_model`.
+            ``progress``, ``check_finite``; ``model`` may be a Jacobian with ``x`` None);
+            remembered for :meth:`predict_model`.
         y : array, shape (N,) or (N, K); (N, O) or (N, O, K) in full mode
             Targets, in the namespace of the features.
 
@@ -492,7 +494,7 @@ class FeatureRidge(Regressor):
         self._features_kw = kw
         return self
 
-    def predict_model(self, model: Any, x: Array, *, max_memory: Any = None) -> Array:
+    def predict_model(self, model: Any, x: Array | None, *, max_memory: Any = None) -> Array:
         """Predictions on ``features(model, x, ...)`` with the arguments of
         :meth:`fit_model` (the same projection), streamed over sample batches within
         ``max_memory`` (the (M, dim) features are never held together)."""

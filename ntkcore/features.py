@@ -136,7 +136,7 @@ from .support import GENERATOR, capabilities
 from .tiling import progress_steps
 
 __all__ = ["AUTO_GAUSSIAN_ENTRIES", "FEATURE_MODES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
-           "allocate_exact", "choose_dim",
+           "allocate_exact", "choose_dim", "feature_batches",
            "feature_error", "feature_variance", "features", "kronecker_grid"]
 
 #: Feature modes (``ntk``'s "full" and "trace", and the pseudo-NTK).
@@ -270,6 +270,17 @@ def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
                     else "sparse_sign"
             plans.append(_BlockPlan(str(block.name), q, kind, block.num_params))
     return plans
+
+
+def _batch_numbers(p: _BlockPlan, block: Any, r: int) -> int:
+    """Numbers per sample that :meth:`_FeatureMap.apply` allocates for one block of ``r``
+    outputs: the projected factors a_s (S, q_A) and g_s (S, R, q_G), and the grid's cells
+    (R, q_A q_G) or the pairs' products (S, R, q); the block's output (R, q) otherwise."""
+    if p.method == "grid":
+        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g
+    if p.method == "pairs":
+        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.dim
+    return r * p.dim
 
 
 def _signature(J: Jacobian) -> tuple[Any, ...]:
@@ -588,10 +599,8 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
     per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
     item = itemsize(xp, first.dtype)
-    extra = item * sum(
-        (b.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g)
-        if p.method in KRONECKER_LAYOUTS
-        else r * p.dim for p, b in zip(fmap.plans, first.blocks, strict=True)) + item * r * width
+    extra = item * sum(_batch_numbers(p, b, r) for p, b in zip(fmap.plans, first.blocks,
+                                                                strict=True)) + item * r * width
     held = fmap.sketch_bytes() + (0.0 if reserve is None else float(reserve(width, item)))
     avail = budget - held
     need_one = CALL_OVERHEAD * per_sample + extra

@@ -614,6 +614,8 @@ def test_fit_model_errors(rng):
     with pytest.raises(NotFittedError, match=r"fit_model\(model, x, y"):
         ntkcore.FeatureRidge().predict_model(net, x)
     est = ntkcore.FeatureRidge(alpha=0.1).fit_model(net, x, y, dim=8)
+    jac = ntkcore.FeatureRidge(alpha=0.1).fit_model(net.jacobian(x), None, y, dim=8)
+    np.testing.assert_array_equal(jac.coef_, est.coef_)  # a Jacobian as the model: the same
     est.fit(ntkcore.features(net, x, dim=8), y)  # plain fit: no model arguments remembered
     with pytest.raises(NotFittedError):
         est.predict_model(net, x)

@@ -531,6 +531,27 @@ def test_budget_error_states_a_budget_that_works(backend, rng):
                                want, rtol=0, atol=kernel_tol("float64", 8, 2) * np.abs(want).max())
 
 
+def test_budget_charges_what_a_batch_allocates(rng):
+    """NumPy allocations (tracemalloc) of features stay within max_memory plus the result
+    (not charged: its batches and their concatenation); the pairs layout is charged its
+    (S, R, q) products, not a q x q grid (which would make 22 MB too small here)."""
+    import tracemalloc
+
+    net = MLP.random((20, 64, 64, 10), xp=np, seed=0, activation="tanh")
+    x = rng.standard_normal((64, 20))
+    for kronecker in ("pairs", "grid"):
+        calls = []
+        tracemalloc.start()
+        try:
+            phi = ntkcore.features(net, x, dim=2048, max_memory=22_000_000, kronecker=kronecker,
+                                   progress=lambda d, t, seen=calls: seen.append(t))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert calls[-1] > 1  # streamed in several batches
+        assert peak <= 22_000_000 + 2 * phi.nbytes
+
+
 def test_nonfinite_jacobian_is_reported(rng):
     a, g, jac = _factors(rng)
     jac[2, 0, 3] = np.inf
