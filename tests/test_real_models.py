@@ -204,3 +204,38 @@ def test_torchvision_ops_defined_only_when_the_import_needs_them():
     assert got.returncode == 0, got.stderr[-2000:]
     defined, nms, qnms = got.stdout.split()
     assert defined == str(needed) and nms == qnms == "True"
+
+
+def test_benchmark_sizes_fit_the_jacobian_budget():
+    """N_fit is the largest N whose N x O x P Jacobian fits (resnet18 at O = 10 in float32:
+    447 MB a sample, 17 in 8 GB), capped, and 16 and 32 are always there."""
+    from benchmarks.suites.real_models import sizes
+
+    p, o = 11_181_642, 10
+    assert sizes(p, o, 4, 8e9) == [16, 17, 32]
+    assert 17 * o * p * 4 <= 8e9 < 18 * o * p * 4
+    assert sizes(137_538, 2, 4, 8e9) == [16, 32, 256]
+    assert sizes(137_538, 2, 4, 8e9, max_n=8) == [8, 16, 32]
+    assert sizes(p, o, 8, 1e8) == [1, 16, 32]
+
+
+def test_real_models_table_renders_blocks_shares_and_budget():
+    from benchmarks import render
+
+    params = {"N": 16, "model": "resnet18", "max_memory": "500MB", "dense_share": 0.25,
+              "func_share": 0.125, "mem_over_budget": 1.04, "torch_func_blocks": ["bn1"],
+              "blocks": {"KroneckerBlock": 21, "DenseBlock": 20, "torch.func": 1,
+                         "DiagonalBlock": 3}}
+    rows = [{"suite": "real_models", "case": "resnet18 N=16 trace", "impl": "ntkcore",
+             "dtype": "float32", "median_s": 0.1, "_speedup": 20.0, "params": params,
+             "peak_mem_bytes": 520e6, "baseline": "torch.func jacobian"},
+            {"suite": "real_models", "case": "resnet18 N=16 trace",
+             "impl": "torch.func jacobian", "dtype": "float32", "median_s": 2.0,
+             "params": {"N": 16}}]
+    text = render.real_models_section(rows)
+    line = [x for x in text.splitlines() if x.startswith("| resnet18")]
+    assert len(line) == 1
+    cells = [c.strip() for c in line[0].strip("|").split("|")]
+    assert cells[1:8] == ["16", "100 ms", "2 s", "20x", "21 / 20 / 1; 3 DiagonalBlock",
+                          "25.0%", "12.5%"]
+    assert cells[8].endswith("= 1.04x") and cells[9] == "bn1"
