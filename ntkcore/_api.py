@@ -18,9 +18,14 @@ computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
 the row block's factors are computed once, the column blocks' are recomputed per row block (for
 ``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
-itself is not counted.  The budget is resolved once (a :class:`ntkcore._memory.Budget`, split
-explicitly; batches by :func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget
-too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
+itself is not counted.  Stacking the batches drops each block's pieces once that block is
+stacked (``Jacobian.concatenate(..., consume=True)``: F plus one block, not 2 F), and the
+probe's factors are released once copied (held) or after the first row block (streamed),
+so nothing outside the charged figures stays alive through the contraction (measured
+tables: docs/real-models.md).  The budget is resolved once (a
+:class:`ntkcore._memory.Budget`, split explicitly; batches by
+:func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget too small for a
+useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
 ``ntkcore/gram.py``: blocks of that many samples and their contraction) raises
 ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
 smallest ``max_memory`` that works (``_check_budget``).
