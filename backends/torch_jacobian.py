@@ -789,7 +789,7 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
         chunk_size = max(1, min(n, (2**26) // max(1, o * p_total * x.element_size())))
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_sdpa_batching():
             for start in range(0, n, chunk_size):
                 res = jf(pdict, x[start:start + chunk_size])
                 for k in names:
@@ -799,6 +799,46 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     except RuntimeError:  # no batching rule, or data-dependent control flow
         return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
     return _grouped(groups, {k: cat(v, 0) for k, v in pieces.items()})
+
+
+# torch's vmap fallback warns for every scaled_dot_product_attention (forward and backward) in
+# the torch.func pass: a performance note about torch itself, hundreds per call on ViT / BERT.
+_SDPA_BATCHING = (r"There is a performance drop because we have not yet implemented the "
+                  r"batching rule for aten::_scaled_dot_product")
+_QUIET_LOCK = threading.Lock()
+_QUIET: list[Any] = []  # [the filter entry] while a torch.func pass runs, in any thread
+
+
+@contextlib.contextmanager
+def _quiet_sdpa_batching() -> Iterator[None]:
+    """Ignore torch's SDPA batching-rule warning (:data:`_SDPA_BATCHING`, nothing else) while
+    ntkcore's ``torch.func`` passes run.
+
+    ``warnings.catch_warnings`` is not thread-safe (it restores a copy of the global filter
+    list on exit, undoing what other threads did meanwhile).  Instead one ``ignore`` entry
+    with that message pattern is put at the front of ``warnings.filters`` by the first pass
+    to start and removed (that entry alone) by the last one to end; a counter under a lock
+    tracks the passes in flight.  At the front it wins over filters set before the call
+    (``"always"``, ``"error"``); other threads do not see the warning in that window either.
+    """
+    with _QUIET_LOCK:
+        if not _QUIET:
+            had = list(warnings.filters)
+            warnings.filterwarnings("ignore", message=_SDPA_BATCHING, category=UserWarning)
+            # the user's own identical entry (moved to the front) is kept after the pass
+            _QUIET.append(None if warnings.filters[0] in had else warnings.filters[0])
+        _QUIET.append(None)
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET.pop()
+            if len(_QUIET) == 1 and _QUIET[0] is None:
+                _QUIET.pop()
+            elif len(_QUIET) == 1:
+                with contextlib.suppress(ValueError):  # removed meanwhile by someone else
+                    warnings.filters.remove(_QUIET.pop())
+                getattr(warnings, "_filters_mutated", lambda: None)()
 
 
 def _grouped(groups: list[tuple[str, list[str]]],

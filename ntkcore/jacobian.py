@@ -416,19 +416,34 @@ class Jacobian:
         return self.select(idx)
 
     @staticmethod
-    def concatenate(jacobians: Sequence[Jacobian]) -> Jacobian:
-        """Stack Jacobians of the same model along the sample axis."""
-        jacobians = list(jacobians)
-        if not jacobians:
+    def concatenate(jacobians: Sequence[Jacobian], consume: bool = False) -> Jacobian:
+        """Stack Jacobians of the same model along the sample axis.
+
+        ``consume=True`` (``jacobians`` a list the caller holds no other reference to the
+        pieces through): the list is emptied and each block's pieces are dropped as soon as
+        that block is stacked, so the peak is the pieces plus the largest stacked block
+        instead of twice the pieces (``ntk`` charges the factors once to its budget).
+        """
+        parts = jacobians if consume else list(jacobians)
+        if not parts:
             raise ValueError("concatenate needs at least one Jacobian")
-        first = jacobians[0]
+        first = parts[0]
         xp = first.xp
-        for j in jacobians[1:]:
-            if j.names != first.names or [type(b) for b in j] != [type(b) for b in first]:
-                raise ValueError("Jacobians to concatenate must have the same blocks")
-        blocks = [type(b)(*[xp.concat([j.blocks[i].arrays()[k] for j in jacobians], axis=0)
-                            for k in range(len(b.arrays()))], b.name)
-                  for i, b in enumerate(first.blocks)]
+        kinds = [(type(b), b.name) for b in first.blocks]
+        if any(j.names != first.names or [type(b) for b in j] != [k for k, _ in kinds]
+               for j in parts[1:]):
+            raise ValueError("Jacobians to concatenate must have the same blocks")
+        pieces = [[b.arrays() for b in j.blocks] for j in parts]
+        del first
+        if consume:
+            parts.clear()  # type: ignore[attr-defined]
+        blocks = []
+        for i, (kind, name) in enumerate(kinds):
+            arrays = [xp.concat([p[i][k] for p in pieces], axis=0)
+                      for k in range(len(pieces[0][i]))]
+            for p in pieces:  # this block's pieces can go now
+                p[i] = ()
+            blocks.append(kind(*arrays, name))
         return Jacobian(blocks)
 
 
