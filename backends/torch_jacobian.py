@@ -83,7 +83,11 @@ other axis unchanged.  Then:
 
 The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
 layers) costs one forward pass on p samples, and its answer does not depend on N, so every
-batch, and both sides of a cross kernel, get the same blocks.  What it does not check is that
+batch, and both sides of a cross kernel, get the same blocks.  The answer is remembered per
+model and real pass (:func:`_real_pass_key`: x's shape, every hooked call's module and
+shapes, and the op types of the output's autograd graph), so repeated calls probe once; a
+model whose forward changes (say, a flag that moves the samples to another axis) shows a
+different graph or shapes and is probed again.  What it does not check is that
 slice n of a layer output feeds only output n: samples that interact through batch statistics
 are refused (BatchNorm in training mode, Dropout), but a model that, say, applies a Linear to a
 table expanded to (N, T, d) and then feeds row 0 of the result to every sample would be taken
@@ -434,6 +438,49 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return {}
 
 
+#: The probe's answers per model (weakly: they die with it) and real pass
+#: (:func:`_real_pass_key`), so that repeated calls on one model and batch shape (a training
+#: loop, a kernel of many tiles, a benchmark) run the probe forward once.
+_AXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, list[int]]]] = \
+    weakref.WeakKeyDictionary()
+_AXES_PER_MODEL = 16
+
+
+def _real_pass_key(x: torch.Tensor, units: dict[str, _Unit], used: dict[str, list[int]],
+                   reachable: set[Any]) -> tuple[Any, ...]:
+    """What the probe's answer depends on, as the real pass shows it: x's shape, dtype and
+    device; every hooked module (the object), its calls' input and output shapes and which
+    of them reach the output; and how many autograd nodes of each type the output's graph
+    has (a forward that moves, slices or shares the samples differently, e.g. after a flag
+    of the model changed, differs there)."""
+    calls = tuple((path, id(units[path].module), tuple(idx),
+                   tuple((tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls))
+                  for path, idx in used.items())
+    ops: dict[str, int] = {}
+    for node in reachable:
+        name = type(node).__name__
+        ops[name] = ops.get(name, 0) + 1
+    return tuple(x.shape), x.dtype, x.device, calls, tuple(sorted(ops.items()))
+
+
+def _remembered_sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                            used: dict[str, list[int]], reachable: set[Any]
+                            ) -> dict[str, list[int]]:
+    """:func:`_sample_axes`, run once per model and real pass (:func:`_real_pass_key`)."""
+    try:
+        memo = _AXES.setdefault(model, {})
+    except TypeError:  # not weakly referenceable / hashable: probe every time
+        return _sample_axes(model, x, units, used)
+    key = _real_pass_key(x, units, used, reachable)
+    axes = memo.get(key)
+    if axes is None:
+        axes = _sample_axes(model, x, units, used)
+        if len(memo) >= _AXES_PER_MODEL:
+            memo.clear()
+        memo[key] = axes
+    return {path: list(ax) for path, ax in axes.items()}
+
+
 def _probe_size(n: int) -> int:
     return 2 if n == 1 else 1
 
@@ -726,7 +773,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             if any(uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
                 continue
             used[path] = idx
-        axes = _sample_axes(model, x, units, used) if used else {}
+        axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
 
