@@ -103,16 +103,18 @@ other axis unchanged.  Then:
 
 The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
 layers) costs one forward pass on p samples, and its answer does not depend on N, so every
-batch, and both sides of a cross kernel, get the same blocks. The answer is remembered per
-model and real pass (:func:`_real_pass_key`: x's shape, every hooked call's module and shapes,
-and the op types of the output's autograd graph), so repeated calls probe once; a model whose
-forward changes (say, a flag that moves the samples to another axis) shows a different graph or
-shapes and is probed again. (Models with functional parameter uses, ``torch_functional``, or
-recurrent layers are probed on every call: their plans read the probe's records.) What it does
-not check is that slice n of a layer output feeds only output n: samples that interact through
-batch statistics are refused (BatchNorm in training mode, Dropout), but a model that, say,
-applies a Linear to a table expanded to (N, T, d) and then feeds row 0 of the result to every
-sample would be taken at its word.
+batch, and both sides of a cross kernel, get the same blocks.  What it does not check is that
+slice n of a layer output feeds only output n: samples that interact through batch statistics
+are refused (BatchNorm in training mode, Dropout), but a model that, say, applies a Linear to a
+table expanded to (N, T, d) and then feeds row 0 of the result to every sample would be taken
+at its word.
+
+The probe's answer is remembered per model and real pass (:func:`_real_pass_key`: x's shape,
+every hooked call's module and shapes, and the op types of the output's autograd graph), so
+repeated calls probe once; a model whose forward changes (say, a flag that moves the samples to
+another axis) shows a different graph or shapes and is probed again.  Models with functional
+parameter uses (``torch_functional``) or recurrent layers are probed on every call: their plans
+read the probe's records.
 
 Block order and parameter layout
 --------------------------------
