@@ -109,6 +109,13 @@ are refused (BatchNorm in training mode, Dropout), but a model that, say, applie
 table expanded to (N, T, d) and then feeds row 0 of the result to every sample would be taken
 at its word.
 
+The probe's answer is remembered per model and real pass (:func:`_real_pass_key`: x's shape,
+every hooked call's module and shapes, and the op types of the output's autograd graph), so
+repeated calls probe once; a model whose forward changes (say, a flag that moves the samples to
+another axis) shows a different graph or shapes and is probed again.  Models with functional
+parameter uses (``torch_functional``) or recurrent layers are probed on every call: their plans
+read the probe's records.
+
 Block order and parameter layout
 --------------------------------
 Let ``names`` be the selected parameters in ``model.named_parameters()`` order (duplicates of
@@ -648,6 +655,49 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return {}
 
 
+#: The probe's answers per model (weakly: they die with it) and real pass
+#: (:func:`_real_pass_key`), so that repeated calls on one model and batch shape (a training
+#: loop, a kernel of many tiles, a benchmark) run the probe forward once.
+_AXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, list[int]]]] = \
+    weakref.WeakKeyDictionary()
+_AXES_PER_MODEL = 16
+
+
+def _real_pass_key(x: torch.Tensor, units: dict[str, _Unit], used: dict[str, list[int]],
+                   reachable: set[Any]) -> tuple[Any, ...]:
+    """What the probe's answer depends on, as the real pass shows it: x's shape, dtype and
+    device; every hooked module (the object), its calls' input and output shapes and which
+    of them reach the output; and how many autograd nodes of each type the output's graph
+    has (a forward that moves, slices or shares the samples differently, e.g. after a flag
+    of the model changed, differs there)."""
+    calls = tuple((path, id(units[path].module), tuple(idx),
+                   tuple((tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls))
+                  for path, idx in used.items())
+    ops: dict[str, int] = {}
+    for node in reachable:
+        name = type(node).__name__
+        ops[name] = ops.get(name, 0) + 1
+    return tuple(x.shape), x.dtype, x.device, calls, tuple(sorted(ops.items()))
+
+
+def _remembered_sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                            used: dict[str, list[int]], reachable: set[Any]
+                            ) -> dict[str, list[int]]:
+    """:func:`_sample_axes`, run once per model and real pass (:func:`_real_pass_key`)."""
+    try:
+        memo = _AXES.setdefault(model, {})
+    except TypeError:  # not weakly referenceable / hashable: probe every time
+        return _sample_axes(model, x, units, used)
+    key = _real_pass_key(x, units, used, reachable)
+    axes = memo.get(key)
+    if axes is None:
+        axes = _sample_axes(model, x, units, used)
+        if len(memo) >= _AXES_PER_MODEL:
+            memo.clear()
+        memo[key] = axes
+    return {path: list(ax) for path, ax in axes.items()}
+
+
 def _probe_size(n: int) -> int:
     return 2 if n == 1 else 1
 
@@ -994,8 +1044,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             used[path] = idx
         rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
         probe_uses = None if uses is None else ParamUses(cands)
-        axes = (_sample_axes(model, x, units, used, probe_uses, rused)
-                if used or uses or rused else {})
+        if probe_uses is None and not rused:  # module calls only: the answer is remembered
+            axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
+        else:  # functional and recurrent calls are planned from this probe's own records
+            axes = _sample_axes(model, x, units, used, probe_uses, rused)
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
         rkron = {p: u for p, u in rused.items() if p in axes}

@@ -13,7 +13,8 @@ Writing a suite
   **kwargs)`` and ``row(..., mem_method=cfg.mem_method)``; pass ``backend="cupy"`` in the
   kwargs for CuPy cases so the GPU measurement reads CuPy's pool;
 - ``row(...)`` per measurement: ``baseline`` (impl name of the same case), ``flops`` (for the
-  GEMM fraction), ``error`` (relative, against an independent float64 reference), ``target``
+  GEMM fraction), ``roofline_flops`` (the problem's least GEMM work, for the roofline
+  share), ``error`` (relative, against an independent float64 reference), ``target``
   (checked by the renderer), ``params["N"]`` (x axis of the plots; rows whose case names differ
   only in N form one line, or set ``params["family"]``);
 - iterate over ``cfg.select(CASES)`` (not ``CASES``): it applies ``--case`` and tells the
@@ -606,17 +607,23 @@ def row(
     note: str = "",
     mem_method: str | None = None,
     target: str | None = None,
+    roofline_flops: float | None = None,
 ) -> dict[str, Any]:
     """One result row; the schema checked by ``tests/test_benchmarks.py``.
 
     ``baseline`` names the ``impl`` of the same ``case`` that speed-ups are measured against
     (looked up in the same run, same device and dtype, preferring the same backend);
     ``flops`` lets the renderer report the fraction of measured GEMM throughput reached;
+    ``roofline_flops`` is the GEMM flop count of the least work the *problem* needs (the same
+    for every implementation of a case; e.g. ``suites.ntk.mlp_roofline_flops``), which the
+    renderer divides by the time and the measured GEMM rate (``roofline_share``: 1 = the
+    time of those flops at the GEMM rate);
     ``error`` is a relative error against a reference computed in the same run;
     ``params["N"]`` is the size the renderer plots time and memory against;
     ``target`` states a goal the renderer checks, ``"<metric> <op> <value>"`` with metric one
-    of ``speedup``, ``time_s``, ``gemm_fraction``, ``mem_ratio`` (peak memory over the
-    baseline's), ``peak_mem_bytes``, ``error`` and op one of ``>=, <=, >, <``.
+    of ``speedup``, ``time_s``, ``gemm_fraction``, ``roofline_share``, ``mem_ratio`` (peak
+    memory over the baseline's), ``peak_mem_bytes``, ``error`` and op one of
+    ``>=, <=, >, <``.
     """
     out: dict[str, Any] = {
         "suite": suite,
@@ -635,6 +642,8 @@ def row(
             out["mem_method"] = mem_method
     if flops is not None:
         out["flops"] = float(flops)
+    if roofline_flops is not None:
+        out["roofline_flops"] = float(roofline_flops)
     if baseline is not None:
         out["baseline"] = baseline
     if error is not None:

@@ -9,6 +9,9 @@ Derived columns, all from rows of the *same* result file:
   backend when there is one, else any backend) / this row's median time;
 - GEMM % = (``flops`` / median time) / measured GEMM throughput of the row's backend, device
   and dtype (numpy's on CPU or torch's on CUDA when the backend's own was not measured);
+- roofline share = (``roofline_flops`` / median time) / the same measured GEMM throughput:
+  the fraction of the GEMM-bound floor reached, where ``roofline_flops`` is the least GEMM
+  work of the *problem* (the same for every implementation of a case);
 - memory ratio = peak memory / the baseline row's peak memory (used by ``target``).
 """
 
@@ -31,7 +34,8 @@ if __package__ in (None, ""):
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
-METRICS = ("speedup", "time_s", "gemm_fraction", "mem_ratio", "peak_mem_bytes", "error")
+METRICS = ("speedup", "time_s", "gemm_fraction", "roofline_share", "mem_ratio",
+           "peak_mem_bytes", "error")
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +116,8 @@ def gemm_ref(doc: dict[str, Any], r: dict[str, Any]) -> float | None:
 
 
 def derive(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows with ``_speedup``, ``_gemm_fraction``, ``_mem_ratio``, ``_target_ok`` added."""
+    """Rows with ``_speedup``, ``_gemm_fraction``, ``_roofline_share``, ``_mem_ratio``,
+    ``_target_ok`` added."""
     rows = [dict(r) for r in doc.get("rows", [])]
     index: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -133,6 +138,8 @@ def derive(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if r.get("flops") and t and g:
             r["_gflops"] = r["flops"] / t / 1e9
             r["_gemm_fraction"] = r["_gflops"] / g
+        if r.get("roofline_flops") and t and g:
+            r["_roofline_share"] = r["roofline_flops"] / t / 1e9 / g
         if r.get("target"):
             r["_target_ok"] = check_target(r)
     return rows
@@ -143,6 +150,7 @@ def metric(r: dict[str, Any], name: str) -> float | None:
         "speedup": r.get("_speedup"),
         "time_s": r.get("median_s"),
         "gemm_fraction": r.get("_gemm_fraction"),
+        "roofline_share": r.get("_roofline_share"),
         "mem_ratio": r.get("_mem_ratio"),
         "peak_mem_bytes": r.get("peak_mem_bytes"),
         "error": r.get("error"),
@@ -396,15 +404,18 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
                 f" ({r['_baseline_backend']})" if r.get("_baseline_backend") != r["backend"]
                 else "")
             gf = r.get("_gemm_fraction")
+            roof = r.get("_roofline_share")
             err = r.get("error")
             table.append([
                 r["case"], r["impl"], r["backend"], r["device"], r["dtype"], timing,
                 fmt_bytes(r.get("peak_mem_bytes")), sp_s,
                 "-" if gf is None else f"{100 * gf:.0f}%",
+                "-" if roof is None else f"{100 * roof:.0f}%",
                 "-" if err is None else f"{err:.1e}", r.get("note", ""),
             ])
         out.append(_table(["case", "impl", "backend", "device", "dtype", "median (min–max)",
-                           "peak memory", "speed-up", "GEMM %", "rel. error", "note"], table))
+                           "peak memory", "speed-up", "GEMM %", "roofline %", "rel. error",
+                           "note"], table))
         if suite == "real_models":
             out.append(real_models_section(rs))
         fams: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -498,7 +509,11 @@ bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDI
   CuPy's memory pool, minus what was allocated before the call.
 - **GEMM throughput** of each backend is measured in the same run (square products, float32
   and float64); "GEMM %" is a row's flop count divided by its median time, as a fraction of
-  that throughput.
+  that throughput.  "roofline %" is the least GEMM work the problem needs (for dense-layer
+  MLPs: forward pass, output-gradient pass and the symmetric Kronecker Grams,
+  `benchmarks/suites/ntk.py:mlp_roofline_flops`; for SMW: the symmetric product
+  U^T U and the two products with U), divided by the time and the same throughput: the
+  share of the GEMM-bound floor an implementation reaches.
 - **Speed-up** compares a row with the baseline named in the row (same case, device and dtype,
   same run); "rel. error" is the relative error against a float64 reference computed in the
   same run.

@@ -7,6 +7,7 @@ facts (schema, statuses, byte counts of a known allocation, relative errors).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -36,7 +37,8 @@ ROW_TYPES = {
     "params": dict,
     "note": str,
 }
-OPTIONAL_NUMBERS = ("median_s", "min_s", "max_s", "peak_mem_bytes", "flops", "error")
+OPTIONAL_NUMBERS = ("median_s", "min_s", "max_s", "peak_mem_bytes", "flops", "roofline_flops",
+                    "error")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -469,3 +471,49 @@ def test_ab_compares_two_trees(tmp_path: Path) -> None:
     for side in ("before", "after"):
         times = data["timings_s"]["smoke"][side]
         assert len(times) == 2 * 3 and all(t > 0 for t in times)
+
+
+@pytest.mark.parametrize("widths, mode", [((5, 7, 6, 1), "full"), ((4, 6, 3), "full"),
+                                          ((4, 6, 3), "trace")])
+def test_mlp_roofline_flops_match_a_flop_counter(widths: tuple[int, ...], mode: str) -> None:
+    """The roofline count of the ``ntk``/``peers`` suites: forward plus output-gradient pass
+    as torch's flop counter sees them, the Grams as half of the counted full GEMMs."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.suites.ntk import mlp_roofline_flops
+
+    n, o = 9, widths[-1]
+    layers = [torch.nn.Linear(a, b, dtype=torch.float64) for a, b in
+              itertools.pairwise(widths)]
+    x = torch.randn(n, widths[0], dtype=torch.float64)
+    with FlopCounterMode(display=False) as counter:  # forward + the O output-gradient passes
+        ys, z = [], x
+        for i, lin in enumerate(layers):
+            ys.append(lin(z))
+            z = torch.tanh(ys[-1]) if i < len(layers) - 1 else ys[-1]
+        for k in range(o):
+            torch.autograd.grad(z[:, k].sum(), ys, retain_graph=True)
+    passes = counter.get_total_flops()
+    # the Kronecker Grams as full GEMMs, A A^T (K = d_in + 1) and G G^T ((N O) or N rows);
+    # a symmetric product of an (r, k) factor costs r (r + 1) k of the GEMM's 2 r^2 k
+    m, k_scale = (n * o, 1) if mode == "full" else (n, o)
+    sym = 0.0
+    for d_in, d_out in itertools.pairwise(widths):
+        for rows, cols in ((n, d_in + 1), (m, k_scale * d_out)):
+            f = torch.randn(rows, cols, dtype=torch.float64)
+            with FlopCounterMode(display=False) as counter:
+                f @ f.T
+            sym += counter.get_total_flops() * (rows + 1) / (2 * rows)
+    assert mlp_roofline_flops(widths, n, mode) == pytest.approx(passes + sym)
+
+
+def test_render_roofline_share() -> None:
+    rows = render.derive(_doc([_r("ours", 0.5, roofline_flops=40e9,
+                                  target="roofline_share >= 0.8")]))
+    assert rows[0]["_roofline_share"] == pytest.approx(0.8)  # 80 GFLOP/s of 100
+    assert rows[0]["_target_ok"] is True
+    doc = _doc([_r("ours", 0.5, roofline_flops=40e9)])
+    doc["gemm"][0].update(n=64, gflops_max=100.0)
+    text = render.render_doc(doc, Path("/nonexistent"), "img")
+    assert "roofline %" in text and "| 80% |" in text

@@ -358,3 +358,47 @@ def test_model_error_still_surfaces():
 
     with pytest.raises(RuntimeError, match="invalid for input of size 3"):
         jacobian(Bad(), torch.randn(2, 3, dtype=DT))
+
+
+class _Flip(nn.Module):
+    """A Linear over (N, T, d), or, with ``seq_first``, over the same tensor transposed to
+    (T, N, d): with T == N both calls have the same shapes, only the graph differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.seq_first = False
+
+    def forward(self, x):
+        if self.seq_first:
+            return torch.tanh(self.lin(x.transpose(0, 1))).transpose(0, 1).sum(1)
+        return torch.tanh(self.lin(x)).sum(1)
+
+
+def test_probe_runs_once_per_model_and_batch_shape():
+    """Repeated calls on one model and input shape run the probe forward once."""
+    model = _Flip().to(DT).eval()
+    model.seq_first = True
+    x = torch.randn(5, 5, 3, dtype=DT)
+    forwards = []
+    model.register_forward_pre_hook(lambda mod, args: forwards.append(args[0].shape[0]))
+    first = jacobian(model, x).to_dense()
+    assert forwards == [5, 1]  # the real pass and the probe on one sample
+    again = jacobian(model, x).to_dense()
+    assert forwards == [5, 1, 5]
+    assert torch.equal(first, again)
+    assert kinds(jacobian(model, x)) == "K"
+    jacobian(model, x[:3])  # another batch shape: probed
+    assert forwards == [5, 1, 5, 5, 3, 1]
+
+
+def test_remembered_probe_follows_a_changed_forward():
+    """A flag that moves the samples to another axis (same call shapes, T == N) is seen in
+    the graph and probed again: the kernel stays exact."""
+    model = _Flip().to(DT).eval()
+    x = torch.randn(4, 4, 3, dtype=DT)
+    for flag in (False, True, False):
+        model.seq_first = flag
+        j = jacobian(model, x)
+        ref = reference(model, x)
+        assert rel(j.to_dense(), to_block_order(model, j, ref)) < TOL

@@ -29,12 +29,15 @@ case                                       widths               phi     N      m
   Jacobian is 27 GB in float32).
 
 The baseline is neural-tangents' structured derivatives (implementation 3); target for
-ntkcore: >= 1.5x faster.  Timing is interleaved: neural-tangents impl 3 stays compiled in a
-runner process (``nt.Interleaved``) and each round gives ntkcore (every backend) and the
-peer one turn of the same number of calls, for about a minute per case; the medians are
-over all rounds.  A shared machine has slow and fast phases (on the development VM the same
-GEMM ran at 83 and at 143 GFLOP/s minutes apart), and timing one library after the other
-let such a phase decide the ratio.  Implementations 1 and 2 are timed in their own runs.
+ntkcore: >= 1.5x faster. Every row with a timing also gets a roofline share: the case's
+least GEMM work (``benchmarks.suites.ntk.mlp_roofline_flops``) over its time and the GEMM
+rate of its backend measured in the same run. Timing is interleaved: neural-tangents impl 3
+stays compiled in a runner process (``nt.Interleaved``) and each round gives ntkcore (every
+backend) and the peer one turn of the same number of calls, for about a minute per case; the
+medians are over all rounds. A shared machine has slow and fast phases (on the development
+VM the same GEMM ran at 83 and at 143 GFLOP/s minutes apart), and timing one library after
+the other let such a phase decide the ratio. Implementations 1 and 2 are timed in their own
+runs.
 ``error``: relative Frobenius error against an independent float64
 NumPy evaluation of the same per-layer formula written out in this file, on all N samples
 for the trace cases and on the leading (32, 32, O, O) block for the full-mode case (the
@@ -64,6 +67,7 @@ import numpy as np
 
 from benchmarks._harness import Config, _block, asarray, row, sync_fn, to_numpy
 from benchmarks.peers import nt
+from benchmarks.suites.ntk import mlp_roofline_flops
 
 SUITE = "peers"
 HERE = "benchmarks.peers.suite"
@@ -171,6 +175,12 @@ def _params(p: dict[str, Any]) -> dict[str, Any]:
     return {"N": p["n"], "O": widths[-1], "P": n_params, "widths": list(widths),
             "activation": p["activation"], "mode": p["mode"],
             "family": "MLP " + "-".join(map(str, widths[1:-1]))}
+
+
+def _roofline(p: dict[str, Any]) -> float:
+    """The case's least GEMM work (``suites.ntk.mlp_roofline_flops``: forward, output
+    gradients, symmetric Kronecker Grams), for the roofline share of every row."""
+    return mlp_roofline_flops(p["widths"], p["n"], p["mode"])
 
 
 def _crop(k: Any, p: dict[str, Any]) -> np.ndarray:
@@ -298,6 +308,7 @@ def _neural_tangents_rows(cfg: Config, p: dict[str, Any], params: dict[str, Any]
         rows.append(row(
             SUITE, case, impl, backend="jax", device="cpu", dtype=cfg.dtype, timing=timing,
             params=params, peak_mem_bytes=res.get("peak_mem_bytes"),
+            roofline_flops=_roofline(p),
             mem_method="RSS growth (fresh process)" if "peak_mem_bytes" in res else None,
             baseline=None if impl == BASELINE else BASELINE,
             error=None if k is None else _rel(_crop(k, p), ref),
@@ -350,6 +361,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 SUITE, case, "ntkcore", backend=backend, device=cfg.device, dtype=cfg.dtype,
                 timing=timing, params=params, peak_mem_bytes=o["mem"],
                 mem_method=cfg.mem_method, baseline=BASELINE if nt_ok else None,
+                roofline_flops=_roofline(p),
                 error=o["error"], target="speedup >= 1.5" if nt_ok else None,
                 note=f"{p['mode']} eNTK" + _err_note(p) + how
                 + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),

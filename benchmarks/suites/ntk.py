@@ -36,7 +36,11 @@ Implementations (``benchmarks/baselines/torch_func.py``):
   N^2 O (N O columns, each a pass over all N samples), so it runs at small N only.
 
 Targets: >= 100x the baseline on the 6x512 MLP, >= 3x on the CNN; the N = 4096 trace kernel
-within 1 GB of working memory.  ``error``: relative Frobenius error of the kernel's leading
+within 1 GB of working memory; the 8x1000 MLP at N = 512 (O = 1, so trace and full mode are
+the same kernel) at >= 80% of its roofline.  Roofline (dense-layer MLPs, every
+implementation's row): :func:`mlp_roofline_flops` (forward, output-gradient pass and the
+symmetric Kronecker Grams) over the GEMM rate measured in the same run, rendered as
+"roofline %".  ``error``: relative Frobenius error of the kernel's leading
 (32, 32) block against a float64 ``torch.func`` Jacobian contraction on those 32 samples.
 
 Options (``--set KEY=VALUE``): ``ntk_baselines=0`` runs ntkcore only; ``ntk_impls=a,b`` runs
@@ -104,7 +108,8 @@ CASES: dict[str, tuple[str, int, str, tuple[str, ...], str | None, Any]] = {
     "MLP 6x512 tanh N=384": ("mlp6x512", 384, "trace", ("ntkcore", BASELINE, VP),
                              "speedup >= 100", None),
     "MLP 8x1000 tanh N=128": ("mlp8x1000", 128, "trace", ("ntkcore", BASELINE), None, None),
-    "MLP 8x1000 tanh N=512": ("mlp8x1000", 512, "trace", ("ntkcore",), None, None),
+    "MLP 8x1000 tanh N=512": ("mlp8x1000", 512, "trace", ("ntkcore",),
+                              "roofline_share >= 0.8", None),
     "MLP 784-512-512-10 relu N=128 full": ("mlp784", 128, "full", ("ntkcore", BASELINE), None,
                                            None),
     "MLP 784-512-512-10 relu N=1024 full": ("mlp784", 1024, "full", ("ntkcore",), None, None),
@@ -218,6 +223,53 @@ def reference(kind: str, n: int, mode: str, device: str) -> Any:
     return torch_func.jacobian_contraction(model, x[:N_REF], mode=mode).cpu()
 
 
+#: Layer widths (d_0, ..., d_L) of the dense-layer MLP kinds (all layers with a bias): the
+#: cases that get a roofline share (:func:`mlp_roofline_flops`).
+MLP_WIDTHS: dict[str, tuple[int, ...]] = {
+    "mlp6x512": (256, *[512] * 6, 1),
+    "mlp8x1000": (256, *[1000] * 8, 1),
+    "mlp784": (784, 512, 512, 10),
+    "mlp_tiny": (8, 16, 16, 1),
+}
+
+
+def mlp_roofline_flops(widths: tuple[int, ...] | list[int], n: int, mode: str) -> float:
+    r"""GEMM flops of the least work an eNTK of a dense MLP needs: the roofline's numerator.
+
+    Widths :math:`d_0, \dots, d_L` (every layer with a bias), N samples, O = :math:`d_L`
+    outputs, the self-kernel :math:`\Theta(X, X)`; a multiply-add counts 2 flops:
+
+    .. math::
+
+        F &= 2N \sum_{l=1}^{L} d_{l-1} d_l
+            \quad\text{(forward; bias adds and activations not counted)}\\
+        B &= 2NO \sum_{l=2}^{L} d_l\, d_{l-1}
+            \quad\text{(output gradients } g_{l-1} = (g_l W_l)\odot\phi',\ g_L = I;
+            \text{ the input gradient of layer 1 is not needed)}\\
+        G &= \sum_{l=1}^{L} \bigl[N(N+1)(d_{l-1} + 1) + M(M+1)\,K_l\bigr]
+
+    with :math:`G` the Kronecker Grams :math:`(G_l G_l^\top)\odot(A_l A_l^\top)`, each
+    symmetric product at half a GEMM's cost (``syrk``: :math:`n(n+1)k` flops for an
+    (n, k) factor): :math:`A_l = [z_{l-1}, 1]` (N, :math:`d_{l-1}+1`); :math:`G_l` is
+    (NO, :math:`d_l`) in ``full`` mode (:math:`M = NO`, :math:`K_l = d_l`) and
+    (N, :math:`O d_l`) in ``trace`` mode (:math:`M = N`, :math:`K_l = O d_l`).  The Hadamard
+    products and sums (:math:`N^2 O^2` per layer) are memory-bound and not counted.  The
+    roofline time is :math:`(F + B + G)` / (the GEMM rate measured in the same run);
+    ``tests/test_benchmarks.py`` checks F + B against ``torch.utils.flop_counter``.
+    """
+    if mode not in ("full", "trace"):
+        raise ValueError(f"mode must be 'full' or 'trace'; got {mode!r}")
+    d = [int(w) for w in widths]
+    o = d[-1]
+    fwd = 2.0 * n * sum(a * b for a, b in itertools.pairwise(d))
+    bwd = 2.0 * n * o * sum(d[l] * d[l - 1] for l in range(2, len(d)))
+    m = n * o if mode == "full" else n
+    gram = sum(n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * (d[l] if mode == "full"
+                                                                  else o * d[l])
+               for l in range(1, len(d)))
+    return fwd + bwd + gram
+
+
 def _params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -296,6 +348,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                                        "max_memory": max_memory},
                 peak_mem_bytes=mem, mem_method=cfg.mem_method,
                 flops=_flops(kind, impl, n, mode, o, p),
+                roofline_flops=(mlp_roofline_flops(MLP_WIDTHS[kind], n, mode)
+                                if kind in MLP_WIDTHS else None),
                 baseline=base if impl != base else None, error=err,
                 target=target if impl == "ntkcore" else None,
                 note=note,

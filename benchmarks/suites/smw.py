@@ -13,7 +13,12 @@ Cases
     done with the Gram's symmetry used, :math:`P\rho(\rho+1) + 4P\rho` (syrk + U^T g + U b),
     so the renderer's GEMM fraction is the fraction of measured GEMM throughput reached.
     ``error`` is the relative residual :math:`\|(\lambda I + UU^\top)d - g\| / \|g\|`.
-    Target at P = 4e6, rho = 256, float32: under 2 s.
+    Target at P = 4e6, rho = 256, float32: at least 70% of the roofline (issue 18).
+
+Every row gets a roofline share (the renderer's "roofline %"): the least GEMM work of the
+solve, the symmetric product plus the two products with U (:func:`_roofline_flops`), over the
+time and the GEMM rate measured in the same run; the dense baselines' rows share their
+case's figure.
 """
 
 from __future__ import annotations
@@ -92,6 +97,13 @@ def _flops(impl: str, p: int, rho: int) -> float:
     return 2.0 * p * p * rho + p**3 / 3.0 + 2.0 * p * p
 
 
+def _roofline_flops(p: int, rho: int) -> float:
+    r"""The least GEMM work of an SMW solve: the symmetric product :math:`U^\top U` at half a
+    GEMM's cost (:math:`P\rho(\rho+1)`, ``syrk``) plus :math:`U^\top g` and :math:`U b`
+    (:math:`2P\rho` each); the rho x rho Cholesky (:math:`\rho^3/3`) is negligible."""
+    return p * rho * (rho + 1.0) + 4.0 * p * rho
+
+
 def _residual(d: Any, u: Any, g: Any) -> float:
     """Relative residual in float64, computed in column chunks to bound memory."""
     d64, g64 = _to64(d), _to64(g)
@@ -123,7 +135,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                     SUITE, f"vs dense P={p} rho={rho}", impl, backend=backend,
                     device=cfg.device, dtype=cfg.dtype, timing=cfg.time(fn, backend),
                     params={"N": p, "P": p, "rho": rho, "damping": LAM},
-                    flops=_flops(impl, p, rho),
+                    flops=_flops(impl, p, rho), roofline_flops=_roofline_flops(p, rho),
                     baseline=None if impl != "ntkcore" else DENSE_BASELINE[backend],
                     error=float(np.linalg.norm(d - ref) / np.linalg.norm(ref)),
                 ))
@@ -134,13 +146,16 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         for backend in backends:
             fn, u, g = case("ntkcore", backend, cfg.device, cfg.dtype, p, rho)
             d = fn()
-            target = ("time_s <= 2" if (p, rho) == (4_000_000, 256) and cfg.dtype == "float32"
-                      else None)
+            big = (p, rho) == (4_000_000, 256) and cfg.dtype == "float32"
+            # one target per row: the time of the issue-16 note, or the roofline share of
+            # issue 18 (the time target assumed the developers' machine's GEMM rate)
+            target = "roofline_share >= 0.7" if big else None
             rows.append(row(
                 SUITE, f"large P={p} rho={rho}", "ntkcore", backend=backend, device=cfg.device,
                 dtype=cfg.dtype, timing=cfg.time(fn, backend),
                 params={"N": p, "P": p, "rho": rho, "damping": LAM},
-                flops=_flops("ntkcore", p, rho), error=_residual(d, u, g), target=target,
+                flops=_flops("ntkcore", p, rho), roofline_flops=_roofline_flops(p, rho),
+                error=_residual(d, u, g), target=target,
                 note="dense P x P infeasible; error = relative residual",
             ))
             del fn, u, g, d
