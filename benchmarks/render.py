@@ -570,8 +570,8 @@ def _suites_with_rows(doc: dict[str, Any]) -> set[str]:
 
 
 def default_files() -> list[Path]:
-    """Non-quick results in benchmarks/results/ that hold the newest rows of some suite on
-    their (machine, device): e.g. a main run plus later runs of single suites."""
+    """Non-quick results in benchmarks/results/ that hold the newest rows of some case on
+    their (machine, device): e.g. a main run plus later runs of single suites or cases."""
     docs = []
     for p in sorted(RESULTS.glob("*.json")):
         try:
@@ -581,31 +581,34 @@ def default_files() -> list[Path]:
         if doc.get("config", {}).get("quick"):
             continue
         docs.append((p, doc))
-    keep = _newest_per_suite(docs)
+    keep = _newest_per_case(docs)
     return [p for p, _ in docs if keep.get(str(p))]
 
 
-def _newest_per_suite(docs: list[tuple[Path, dict[str, Any]]]) -> dict[str, set[str]]:
-    """File -> the suites whose rows it should contribute: for each (machine, device, suite),
-    the newest file (by ``created``) with rows of that suite."""
-    best: dict[tuple[str, str, str], tuple[str, str]] = {}
+def _newest_per_case(docs: list[tuple[Path, dict[str, Any]]]) -> dict[str, set[tuple[str, str]]]:
+    """File -> the (suite, case) pairs whose rows it should contribute: for each (machine,
+    device, suite, case), the newest file (by ``created``) with rows of that case.  All rows
+    of one case (every implementation of a ratio) come from one run."""
+    best: dict[tuple[str, str, str, str], tuple[str, str]] = {}
     for p, doc in docs:
         key0 = (doc.get("machine_slug", Path(p).stem), doc.get("config", {}).get("device", "cpu"))
         created = doc.get("created", "")
-        for suite in _suites_with_rows(doc):
-            key = (*key0, suite)
+        for pair in {(r.get("suite"), r.get("case")) for r in doc.get("rows", [])
+                     if r.get("suite") is not None}:
+            key = (*key0, *pair)
             if key not in best or created >= best[key][0]:
                 best[key] = (created, str(p))
-    out: dict[str, set[str]] = {}
-    for (_, _, suite), (_, p) in best.items():
-        out.setdefault(p, set()).add(suite)
+    out: dict[str, set[tuple[str, str]]] = {}
+    for (_, _, suite, case), (_, p) in best.items():
+        out.setdefault(p, set()).add((suite, case))
     return out
 
 
-def _only_suites(doc: dict[str, Any], suites: set[str]) -> dict[str, Any]:
-    """``doc`` restricted to ``suites`` (rows and suite statuses)."""
+def _only_cases(doc: dict[str, Any], cases: set[tuple[str, str]]) -> dict[str, Any]:
+    """``doc`` restricted to the (suite, case) pairs ``cases`` (rows and suite statuses)."""
     out = dict(doc)
-    out["rows"] = [r for r in doc.get("rows", []) if r.get("suite") in suites]
+    out["rows"] = [r for r in doc.get("rows", []) if (r.get("suite"), r.get("case")) in cases]
+    suites = {suite for suite, _ in cases}
     out["suites"] = {k: v for k, v in doc.get("suites", {}).items() if k in suites}
     return out
 
@@ -623,9 +626,9 @@ def render(files: list[Path] | None = None, docs: Path = ROOT / "docs") -> Path:
     auto = files is None
     files = default_files() if files is None else [Path(f) for f in files]
     loaded = [json.loads(Path(f).read_text()) for f in files]
-    if auto:  # each suite once per machine and device: from the newest file that ran it
-        keep = _newest_per_suite(list(zip(files, loaded, strict=True)))
-        loaded = [_only_suites(d, keep.get(str(f), set()))
+    if auto:  # each case once per machine and device: from the newest file that ran it
+        keep = _newest_per_case(list(zip(files, loaded, strict=True)))
+        loaded = [_only_cases(d, keep.get(str(f), set()))
                   for f, d in zip(files, loaded, strict=True)]
     img_dir = docs / "img"
     parts = [INTRO.replace("{minutes}", _expected_minutes(loaded))]

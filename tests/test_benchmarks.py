@@ -517,3 +517,19 @@ def test_render_roofline_share() -> None:
     doc["gemm"][0].update(n=64, gflops_max=100.0)
     text = render.render_doc(doc, Path("/nonexistent"), "img")
     assert "roofline %" in text and "| 80% |" in text
+
+
+def test_render_takes_each_case_from_its_newest_run():
+    """A later run of one case replaces that case only; the suite's other cases stay."""
+    from benchmarks import render
+
+    def doc(created, cases):
+        return {"created": created, "machine_slug": "m", "config": {"device": "cpu"},
+                "rows": [{"suite": "ntk", "case": c, "impl": i} for c in cases
+                         for i in ("ntkcore", "torch.func")]}
+
+    old, new = doc("2026-01-01", ["A", "B"]), doc("2026-02-01", ["B"])
+    keep = render._newest_per_case([("old.json", old), ("new.json", new)])
+    assert keep == {"old.json": {("ntk", "A")}, "new.json": {("ntk", "B")}}
+    rows = render._only_cases(old, keep["old.json"])["rows"]
+    assert {(r["case"], r["impl"]) for r in rows} == {("A", "ntkcore"), ("A", "torch.func")}
