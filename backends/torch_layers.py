@@ -35,6 +35,16 @@ for an eval-mode BatchNorm (a training-mode BatchNorm couples the samples and is
 the provider), per-sample statistics for GroupNorm / InstanceNorm / LayerNorm / RMSNorm
 (running statistics for an eval-mode InstanceNorm with ``track_running_stats``).
 
+Embeddings and grouped convolutions
+-----------------------------------
+An ``nn.Embedding`` is a Kronecker block with the transposed table as its weight and one-hot
+inputs, stored as the index factor of :class:`~ntkcore.KroneckerBlock` (``one_hot = V``,
+``-1`` at ``padding_idx``): the one-hot rows are never formed (``ntkcore.jacobian`` holds their
+algebra).  A grouped convolution becomes one KroneckerBlock with the groups as positions, or
+the hook-built DenseBlock of its per-sample gradient when that is smaller: always so for a
+depthwise convolution, whose Gram is then also the cheapest (docs/concepts.md, "Grouped and
+depthwise convolutions", with the measurement).
+
 Not yet structured (later steps of issue 18): subclasses with their own ``forward`` (timm's
 ``LayerNorm2d``, ``BatchNormAct2d``), and bare elementwise parameters multiplied or added in
 the graph (layer-scale ``gamma``, ``cls_token``, ``pos_embed``), whose Jacobians are the same

@@ -32,6 +32,10 @@ Per block kind (``r`` rows and ``c`` columns of one tile):
     (n s, m t) with ``K = O d_out``, then :math:`\sum_{s,t} A \odot G`.  full / diagonal:
     :math:`Y[n,m,t,o,:] = \sum_s A[n,s,m,t]\, g[n,s,o,:]`, then
     :math:`\Theta_b[n,m,o,p] = \sum_{t,k} Y[n,m,t,o,k]\, g'[m,t,p,k]` (diagonal: ``p = o``).
+  - an index factor a (N, S) (``one_hot``, an embedding): :math:`A` is the index equality
+    :math:`[i_{ns} = i'_{mt} \ne -1]` (:func:`ntkcore.jacobian.factor_gram`), and the cost
+    model below counts ``d_in`` as 1 in both positions routes (the one-hot rows are formed
+    only by the materialise route, which is charged for them).
   - strategy ``"materialise"``: per-sample weights
     :math:`W[n,o] = \sum_s g[n,s,o]\, a[n,s]^\top` (N, O, d_out d_in), one batched GEMM per
     tile side, then the dense contraction.
