@@ -334,7 +334,8 @@ def _index_transpose_times(xp: Any, idx: Array, x: Array, d: int) -> Array:
     step = max(1, _ONE_HOT_CHUNK // d)
     out = None
     for lo in range(0, r, step):
-        part = one_hot_rows(xp, idx[lo:lo + step], d, x.dtype).T @ x[lo:lo + step, ...]
+        hi = min(r, lo + step)
+        part = one_hot_rows(xp, idx[lo:hi], d, x.dtype).T @ x[lo:hi, ...]
         out = part if out is None else out + part
     if out is None:
         out = xp.zeros((d, x.shape[1]), dtype=x.dtype, device=array_api_compat.device(x))
