@@ -77,3 +77,15 @@ def test_index_factor_smw(backend, rng):
     cond = np.linalg.cond(a)
     assert np.linalg.norm(d - ref) <= np.linalg.norm(ref) * (
         solve_tol("float64", cond, computations=2) + kernel_tol("float64", p, 2) * cond)
+
+
+@pytest.mark.parametrize("method", ["tiles", "factors"])
+def test_index_factor_kernel_operator(backend, rng, method):
+    from ntkcore import KernelOperator
+
+    j, _, jd = _blocks(backend, rng)
+    op = KernelOperator(j, mode="trace", method=method)
+    v = rng.standard_normal((N, 2))
+    ref = np.einsum("nop,mop->nm", jd, jd) @ v
+    _close(backend, op.matmat(backend.asarray(v)), ref,
+           kernel_tol("float64", jd.shape[2] + N + 2, computations=2))
