@@ -40,10 +40,21 @@ normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_s
                        s the C parameters are broadcast over, :math:`\hat x` recomputed from
                        the hooked input (no torch.func pass; why a DenseBlock and not a new
                        block kind: ``torch_layers``).
+functional calls       parameters no hooked module owns, when every use of them is an
+                       ``F.linear`` (KroneckerBlock: ``nn.MultiheadAttention``'s ``in_proj``
+                       and ``out_proj``), an ``F.layer_norm`` / ``batch_norm`` (eval) /
+                       ``group_norm`` / ``instance_norm`` / ``rms_norm`` (subclasses with
+                       their own ``forward`` such as timm's ``LayerNorm2d``,
+                       ``BatchNormAct2d``), a product ``h * P`` or sum ``h + P`` (layer-scale
+                       ``gamma``, ``pos_embed``, a bias added by hand) or a piece of a
+                       ``torch.cat`` (``cls_token.expand(N, ...)``): recorded by a
+                       ``TorchFunctionMode`` during the same forward and probe (only when such
+                       parameters exist), blocks from the same output gradients
+                       (``torch_functional``: the rules and the guards).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
-                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter``, subclasses
-                       overriding ``forward`` such as timm's ``LayerNorm2d``).  Where
+                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
+                       other ways, anything the functional calls do not cover).  Where
                        ``torch.func`` cannot run the model (it raises for ``nn.GRU`` /
                        ``nn.RNN`` / stacked or bidirectional ``nn.LSTM`` with the default
                        ``hx`` and ``nn.PReLU`` in torch 2.13, and for data-dependent control
@@ -147,6 +158,8 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
+from .torch_functional import CALLED_BY_PARENT, ParamUses, functional_blocks, structured_groups
+from .torch_functional import sample_axes as functional_sample_axes
 from .torch_layers import (
     CHANNELS_FIRST,
     cat,
@@ -246,7 +259,7 @@ def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, t
     units: dict[str, _Unit] = {}
     for mpath, names in by_module.items():
         mod = model.get_submodule(mpath) if mpath else model
-        if layer_type(mod) is None:  # see torch_layers.FORWARD
+        if layer_type(mod) is None or isinstance(mod, CALLED_BY_PARENT):  # see torch_layers.FORWARD
             continue
         if any(registrations[id(named[n])] > 1 for n in names):
             continue
@@ -361,7 +374,7 @@ def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
 
 
 def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 clone: bool) -> torch.Tensor:
+                 clone: bool, uses: ParamUses | None = None) -> torch.Tensor:
     for unit in units.values():
         unit.calls = []
 
@@ -371,7 +384,8 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         units[path].calls.append(_Call(a, y, a._version, y._version))
         return out if clone else None
 
-    with _hooked({path: u.module for path, u in units.items()}, record):
+    with (_hooked({path: u.module for path, u in units.items()}, record),
+          uses if uses is not None else contextlib.nullcontext()):
         return _check_output(model(x))
 
 
@@ -412,14 +426,17 @@ def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int
 
 
 def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 used: dict[str, list[int]]) -> dict[str, list[int]]:
+                 used: dict[str, list[int]], uses: ParamUses | None = None
+                 ) -> dict[str, list[int]]:
     r"""``{path: [sample axis of each call in used[path]]}`` for the units where every used
     call has one, from a probe forward on the first sample repeated p != N times (see "The
     sample axis" in the module docstring); ``{}`` when the probe fails.
 
     Why that is exact: with samples independent, slice n of the layer output along that axis
     influences only f(x_n), so :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`
-    with both factors taken with the sample axis moved to the front.
+    with both factors taken with the sample axis moved to the front.  ``uses``: a fresh
+    ``ParamUses`` that records the functional calls of the probe (``uses.done`` when it ran
+    to the end).
     """
     n = int(x.shape[0])
     p = _probe_size(n)
@@ -428,8 +445,16 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     real = {path: [(tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls]
             for path in used}
     modules = {path: units[path].module for path in used}
+
+    def run() -> torch.Tensor:
+        with uses if uses is not None else contextlib.nullcontext():
+            out = _check_output(model(xp))
+        if uses is not None:
+            uses.done = True
+        return out
+
     try:
-        return _probe_sample_axes(lambda: _check_output(model(xp)), modules, real, used, n, p)
+        return _probe_sample_axes(run, modules, real, used, n, p)
     except _ProbeFailed:
         # A model that cannot run on p samples: no axis is proven, every unit goes dense; the
         # dense path runs the model sample by sample and raises the model's own error if any.
@@ -702,10 +727,18 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 
     owners, registrations = _owner_map(model)
     units = _structured_units(model, selected, owners, registrations)
-    out = _run_forward(model, x, units, clone=False)
-    if any(c.a._version != c.a_version or c.y._version != c.y_version
-           for u in units.values() for c in u.calls):
-        out = _run_forward(model, x, units, clone=True)  # something was modified in place
+    named = dict(model.named_parameters())
+    # parameters no structured module owns: their functional calls (torch_functional)
+    cands = [named[nm] for nm in selected
+             if owners[nm][0] not in units and registrations[id(named[nm])] == 1]
+    uses = ParamUses(cands) if cands else None
+    out = _run_forward(model, x, units, clone=False, uses=uses)
+    if (any(c.a._version != c.a_version or c.y._version != c.y_version
+            for u in units.values() for c in u.calls)
+            or (uses is not None and any(c.modified() for c in uses.calls))):
+        uses = ParamUses(cands, clone=True) if cands else None
+        # something was modified in place
+        out = _run_forward(model, x, units, clone=True, uses=uses)
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
                          f"{tuple(out.shape)}")
@@ -715,22 +748,27 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     # Which hooked modules really are Kronecker: every use of the weight is a hooked call, and
     # every such call has a sample axis in its input and output, found by a probe at another
     # batch size (a length equal to N proves nothing; see _sample_axes).
-    named = dict(model.named_parameters())
     kron: dict[str, list[tuple[_Call, int]]] = {}  # path -> (call, its sample axis)
-    if units and out.grad_fn is not None:
-        reachable, uses = _graph_uses(out)
+    fcalls: list = []  # functional calls of the structured groups fgroups, with sample axes
+    fgroups: dict[str, list[torch.Tensor]] = {}
+    if (units or uses is not None) and out.grad_fn is not None:
+        reachable, n_uses = _graph_uses(out)
         used: dict[str, list[int]] = {}  # indices of the calls that reach the output
         for path, unit in units.items():
             idx = [i for i, c in enumerate(unit.calls)
                    if c.y.grad_fn is not None and c.y.grad_fn in reachable]
             if not idx:
                 continue  # falls back to dense (torch.func finds the true, possibly zero, use)
-            if any(uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
+            if any(n_uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
                 continue
             used[path] = idx
-        axes = _sample_axes(model, x, units, used) if used else {}
+        probe_uses = None if uses is None else ParamUses(cands)
+        axes = _sample_axes(model, x, units, used, probe_uses) if used or uses else {}
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
+        if uses is not None:
+            fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
+                                               owners, named, n)
 
     # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
     # one module (a root parameter alone).
@@ -740,18 +778,23 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         mpath = owners[nm][0]
         bname = mpath if mpath in kron or mpath else nm
         order[bname] = None
-        if mpath not in kron:
+        if mpath not in kron and bname not in fgroups:
             dense_groups.setdefault(bname, []).append(nm)
 
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
-    if kron:
+    if kron or fcalls:
         if backward == "auto":
             batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
         else:
             batched = backward == "batched"
         flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]
-        gs = _output_grads(out2, [c.y for _, c, _ in flat], [m for m, _, _ in flat], pseudo,
-                           create_graph, batched, [ax for _, _, ax in flat])
+        # functional calls: Linear layout (no module), after the module calls
+        gs = _output_grads(out2, [c.y for _, c, _ in flat] + [c.y for c, _ in fcalls],
+                           [m for m, _, _ in flat] + [None] * len(fcalls), pseudo,
+                           create_graph, batched,
+                           [ax for _, _, ax in flat] + [ax for _, ax in fcalls])
+        if fcalls:
+            blocks.update(functional_blocks(fgroups, fcalls, gs[len(flat):], n, create_graph))
         k = 0
         for p, calls in kron.items():
             unit = units[p]
@@ -761,11 +804,41 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                                     gs[k:k + len(calls)], n, p, weight=unit.has_weight,
                                     bias=unit.has_bias)
             k += len(calls)
-    del out, out2, units
+    del out, out2, units, uses, fcalls
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
     return Jacobian([blocks[name] for name in order])
+
+
+def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[Any],
+                     n_uses: dict[int, int], selected: list[str],
+                     owners: dict[str, tuple[str, str]], named: dict[str, torch.Tensor],
+                     n: int) -> tuple[list, dict[str, list[torch.Tensor]]]:
+    """The functional calls (with sample axes) and the block groups they structure
+    (``torch_functional``): the candidate parameters with no unrecognised use, as many graph
+    edges as recorded direct uses, and calls whose results reach the output."""
+    bad = set(uses.bad)
+    for pid, ys in uses.direct.items():
+        if n_uses.get(pid, 0) != sum(y.grad_fn in reachable for y in ys):
+            bad.add(pid)  # a use the mode did not see (or counted differently)
+    for c in uses.calls:
+        if c.modified():  # changed in place even in the cloned pass
+            bad.update(id(t.param) for t in c.terms)
+    calls = uses.calls
+    axes = functional_sample_axes(calls, probe.calls if probe is not None and probe.done
+                                  else [], _tracking_axis, n, _probe_size(n))
+    live = [(c, ax) for c, ax in zip(calls, axes, strict=True) if c.y.grad_fn in reachable]
+    found = {id(t.param) for c in calls for t in c.terms} - bad
+    groups: dict[str, list[torch.Tensor]] = {}
+    for nm in selected:  # block name -> its parameters, as in _jacobian_locked's order
+        groups.setdefault(owners[nm][0] or nm, []).append(named[nm])
+    root = {nm for nm in selected if not owners[nm][0]}
+    # a group is structured only if all of its selected parameters are
+    groups = {b: ps for b, ps in groups.items() if all(id(p) in found for p in ps)}
+    ok = structured_groups(groups, [c for c, _ in live], [ax for _, ax in live], root)
+    ids = {id(p) for ps in ok.values() for p in ps}
+    return [(c, ax) for c, ax in live if any(id(t.param) in ids for t in c.terms)], ok
 
 
 # --------------------------------------------------------------------------------------------

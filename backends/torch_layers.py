@@ -35,6 +35,18 @@ for an eval-mode BatchNorm (a training-mode BatchNorm couples the samples and is
 the provider), per-sample statistics for GroupNorm / InstanceNorm / LayerNorm / RMSNorm
 (running statistics for an eval-mode InstanceNorm with ``track_running_stats``).
 
+Functional uses
+---------------
+Subclasses with their own ``forward`` (timm's ``LayerNorm2d``, ``BatchNormAct2d``), bare
+elementwise parameters multiplied or added in the graph (layer-scale ``gamma``, ``cls_token``,
+``pos_embed``, a bias added by hand) and ``nn.MultiheadAttention``'s ``in_proj`` / ``out_proj``
+are not hooked modules; their calls (``F.linear``, ``F.layer_norm`` / ``batch_norm`` /
+``group_norm`` / ``instance_norm`` / ``rms_norm``, ``h * P``, ``h + P``, ``torch.cat``) are
+found during the same forward pass by ``torch_functional`` and give the same blocks: a
+KroneckerBlock for ``F.linear``, and for the rest the DenseBlock above generalised to any
+broadcast, :math:`J_P = \sum_{\text{broadcast positions}} g \odot h` (h = :math:`\hat x`,
+the other factor of a product, or 1), with the same output gradients g.
+
 Embeddings and grouped convolutions
 -----------------------------------
 An ``nn.Embedding`` is a Kronecker block with the transposed table as its weight and one-hot
@@ -44,11 +56,6 @@ algebra).  A grouped convolution becomes one KroneckerBlock with the groups as p
 the hook-built DenseBlock of its per-sample gradient when that is smaller: always so for a
 depthwise convolution, whose Gram is then also the cheapest (docs/concepts.md, "Grouped and
 depthwise convolutions", with the measurement).
-
-Not yet structured (later steps of issue 18): subclasses with their own ``forward`` (timm's
-``LayerNorm2d``, ``BatchNormAct2d``), and bare elementwise parameters multiplied or added in
-the graph (layer-scale ``gamma``, ``cls_token``, ``pos_embed``), whose Jacobians are the same
-sums of g (times the other operand) but must be found from the autograd graph, not a module.
 """
 
 from __future__ import annotations

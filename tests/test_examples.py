@@ -2,18 +2,22 @@
 
 Each runs with a temporary directory as working directory and as ``TMPDIR``, so default plot
 paths and any scratch files land there, never in the repository.  For the two eNTK regression
-examples the printed numbers are checked too.
+examples the printed numbers are checked too, and for trak_digits.py the measurements it
+writes (check_trak_quick); test_trak_scores_primal_equals_kernel_form checks its formulas.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +55,105 @@ def test_example_runs_quick(path, tmp_path):
         assert len(accs) == 6, r.stdout  # 3 classifiers x 2 models
         assert min(accs) > 85.0, r.stdout  # chance is 10%; the eNTK alone is far above it
         assert (tmp_path / "ntk_regression_digits.png").is_file()
+    if path.name == "trak_digits.py":
+        check_trak_quick(tmp_path)
     if path.name == "same_result_backends.py":
         # the script itself exits 1 unless every implementation matches NumPy to 1e-9
         assert "within the tolerance" in r.stdout, r.stdout
         assert re.search(r"torch nn\.Module\s+torch\.Tensor", r.stdout), r.stdout
         assert (tmp_path / "same_result_backends.png").is_file()
+
+
+def check_trak_quick(tmp_path: Path) -> None:
+    """trak_digits.py --quick: it writes only into its --out folder, the rank correlation of
+    projected with exact scores grows with dim, and top proponents share the test label more
+    often than chance.
+
+    Rank correlations (Spearman, per test image) are paired by seed and test image across
+    consecutive dims.  Every seed's mean must grow, and the pooled paired differences must
+    have a t statistic above 4 (images of one seed share a projection, so the pooled t
+    overstates the evidence somewhat; the per-seed condition does not depend on it).  The
+    label check is against the binomial null: under random labels the share of the top-k of m
+    test images that carry the test label has mean ``chance`` and standard error
+    ``sqrt(chance (1 - chance) / (k m))``; the share must exceed it by 4 of those."""
+    out = tmp_path / "trak_digits"
+    assert sorted(p.name for p in out.iterdir()) == ["trak_digits.json", "trak_digits.png"]
+    res = json.loads((out / "trak_digits.json").read_text(encoding="utf-8"))
+    rows = [r for r in res["rows"] if r["seed"] != "ensemble"]
+    dims = sorted({r["dim"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    assert len(dims) >= 2 and len(seeds) >= 2, res["args"]
+    rho = np.array([[next(r["spearman"] for r in rows if r["dim"] == d and r["seed"] == s)
+                     for s in seeds] for d in dims])  # (dims, seeds, test images)
+    assert rho.shape[2] == res["m_exact"]
+    for lo, hi in itertools.pairwise(rho):
+        diff = hi - lo
+        assert np.all(diff.mean(axis=1) > 0), (dims, rho.mean(axis=2))
+        t = diff.mean() / (diff.std(ddof=1) / np.sqrt(diff.size))
+        assert t > 4, (dims, rho.mean(axis=2), t)
+    share, k = res["label_share"], res["args"]["top_k"]
+    se = np.sqrt(share["chance"] * (1 - share["chance"]) / (k * res["m_exact"]))
+    assert share["exact_top"] > share["chance"] + 4 * se, share
+
+
+def test_trak_scores_primal_equals_kernel_form():
+    """The example's two score formulas agree when the projection is exact (Phi = J):
+    ``trak_scores`` on the dense per-sample margin gradients J (torch.func, float64; more
+    samples than parameters, so feature_regression solves the primal P x P system) and
+    ``kernel_scores`` on ntkcore's eNTK of the ``Margin`` model (the dual N x N system, by the
+    push-through identity) both equal ``J_*(J^T J + lam I)^{-1} J^T diag(q)`` from a direct
+    NumPy solve, within the first-order bound for a solve of condition ``cond(K + lam I)``
+    plus the kernel's rounding amplified by it (tests/tolerances.py).  ``Margin`` is checked
+    against ``log(p / (1 - p))``."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sklearn") is None:
+        pytest.skip("needs torch and scikit-learn")
+    import torch
+
+    import ntkcore
+    from tests.tolerances import kernel_tol, solve_tol
+
+    spec = importlib.util.spec_from_file_location("trak_digits", ROOT / "examples" /
+                                                  "trak_digits.py")
+    trak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trak)
+    x_tr, x_te, y_tr, y_te = ntkcore.cli.demo.demo_data(400, n_test=30)
+    net = ntkcore.cli.demo.demo_model("mlp", width=3).double()
+    x_tr, x_te = torch.as_tensor(x_tr), torch.as_tensor(x_te)
+    margin = trak.Margin(net, x_tr.shape[1])
+    z_tr, z_te = trak.with_labels(x_tr, y_tr), trak.with_labels(x_te, y_te)
+    q = trak.loss_weights(net, x_tr, y_tr)
+
+    with torch.no_grad():
+        p = net(x_te).softmax(1)[torch.arange(len(y_te)), torch.as_tensor(y_te)]
+        np.testing.assert_allclose(margin(z_te)[:, 0], torch.log(p / (1 - p)), rtol=1e-12)
+    params = {name: v.detach() for name, v in margin.named_parameters()}
+
+    def f(w, z):
+        return torch.func.functional_call(margin, w, (z[None],))[0, 0]
+
+    def jac(z):
+        g = torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(params, z)
+        return torch.cat([v.reshape(len(z), -1) for v in g.values()], dim=1)
+
+    j_tr, j_te = jac(z_tr), jac(z_te)
+    n, num_params = j_tr.shape
+    assert num_params < n  # the primal side of feature_regression
+    k = j_tr @ j_tr.T
+    lam = 1e-3 * float(torch.mean(torch.diagonal(k)))
+    a = j_tr.numpy()
+    ref = j_te.numpy() @ np.linalg.solve(a.T @ a + lam * np.eye(num_params), a.T * q.numpy())
+
+    primal = trak.trak_scores(j_tr, q, j_te, lam)
+    kernel = trak.kernel_scores(ntkcore.ntk(margin, z_tr, mode="trace"), q,
+                                ntkcore.ntk(margin, z_te, z_tr, mode="trace"), lam)
+    w = np.linalg.eigvalsh(k.numpy())
+    cond = (w.max() + lam) / (max(w.min(), 0.0) + lam)
+    tol = solve_tol(torch.float64, cond, computations=2) + cond * kernel_tol(
+        torch.float64, num_params, computations=2)
+    for got in (primal, kernel):
+        assert got.shape == (len(y_te), n) and got.dtype == torch.float64
+        err = np.linalg.norm(got.numpy() - ref) / np.linalg.norm(ref)
+        assert err <= tol, (err, tol, cond)
 
 
 def test_bad_arguments_are_usage_errors(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.func import functional_call, grad, jacrev, vmap  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import ntkcore  # noqa: E402
 import ntkcore.backends.torch_jacobian as tj  # noqa: E402
@@ -217,17 +218,25 @@ def test_backward_strategies_agree(name):
             tol_for(rd.shape[2], rd.shape[1])
 
 
-def test_subclass_with_its_own_forward_stays_torch_func(dense_calls):
+def test_subclass_with_its_own_forward(dense_calls):
+    """Not a hooked layer (its forward may compute anything), but its F.group_norm call is
+    found by torch_functional's mode (issue 18); an unrecognised use stays torch.func."""
     class Scaled(nn.GroupNorm):
         def forward(self, x):
             return super().forward(x) * 2.0
 
-    model = _randomise(ConvNorm(2, Scaled(2, 4), 4))
+    class Odd(nn.GroupNorm):
+        def forward(self, x):
+            return F.group_norm(x, self.num_groups, self.weight * 2.0, self.bias, self.eps)
+
     x = torch.randn(3, 2, 4, 4, dtype=DT)
-    j = jacobian(model, x)
-    assert dense_calls == ["norm"]
-    assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
-        tol_for(j.num_params, 3)
+    for norm, expect in ((Scaled(2, 4), []), (Odd(2, 4), ["norm"])):
+        dense_calls.clear()
+        model = _randomise(ConvNorm(2, norm, 4))
+        j = jacobian(model, x)
+        assert dense_calls == expect
+        assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
+            tol_for(j.num_params, 3)
 
 
 @pytest.mark.parametrize("name", ["batchnorm2d", "groupnorm", "tokens-layernorm2axes"])

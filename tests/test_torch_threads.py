@@ -3,8 +3,9 @@
 The reference kernels come from plain per-sample autograd (float64, single-threaded, no
 ``torch.func`` and no parameter swapping), so they are independent of the provider's hooks,
 Kronecker factors and ``functional_call``.  The model of issue 15 (item 3) has a BatchNorm in
-eval mode (here a subclass with its own ``forward``: since issue 18 a plain BatchNorm's block
-comes from the hooks): a DenseBlock built by ``torch.func.functional_call``, which swaps the
+eval mode (here a subclass with its own ``forward`` that uses ``torch.addcmul``: since issue
+18 a plain BatchNorm's block comes from the hooks, and ``F.batch_norm`` calls are recognised
+too): a DenseBlock built by ``torch.func.functional_call``, which swaps the
 module's parameters in place while it runs, next to Linear layers whose Kronecker factors come
 from forward hooks.  Before the provider took a per-model lock and filtered its hooks by thread,
 three threads of 15 calls gave wrong kernels (0.4 max abs error), functorch internal asserts
@@ -29,10 +30,13 @@ EPS = torch.finfo(DT).eps
 
 
 class _FuncBatchNorm(nn.BatchNorm1d):
-    """A BatchNorm1d with its own ``forward``: the provider takes it through ``torch.func``."""
+    """An eval-mode BatchNorm1d with its own ``forward`` that applies its affine with
+    ``torch.addcmul``, a use of its parameters that neither the hooks nor the functional calls
+    of ``torch_functional`` recognise: the provider takes it through ``torch.func``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
+        xhat = (x - self.running_mean) / torch.sqrt(self.running_var + self.eps)
+        return torch.addcmul(self.bias, xhat, self.weight)
 
 
 def _model() -> nn.Module:
