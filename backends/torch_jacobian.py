@@ -40,6 +40,15 @@ normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_s
                        s the C parameters are broadcast over, :math:`\hat x` recomputed from
                        the hooked input (no torch.func pass; why a DenseBlock and not a new
                        block kind: ``torch_layers``).
+recurrent layers       ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (3-D tensor input, no projection):
+                       one KroneckerBlock per layer, direction and matrix, positions = time
+                       steps: ``[W_ih | b_ih]`` with a = [x_t, 1], ``[W_hh | b_hh]`` with
+                       a = [h_{t-1}, 1], g the gradient w.r.t. the gate pre-activations
+                       (``torch_layers.recurrent_blocks``).  The hooked forward replaces
+                       the module's output by a step-by-step recomputation with its own
+                       parameters, so that these are on the graph; named after the first
+                       selected parameter of each (weight, bias) pair, e.g.
+                       ``gru.weight_ih_l0``, in the layout of a Linear.
 functional calls       parameters no hooked module owns, when every use of them is an
                        ``F.linear`` (KroneckerBlock: ``nn.MultiheadAttention``'s ``in_proj``
                        and ``out_proj``), an ``F.layer_norm`` / ``batch_norm`` (eval) /
@@ -55,9 +64,9 @@ anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
                        other ways, anything the functional calls do not cover).  Where
-                       ``torch.func`` cannot run the model (it raises for ``nn.GRU`` /
-                       ``nn.RNN`` / stacked or bidirectional ``nn.LSTM`` with the default
-                       ``hx`` and ``nn.PReLU`` in torch 2.13, and for data-dependent control
+                       ``torch.func`` cannot run the model (it raises for a recurrent layer
+                       that is not unrolled, e.g. on a ``PackedSequence``, for ``nn.PReLU``
+                       in torch 2.13, and for data-dependent control
                        flow such as ``if x.isfinite().all():``), the
                        same DenseBlocks come from plain autograd, one sample and one output
                        at a time: exact, silent, N * O backward passes.  An error the model
@@ -114,6 +123,9 @@ and appear in the order of their first parameter in ``names``:
   d_in = 1 with a = 1), flattened row-major, i.e. the bias is *interleaved* as the last column
   of each row, not appended after the weight.
 * KroneckerBlock of an Embedding at ``m``: ``m.weight.T`` flattened row-major.
+* KroneckerBlock of a recurrent module at ``m`` named ``m.weight_ih_l0`` (or
+  ``m.bias_ih_l0`` when only the bias is selected): ``[weight_ih_l0, bias_ih_l0[:, None]]``
+  flattened row-major, as a Linear's; likewise ``hh`` and ``_reverse``.
 * DenseBlock named ``m`` (a module path): the selected parameters registered directly on
   ``m``, each flattened row-major, concatenated in ``named_parameters`` order.  A parameter
   registered on the root module gets its own DenseBlock named by the parameter name.
@@ -162,10 +174,15 @@ from .torch_functional import CALLED_BY_PARENT, ParamUses, functional_blocks, st
 from .torch_functional import sample_axes as functional_sample_axes
 from .torch_layers import (
     CHANNELS_FIRST,
+    RecurrentPass,
     cat,
     layer_block,
     layer_type,
     output_factor,
+    recurrent_blocks,
+    recurrent_forward,
+    recurrent_pairs,
+    recurrent_type,
     sample_axis_ok,
 )
 
@@ -282,6 +299,11 @@ def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
                     "then undefined); call model.eval() first"
                     + ("" if mod.track_running_stats else
                        " (and it needs track_running_stats=True to have running statistics)"))
+        if (dropout and isinstance(mod, nn.RNNBase) and mod.training and mod.dropout > 0
+                and mod.num_layers > 1):
+            raise ValueError(f"module {path!r} is a recurrent layer with dropout={mod.dropout} "
+                             "between its layers in training mode (a random model has no fixed "
+                             "Jacobian); call model.eval() first")
         if (dropout and isinstance(mod, nn.modules.dropout._DropoutNd) and mod.training
                 and mod.p > 0):
             raise ValueError(f"module {path!r} is a Dropout in training mode (a random model "
@@ -374,9 +396,12 @@ def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
 
 
 def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 clone: bool, uses: ParamUses | None = None) -> torch.Tensor:
+                 clone: bool, uses: ParamUses | None = None,
+                 rec: dict[str, _RecUnit] | None = None) -> torch.Tensor:
     for unit in units.values():
         unit.calls = []
+    for runit in (rec or {}).values():
+        runit.calls, runit.shapes, runit.ok = [], [], True
 
     def record(path: str, a: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         if clone:  # keep the recorded tensors out of reach of later in-place ops
@@ -385,7 +410,8 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return out if clone else None
 
     with (_hooked({path: u.module for path, u in units.items()}, record),
-          uses if uses is not None else contextlib.nullcontext()):
+          uses if uses is not None else contextlib.nullcontext(),
+          _hooked_recurrent(rec or {})):
         return _check_output(model(x))
 
 
@@ -412,6 +438,164 @@ def _graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[
 
 
 # --------------------------------------------------------------------------------------------
+# recurrent layers (nn.RNN / nn.GRU / nn.LSTM), unrolled over time (torch_layers)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _RecUnit:
+    module: nn.Module
+    names: list[str]  # its selected parameters, in order
+    calls: list[list[RecurrentPass]] = field(default_factory=list)  # per call, per layer/dir
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    ok: bool = True  # False once a call could not be unrolled (e.g. a PackedSequence)
+
+
+def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
+                     registrations: dict[int, int]) -> dict[str, _RecUnit]:
+    """The recurrent modules (``torch_layers.recurrent_type``) owning selected parameters that
+    no other module registers."""
+    named = dict(model.named_parameters())
+    units: dict[str, _RecUnit] = {}
+    for nm in selected:
+        mpath = owners[nm][0]
+        if mpath in units:
+            units[mpath].names.append(nm)
+        elif mpath and recurrent_type(model.get_submodule(mpath)) is not None:
+            units[mpath] = _RecUnit(model.get_submodule(mpath), [nm])
+    return {p: u for p, u in units.items()
+            if all(registrations[id(named[nm])] == 1 for nm in u.names)}
+
+
+def _rnn_call(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(input, hx) of a call ``forward(input, hx=None)``."""
+    inp = args[0] if args else kwargs.get("input")
+    return inp, args[1] if len(args) > 1 else kwargs.get("hx")
+
+
+@contextlib.contextmanager
+def _hooked_recurrent(rec: dict[str, _RecUnit]) -> Iterator[None]:
+    """Forward hooks that replace the output of each call of a ``rec`` module made by this
+    thread with its step-by-step recomputation (``torch_layers.recurrent_forward``) and record
+    the passes; a call on anything but a 3-D tensor is left alone and marks the unit not ok.
+    The fused forward has run (and validated ``hx``) before the hook."""
+    me = threading.get_ident()
+
+    def hook_of(unit: _RecUnit) -> Any:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+            if threading.get_ident() != me:
+                return None
+            inp, hx = _rnn_call(args, kwargs)
+            if not isinstance(inp, torch.Tensor) or inp.ndim != 3:
+                unit.ok = False
+                return None
+            new, passes = recurrent_forward(mod, inp, hx)
+            unit.calls.append(passes)
+            unit.shapes.append((tuple(inp.shape), tuple(new[0].shape)))
+            return new
+        return hook
+
+    handles = [u.module.register_forward_hook(hook_of(u), with_kwargs=True)
+               for u in rec.values()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _recurrent_shapes(rec: dict[str, _RecUnit],
+                      seen: dict[str, list[Any]]) -> Iterator[None]:
+    """Forward hooks appending (input shape, output shape) of each call of a ``rec`` module
+    made by this thread to ``seen[path]`` (None for a call on a non-tensor), for the probe."""
+    me = threading.get_ident()
+
+    def hook_of(path: str) -> Any:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            if threading.get_ident() == me:
+                inp, _ = _rnn_call(args, kwargs)
+                ok = isinstance(inp, torch.Tensor) and isinstance(out[0], torch.Tensor)
+                seen[path].append((tuple(inp.shape), tuple(out[0].shape)) if ok else None)
+        return hook
+
+    handles = [u.module.register_forward_hook(hook_of(p), with_kwargs=True)
+               for p, u in rec.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _recurrent_axes(rec: dict[str, _RecUnit], seen: dict[str, list[Any]], n: int,
+                    p: int) -> dict[str, list[int]]:
+    """``{path: [0, ...]}`` for the modules whose every call's batch axis (0 if
+    ``batch_first``, else 1) is the sample axis of its input and output in the probe (as
+    :func:`_tracking_axis` finds it); its passes are batch-first, hence the 0s."""
+    axes: dict[str, list[int]] = {}
+    for path, unit in rec.items():
+        batch = 0 if unit.module.batch_first else 1
+        if len(seen[path]) == len(unit.shapes) and all(
+                q is not None and _tracking_axis(r[0], q[0], n, p) == batch
+                and _tracking_axis(r[1], q[1], n, p) == batch
+                for r, q in zip(unit.shapes, seen[path], strict=True)):
+            axes[path] = [0] * len(unit.calls)
+    return axes
+
+
+def _recurrent_used(rec: dict[str, _RecUnit], reachable: set[Any], uses: dict[int, int],
+                    named: dict[str, torch.Tensor]) -> list[str]:
+    """The ``rec`` modules whose calls could all be unrolled and whose selected parameters are
+    used in the graph only by those calls: each call uses a parameter through one alias
+    (``torch_layers._direction``), so its number of uses must be the number of calls whose alias
+    reaches the output (and one at least must)."""
+    out = []
+    for path, unit in rec.items():
+        if not unit.ok or not unit.calls:
+            continue
+        counts = []
+        for nm in unit.names:
+            local = nm[len(path) + 1:]
+            counts.append(sum(1 for passes in unit.calls for r in passes
+                              if local in r.views and r.views[local].grad_fn in reachable))
+            if uses.get(id(named[nm]), 0) != counts[-1]:
+                break
+        else:
+            if any(counts):
+                out.append(path)
+    return out
+
+
+def _recurrent_block_names(rkron: dict[str, _RecUnit]) -> dict[str, str]:
+    """Parameter name -> block name for the unrolled modules: the blocks of
+    ``torch_layers.recurrent_blocks``, named after the first selected parameter of each
+    (weight, bias) pair."""
+    names: dict[str, str] = {}
+    for path, unit in rkron.items():
+        sel = set(unit.names)
+        for _, w, b in recurrent_pairs(unit.module):
+            pair = [f"{path}.{w}", f"{path}.{b}"]
+            chosen = [q for q in pair if q in sel]
+            names.update(dict.fromkeys(chosen, chosen[0]) if chosen else {})
+    return names
+
+
+def _recurrent_layout_names(model: nn.Module, name: Any, selected: list[str],
+                            owners: dict[str, tuple[str, str]]) -> list[str]:
+    """The selected parameters of a recurrent block named ``name`` (its (weight, bias) pair),
+    or [] when ``name`` is no such block."""
+    if name not in selected or not owners[name][0]:
+        return []
+    mpath, local = owners[name]
+    mod = model.get_submodule(mpath)
+    if recurrent_type(mod) is None:
+        return []
+    for _, w, b in recurrent_pairs(mod):
+        if local in (w, b):
+            return [q for q in (f"{mpath}.{w}", f"{mpath}.{b}") if q in selected]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
 # the sample axis of each hooked call
 # --------------------------------------------------------------------------------------------
 def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int) -> int | None:
@@ -426,8 +610,8 @@ def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int
 
 
 def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 used: dict[str, list[int]], uses: ParamUses | None = None
-                 ) -> dict[str, list[int]]:
+                 used: dict[str, list[int]], uses: ParamUses | None = None,
+                 rec: dict[str, _RecUnit] | None = None) -> dict[str, list[int]]:
     r"""``{path: [sample axis of each call in used[path]]}`` for the units where every used
     call has one, from a probe forward on the first sample repeated p != N times (see "The
     sample axis" in the module docstring); ``{}`` when the probe fails.
@@ -445,16 +629,21 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     real = {path: [(tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls]
             for path in used}
     modules = {path: units[path].module for path in used}
+    rec = rec or {}
+    rseen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]] | None]] = {k: [] for k in rec}
 
     def run() -> torch.Tensor:
-        with uses if uses is not None else contextlib.nullcontext():
+        with uses if uses is not None else contextlib.nullcontext(), \
+                _recurrent_shapes(rec, rseen):
             out = _check_output(model(xp))
         if uses is not None:
             uses.done = True
         return out
 
     try:
-        return _probe_sample_axes(run, modules, real, used, n, p)
+        axes = _probe_sample_axes(run, modules, real, used, n, p)
+        axes.update(_recurrent_axes(rec, rseen, n, p))
+        return axes
     except _ProbeFailed:
         # A model that cannot run on p samples: no axis is proven, every unit goes dense; the
         # dense path runs the model sample by sample and raises the model's own error if any.
@@ -602,7 +791,7 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
         chunk_size = max(1, min(n, (2**26) // max(1, o * p_total * x.element_size())))
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_sdpa_batching():
             for start in range(0, n, chunk_size):
                 res = jf(pdict, x[start:start + chunk_size])
                 for k in names:
@@ -612,6 +801,46 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     except RuntimeError:  # no batching rule, or data-dependent control flow
         return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
     return _grouped(groups, {k: cat(v, 0) for k, v in pieces.items()})
+
+
+# torch's vmap fallback warns for every scaled_dot_product_attention (forward and backward) in
+# the torch.func pass: a performance note about torch itself, hundreds per call on ViT / BERT.
+_SDPA_BATCHING = (r"There is a performance drop because we have not yet implemented the "
+                  r"batching rule for aten::_scaled_dot_product")
+_QUIET_LOCK = threading.Lock()
+_QUIET: list[Any] = []  # [the filter entry] while a torch.func pass runs, in any thread
+
+
+@contextlib.contextmanager
+def _quiet_sdpa_batching() -> Iterator[None]:
+    """Ignore torch's SDPA batching-rule warning (:data:`_SDPA_BATCHING`, nothing else) while
+    ntkcore's ``torch.func`` passes run.
+
+    ``warnings.catch_warnings`` is not thread-safe (it restores a copy of the global filter
+    list on exit, undoing what other threads did meanwhile).  Instead one ``ignore`` entry
+    with that message pattern is put at the front of ``warnings.filters`` by the first pass
+    to start and removed (that entry alone) by the last one to end; a counter under a lock
+    tracks the passes in flight.  At the front it wins over filters set before the call
+    (``"always"``, ``"error"``); other threads do not see the warning in that window either.
+    """
+    with _QUIET_LOCK:
+        if not _QUIET:
+            had = list(warnings.filters)
+            warnings.filterwarnings("ignore", message=_SDPA_BATCHING, category=UserWarning)
+            # the user's own identical entry (moved to the front) is kept after the pass
+            _QUIET.append(None if warnings.filters[0] in had else warnings.filters[0])
+        _QUIET.append(None)
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET.pop()
+            if len(_QUIET) == 1 and _QUIET[0] is None:
+                _QUIET.pop()
+            elif len(_QUIET) == 1:
+                with contextlib.suppress(ValueError):  # removed meanwhile by someone else
+                    warnings.filters.remove(_QUIET.pop())
+                getattr(warnings, "_filters_mutated", lambda: None)()
 
 
 def _grouped(groups: list[tuple[str, list[str]]],
@@ -727,18 +956,20 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 
     owners, registrations = _owner_map(model)
     units = _structured_units(model, selected, owners, registrations)
+    rec = _recurrent_units(model, selected, owners, registrations)
     named = dict(model.named_parameters())
     # parameters no structured module owns: their functional calls (torch_functional)
     cands = [named[nm] for nm in selected
-             if owners[nm][0] not in units and registrations[id(named[nm])] == 1]
+             if owners[nm][0] not in units and owners[nm][0] not in rec
+             and registrations[id(named[nm])] == 1]
     uses = ParamUses(cands) if cands else None
-    out = _run_forward(model, x, units, clone=False, uses=uses)
+    out = _run_forward(model, x, units, clone=False, uses=uses, rec=rec)
     if (any(c.a._version != c.a_version or c.y._version != c.y_version
             for u in units.values() for c in u.calls)
             or (uses is not None and any(c.modified() for c in uses.calls))):
         uses = ParamUses(cands, clone=True) if cands else None
         # something was modified in place
-        out = _run_forward(model, x, units, clone=True, uses=uses)
+        out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
                          f"{tuple(out.shape)}")
@@ -749,9 +980,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     # every such call has a sample axis in its input and output, found by a probe at another
     # batch size (a length equal to N proves nothing; see _sample_axes).
     kron: dict[str, list[tuple[_Call, int]]] = {}  # path -> (call, its sample axis)
+    rkron: dict[str, _RecUnit] = {}  # recurrent modules unrolled into Kronecker blocks
     fcalls: list = []  # functional calls of the structured groups fgroups, with sample axes
     fgroups: dict[str, list[torch.Tensor]] = {}
-    if (units or uses is not None) and out.grad_fn is not None:
+    if (units or rec or uses is not None) and out.grad_fn is not None:
         reachable, n_uses = _graph_uses(out)
         used: dict[str, list[int]] = {}  # indices of the calls that reach the output
         for path, unit in units.items():
@@ -762,10 +994,13 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             if any(n_uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
                 continue
             used[path] = idx
+        rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
         probe_uses = None if uses is None else ParamUses(cands)
-        axes = _sample_axes(model, x, units, used, probe_uses) if used or uses else {}
+        axes = (_sample_axes(model, x, units, used, probe_uses, rused)
+                if used or uses or rused else {})
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
+        rkron = {p: u for p, u in rused.items() if p in axes}
         if uses is not None:
             fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
                                                owners, named, n)
@@ -774,27 +1009,33 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     # one module (a root parameter alone).
     order: dict[str, None] = {}
     dense_groups: dict[str, list[str]] = {}
+    rnames = _recurrent_block_names(rkron)  # parameter name -> its recurrent block's name
     for nm in selected:
         mpath = owners[nm][0]
-        bname = mpath if mpath in kron or mpath else nm
+        bname = rnames.get(nm) or (mpath if mpath in kron or mpath else nm)
         order[bname] = None
-        if mpath not in kron and bname not in fgroups:
+        if mpath not in kron and nm not in rnames and bname not in fgroups:
             dense_groups.setdefault(bname, []).append(nm)
 
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
-    if kron or fcalls:
+    if kron or rkron or fcalls:
         if backward == "auto":
             batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
         else:
             batched = backward == "batched"
         flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]
+        # recurrent: the gradients w.r.t. u = W_ih x_t + b_ih of every layer, direction, call
+        rflat = [(u.module, r.u) for u in rkron.values() for passes in u.calls for r in passes]
         # functional calls: Linear layout (no module), after the module calls
-        gs = _output_grads(out2, [c.y for _, c, _ in flat] + [c.y for c, _ in fcalls],
-                           [m for m, _, _ in flat] + [None] * len(fcalls), pseudo,
-                           create_graph, batched,
-                           [ax for _, _, ax in flat] + [ax for _, ax in fcalls])
+        gs = _output_grads(out2, [c.y for _, c, _ in flat] + [y for _, y in rflat]
+                           + [c.y for c, _ in fcalls],
+                           [m for m, _, _ in flat] + [m for m, _ in rflat] + [None] * len(fcalls),
+                           pseudo, create_graph, batched,
+                           [ax for _, _, ax in flat] + [0] * len(rflat)
+                           + [ax for _, ax in fcalls])
         if fcalls:
-            blocks.update(functional_blocks(fgroups, fcalls, gs[len(flat):], n, create_graph))
+            blocks.update(functional_blocks(fgroups, fcalls, gs[len(flat) + len(rflat):], n,
+                                            create_graph))
         k = 0
         for p, calls in kron.items():
             unit = units[p]
@@ -804,7 +1045,13 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                                     gs[k:k + len(calls)], n, p, weight=unit.has_weight,
                                     bias=unit.has_bias)
             k += len(calls)
-    del out, out2, units, uses, fcalls
+        for p, runit in rkron.items():
+            m = sum(len(passes) for passes in runit.calls)
+            blocks.update(recurrent_blocks(runit.module, p, runit.calls, gs[k:k + m],
+                                           [owners[nm][1] for nm in runit.names], n,
+                                           detach=not create_graph))
+            k += m
+    del out, out2, units, uses, fcalls, rec, rkron
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
@@ -855,7 +1102,10 @@ def _block_layout(model: nn.Module, jac: Jacobian,
     out = []
     covered: list[str] = []
     for b in jac.blocks:
-        if b.name in selected and owners[b.name][0] == "":
+        rnames = _recurrent_layout_names(model, b.name, selected, owners)
+        if rnames:
+            names = rnames
+        elif b.name in selected and owners[b.name][0] == "":
             names = [b.name]
         else:
             names = [nm for nm in selected if owners[nm][0] == b.name]
@@ -863,7 +1113,8 @@ def _block_layout(model: nn.Module, jac: Jacobian,
             raise ValueError(f"block {b.name!r} matches no selected parameter of the model")
         kron = isinstance(b, KroneckerBlock)
         out.append((b, names, b.d_out if kron else 1,
-                    kron and isinstance(model.get_submodule(b.name), nn.Embedding)))
+                    kron and not rnames
+                    and isinstance(model.get_submodule(b.name), nn.Embedding)))
         covered += names
     if sorted(covered) != sorted(selected):
         raise ValueError("the Jacobian's blocks do not match the selected parameters")

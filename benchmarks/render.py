@@ -405,6 +405,8 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
             ])
         out.append(_table(["case", "impl", "backend", "device", "dtype", "median (min–max)",
                            "peak memory", "speed-up", "GEMM %", "rel. error", "note"], table))
+        if suite == "real_models":
+            out.append(real_models_section(rs))
         fams: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in rs:
             if isinstance((r.get("params") or {}).get("N"), (int, float)):
@@ -417,6 +419,55 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
         if plot_speedups(rs, suite, img_dir / name):
             out.append(f"\n![{suite}: speed-up over the baseline]({img_rel}/{name})\n")
     return "\n".join(out)
+
+
+def _blocks_text(blocks: dict[str, int] | None) -> str:
+    """``Kronecker / dense / torch.func`` counts (the last are DenseBlocks too), then any
+    other block kind by name."""
+    if not blocks:
+        return "-"
+    text = (f"{blocks.get('KroneckerBlock', 0)} / {blocks.get('DenseBlock', 0)} / "
+            f"{blocks.get('torch.func', 0)}")
+    others = [f"{v} {k}" for k, v in sorted(blocks.items())
+              if k not in ("KroneckerBlock", "DenseBlock", "torch.func")]
+    return text + ("; " + ", ".join(others) if others else "")
+
+
+def real_models_section(rows: list[dict[str, Any]]) -> str:
+    """The ``real_models`` suite per model and N: ntkcore and torch.func times, the ratio,
+    the blocks, the parameter shares in dense / torch.func blocks, and (budget cases) peak
+    working memory over ``max_memory``."""
+    base = {(r["case"], r["dtype"]): r for r in rows if not r.get("baseline")
+            and r["impl"] != "ntkcore"}
+    table = []
+    for r in rows:
+        if r["impl"] != "ntkcore":
+            continue
+        p = r.get("params") or {}
+        if "N" not in p:  # a model that was not run
+            table.append([p.get("model", r["case"]), "-", "-", "-", "-", "-", "-", "-", "-",
+                          r.get("note", "")])
+            continue
+        b = base.get((r["case"], r["dtype"]))
+        sp = r.get("_speedup")
+        over = p.get("mem_over_budget")
+        table.append([
+            p.get("model", r["case"]), p["N"], fmt_time(r.get("median_s")),
+            fmt_time(b.get("median_s")) if b else "-",
+            "-" if sp is None else f"{sp:.3g}x", _blocks_text(p.get("blocks")),
+            "-" if p.get("dense_share") is None else f"{100 * p['dense_share']:.1f}%",
+            "-" if p.get("func_share") is None else f"{100 * p['func_share']:.1f}%",
+            "-" if over is None else f"{fmt_bytes(r.get('peak_mem_bytes'))} / "
+                                     f"{p.get('max_memory')} = {over:.2f}x",
+            ", ".join(p.get("torch_func_blocks") or [])[:200],
+        ])
+    return ("\nPer model (trace mode; ratio = torch.func time / ntkcore time, timed "
+            "interleaved in one run; blocks = Kronecker / dense / of which built by the "
+            "torch.func pass; shares = parameters in dense / in torch.func blocks; memory = "
+            "peak working memory over `max_memory` in the budget cases):\n\n"
+            + _table(["model", "N", "ntkcore", "torch.func", "ratio",
+                      "blocks (K / dense / torch.func)", "dense params",
+                      "torch.func params", "peak / max_memory", "torch.func blocks"], table))
 
 
 INTRO = """# Benchmarks

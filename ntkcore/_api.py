@@ -18,9 +18,14 @@ computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget
 kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
 the row block's factors are computed once, the column blocks' are recomputed per row block (for
 ``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
-itself is not counted.  The budget is resolved once (a :class:`ntkcore._memory.Budget`, split
-explicitly; batches by :func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget
-too small for a useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
+itself is not counted.  Stacking the batches drops each block's pieces once that block is
+stacked (``Jacobian.concatenate(..., consume=True)``: F plus one block, not 2 F), and the
+probe's factors are released once copied (held) or after the first row block (streamed),
+so nothing outside the charged figures stays alive through the contraction (measured
+tables: docs/real-models.md).  The budget is resolved once (a
+:class:`ntkcore._memory.Budget`, split explicitly; batches by
+:func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget too small for a
+useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
 ``ntkcore/gram.py``: blocks of that many samples and their contraction) raises
 ``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
 smallest ``max_memory`` that works (``_check_budget``).
@@ -228,7 +233,8 @@ def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
         end = min(stop, pos + batch)
         parts.append(call(x[pos:end, ...]))
         pos = end
-    return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts)
+    # consume: each block's pieces go as soon as it is stacked (peak: pieces + one block)
+    return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts, consume=True)
 
 
 def _requires_grad(x: Any) -> bool:
@@ -314,10 +320,12 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                 _explain(exc, model, "x2", x2, x1)
                 raise
         if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
-            return _streamed(call, call2, x1, x2, probe, per_sample, budget, batch_size, mode,
+            box, probe = [probe], None  # _streamed drops the probe after its first row block
+            return _streamed(call, call2, x1, x2, box, per_sample, budget, batch_size, mode,
                              layerwise, dtype, progress, xp, check_finite)
         batch = batch_size or batch_samples(per_sample, budget / 2)
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
+        probe = None  # j1 holds its samples (a copy, when stacked): not charged twice
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
         rest = budget.less(j1.nbytes + (0 if j2 is None else j2.nbytes),
                            budget // 4)
@@ -364,10 +372,14 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
 
 
 def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian], x1: Any,
-              x2: Any, probe: Jacobian | None, per_sample: float, budget: Budget,
+              x2: Any, box: list[Jacobian | None], per_sample: float, budget: Budget,
               batch_size: Any, mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
               check_finite: bool) -> Array:
-    """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc)."""
+    """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc).
+
+    ``box`` holds the probe's Jacobian (or None), the only reference to it, so that it is
+    freed after the first row block instead of being held, uncharged, to the end."""
+    probe = box.pop()
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
     batch = batch_size or batch_samples(per_sample, budget / 4)
     symmetric = x2 is None
@@ -380,6 +392,7 @@ def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
             first = probe if probe is not None and r0 == 0 and \
                 probe.num_samples <= r1 - r0 else None
             ji = _jacobians(call, x1, r0, r1, batch, first)
+            probe = first = None
             for j in grid.row_tiles(i):
                 # on the diagonal of a symmetric kernel, ji against itself
                 jj = None if symmetric and j == i else _jacobians(call2, xc, *grid.cols[j],

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import array_api_compat
 from array_api_compat import device
 
 from ._estimator import Regressor, _floating
@@ -67,7 +68,7 @@ from .regression import (
 )
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
-__all__ = ["FeatureRidge", "feature_gd_mse_predict", "feature_gp_inference",
+__all__ = ["PRIMAL_COPIES", "FeatureRidge", "feature_gd_mse_predict", "feature_gp_inference",
            "feature_regression"]
 
 _GRAM_NAMES = ("phi_train phi_train^T", "phi_train^T phi_train")  # dual, primal
@@ -127,6 +128,42 @@ def _ridge_weights(xp: Any, backend: Backend, phi: Array, y: Array, reg: float,
     _, sol, eps = _ridge_solve(xp, backend, a, phi.T @ y if primal else y, reg, jitter,
                                _GRAM_NAMES[primal])
     return (sol if primal else phi.T @ sol), eps
+
+
+#: dim x dim matrices the streamed primal ridge (:meth:`FeatureRidge.fit_model`) charges to
+#: ``max_memory``: the accumulated Gram matrix, one batch's product and their sum while
+#: streaming; the Gram matrix, its symmetrised and shifted copies and the Cholesky factor
+#: while solving (at most five at a time).
+PRIMAL_COPIES = 5
+
+
+def _stream_moments(model: Any, x: Array | None, y: Array, kw: dict[str, Any]
+                    ) -> tuple[Any, Backend, Array, Array, tuple[int, ...]]:
+    r"""``(xp, backend, G, c, tail)``: :math:`G = \sum_b \Phi_b^\top\Phi_b` (dim, dim) and
+    :math:`c = \sum_b \Phi_b^\top y_b` (dim, K) over the sample batches ``b`` of
+    :func:`ntkcore.features.feature_batches` (its budget less the dim x dim matrices of
+    :data:`PRIMAL_COPIES` and two (dim, K) ones), and the features' ``shape[1:]``; the (N, dim)
+    features are never held together."""
+    from .features import feature_batches  # features imports this package's modules
+
+    n = int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else \
+        getattr(model, "num_samples", 0) if x is None else 0  # model: a Jacobian
+    if getattr(y, "ndim", 0) < 1 or int(y.shape[0]) != n:
+        raise ValueError(f"y must have one row per sample of x ({n}); got shape "
+                         f"{tuple(getattr(y, 'shape', ()))}")
+    cols = math.prod(y.shape[1 + (kw.get("mode") == "full"):])
+
+    def reserve(dim: int, item: int) -> float:
+        return item * (PRIMAL_COPIES * dim * dim + 2 * dim * cols)
+
+    g = c = None
+    for _, start, stop, phi in feature_batches(model, x, reserve=reserve, **kw):
+        xp, backend = namespace_of(features=phi, y_train=y)
+        rows, yb = _rows(xp, phi, "features"), _targets(xp, y[start:stop, ...], phi)
+        gb, cb = rows.T @ rows, rows.T @ yb
+        g, c = (gb, cb) if g is None else (g + gb, c + cb)
+        tail = tuple(phi.shape[1:])
+    return xp, backend, (g + g.T) / 2, c, tail
 
 
 @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
@@ -412,7 +449,62 @@ class FeatureRidge(Regressor):
         self.jitter_ = eps
         self.n_features_in_ = int(phi.shape[-1])
         self._shapes = (tuple(phi.shape[1:]), tuple(y.shape[1:]))
+        self.__dict__.pop("_features_kw", None)  # no model arguments: fit_model's are void
         return self
+
+    def fit_model(self, model: Any, x: Array | None, y: Array, *, dim: int, seed: Any = 0,
+                  mode: str = "trace", max_memory: Any = None, **features_kw: Any
+                  ) -> FeatureRidge:
+        r"""Fit on ``ntkcore.features(model, x, dim=dim, seed=seed, mode=mode, ...)`` streamed
+        over sample batches: :math:`G = \sum_b \Phi_b^\top\Phi_b`,
+        :math:`c = \sum_b \Phi_b^\top y_b`, then :math:`\beta = (G + \alpha I)^{-1} c`
+        (the primal system, always; the jitter policy on :math:`G`, named ``phi_train^T
+        phi_train``), so the (N, dim) features are never held: memory O(dim^2) plus one
+        batch within ``max_memory``, which is charged :data:`PRIMAL_COPIES` dim x dim
+        matrices besides the features' batches.  Equal to ``fit(features(model, x, ...),
+        y)`` up to rounding when dim < N (with dim >= N that solves the dual system, the same
+        predictions for ``alpha > 0``).  Not for gradients (use :meth:`fit` on features).
+
+        Parameters
+        ----------
+        model, x, dim, seed, mode, max_memory, **features_kw
+            As for :func:`ntkcore.features` (``method``, ``params``, ``probe``, ``kronecker``,
+            ``progress``, ``check_finite``; ``model`` may be a Jacobian with ``x`` None);
+            remembered for :meth:`predict_model`.
+        y : array, shape (N,) or (N, K); (N, O) or (N, O, K) in full mode
+            Targets, in the namespace of the features.
+
+        Raises
+        ------
+        BudgetTooSmallError
+            ``max_memory`` below the dim x dim matrices and one sample (the message states a
+            budget that works).
+        TypeError, ValueError, NotPositiveDefiniteError
+            As :func:`ntkcore.features` and :meth:`fit`.
+        """
+        alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
+        _jitter_cap(self.jitter)
+        kw = dict(dim=dim, seed=seed, mode=mode, **features_kw)
+        xp, backend, g, c, tail = _stream_moments(model, x, y, {**kw, "max_memory": max_memory})
+        _, beta, eps = _ridge_solve(xp, backend, g, c, alpha, self.jitter, _GRAM_NAMES[1])
+        self.coef_ = xp.matrix_transpose(beta) if y.ndim == len(tail) + 1 else beta[:, 0]
+        self.jitter_ = eps
+        self.n_features_in_ = int(tail[-1])
+        self._shapes = (tail, tuple(y.shape[1:]))
+        self._features_kw = kw
+        return self
+
+    def predict_model(self, model: Any, x: Array | None, *, max_memory: Any = None) -> Array:
+        """Predictions on ``features(model, x, ...)`` with the arguments of
+        :meth:`fit_model` (the same projection), streamed over sample batches within
+        ``max_memory`` (the (M, dim) features are never held together)."""
+        self._check_fitted("_features_kw", "fit_model(model, x, y, dim=...)")
+        from .features import feature_batches
+
+        parts = [self.predict(phi) for _, _, _, phi in feature_batches(
+            model, x, max_memory=max_memory, **self._features_kw)]
+        xp = array_api_compat.array_namespace(parts[0])
+        return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 
     def predict(self, phi_test: Array) -> Array:
         """Predictions ``phi_test @ coef_.T``: (M, D) -> (M,) or (M, K); (M, O, D) -> (M, O)

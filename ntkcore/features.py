@@ -71,15 +71,22 @@ cells in row r) and in one column (:math:`l_t` cells in column t).  For the whol
 
 .. math:: \frac{T + F_A}{q_A} + \frac{T + F_G}{q_G} + \frac{N_{xy} + K^2 + F_A + F_G}{q_A q_G} .
 
-``kronecker="pairs"`` uses q independent pairs instead, :math:`\phi_i = \gamma_i^\top X
-\alpha_i / \sqrt{q}` (2q factor rows, cost :math:`O(S q (d_\text{in} + d_\text{out}))` per
-sample and output): no two cells share a factor row, :math:`n_G = n_A = 0` and the variance is
-:math:`V_1 / q`, falling like 1/q where the grid's falls like :math:`1/q_A + 1/q_G`.
+``kronecker="pairs"`` (the default) uses q independent pairs instead, :math:`\phi_i =
+\gamma_i^\top X \alpha_i / \sqrt{q}` (2q factor rows, cost :math:`O(S q (d_\text{in} +
+d_\text{out}))` per sample and output): no two cells share a factor row, :math:`n_G = n_A = 0`
+and the variance is :math:`V_1 / q`, falling like 1/q where the grid's falls like
+:math:`1/q_A + 1/q_G`; on the diagonal (X = Y, :math:`c_G, c_A \ge 0`) never above the grid's
+at the same q (why it is the default: docs/features.md, "Grid or pairs").
 
 The variance of an entry of :math:`\Phi\Phi^\top` is the sum of its blocks' variances
 (:func:`feature_variance`); the expected squared Frobenius error over a batch is the sum of
 the entries' variances, and :func:`feature_error` reports its square root relative to the exact
 kernel's Frobenius norm; :func:`choose_dim` finds the smallest ``dim`` meeting a target.
+
+Small blocks are exact: a block whose share :math:`q_b` reaches its exact width (its
+parameter count, or d_in d_out of a Kronecker block, times O in trace mode) gets that many
+columns, its Jacobian itself (variance 0), and the rest of ``dim`` is split again over the
+other blocks (:func:`allocate_exact`).
 
 Splitting ``dim`` (:func:`allocate`, deterministic): block b gets :math:`q_b \ge 1` columns in
 proportion to a weight :math:`w_b`: :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least
@@ -89,10 +96,10 @@ sizes (parameters): they depend on the model only, so the same ``(model, dim, me
 mode)`` gives the same projection for every ``x`` (features of a training and a test set live
 in one space).  ``probe=x_probe`` weights by each block's share of the kernel trace on that
 batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
-:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  A
-Kronecker block's :math:`q_b` is laid out on a grid with :math:`q_A = \mathrm{clip}(
-\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)` columns (equal sampling
-fractions of both factors, as :func:`ntkcore.sketch.split_kronecker`) and
+:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  With
+``kronecker="grid"`` a Kronecker block's :math:`q_b` is laid out on a grid with
+:math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)`
+columns (equal sampling fractions of both factors, as :func:`ntkcore.sketch.split_kronecker`) and
 :math:`q_G = \lceil q_b / q_A\rceil` rows.  ``method="auto"`` projects a dense block with a
 Gaussian when its matrix has at most :data:`AUTO_GAUSSIAN_ENTRIES` entries (:math:`q_b n_b`),
 else with a sparse sign; Kronecker factors are always Gaussian (small: d x q).
@@ -108,7 +115,7 @@ Pure array API: nothing here imports a framework.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +136,7 @@ from .support import GENERATOR, capabilities
 from .tiling import progress_steps
 
 __all__ = ["AUTO_GAUSSIAN_ENTRIES", "FEATURE_MODES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
-           "choose_dim",
+           "allocate_exact", "choose_dim", "feature_batches",
            "feature_error", "feature_variance", "features", "kronecker_grid"]
 
 #: Feature modes (``ntk``'s "full" and "trace", and the pseudo-NTK).
@@ -137,7 +144,7 @@ FEATURE_MODES = ("full", "trace", "pseudo")
 #: Projection methods of dense blocks (Kronecker factors are always Gaussian).
 METHODS = ("auto", "gaussian", "sparse_sign")
 #: Layouts of a Kronecker block's features: the q_G x q_A grid, or q independent pairs.
-KRONECKER_LAYOUTS = ("grid", "pairs")
+KRONECKER_LAYOUTS = ("pairs", "grid")
 #: ``method="auto"``: a dense block whose Gaussian matrix has at most this many entries is
 #: projected with a Gaussian, a larger one with a sparse sign (no stored matrix).
 AUTO_GAUSSIAN_ENTRIES = 1 << 24
@@ -167,6 +174,36 @@ def allocate(dim: int, weights: Sequence[float]) -> tuple[int, ...]:
     return tuple(q)
 
 
+def allocate_exact(dim: int, weights: Sequence[float], widths: Sequence[int]
+                   ) -> tuple[int, ...]:
+    r"""Columns per block with small blocks kept exact: :func:`allocate`, then every block
+    whose share :math:`q_b` reaches its exact width :math:`w_b` (its parameter count, or
+    :math:`d_\text{in}\, d_\text{out}` of a Kronecker block; :math:`O` times that in trace
+    mode) gets exactly :math:`w_b` columns, its Jacobian itself (no variance), and the rest of
+    ``dim`` is split again over the other blocks, until no further block reaches its width.
+
+    Terminates (each round fixes at least one block) and is deterministic; a block that is not
+    exact keeps :math:`q_b < w_b`, so ``q[b] == widths[b]`` marks the exact blocks.  The total
+    is ``dim``, or ``sum(widths)`` when every block is exact.  Each round the blocks still
+    projected have at least one column each: ``dim - sum(fixed widths) >= sum(their previous
+    shares) >= their number``.
+    """
+    q = list(allocate(dim, weights))
+    exact: set[int] = set()
+    while True:
+        new = {b for b in range(len(q)) if b not in exact and q[b] >= widths[b]}
+        if not new:
+            return tuple(q)
+        exact |= new
+        for b in exact:
+            q[b] = int(widths[b])
+        free = [b for b in range(len(q)) if b not in exact]
+        if free:
+            left = dim - sum(q[b] for b in exact)
+            for b, qb in zip(free, allocate(left, [weights[b] for b in free]), strict=True):
+                q[b] = qb
+
+
 def kronecker_grid(q: int, d_in: int, d_out: int) -> tuple[int, int]:
     """``(q_A, q_G)``: the grid of a Kronecker block's ``q`` features (module docstring)."""
     q_a = min(q, max(1, round(math.sqrt(q * d_in / d_out))))
@@ -185,8 +222,9 @@ def _grid_pairs(q: int, q_a: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class _BlockPlan:
     """How one block is projected: ``dim`` columns by ``method`` ("gaussian", "sparse_sign",
-    "grid" or "pairs"); ``n`` parameters (dense) or d_in (Kronecker), ``d_out`` and the
-    factor sketch sizes (``q_a``, ``q_g``: the grid, or ``dim`` each for pairs)."""
+    "grid", "pairs", or "exact": the block's Jacobian columns themselves); ``n`` parameters
+    (dense) or d_in (Kronecker), ``d_out`` and the factor sketch sizes (``q_a``, ``q_g``: the
+    grid, or ``dim`` each for pairs)."""
 
     name: str
     dim: int
@@ -198,8 +236,11 @@ class _BlockPlan:
 
     def variance(self, st: dict[str, Any]) -> Any:
         """Variance of the block's estimate from the pair statistics ``st`` (arrays over
-        pairs, or their sums: the formulas are linear in them; module docstring)."""
+        pairs, or their sums: the formulas are linear in them; module docstring); 0 for an
+        exact block."""
         q = self.dim
+        if self.method == "exact":
+            return 0 * st["k2"]
         if self.method in KRONECKER_LAYOUTS:
             n_g, n_a = _grid_pairs(q, self.q_a) if self.method == "grid" else (0, 0)
             v1 = st["nn"] + st["k2"] + 2 * (st["t"] + st["fa"] + st["fg"])
@@ -209,12 +250,15 @@ class _BlockPlan:
 
 
 def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
-          kronecker: str = "grid") -> list[_BlockPlan]:
+          kronecker: str = "pairs") -> list[_BlockPlan]:
     """The plan of the (output-merged) Jacobian ``J``; ``weights=None``: block sizes."""
-    qs = allocate(dim, list(J.block_sizes) if weights is None else weights)
+    widths = list(J.block_sizes)
+    qs = allocate_exact(dim, widths if weights is None else weights, widths)
     plans = []
-    for block, q in zip(J.blocks, qs, strict=True):
-        if isinstance(block, KroneckerBlock):
+    for block, q, width in zip(J.blocks, qs, widths, strict=True):
+        if q == width:
+            plans.append(_BlockPlan(str(block.name), q, "exact", width))
+        elif isinstance(block, KroneckerBlock):
             q_a, q_g = kronecker_grid(q, block.d_in, block.d_out) if kronecker == "grid" \
                 else (q, q)
             plans.append(_BlockPlan(str(block.name), q, kronecker, block.d_in, block.d_out,
@@ -226,6 +270,17 @@ def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
                     else "sparse_sign"
             plans.append(_BlockPlan(str(block.name), q, kind, block.num_params))
     return plans
+
+
+def _batch_numbers(p: _BlockPlan, block: Any, r: int) -> int:
+    """Numbers per sample that :meth:`_FeatureMap.apply` allocates for one block of ``r``
+    outputs: the projected factors a_s (S, q_A) and g_s (S, R, q_G), and the grid's cells
+    (R, q_A q_G) or the pairs' products (S, R, q); the block's output (R, q) otherwise."""
+    if p.method == "grid":
+        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g
+    if p.method == "pairs":
+        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.dim
+    return r * p.dim
 
 
 def _signature(J: Jacobian) -> tuple[Any, ...]:
@@ -247,7 +302,9 @@ class _FeatureMap:
         sketches: list[Any] = []
         for b, (p, block) in enumerate(zip(self.plans, J.blocks, strict=True)):
             like = block.arrays()[0]
-            if p.method in KRONECKER_LAYOUTS:
+            if p.method == "exact":
+                sketches.append(None)
+            elif p.method in KRONECKER_LAYOUTS:
                 sketches.append((gaussian(p.n, p.q_a, seed=spawn_seed(self.seed, b, 1),
                                           like=like),
                                  gaussian(p.d_out, p.q_g, seed=spawn_seed(self.seed, b, 2),
@@ -271,7 +328,7 @@ class _FeatureMap:
         for p in self.plans:
             if p.method in KRONECKER_LAYOUTS:
                 total += 16 * (p.q_a * p.n + p.q_g * p.d_out)
-            else:
+            elif p.method != "exact":
                 total += 16 * (p.dim * p.n if p.method == "gaussian" else p.n)
         return total
 
@@ -282,7 +339,9 @@ class _FeatureMap:
         xp = J.xp
         out = []
         for p, sk, block in zip(self.plans, self._sketches, J.blocks, strict=True):
-            if p.method in KRONECKER_LAYOUTS:
+            if p.method == "exact":  # (N, R, d_out d_in) or (N, R, P): the Jacobian itself
+                out.append(block.to_dense())
+            elif p.method in KRONECKER_LAYOUTS:
                 a_s = block.a_times(self._omega_t(sk[0], block.g.dtype))  # (N, S, q_A)
                 g_s = block.g @ self._omega_t(sk[1], block.g.dtype)  # (N, S, R, q_G)
                 if p.method == "pairs":  # cell i: (gamma_i . g_s)(alpha_i . a_s), summed
@@ -412,7 +471,7 @@ def _weights(probe: Any, model: Any, mode: str, params: Any, check_finite: bool
 def features(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
              seed: Any = 0, mode: str = "trace", params: Any = None, layerwise: bool = False,
              max_memory: Any = None, progress: Any = None, probe: Any = None,
-             kronecker: str = "grid", check_finite: bool = True) -> Array | tuple[Array, ...]:
+             kronecker: str = "pairs", check_finite: bool = True) -> Array | tuple[Array, ...]:
     r"""Random features of the per-sample gradients: :math:`\mathbb{E}[\Phi\Phi^\top]` is the eNTK.
 
     Parameters
@@ -452,12 +511,13 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     probe : array or Jacobian, optional
         Inputs (a Jacobian when ``model`` is one) on which each block's share of the kernel
         trace is measured to split ``dim`` (default: block sizes, independent of any data).
-    kronecker : {"grid", "pairs"}
-        Layout of a Kronecker block's ``q`` features: ``grid``, the cells of
-        :math:`\Omega_G \otimes \Omega_A` (q_A + q_G factor rows, variance falling like
-        :math:`1/q_A + 1/q_G`); ``pairs``, q independent pairs :math:`\gamma_i \otimes
-        \alpha_i` (2q factor rows, cost :math:`O(S q (d_\text{in} + d_\text{out}))`,
-        variance :math:`V_1 / q`).  Module docstring.
+    kronecker : {"pairs", "grid"}
+        Layout of a Kronecker block's ``q`` features: ``pairs`` (default), q independent
+        pairs :math:`\gamma_i \otimes \alpha_i` (2q factor rows, cost :math:`O(S q
+        (d_\text{in} + d_\text{out}))`, variance :math:`V_1 / q`); ``grid``, the cells of
+        :math:`\Omega_G \otimes \Omega_A` (q_A + q_G factor rows, fewer flops, variance
+        falling like :math:`1/q_A + 1/q_G`).  Module docstring; the choice of the default is
+        in docs/features.md ("Grid or pairs").
     check_finite : bool, default True
         Check ``x``, the model's parameters and the features for NaN/Inf.
 
@@ -465,7 +525,9 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     -------
     array or tuple of arrays
         In the namespace, device and dtype of the Jacobian: (N, dim) for ``trace`` and
-        ``pseudo``, (N, O, dim) for ``full``.
+        ``pseudo``, (N, O, dim) for ``full``; fewer than ``dim`` columns (the exact
+        Jacobian, :func:`allocate_exact`) when ``dim`` exceeds the exact widths of all
+        blocks together.
 
     Raises
     ------
@@ -487,35 +549,71 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     factors.  The variance of every entry of :math:`\Phi\Phi^\top` is
     :func:`feature_variance`; see ``docs/features.md``.
     """
-    dim, seed = _check_args(dim, method, mode, kronecker, seed)
     for name, flag in (("layerwise", layerwise), ("check_finite", check_finite)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False; got {flag!r}")
+    plans: list[_BlockPlan] = []
+    parts = []
+    for batch_plans, _, _, phi in feature_batches(
+            model, x, dim=dim, method=method, seed=seed, mode=mode, params=params,
+            max_memory=max_memory, progress=progress, probe=probe, kronecker=kronecker,
+            check_finite=check_finite):
+        plans = batch_plans
+        parts.append(phi)
+    xp = array_api_compat.array_namespace(parts[0])
+    phi = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+    if not layerwise:
+        return phi
+    out, col = [], 0
+    for p in plans:
+        out.append(phi[..., col:col + p.dim])
+        col += p.dim
+    return tuple(out)
+
+
+def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
+                    seed: Any = 0, mode: str = "trace", params: Any = None,
+                    max_memory: Any = None, progress: Any = None, probe: Any = None,
+                    kronecker: str = "pairs", check_finite: bool = True,
+                    reserve: Callable[[int, int], float] | None = None
+                    ) -> Iterator[tuple[list[_BlockPlan], int, int, Array]]:
+    """The features of :func:`features` by sample batches, within ``max_memory``: yields
+    ``(plans, start, stop, phi)`` with ``phi`` the features of samples ``start:stop``
+    ((stop - start, dim) or (stop - start, O, dim)), so that a consumer (e.g. the streamed
+    primal ridge of :class:`ntkcore.FeatureRidge`) never holds all N rows.
+
+    ``reserve(dim, itemsize)``: bytes the consumer holds for the whole stream (e.g. a
+    dim x dim Gram matrix), taken off the budget before the batch size is chosen; the batches
+    and their features are charged, the consumer's per-batch products are not (they are
+    O(dim) per sample, within the features' own charge).  Other arguments as :func:`features`.
+    """
+    dim, seed = _check_args(dim, method, mode, kronecker, seed)
     call, n, backend = _source(model, x, "x", mode, params, check_finite)
     weights = _weights(probe, model, mode, params, check_finite)
     first = call(0, min(n, PROBE_SAMPLES))
     xp, sig = first.xp, _signature(first)
     budget = resolve_budget(max_memory, backend, first.device)
     fmap = _FeatureMap(_plan(first, dim, method, weights, kronecker), seed)
+    width = sum(p.dim for p in fmap.plans)
     per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
     item = itemsize(xp, first.dtype)
-    extra = item * sum(
-        (b.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g)
-        if p.method in KRONECKER_LAYOUTS
-        else r * p.dim for p, b in zip(fmap.plans, first.blocks, strict=True)) + item * r * dim
-    avail = budget - fmap.sketch_bytes()
+    extra = item * sum(_batch_numbers(p, b, r) for p, b in zip(fmap.plans, first.blocks,
+                                                                strict=True)) + item * r * width
+    held = fmap.sketch_bytes() + (0.0 if reserve is None else float(reserve(width, item)))
+    avail = budget - held
     need_one = CALL_OVERHEAD * per_sample + extra
     if avail < need_one:
-        need = math.ceil(fmap.sketch_bytes() + need_one)
+        need = math.ceil(held + need_one)
+        what = "the projections" if reserve is None else \
+            "the projections and the caller's dim x dim matrices"
         raise BudgetTooSmallError(
-            f"{budget.given} ({budget} bytes) is too small for the projections "
-            f"({fmap.sketch_bytes()} bytes) and one sample ({need_one:.0f} bytes of Jacobian "
-            f"factors and features): pass max_memory >= {need} bytes", budget, need)
+            f"{budget.given} ({budget} bytes) is too small for {what} ({held:.0f} bytes) and "
+            f"one sample ({need_one:.0f} bytes of Jacobian factors and features): pass "
+            f"max_memory >= {need} bytes", budget, need)
     batch = batch_samples(per_sample, avail, extra)
     n0 = first.num_samples
     stops = [*range(n0 + batch, n, batch), n] if n > n0 else []  # ends of the next batches
-    parts = []
     with progress_steps(progress, 1 + len(stops), "features") as step:
         j, start, stop = first, 0, first.num_samples
         for nxt in [*stops, None]:
@@ -527,21 +625,11 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
                 raise ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
                                  "(a non-finite Jacobian: an overflow or a non-finite "
                                  "activation); pass check_finite=False to skip this check")
-            parts.append(phi)
+            yield fmap.plans, start, stop, (phi if mode == "full" else phi[:, 0, :])
             step()
             if nxt is not None:
                 start, stop = stop, nxt
                 j = call(start, stop)
-    phi = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
-    if mode != "full":
-        phi = phi[:, 0, :]
-    if not layerwise:
-        return phi
-    out, col = [], 0
-    for p in fmap.plans:
-        out.append(phi[..., col:col + p.dim])
-        col += p.dim
-    return tuple(out)
 
 
 # -- error model ----------------------------------------------------------------------------
@@ -632,7 +720,7 @@ def _model_stats(model: Any, x: Any, dim: int, method: str, mode: str, params: A
 
 def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
                      mode: str = "trace", params: Any = None, probe: Any = None,
-                     kronecker: str = "grid") -> Array:
+                     kronecker: str = "pairs") -> Array:
     r"""Predicted variance of every entry of :math:`\Phi\Phi^\top` for ``features(model, x,
     dim=dim, ...)`` (exact for the Gaussian and sparse-sign projections; module docstring).
 
@@ -677,7 +765,7 @@ def _sums(xp: Any, stats: list[dict[str, Array]]) -> tuple[list[dict[str, float]
 
 def feature_error(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
                   mode: str = "trace", params: Any = None, probe: Any = None,
-                  kronecker: str = "grid") -> float:
+                  kronecker: str = "pairs") -> float:
     r"""Predicted relative Frobenius error of the feature kernel on the batch ``x``:
 
     .. math:: \sqrt{\mathbb{E}\|\Phi\Phi^\top - \Theta\|_F^2} / \|\Theta\|_F
@@ -695,7 +783,7 @@ def feature_error(model: Any, x: Array | None = None, *, dim: int, method: str =
 
 def choose_dim(model: Any, x: Array | None = None, *, target: float, method: str = "auto",
                mode: str = "trace", params: Any = None, probe: Any = None,
-               kronecker: str = "grid", max_dim: int = 1 << 20) -> int:
+               kronecker: str = "pairs", max_dim: int = 1 << 20) -> int:
     """The smallest ``dim`` whose predicted relative Frobenius error (:func:`feature_error`)
     on the batch ``x`` is at most ``target``.
 

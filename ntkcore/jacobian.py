@@ -553,20 +553,38 @@ class Jacobian:
         return self.select(idx)
 
     @staticmethod
-    def concatenate(jacobians: Sequence[Jacobian]) -> Jacobian:
-        """Stack Jacobians of the same model along the sample axis."""
-        jacobians = list(jacobians)
-        if not jacobians:
+    def concatenate(jacobians: Sequence[Jacobian], consume: bool = False) -> Jacobian:
+        """Stack Jacobians of the same model along the sample axis.
+
+        ``consume=True`` (``jacobians`` a list the caller holds no other reference to the
+        pieces through): the list is emptied and each block's pieces are dropped as soon as
+        that block is stacked, so the peak is the pieces plus the largest stacked block
+        instead of twice the pieces (``ntk`` charges the factors once to its budget).
+        """
+        parts = jacobians if consume else list(jacobians)
+        if not parts:
             raise ValueError("concatenate needs at least one Jacobian")
-        first = jacobians[0]
+        first = parts[0]
         xp = first.xp
-        for j in jacobians[1:]:
-            if j.names != first.names or [(type(b), getattr(b, "one_hot", None)) for b in j] \
-                    != [(type(b), getattr(b, "one_hot", None)) for b in first]:
-                raise ValueError("Jacobians to concatenate must have the same blocks")
-        blocks = [b.with_arrays(*[xp.concat([j.blocks[i].arrays()[k] for j in jacobians],
-                                            axis=0) for k in range(len(b.arrays()))])
-                  for i, b in enumerate(first.blocks)]
+        # (class, index factor width) per block: an index factor (one_hot) must stay one
+        kinds = [(type(b), getattr(b, "one_hot", None)) for b in first.blocks]
+        if any(j.names != first.names
+               or [(type(b), getattr(b, "one_hot", None)) for b in j] != kinds
+               for j in parts[1:]):
+            raise ValueError("Jacobians to concatenate must have the same blocks")
+        names = first.names
+        pieces = [[b.arrays() for b in j.blocks] for j in parts]
+        del first
+        if consume:
+            parts.clear()  # type: ignore[attr-defined]
+        blocks = []
+        for i, (kind, one_hot) in enumerate(kinds):
+            arrays = [xp.concat([p[i][k] for p in pieces], axis=0)
+                      for k in range(len(pieces[0][i]))]
+            for p in pieces:  # this block's pieces can go now
+                p[i] = ()
+            blocks.append(kind(*arrays, names[i]) if one_hot is None
+                          else kind(*arrays, names[i], one_hot=one_hot))
         return Jacobian(blocks)
 
 

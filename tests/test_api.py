@@ -335,3 +335,42 @@ def test_probe_is_cached_per_model_and_input_signature(monkeypatch):
     # another model object of the same architecture has its own entry
     ntkcore.ntk(Counted(mlp), x, mode="trace")
     assert calls[5:] == [8, 20]
+
+
+@pytest.mark.parametrize("path", ["held", "streamed"])
+def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
+    """The probe's Jacobian (the first provider call, which measures the factor bytes per
+    sample) is not kept alive, uncharged to the budget, while ``gram`` contracts: on the held
+    path it is gone once the factors are stacked, on the streamed path after the first row
+    block (issue 18's memory budgets)."""
+    import weakref
+
+    import ntkcore._api as api
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(DT)
+    x = torch.randn(24, 4, dtype=DT)
+    per_sample = jacobian(m, x[:1]).nbytes
+    budget = None if path == "held" else 40 * per_sample  # streamed: 24 b > M / 2
+    probe: list = []
+    alive: list[bool] = []
+    real_jacobians, real_gram = api._jacobians, api.gram
+
+    def spy_jacobians(call, xx, start, stop, batch, first=None):
+        if first is not None and not probe:
+            probe.append(weakref.ref(first.blocks[0].arrays()[0]))
+        return real_jacobians(call, xx, start, stop, batch, first)
+
+    def spy_gram(*args, **kwargs):
+        alive.append(bool(probe) and probe[0]() is not None)
+        return real_gram(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_jacobians", spy_jacobians)
+    monkeypatch.setattr(api, "gram", spy_gram)
+    k = ntkcore.ntk(m, x, mode="trace", max_memory=budget)
+    assert probe and alive
+    assert (len(alive) == 1) == (path == "held")
+    assert not alive[-1]  # the last contraction (the only one when held) runs without it
+    ref = ref_kernel(m, x, None, "trace")
+    assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()

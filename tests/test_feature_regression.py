@@ -540,3 +540,82 @@ def test_mixed_namespaces_and_inputs_not_mutated(rng):
     ntkcore.FeatureRidge(alpha=0.1).fit(phi, y).predict(phi_s)
     for a, c in zip((phi, y, phi_s), copies, strict=True):
         np.testing.assert_array_equal(a, c)
+
+
+# -- streamed primal ridge from a model (FeatureRidge.fit_model) ----------------------------
+def _stream_case(backend, rng, mode, n=40):
+    from ntkcore.models import MLP
+
+    net = MLP.random((3, 6, 2), xp=backend.xp, seed=0, dtype=backend.xp.float64,
+                     device=backend.device, activation="tanh")
+    x, x_s = rng.normal(size=(n, 3)), rng.normal(size=(5, 3))
+    y = rng.normal(size=(n,) if mode == "trace" else (n, 2))
+    return net, x, y, x_s
+
+
+@pytest.mark.parametrize("mode", ["trace", "full"])
+def test_fit_model_streams_and_equals_fit_on_features(backend, rng, mode):
+    """fit_model accumulates Phi^T Phi and Phi^T y over sample batches (here the smallest
+    budget: a first batch of 8 samples, then one at a time) and equals fit(features(...)) on
+    the whole features; predict_model streams the test features of the same projection."""
+    net, x, y, x_s = _stream_case(backend, rng, mode)
+    kw = dict(dim=12, seed=4, mode=mode)
+    bx, by, bxs = backend.asarray(x), backend.asarray(y), backend.asarray(x_s)
+    phi = ntkcore.features(net, bx, **kw)
+    ref = ntkcore.FeatureRidge(alpha=0.1).fit(phi, by)
+    with pytest.raises(ntkcore.BudgetTooSmallError, match="dim x dim matrices") as info:
+        ntkcore.FeatureRidge(alpha=0.1).fit_model(net, bx, by, max_memory=1, **kw)
+    calls = []
+    est = ntkcore.FeatureRidge(alpha=0.1).fit_model(
+        net, bx, by, max_memory=info.value.needed, progress=lambda d, t: calls.append(d), **kw)
+    assert calls == list(range(1, 34))  # 8 + 32 samples: 33 batches
+    assert backend.is_native(est.coef_) and est.n_features_in_ == 12
+    p = backend.to_numpy(phi).reshape(-1, 12)
+    tol = _tol(np.linalg.cond(p.T @ p + 0.1 * np.eye(12)), len(p))
+    want = backend.to_numpy(ref.coef_)
+    assert norm(backend.to_numpy(est.coef_) - want) <= tol * norm(want)
+    pred = est.predict_model(net, bxs, max_memory=info.value.needed)
+    ref_pred = backend.to_numpy(ref.predict(ntkcore.features(net, bxs, **kw)))
+    assert backend.is_native(pred) and tuple(pred.shape) == ref_pred.shape
+    assert norm(backend.to_numpy(pred) - ref_pred) <= tol * norm(ref_pred)
+
+
+def test_fit_model_stays_within_max_memory(rng):
+    """NumPy allocations (tracemalloc) of a streamed fit stay below max_memory, which is
+    below the bytes of the (N, dim) features it never holds."""
+    import tracemalloc
+
+    from ntkcore.models import MLP
+
+    net = MLP.random((5, 32, 32, 3), xp=np, seed=0, activation="tanh")
+    x, y = rng.normal(size=(3000, 5)), rng.normal(size=(3000, 3))
+    budget = 1_000_000
+    assert 3000 * 96 * 8 > 2 * budget  # the whole features would not fit
+    tracemalloc.start()
+    try:
+        est = ntkcore.FeatureRidge(alpha=1e-2).fit_model(net, x, y, dim=96, seed=2,
+                                                         max_memory=budget)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= budget
+    phi = ntkcore.features(net, x, dim=96, seed=2)
+    ref = ntkcore.FeatureRidge(alpha=1e-2).fit(phi, y)
+    tol = _tol(np.linalg.cond(phi.T @ phi + 1e-2 * np.eye(96)), 3000)
+    assert norm(est.coef_ - ref.coef_) <= tol * norm(ref.coef_)
+
+
+def test_fit_model_errors(rng):
+    from tests.conftest import make_case
+
+    net, x, y, _ = _stream_case(make_case("numpy"), rng, "trace")
+    with pytest.raises(ValueError, match="y must have one row per sample of x"):
+        ntkcore.FeatureRidge().fit_model(net, x, y[:-1], dim=8)
+    with pytest.raises(NotFittedError, match=r"fit_model\(model, x, y"):
+        ntkcore.FeatureRidge().predict_model(net, x)
+    est = ntkcore.FeatureRidge(alpha=0.1).fit_model(net, x, y, dim=8)
+    jac = ntkcore.FeatureRidge(alpha=0.1).fit_model(net.jacobian(x), None, y, dim=8)
+    np.testing.assert_array_equal(jac.coef_, est.coef_)  # a Jacobian as the model: the same
+    est.fit(ntkcore.features(net, x, dim=8), y)  # plain fit: no model arguments remembered
+    with pytest.raises(NotFittedError):
+        est.predict_model(net, x)

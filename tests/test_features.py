@@ -19,7 +19,7 @@ import pytest
 
 import ntkcore
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
-from ntkcore.features import _BlockPlan, _grid_pairs, allocate, kronecker_grid
+from ntkcore.features import _BlockPlan, _grid_pairs, allocate, allocate_exact, kronecker_grid
 from ntkcore.models import MLP
 from tests.conftest import make_case
 from tests.tolerances import kernel_tol
@@ -84,6 +84,28 @@ def test_allocate_rule():
         assert all(abs(qi - v) <= 1 + bumped for qi, v in zip(q, ideal, strict=True))
     with pytest.raises(ValueError, match="dim=2 is smaller than the number of parameter blocks"):
         allocate(2, (1, 1, 1))
+
+
+def test_allocate_exact_rule():
+    """A block whose share reaches its width gets exactly its width; the rest of dim is split
+    again over the other blocks (largest remainders), until none reaches its width."""
+    assert allocate_exact(40, (1, 2, 37), (40, 48, 20)) == (7, 13, 20)  # allocate(20, (1, 2))
+    assert allocate_exact(15, (48, 10), (48, 3)) == (12, 3)
+    # round 1: (30, 10, 60), block 1 exact; round 2: allocate(95, (30, 60)) = (32, 63), block
+    # 0 exact; round 3: block 2 gets 100 - 5 - 32 = 63 < 70
+    assert allocate_exact(100, (30, 10, 60), (32, 5, 70)) == (32, 5, 63)
+    assert allocate_exact(100, (50, 25, 25), (1000, 10, 5)) == (85, 10, 5)
+    assert allocate_exact(7, (1, 1), (2, 3)) == (2, 3)  # all exact: the total width
+    for dim, w, widths in itertools.product((3, 17, 64, 1000), ((3, 1, 7), (1.0, 5.0, 2.0)),
+                                            ((4, 50, 9), (100, 100, 100))):
+        q = allocate_exact(dim, w, widths)
+        assert sum(q) == min(dim, sum(widths)) and min(q) >= 1
+        assert all(qi <= wi for qi, wi in zip(q, widths, strict=True))
+        free = [b for b in range(3) if q[b] < widths[b]]
+        if free:  # the projected blocks share what the exact ones leave, by allocate
+            rest = allocate(dim - sum(q[b] for b in range(3) if b not in free),
+                            [w[b] for b in free])
+            assert tuple(q[b] for b in free) == rest
 
 
 def test_grid_pairs_count_cells_by_enumeration():
@@ -184,13 +206,46 @@ def test_full_grid_equals_sketch_jacobian_gram(backend, rng):
     Omega (same split (12, 3), same grid (4, 3), same seeds, same draws)."""
     a, g, jac = _factors(rng)
     J = _jacobian(backend, a, g, jac)
-    phi = backend.to_numpy(ntkcore.features(J, dim=15, seed=3, mode="full", method="gaussian"))
+    phi = backend.to_numpy(ntkcore.features(J, dim=15, seed=3, mode="full", method="gaussian",
+                                            kronecker="grid"))
     js = ntkcore.sketch.sketch_jacobian(J, 15, method="gaussian", seed=3)
     assert [b.num_params for b in js.blocks] == [12, 3]
     ref = backend.to_numpy(ntkcore.gram(js, mode="full"))
     got = _feature_kernel(phi, "full")
     np.testing.assert_allclose(got, ref, rtol=0,
                                atol=kernel_tol("float64", 58, 2) * 4 * np.abs(ref).max())
+
+
+# -- small blocks exact ----------------------------------------------------------------------
+def _dense_columns(a, g, jac, mode):
+    """The per-block Jacobian columns in float64 NumPy: (Kronecker (N, R, ...), dense)."""
+    n, o = jac.shape[:2]
+    w = np.einsum("nsod,nsi->nodi", g, a).reshape(n, o, -1)
+    if mode == "full":
+        return w, jac
+    return w.reshape(n, -1), jac.reshape(n, -1)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_small_blocks_are_exact(backend, rng, mode):
+    """A block whose share of dim reaches its width is its Jacobian itself (every seed, every
+    backend); when every block is, Phi Phi^T is the exact kernel with fewer than dim columns."""
+    a, g, jac = _factors(rng)
+    jac = 10 * jac  # the dense block's trace share (~1000 of ~1100) gives it its whole width
+    J = _jacobian(backend, a, g, jac)
+    kron, dense = _dense_columns(a, g, jac, mode)
+    for seed in (0, 1):
+        parts = ntkcore.features(J, dim=30, mode=mode, probe=J, seed=seed, layerwise=True)
+        assert tuple(int(p.shape[-1]) for p in parts) == ((20, 10) if mode == "full"
+                                                          else (10, 20))
+        np.testing.assert_array_equal(backend.to_numpy(parts[1]), dense)
+    phi = backend.to_numpy(ntkcore.features(J, dim=500, mode=mode, seed=3))  # all exact
+    assert phi.shape[-1] == kron.shape[-1] + dense.shape[-1] < 500
+    np.testing.assert_allclose(phi, np.concatenate([kron, dense], axis=-1), rtol=0,
+                               atol=kernel_tol("float64", 2, 1) * np.abs(kron).max())
+    var = backend.to_numpy(ntkcore.feature_variance(J, dim=500, mode=mode))
+    assert not var.any()
+    assert ntkcore.choose_dim(J, target=1e-9, mode=mode) <= kron.shape[-1] + dense.shape[-1]
 
 
 # -- unbiasedness ----------------------------------------------------------------------------
@@ -221,20 +276,35 @@ def test_cross_kernel_of_separate_calls_is_unbiased(backend_eager, rng):
         @ backend_eager.to_numpy(ntkcore.features(net, b2, dim=16, seed=s)).T
         for s in range(300)])
     assert _unbiased_violation(samples, exact, var) <= 0
+    assert _unbiased_violation(1.5 * samples, exact, var) > 0  # a 50 % bias is caught
 
 
 # -- the error model -------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["trace", "full"])
-@pytest.mark.parametrize("method", ["gaussian", "sparse_sign"])
-@pytest.mark.parametrize("kronecker", ["grid", "pairs"])
-def test_predicted_variance_matches_measured(rng, mode, method, kronecker):
+CASES = [*itertools.product(["trace", "full"], ["gaussian", "sparse_sign"], ["grid", "pairs"],
+                            [False]), ("full", "gaussian", "pairs", True),
+         ("trace", "sparse_sign", "grid", True)]
+
+
+@pytest.mark.parametrize(("mode", "method", "kronecker", "exact_dense"), CASES)
+def test_predicted_variance_matches_measured(rng, mode, method, kronecker, exact_dense):
     """E||Phi Phi^T - K||_F^2 = sum of the predicted variances, per entry and in total, within
-    Z empirical standard errors of M draws; half the predicted variance is rejected."""
+    Z empirical standard errors of M draws; half the predicted variance is rejected.
+    ``exact_dense``: the dense block is exact (variance 0), the Kronecker block gets the rest."""
     a, g, jac = _factors(rng, n=4)
+    if exact_dense:
+        jac = 10 * jac
     J = _jacobian(make_case("numpy"), a, g, jac)
     exact = _dense_kernel(a, g, jac, mode)
-    dim = 13  # partial grids: kronecker_grid of the Kronecker block's share is not a product
-    kw = dict(mode=mode, method=method, kronecker=kronecker)
+    # partial grids: kronecker_grid of the Kronecker block's share is not a product
+    dim = 30 if exact_dense else 13
+    kw = dict(mode=mode, method=method, kronecker=kronecker,
+              probe=J if exact_dense else None)
+    if exact_dense:
+        from ntkcore.features import _merge, _plan, _weights
+
+        methods = [p.method for p in _plan(_merge(J, mode), dim, method,
+                                           _weights(J, J, mode, None, True), kronecker)]
+        assert methods == [kronecker, "exact"]
     var = np.asarray(ntkcore.feature_variance(J, dim=dim, **kw))
     m = 2000
     sq = np.stack([(_feature_kernel(np.asarray(ntkcore.features(J, dim=dim, seed=s, **kw)),
@@ -253,9 +323,10 @@ def test_predicted_variance_matches_measured(rng, mode, method, kronecker):
     assert err == pytest.approx(math.sqrt(var.sum() / (exact**2).sum()), rel=1e-12)
 
 
-def test_choose_dim_is_the_smallest_meeting_the_target(rng):
-    net = MLP.random((3, 8, 6, 2), xp=np, seed=1, activation="tanh")
-    x = rng.standard_normal((6, 3))
+def test_choose_dim_is_the_smallest_meeting_the_target(backend, rng):
+    net = MLP.random((3, 8, 6, 2), xp=backend.xp, seed=1, activation="tanh",
+                     dtype=backend.xp.float64, device=backend.device)
+    x = backend.asarray(rng.standard_normal((6, 3)))
     d = ntkcore.choose_dim(net, x, target=0.2)
     assert ntkcore.feature_error(net, x, dim=d) <= 0.2
     assert d == 3 or ntkcore.feature_error(net, x, dim=d - 1) > 0.2
@@ -271,12 +342,14 @@ def test_probe_allocates_by_trace_share(backend, rng):
     probe_np = rng.standard_normal((6, 3))
     probe = backend.asarray(probe_np)
     kb = backend.to_numpy(ntkcore.ntk(net, probe, mode="trace", layerwise=True))
-    want = allocate(40, [np.trace(k) for k in kb])
+    widths = [2 * size for size in net.block_sizes]  # trace mode: O = 2 outputs merged
+    want = allocate_exact(40, [np.trace(k) for k in kb], widths)
     x = backend.asarray(rng.standard_normal((5, 3)))
     parts = ntkcore.features(net, x, dim=40, probe=probe, layerwise=True)
     assert tuple(int(p.shape[-1]) for p in parts) == want
     default = ntkcore.features(net, x, dim=40, layerwise=True)
-    assert tuple(int(p.shape[-1]) for p in default) == allocate(40, net.block_sizes)
+    assert tuple(int(p.shape[-1]) for p in default) == allocate_exact(40, net.block_sizes,
+                                                                      widths)
     # the same probe gives the same space for another x
     phi = backend.to_numpy(ntkcore.features(net, x, dim=40, probe=probe, seed=2))
     head = backend.to_numpy(ntkcore.features(net, x[:2, ...], dim=40, probe=probe, seed=2))
@@ -340,6 +413,68 @@ def test_jax_pair(rng):
     samples = np.stack([_feature_kernel(np.asarray(ntkcore.features(
         (apply_fn, p), x, dim=12, seed=s, mode="full")), "full") for s in range(100)])
     assert _unbiased_violation(samples, exact, var) <= 0
+    assert _unbiased_violation(1.5 * samples, exact, var) > 0  # a 50 % bias is caught
+
+
+def _jax_model(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    p = {"w1": jnp.asarray(rng.standard_normal((5, 3))), "b1": jnp.zeros(5),
+         "w2": jnp.asarray(rng.standard_normal((2, 5)))}
+
+    def apply_fn(p, x):
+        return jnp.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
+
+    return jax, (apply_fn, p), jnp.asarray(rng.standard_normal((4, 3)))
+
+
+def test_jax_grad_through_exact_features_is_the_kernel_gradient(rng):
+    """dim >= the 2 x 30 merged parameters: every block is exact, Phi Phi^T is the trace eNTK,
+    and jax.grad of a scalar of it (in x and in the parameters) equals jax.grad through
+    ntkcore.ntk (itself tested against jax.jacrev)."""
+    jax, (apply_fn, p), x = _jax_model(rng)
+    jnp = jax.numpy
+    c = jnp.asarray(rng.standard_normal((4, 4)))
+
+    def through_features(z, q):
+        phi = ntkcore.features((apply_fn, q), z, dim=64, seed=1)
+        assert phi.shape == (4, 60)
+        return jnp.sum((phi @ phi.T) * c)
+
+    def through_kernel(z, q):
+        return jnp.sum(ntkcore.ntk((apply_fn, q), z, mode="trace") * c)
+
+    got = jax.grad(through_features, argnums=(0, 1))(x, p)
+    want = jax.grad(through_kernel, argnums=(0, 1))(x, p)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                                   atol=kernel_tol("float64", 60, 4) * np.abs(w).max())
+
+
+def test_jax_grad_through_projected_features(rng):
+    """Projected features (dim 12 < 60): jax.grad of a scalar of Phi in x and in the
+    parameters against central finite differences (jax.test_util.check_grads, float64); the
+    same seed gives the same projection at every perturbed point."""
+    jax, (apply_fn, p), x = _jax_model(rng)
+    from jax.test_util import check_grads
+
+    def f(z, q):
+        return jax.numpy.sum(ntkcore.features((apply_fn, q), z, dim=12, seed=1) ** 3)
+
+    check_grads(f, (x, p), order=1, modes=["rev"])
+
+
+def test_error_model_on_every_backend(backend, rng):
+    """feature_variance / feature_error computed on each backend equal NumPy's."""
+    a, g, jac = _factors(rng, n=3)
+    kw = dict(dim=13, mode="full", method="sparse_sign", kronecker="grid")
+    want = np.asarray(ntkcore.feature_variance(_jacobian(make_case("numpy"), a, g, jac), **kw))
+    J = _jacobian(backend, a, g, jac)
+    got = ntkcore.feature_variance(J, **kw)
+    assert backend.is_native(got)
+    np.testing.assert_allclose(backend.to_numpy(got), want, rtol=0,
+                               atol=kernel_tol("float64", 48 * 48, 4) * np.abs(want).max())
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -384,14 +519,37 @@ def test_bad_arguments_name_the_argument(rng):
         ntkcore.features(object(), x, dim=8)
 
 
-def test_budget_error_states_a_budget_that_works(rng):
-    net = MLP.random((3, 4, 2), xp=np, seed=0)
-    x = rng.standard_normal((4, 3))
+def test_budget_error_states_a_budget_that_works(backend, rng):
+    net = MLP.random((3, 4, 2), xp=backend.xp, seed=0, dtype=backend.xp.float64,
+                     device=backend.device)
+    x = backend.asarray(rng.standard_normal((4, 3)))
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.features(net, x, dim=8, max_memory=100)
     need = info.value.needed
-    np.testing.assert_allclose(ntkcore.features(net, x, dim=8, max_memory=need),
-                               ntkcore.features(net, x, dim=8), rtol=1e-13, atol=1e-13)
+    want = backend.to_numpy(ntkcore.features(net, x, dim=8))
+    np.testing.assert_allclose(backend.to_numpy(ntkcore.features(net, x, dim=8, max_memory=need)),
+                               want, rtol=0, atol=kernel_tol("float64", 8, 2) * np.abs(want).max())
+
+
+def test_budget_charges_what_a_batch_allocates(rng):
+    """NumPy allocations (tracemalloc) of features stay within max_memory plus the result
+    (not charged: its batches and their concatenation); the pairs layout is charged its
+    (S, R, q) products, not a q x q grid (which would make 22 MB too small here)."""
+    import tracemalloc
+
+    net = MLP.random((20, 64, 64, 10), xp=np, seed=0, activation="tanh")
+    x = rng.standard_normal((64, 20))
+    for kronecker in ("pairs", "grid"):
+        calls = []
+        tracemalloc.start()
+        try:
+            phi = ntkcore.features(net, x, dim=2048, max_memory=22_000_000, kronecker=kronecker,
+                                   progress=lambda d, t, seen=calls: seen.append(t))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert calls[-1] > 1  # streamed in several batches
+        assert peak <= 22_000_000 + 2 * phi.nbytes
 
 
 def test_nonfinite_jacobian_is_reported(rng):

@@ -169,6 +169,36 @@ def test_select_and_concatenate(backend, rng):
     np.testing.assert_allclose(backend.to_numpy(cat.to_dense()), dense, rtol=1e-12)
 
 
+def test_concatenate_consume_drops_each_blocks_pieces_once_stacked(rng, monkeypatch):
+    """``consume=True`` (what ``ntk`` uses for its sample batches): same result, the list is
+    emptied, and when the second block is stacked the first block's pieces are already gone
+    (the peak is the pieces plus one stacked block, not twice the pieces)."""
+    import weakref
+
+    from tests.conftest import make_case
+
+    npc = make_case("numpy")
+    f = np_factors((6, 2, [("kron", 2, 3, 2), ("dense", 4)]), rng)
+    dense = np_dense(f)
+    whole = build(npc, f, ["conv", "head"])
+    parts = [whole[k:k + 2] for k in (0, 2, 4)]
+    del whole
+    first_block = [weakref.ref(j.blocks[0].a) for j in parts]
+    alive_at_second: list[int] = []
+    xp = parts[0].xp
+    real = xp.concat
+
+    def spy(arrays, axis=0):
+        if len(alive_at_second) == 0 and arrays[0].ndim == 3 and arrays[0].shape[2] == 4:
+            alive_at_second.append(sum(r() is not None for r in first_block))
+        return real(arrays, axis=axis)
+
+    monkeypatch.setattr(xp, "concat", spy)
+    cat = ntkcore.Jacobian.concatenate(parts, consume=True)
+    assert parts == [] and alive_at_second == [0]
+    np.testing.assert_allclose(cat.to_dense(), dense, rtol=1e-12)
+
+
 def test_concatenate_rejects_different_blocks(rng):
     f = np_factors((3, 1, [("dense", 2)]), rng)
     from tests.conftest import make_case

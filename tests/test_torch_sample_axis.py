@@ -6,8 +6,10 @@ output carry the sample axis.  A length that merely equals N (a positional table
 ``pos(arange(T))`` with T == N, a fixed buffer (T, d) fed to a Linear, a sequence-first (T, N, d)
 tensor) must not pass for it: these tests put T == N on purpose and compare with
 ``vmap(jacrev)`` (independent of hooks and factors).  Modules that ``torch.func`` cannot run
-(GRU / LSTM with the default ``hx``, PReLU, data-dependent control flow) are compared with
-plain per-sample autograd (:func:`tests.references.autograd_jacobian_graph`).
+(a GRU on a PackedSequence and an LSTM with projections, which the provider does not unroll
+into Kronecker blocks as it does other recurrent layers (``tests/test_torch_rnn_blocks.py``);
+PReLU; data-dependent control flow) are compared with plain per-sample autograd
+(:func:`tests.references.autograd_jacobian_graph`).
 
 Tolerance: 1e-12 relative (about 4500 float64 epsilons) on kernels and Jacobians of a few
 hundred parameters with entries of order one, as in ``test_torch_provider``.
@@ -255,6 +257,15 @@ class Recurrent(nn.Module):
         return self.l(self.rnn(x)[0].mean(1))
 
 
+class PackedRecurrent(Recurrent):
+    """The same on a PackedSequence (not unrolled by the provider; torch.func cannot run it)."""
+
+    def forward(self, x):
+        pk = nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * x.shape[0], batch_first=True)
+        return self.l(nn.utils.rnn.pad_packed_sequence(self.rnn(pk)[0], batch_first=True)[0]
+                      .mean(1))
+
+
 class PReLUNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -282,17 +293,19 @@ class Guarded(nn.Module):
 
 
 FALLBACK = {
-    "gru": (lambda: Recurrent(nn.GRU(3, 4, num_layers=2, bidirectional=True,
-                                     batch_first=True), 8),
+    # (recurrent layers on plain 3-D tensors are Kronecker blocks: test_torch_rnn_blocks.py)
+    "gru": (lambda: PackedRecurrent(nn.GRU(3, 4, num_layers=2, bidirectional=True,
+                                           batch_first=True), 8),
             lambda: torch.randn(3, 5, 3, dtype=DT), "DK"),
     "lstm": (lambda: Recurrent(nn.LSTM(3, 4, num_layers=2, bidirectional=True,
-                                       batch_first=True), 8),
+                                       batch_first=True, proj_size=2), 4),
              lambda: torch.randn(3, 5, 3, dtype=DT), "DK"),
     "prelu": (PReLUNet, lambda: torch.randn(4, 3, dtype=DT), "KDK"),
     "guarded": (Guarded, lambda: torch.randn(4, 3, dtype=DT), "DK"),
 }
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # pack_padded_sequence
 @pytest.mark.parametrize("pseudo", [False, True], ids=["ntk", "pseudo"])
 @pytest.mark.parametrize("case", list(FALLBACK))
 def test_dense_fallback_when_torch_func_fails(case, pseudo):
