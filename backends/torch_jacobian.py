@@ -27,9 +27,11 @@ module                 block
                        is larger than the per-sample gradient itself (many groups, e.g.
                        depthwise), a DenseBlock is built from the same factors
                        instead (no extra pass).
-``nn.Embedding``       KroneckerBlock with one-hot inputs a (N, T, V) and weight
-                       :math:`W^\top` (D, V) (so its parameters are the *transposed* table);
-                       ``padding_idx`` rows get zero gradient as in torch.
+``nn.Embedding``       KroneckerBlock with one-hot inputs and weight :math:`W^\top` (D, V)
+                       (so its parameters are the *transposed* table), stored as an index
+                       factor a (N, T) int64 (``one_hot = V``; the one-hot rows are never
+                       formed: the Gram compares indices, products gather rows);
+                       ``padding_idx`` rows get zero gradient as in torch (index -1).
 normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_shape``,
                        ``nn.BatchNorm1d/2d/3d`` in eval mode, ``nn.GroupNorm``,
                        ``nn.InstanceNorm1d/2d/3d`` (with an elementwise affine): a DenseBlock

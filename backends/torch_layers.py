@@ -46,6 +46,16 @@ found during the same forward pass by ``torch_functional`` and give the same blo
 KroneckerBlock for ``F.linear``, and for the rest the DenseBlock above generalised to any
 broadcast, :math:`J_P = \sum_{\text{broadcast positions}} g \odot h` (h = :math:`\hat x`,
 the other factor of a product, or 1), with the same output gradients g.
+
+Embeddings and grouped convolutions
+-----------------------------------
+An ``nn.Embedding`` is a Kronecker block with the transposed table as its weight and one-hot
+inputs, stored as the index factor of :class:`~ntkcore.KroneckerBlock` (``one_hot = V``,
+``-1`` at ``padding_idx``): the one-hot rows are never formed (``ntkcore.jacobian`` holds their
+algebra).  A grouped convolution becomes one KroneckerBlock with the groups as positions, or
+the hook-built DenseBlock of its per-sample gradient when that is smaller: always so for a
+depthwise convolution, whose Gram is then also the cheapest (docs/concepts.md, "Grouped and
+depthwise convolutions", with the measurement).
 """
 
 from __future__ import annotations
@@ -164,17 +174,20 @@ def input_factor(mod: nn.Module, a: torch.Tensor, n: int, ones: bool,
 
     ``a`` is the call's input with the sample axis in front: (N, *mid, d_in) for a Linear
     (S = prod(mid)), (N, C_in, *L) for a convolution (unfolded patches, S = L positions),
-    indices (N, *mid) for an Embedding (one-hot rows in ``dtype``, zero at ``padding_idx``).
+    indices (N, *mid) for an Embedding: then the factor is the *index factor* (N, S) of
+    :class:`~ntkcore.KroneckerBlock` (``one_hot = num_embeddings``; one-hot rows never formed),
+    int64, ``-1`` at ``padding_idx`` (whose row gets no gradient in torch).
     ``ones`` appends the bias's ones column (Linear / Conv).
     """
     if isinstance(mod, nn.Linear):
         a_c = a.reshape(n, -1, mod.in_features)
         return _with_ones(a_c) if ones else a_c
     if isinstance(mod, nn.Embedding):
-        a_c = F.one_hot(a.reshape(n, -1), mod.num_embeddings).to(dtype)
+        idx = a.reshape(n, -1).to(torch.int64)
         if mod.padding_idx is not None:
-            a_c[..., mod.padding_idx] = 0
-        return a_c
+            pad = mod.padding_idx % mod.num_embeddings  # torch allows a negative padding_idx
+            idx = torch.where(idx == pad, -1, idx)
+        return idx
     return conv_patches(mod, a, ones)
 
 
@@ -225,6 +238,8 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
     a, g = cat(a_parts, 1), cat(gs, 1)
     if groups > 1:
         return _grouped_conv_block(a, g, groups, name, weight, bias)
+    if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
+        return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
     return KroneckerBlock(a.contiguous(), g, name)
 
 

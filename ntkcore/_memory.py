@@ -148,7 +148,10 @@ def resolve_budget(max_memory: Any, backend: Any, device: Any) -> Budget:
 
 
 def itemsize(xp: Any, dtype: Any) -> int:
-    """Bytes per number of the real floating ``dtype`` of ``xp``."""
+    """Bytes per number of the real floating (or integer: an index factor) ``dtype`` of
+    ``xp``."""
+    if xp.isdtype(dtype, "integral"):
+        return int(xp.iinfo(dtype).bits) // 8
     return int(xp.finfo(dtype).bits) // 8
 
 

@@ -39,7 +39,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import check_array, namespace_of
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_gram
 from .support import BACKENDS, capabilities
 
 __all__ = [
@@ -214,9 +214,8 @@ def layer_traces(J: Jacobian) -> Array:
         else:
             assert isinstance(b, KroneckerBlock)
             n, s = b.num_samples, b.num_positions
-            a = b.a
             g = xp.reshape(b.g, (n, s, b.num_outputs * b.d_out))
-            aa = a @ xp.permute_dims(a, (0, 2, 1))  # (N, S, S)
+            aa = factor_gram(xp, b.a, b.a, g.dtype)  # (N, S, S)
             gg = g @ xp.permute_dims(g, (0, 2, 1))
             out.append(xp.sum(aa * gg))
     return xp.stack(out)

@@ -129,7 +129,7 @@ from ._validation import check_finite as _check_finite_array
 from .backend import get_backend
 from .errors import BudgetTooSmallError
 from .gram import gram
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock, flat_weights
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_gram, flat_weights
 from .providers import find_provider
 from .sketch import _check_seed, gaussian, sparse_sign, spawn_seed
 from .support import GENERATOR, capabilities
@@ -340,10 +340,9 @@ class _FeatureMap:
         out = []
         for p, sk, block in zip(self.plans, self._sketches, J.blocks, strict=True):
             if p.method == "exact":  # (N, R, d_out d_in) or (N, R, P): the Jacobian itself
-                out.append(flat_weights(xp, block.a, block.g)
-                           if isinstance(block, KroneckerBlock) else block.jac)
+                out.append(block.to_dense())
             elif p.method in KRONECKER_LAYOUTS:
-                a_s = block.a @ self._omega_t(sk[0], block.a.dtype)  # (N, S, q_A)
+                a_s = block.a_times(self._omega_t(sk[0], block.g.dtype))  # (N, S, q_A)
                 g_s = block.g @ self._omega_t(sk[1], block.g.dtype)  # (N, S, R, q_G)
                 if p.method == "pairs":  # cell i: (gamma_i . g_s)(alpha_i . a_s), summed
                     out.append(xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(p.dim))
@@ -378,7 +377,7 @@ def _merge(J: Jacobian, mode: str) -> Jacobian:
             blocks.append(DenseBlock(xp.reshape(b.jac, (n, 1, o * p)), b.name))
         else:
             n, s, o, d = b.g.shape
-            blocks.append(KroneckerBlock(b.a, xp.reshape(b.g, (n, s, 1, o * d)), b.name))
+            blocks.append(b.with_arrays(b.a, xp.reshape(b.g, (n, s, 1, o * d))))
     return Jacobian(blocks)
 
 
@@ -687,16 +686,18 @@ def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
 def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
     """:func:`_pair_stats` of a Kronecker block from its factors' Grams (its docstring)."""
     n, s, r = block.num_samples, block.num_positions, block.num_outputs
-    a = xp.reshape(xp.broadcast_to(block.a[:, None, ...], (n, r, s, block.d_in)),
-                   (n * r * s, block.d_in))  # rows (u, s), u = n r + o
+    tail = tuple(block.a.shape[2:])  # (d_in,), or () for an index factor
+    a = xp.reshape(xp.broadcast_to(block.a[:, None, ...], (n, r, s, *tail)),
+                   (n * r * s, *tail))  # rows (u, s), u = n r + o
     g = xp.reshape(xp.permute_dims(block.g, (0, 2, 1, 3)), (n * r * s, block.d_out))
     u = n * r
 
     def pairs(f: Array) -> tuple[Array, Array]:
         """(U, U, S, S) Grams of all pairs, and the (U, S, S) self-Grams."""
-        grams = xp.permute_dims(xp.reshape(f @ f.T, (u, s, u, s)), (0, 2, 1, 3))
-        fu = xp.reshape(f, (u, s, -1))
-        return grams, fu @ xp.permute_dims(fu, (0, 2, 1))
+        grams = xp.permute_dims(xp.reshape(factor_gram(xp, f, f, block.g.dtype), (u, s, u, s)),
+                                (0, 2, 1, 3))
+        fu = xp.reshape(f, (u, s, *f.shape[1:]))
+        return grams, factor_gram(xp, fu, fu, block.g.dtype)
 
     (ga, p), (gg, q) = pairs(a), pairs(g)
     k = xp.sum(ga * gg, axis=(2, 3))

@@ -32,6 +32,10 @@ Per block kind (``r`` rows and ``c`` columns of one tile):
     (n s, m t) with ``K = O d_out``, then :math:`\sum_{s,t} A \odot G`.  full / diagonal:
     :math:`Y[n,m,t,o,:] = \sum_s A[n,s,m,t]\, g[n,s,o,:]`, then
     :math:`\Theta_b[n,m,o,p] = \sum_{t,k} Y[n,m,t,o,k]\, g'[m,t,p,k]` (diagonal: ``p = o``).
+  - an index factor a (N, S) (``one_hot``, an embedding): :math:`A` is the index equality
+    :math:`[i_{ns} = i'_{mt} \ne -1]` (:func:`ntkcore.jacobian.factor_gram`), and the cost
+    model below counts ``d_in`` as 1 in both positions routes (the one-hot rows are formed
+    only by the materialise route, which is charged for them).
   - strategy ``"materialise"``: per-sample weights
     :math:`W[n,o] = \sum_s g[n,s,o]\, a[n,s]^\top` (N, O, d_out d_in), one batched GEMM per
     tile side, then the dense contraction.
@@ -87,7 +91,7 @@ from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
-from .jacobian import Jacobian, KroneckerBlock, as_jacobian, flat_weights
+from .jacobian import Jacobian, KroneckerBlock, as_jacobian, factor_gram, flat_weights
 from .modes import Mode, check_mode
 from .support import capabilities
 from .tiling import TileGrid, panel_share, progress_steps, sizes
@@ -157,24 +161,26 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
         return mem, 2 * r * c * qk * p
     b1, b2 = pair.b1, pair.b2
     s, t, din, dout = b1.num_positions, b2.num_positions, b1.d_in, b1.d_out
-    inputs = (r * s + c * t) * (din + o * dout)
+    aw = b1.a_width  # d_in, or 1 for an index factor (its products are comparisons)
+    inputs = (r * s + c * t) * (aw + o * dout)
     if strategy == "kron1":
         mem = inputs * (2 if mode == "diagonal" else 1) + r * c * (1 + q)
         if mode == "trace":
-            return mem, 2 * r * c * (din + o * dout) + r * c
-        return mem, 2 * r * c * (din + qk * dout) + r * c * q
+            return mem, 2 * r * c * (aw + o * dout) + r * c
+        return mem, 2 * r * c * (aw + qk * dout) + r * c * q
     if strategy == "positions":
         rcst = r * c * s * t
         if mode == "trace":
-            return inputs + 3 * rcst, 2 * rcst * (din + o * dout + 1)
+            return inputs + 3 * rcst, 2 * rcst * (aw + o * dout + 1)
         y = r * c * t * o * dout
         mem = inputs + 2 * rcst + 2 * y + c * t * o * dout
         last = 2 * y * o if mode == "full" else 2 * y
-        return mem, 2 * rcst * (din + o * dout) + last
+        return mem, 2 * rcst * (aw + o * dout) + last
     if strategy == "materialise":
         p = din * dout
         w = (r + c) * o * p
-        mem = inputs + w * (2 if mode == "diagonal" else 1)
+        one_hot = (r * s + c * t) * din if aw != din else 0  # an index factor's one-hot rows
+        mem = inputs + one_hot + w * (2 if mode == "diagonal" else 1)
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * qk * p
     raise AssertionError(strategy)
 
@@ -187,11 +193,12 @@ class _BlockShape(NamedTuple):
     num_positions: int = 1
     d_in: int = 0
     d_out: int = 0
+    a_width: int = 0  # KroneckerBlock.a_width
 
 
 def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
     """The block shapes of a Jacobian as the cost model sees them (no arrays are kept)."""
-    return tuple(_BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out)
+    return tuple(_BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out, b.a_width)
                  if isinstance(b, KroneckerBlock) else _BlockShape(False, b.num_params)
                  for b in as_jacobian(j, "J").blocks)
 
@@ -380,7 +387,7 @@ def _pair_key(pair: _Pair) -> tuple[Any, ...]:
     b1, b2 = pair.b1, pair.b2
     if not pair.kronecker:
         return ("dense", b1.num_params)
-    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out)
+    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width)
 
 
 def _round_budget(budget: int) -> int:
@@ -439,12 +446,11 @@ def _dense_tile(xp: Any, j1: Array, j2: Array, mode: str) -> Array:
 
 def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
     """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
-    r, _, din = a1.shape
-    c = a2.shape[0]
+    r, c = a1.shape[0], a2.shape[0]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
-    x1 = xp.reshape(a1, (r, din))
-    aa = x1 @ (x1 if same else xp.reshape(a2, (c, din))).T  # (r, c)
+    x1 = xp.reshape(a1, (r, *a1.shape[2:]))
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c, *a2.shape[2:])), g1.dtype)
     # the Hadamard products are in place: the GEMM results are fresh arrays of this function
     # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
@@ -466,13 +472,15 @@ def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) 
 
 
 def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
-    """Theta by contracting positions; a (r, S, d_in), g (r, S, O, d_out); a2/g2 with T."""
-    r, s, din = a1.shape
+    """Theta by contracting positions; a (r, S, d_in) (or index (r, S)), g (r, S, O, d_out);
+    a2/g2 with T."""
+    r, s = a1.shape[0], a1.shape[1]
     c, t = a2.shape[0], a2.shape[1]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
-    x1 = xp.reshape(a1, (r * s, din))
-    aa = x1 @ (x1 if same else xp.reshape(a2, (c * t, din))).T  # A[(n,s), (m,t)]
+    x1 = xp.reshape(a1, (r * s, *a1.shape[2:]))
+    # A[(n,s), (m,t)]
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c * t, *a2.shape[2:])), g1.dtype)
     if mode == "trace":
         # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
         y1 = xp.reshape(g1, (r * s, o * dout))
@@ -494,9 +502,9 @@ def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: s
 
 
 def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
-    """Samples ``sl`` of a factor, in the compute dtype."""
+    """Samples ``sl`` of a factor, in the compute dtype (an index factor stays integer)."""
     x = x[sl, ...]
-    return x if x.dtype == dtype else xp.astype(x, dtype)
+    return x if x.dtype == dtype or x.ndim == 2 else xp.astype(x, dtype)
 
 
 def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
@@ -513,7 +521,8 @@ def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
         for prs, pcs, _ in pieces:
             yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode)
         return
-    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype))
+    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype),
+                     pair.b1.one_hot)
     r0 = rows.start
     for prs, pcs, _ in pieces:
         yield _dense_tile(xp, w[prs.start - r0:prs.stop - r0, ...],
@@ -539,8 +548,8 @@ def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
         return _kron1_tile(xp, a1, g1, a2, g2, mode)
     if strategy == "positions":
         return _positions_tile(xp, a1, g1, a2, g2, mode)
-    w1 = flat_weights(xp, a1, g1)
-    return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2), mode)
+    w1 = flat_weights(xp, a1, g1, pair.b1.one_hot)
+    return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2, pair.b2.one_hot), mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,6 +578,9 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
             if (b1.d_in, b1.d_out) != (b2.d_in, b2.d_out):
                 raise ValueError(f"{label} has (d_in, d_out) = ({b1.d_in}, {b1.d_out}) in J1 "
                                  f"but ({b2.d_in}, {b2.d_out}) in J2")
+            if (b1.one_hot is None) != (b2.one_hot is None):
+                raise ValueError(f"{label} has an index factor a (one_hot) in only one of J1 "
+                                 "and J2; use the same provider for both")
         elif b1.num_params != b2.num_params:
             raise ValueError(f"{label} has P_b={b1.num_params} parameters in J1 but "
                              f"P_b={b2.num_params} in J2")

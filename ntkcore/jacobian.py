@@ -108,6 +108,14 @@ class DenseBlock:
     def select(self, idx: Any) -> DenseBlock:
         return DenseBlock(_take_samples(self.jac, idx), self.name)
 
+    def with_arrays(self, jac: Array) -> DenseBlock:
+        """The same block with other arrays (same layout)."""
+        return replace(self, jac=jac)
+
+    def astype(self, dtype: Any) -> DenseBlock:
+        return DenseBlock(array_api_compat.array_namespace(self.jac).astype(self.jac, dtype),
+                          self.name)
+
 
 @dataclass(frozen=True, eq=False)
 class KroneckerBlock:
@@ -115,27 +123,36 @@ class KroneckerBlock:
 
     Parameters
     ----------
-    a : array, shape (N, S, d_in)
-        Layer inputs at each position (with a trailing ones column for a bias).
+    a : array, shape (N, S, d_in), or integer (N, S) with ``one_hot``
+        Layer inputs at each position (with a trailing ones column for a bias); with
+        ``one_hot`` the indices of one-hot inputs (``-1``: a zero input).
     g : array, shape (N, S, O, d_out)
         Gradients of each output with respect to the layer output at each position.
     name : str, optional
         Label for layerwise reports.
+    one_hot : int, optional
+        ``d_in`` of an index factor: ``a[n, s] = i`` stands for the one-hot row
+        :math:`e_i \\in \\mathbb{R}^{d_{in}}` (an embedding lookup), never materialised.
 
     Notes
     -----
     The block has ``d_out * d_in`` parameters, the row-major flattening of the (d_out, d_in)
     weight.  ``S = 1`` for a dense layer on a vector, ``S = H'W'`` for a 2-D convolution after
-    unfolding patches, ``S = T`` for a linear layer on a sequence of T tokens.
+    unfolding patches, ``S = T`` for a linear layer on a sequence of T tokens, and for an
+    embedding (``one_hot = V``; the weight is the transposed (D, V) table).
     """
 
     a: Array
     g: Array
     name: str | None = None
+    one_hot: int | None = None
 
     def __post_init__(self) -> None:
         label = f"KroneckerBlock {self.name}" if self.name else "KroneckerBlock"
-        xa = _check_block_array(self.a, f"{label} factor a", 3, "(N, S, d_in)")
+        if self.one_hot is None:
+            xa = _check_block_array(self.a, f"{label} factor a", 3, "(N, S, d_in)")
+        else:
+            xa = _check_index_factor(self.a, self.one_hot, label)
         xg = _check_block_array(self.g, f"{label} factor g", 4, "(N, S, O, d_out)")
         if xa is not xg:
             raise ValueError(f"{label}: factors a and g come from different array libraries")
@@ -164,7 +181,13 @@ class KroneckerBlock:
 
     @property
     def d_in(self) -> int:
-        return int(self.a.shape[2])
+        return int(self.a.shape[2]) if self.one_hot is None else int(self.one_hot)
+
+    @property
+    def a_width(self) -> int:
+        """Numbers per position of the stored factor a: d_in, or 1 for an index factor (what
+        a product with a costs per position)."""
+        return 1 if self.one_hot is not None else self.d_in
 
     @property
     def d_out(self) -> int:
@@ -176,10 +199,45 @@ class KroneckerBlock:
 
     @property
     def dtype(self) -> Any:
+        if self.one_hot is not None:
+            return self.g.dtype
         return array_api_compat.array_namespace(self.a).result_type(self.a.dtype, self.g.dtype)
 
     def arrays(self) -> tuple[Array, ...]:
         return (self.a, self.g)
+
+    def with_arrays(self, a: Array, g: Array) -> KroneckerBlock:
+        """The same block (name, index factor) with other arrays of the same layout."""
+        return replace(self, a=a, g=g)
+
+    def astype(self, dtype: Any) -> KroneckerBlock:
+        """The factors in ``dtype`` (an index factor stays integer)."""
+        xp = array_api_compat.array_namespace(self.g)
+        a = self.a if self.one_hot is not None else xp.astype(self.a, dtype)
+        return replace(self, a=a, g=xp.astype(self.g, dtype))
+
+    def dense_a(self) -> Array:
+        """The factor a as a dense (N, S, d_in) array (one-hot rows materialised for an index
+        factor: N S d_in numbers; for consumers without an index path)."""
+        if self.one_hot is None:
+            return self.a
+        return one_hot_rows(array_api_compat.array_namespace(self.a), self.a, self.one_hot,
+                            self.g.dtype)
+
+    def a_times(self, m: Array) -> Array:
+        """``a @ m`` for ``m`` (d_in, k) -> (N, S, k); a row gather of ``m`` for an index
+        factor (:math:`e_i^\\top M = M[i]`), O(N S k)."""
+        return factor_times(array_api_compat.array_namespace(self.a, m), self.a, m,
+                            self.one_hot)
+
+    def a_transpose_times(self, x: Array) -> Array:
+        """:math:`\\sum_{n,s} a[n,s]\\, x[n,s]^\\top` for ``x`` (N, S, k) -> (d_in, k)."""
+        xp = array_api_compat.array_namespace(self.a, x)
+        n, s, k = x.shape
+        xf = xp.reshape(x, (n * s, k))
+        if self.one_hot is None:
+            return xp.reshape(self.a, (n * s, self.d_in)).T @ xf
+        return _index_transpose_times(xp, xp.reshape(self.a, (n * s,)), xf, self.one_hot)
 
     def per_sample_weights(self) -> Array:
         """:math:`\\sum_s g[n,s,o] a[n,s]^\\top`, shape (N, O, d_out, d_in)."""
@@ -189,16 +247,17 @@ class KroneckerBlock:
 
     def to_dense(self) -> Array:
         """The block's Jacobian, shape (N, O, d_out * d_in)."""
-        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.a, self.g)
+        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.a, self.g,
+                            self.one_hot)
 
     def jvp(self, v: Array) -> Array:
         """:math:`J_b v` for ``v`` (d_out * d_in,) -> (N, O), never forming :math:`J_b`.
 
         :math:`(J_b v)[n, o] = \\sum_s g[n,s,o]^\\top V a[n,s]` with ``V = v.reshape(d_out, d_in)``.
         """
-        xp = array_api_compat.array_namespace(self.a, self.g, v)
+        xp = array_api_compat.array_namespace(self.g, v)
         vmat = xp.reshape(v, (self.d_out, self.d_in))
-        av = self.a @ vmat.T  # (N, S, d_out)
+        av = self.a_times(vmat.T)  # (N, S, d_out)
         return xp.sum(self.g * av[:, :, None, :], axis=(1, 3))
 
     def vjp(self, c: Array) -> Array:
@@ -206,24 +265,102 @@ class KroneckerBlock:
 
         :math:`\\sum_{n,s} (\\sum_o c[n,o] g[n,s,o]) a[n,s]^\\top`.
         """
-        xp = array_api_compat.array_namespace(self.a, self.g, c)
-        n, s = self.num_samples, self.num_positions
+        xp = array_api_compat.array_namespace(self.g, c)
         gc = xp.sum(self.g * c[:, None, :, None], axis=2)  # (N, S, d_out)
-        w = xp.reshape(gc, (n * s, self.d_out)).T @ xp.reshape(self.a, (n * s, self.d_in))
+        w = self.a_transpose_times(gc).T  # (d_out, d_in)
         return xp.reshape(w, (self.num_params,))
 
     def select(self, idx: Any) -> KroneckerBlock:
-        return KroneckerBlock(_take_samples(self.a, idx), _take_samples(self.g, idx), self.name)
+        return replace(self, a=_take_samples(self.a, idx), g=_take_samples(self.g, idx))
 
 
 Block = DenseBlock | KroneckerBlock
 
 
-def flat_weights(xp: Any, a: Array, g: Array) -> Array:
+def _check_index_factor(a: Array, d: Any, label: str) -> Any:
+    """Namespace of an index factor (N, S) of one-hot rows of width ``d``; entries in
+    [-1, d) (checked unless traced)."""
+    try:
+        xp = array_api_compat.array_namespace(a)
+    except TypeError:
+        raise TypeError(f"{label} factor a must be an array; got {type(a).__name__}") from None
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"{label}: one_hot must be a positive int (d_in); got {d!r}")
+    if a.ndim != 2:
+        raise ValueError(f"{label} factor a must have shape (N, S) with one_hot; got shape "
+                         f"{tuple(a.shape)}")
+    if not xp.isdtype(a.dtype, "integral"):
+        raise TypeError(f"{label} factor a must have an integer dtype with one_hot; got "
+                        f"{a.dtype}")
+    if math.prod(a.shape) > 0:
+        try:
+            lo, hi = int(xp.min(a)), int(xp.max(a))
+        except Exception:  # traced (JAX): the values cannot be looked at
+            return xp
+        if lo < -1 or hi >= d:
+            raise ValueError(f"{label} factor a holds indices in [{lo}, {hi}]; one_hot={d} "
+                             f"allows [-1, {d - 1}] (-1: a zero row)")
+    return xp
+
+
+def one_hot_rows(xp: Any, idx: Array, d: int, dtype: Any) -> Array:
+    """One-hot rows (..., d) of indices ``idx`` (...) in ``dtype``; ``-1`` gives a zero row."""
+    cols = xp.arange(d, dtype=idx.dtype, device=array_api_compat.device(idx))
+    return xp.astype(idx[..., None] == cols, dtype)
+
+
+def factor_times(xp: Any, a: Array, m: Array, one_hot: int | None) -> Array:
+    """``a @ m`` for a factor ``a`` (..., d_in) and ``m`` (d_in, k); for an index factor
+    ``a`` (...) with ``one_hot``: the rows ``m[a]`` (zero where ``a == -1``), a gather."""
+    if one_hot is None:
+        return a @ m
+    shape = tuple(a.shape)
+    flat = xp.reshape(a, (-1,))
+    valid = flat >= 0
+    rows = xp.take(m, xp.where(valid, flat, xp.zeros_like(flat)), axis=0)
+    rows = xp.where(valid[:, None], rows, xp.zeros_like(rows))
+    return xp.reshape(rows, (*shape, m.shape[1]))
+
+
+#: Elements of the one-hot chunk that :func:`_index_transpose_times` forms at a time.
+_ONE_HOT_CHUNK = 1 << 22
+
+
+def _index_transpose_times(xp: Any, idx: Array, x: Array, d: int) -> Array:
+    """:math:`\\sum_r e_{idx_r} x_r^\\top` (d, k) for indices ``idx`` (R,) and ``x`` (R, k):
+    a scatter-add, as one-hot (chunk, d) products over row chunks (the array API standard
+    has no scatter-add), O(R d k) flops and at most ``_ONE_HOT_CHUNK`` extra elements."""
+    r = idx.shape[0]
+    step = max(1, _ONE_HOT_CHUNK // d)
+    out = None
+    for lo in range(0, r, step):
+        hi = min(r, lo + step)
+        part = one_hot_rows(xp, idx[lo:hi], d, x.dtype).T @ x[lo:hi, ...]
+        out = part if out is None else out + part
+    if out is None:
+        out = xp.zeros((d, x.shape[1]), dtype=x.dtype, device=array_api_compat.device(x))
+    return out
+
+
+def factor_gram(xp: Any, a1: Array, a2: Array, dtype: Any = None) -> Array:
+    """Inner products of factor rows: ``a1`` (..., R, d_in), ``a2`` (..., C, d_in) ->
+    (..., R, C), ``a1 @ a2^T``.  Index factors (..., R) and (..., C) (of a
+    :class:`KroneckerBlock` with ``one_hot``): :math:`\\langle e_i, e_j\\rangle = [i = j]`,
+    0 at ``-1``, in ``dtype``: O(R C) comparisons, the width d_in never appears."""
+    if not xp.isdtype(a1.dtype, "integral"):
+        return a1 @ xp.matrix_transpose(a1 if a2 is a1 else a2)
+    eq = (a1[..., :, None] == a2[..., None, :]) & (a1[..., :, None] >= 0)
+    return xp.astype(eq, dtype)
+
+
+def flat_weights(xp: Any, a: Array, g: Array, one_hot: int | None = None) -> Array:
     """Per-sample weights :math:`W[n,o] = \\sum_s g[n,s,o]\\, a[n,s]^\\top` of factors ``a``
     (N, S, d_in), ``g`` (N, S, O, d_out), flattened row-major: (N, O, d_out d_in).  One batched
     product over samples, ``(N, O d_out, S) @ (N, S, d_in)``: no factor is broadcast (and
-    copied) over the outputs."""
+    copied) over the outputs.  An index factor (N, S) with ``one_hot`` forms its one-hot rows
+    for the product (N S d_in numbers; the per-sample weights are larger still)."""
+    if one_hot is not None:
+        a = one_hot_rows(xp, a, one_hot, g.dtype)
     n, s, din = a.shape
     o, dout = g.shape[2], g.shape[3]
     gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
@@ -398,7 +535,7 @@ class Jacobian:
                     :, None, :], b.name))
             else:
                 gw = xp.sum(b.g * w[:, None], axis=2)  # (N, S, d_out)
-                blocks.append(KroneckerBlock(b.a, gw[:, :, None, :], b.name))
+                blocks.append(b.with_arrays(b.a, gw[:, :, None, :]))
         return Jacobian(blocks)
 
     def pseudo(self) -> Jacobian:
@@ -429,21 +566,25 @@ class Jacobian:
             raise ValueError("concatenate needs at least one Jacobian")
         first = parts[0]
         xp = first.xp
-        kinds = [(type(b), b.name) for b in first.blocks]
-        if any(j.names != first.names or [type(b) for b in j] != [k for k, _ in kinds]
+        # (class, index factor width) per block: an index factor (one_hot) must stay one
+        kinds = [(type(b), getattr(b, "one_hot", None)) for b in first.blocks]
+        if any(j.names != first.names
+               or [(type(b), getattr(b, "one_hot", None)) for b in j] != kinds
                for j in parts[1:]):
             raise ValueError("Jacobians to concatenate must have the same blocks")
+        names = first.names
         pieces = [[b.arrays() for b in j.blocks] for j in parts]
         del first
         if consume:
             parts.clear()  # type: ignore[attr-defined]
         blocks = []
-        for i, (kind, name) in enumerate(kinds):
+        for i, (kind, one_hot) in enumerate(kinds):
             arrays = [xp.concat([p[i][k] for p in pieces], axis=0)
                       for k in range(len(pieces[0][i]))]
             for p in pieces:  # this block's pieces can go now
                 p[i] = ()
-            blocks.append(kind(*arrays, name))
+            blocks.append(kind(*arrays, names[i]) if one_hot is None
+                          else kind(*arrays, names[i], one_hot=one_hot))
         return Jacobian(blocks)
 
 

@@ -76,7 +76,7 @@ def _low_rank_block(block: KroneckerBlock, rank: int) -> tuple[KroneckerBlock, A
     if s <= rank:
         return block, xp.zeros((n,), dtype=dtype, device=dev)
     gt = xp.matrix_transpose(xp.astype(block.g[:, :, 0, :], dtype))  # (N, d_out, S)
-    at = xp.matrix_transpose(xp.astype(block.a, dtype))  # (N, d_in, S)
+    at = xp.matrix_transpose(xp.astype(block.dense_a(), dtype))  # (N, d_in, S)
     p_g, t_g = xp.linalg.qr(gt)  # (N, d_out, k_g), (N, k_g, S)
     p_a, t_a = xp.linalg.qr(at)  # (N, d_in, k_a), (N, k_a, S)
     w, sv, vt = xp.linalg.svd(t_g @ xp.matrix_transpose(t_a), full_matrices=False)

@@ -161,7 +161,7 @@ class KernelOperator(LinearOperator):
         for b in self.J1.blocks:
             if isinstance(b, KroneckerBlock):
                 s = b.num_positions
-                per_pair = s * s * ((o * o if self.mode == "full" else o) * b.d_out + b.d_in)
+                per_pair = s * s * ((o * o if self.mode == "full" else o) * b.d_out + b.a_width)
                 per_sample = 2.0 * s * b.d_in * b.d_out
             else:
                 per_pair = (o if self.mode == "full" else 1) * o * b.num_params

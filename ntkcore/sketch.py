@@ -77,7 +77,7 @@ import array_api_compat
 from ._typing import Array
 from ._validation import check_size
 from .backend import get_backend, seed_from
-from .jacobian import DenseBlock, Jacobian, KroneckerBlock
+from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_times, one_hot_rows
 from .lowrank import low_rank
 from .support import BACKENDS, GENERATOR, capabilities
 
@@ -245,6 +245,13 @@ class Sketch:
         """:math:`\\Omega` times ``flat`` (n, m) in ``dtype``: (q, m)."""
         raise NotImplementedError
 
+    def columns(self, idx: Array, dtype: Any) -> Array:
+        """:math:`\\Omega e_i` for integer ``idx`` (...) -> (..., q) in ``dtype`` (a zero row
+        where ``idx == -1``): the sketch of one-hot rows (an index factor) without forming
+        them.  Here from :meth:`matrix` (q, n); the kinds gather their own draws."""
+        return factor_times(self._xp, idx, self._xp.matrix_transpose(self.matrix(dtype)),
+                            self.n)
+
     def matrix(self, dtype: Any = None) -> Array:
         """The dense (q, n) sketch matrix (for tests and small n)."""
         self._require_bound()
@@ -311,6 +318,13 @@ class RowSketch(Sketch):
             idx, scale = xp.take(idx, order), xp.take(scale, order)
         self._indices = xp.astype(idx, xp.int64)
         self._scale = xp.astype(scale, wide)
+
+    def columns(self, idx: Array, dtype: Any) -> Array:
+        """:meth:`Sketch.columns`: :math:`(\\Omega e_i)_k = \\mathrm{scale}_k [j_k = i]`."""
+        self.bind(idx)
+        xp = self._xp
+        return xp.astype(idx[..., None] == self._indices, dtype) * \
+            xp.astype(self._scale, dtype)
 
     def apply(self, x: Array, axis: int = 0) -> Array:
         xp = self._check_operand(x, axis)
@@ -396,6 +410,11 @@ class GaussianSketch(Sketch):
     def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         return xp.astype(self._omega, dtype) @ flat
 
+    def columns(self, idx: Array, dtype: Any) -> Array:
+        """:meth:`Sketch.columns`: a gather of the columns of :math:`\\Omega`."""
+        self.bind(idx)
+        return factor_times(self._xp, idx, self._xp.astype(self._omega, dtype).T, self.n)
+
 
 class SparseSignSketch(Sketch):
     """CountSketch-style sparse sign sketch with ``nnz`` entries per column.
@@ -419,6 +438,23 @@ class SparseSignSketch(Sketch):
         self.rows = gen.integers(0, self.q, (self.nnz, self.n))
         bits = gen.integers(0, 2, (self.nnz, self.n))
         self.signs = xp.astype(2 * bits - 1, wide) / math.sqrt(self.nnz)
+
+    def columns(self, idx: Array, dtype: Any) -> Array:
+        """:meth:`Sketch.columns`: :math:`\\Omega e_i = \\sum_k \\mathrm{signs}[k, i]\\,
+        e_{\\mathrm{rows}[k, i]}`, gathered (O(len(idx) q nnz))."""
+        self.bind(idx)
+        xp = self._xp
+        valid = idx >= 0
+        safe = xp.where(valid, idx, xp.zeros_like(idx))
+        out = None
+        for k in range(self.nnz):
+            rows = xp.take(self.rows[k, :], xp.reshape(safe, (-1,)))
+            sign = xp.where(xp.reshape(valid, (-1,)),
+                            xp.take(xp.astype(self.signs[k, :], dtype), xp.reshape(safe, (-1,))),
+                            xp.zeros((), dtype=dtype, device=self._device))
+            term = one_hot_rows(xp, rows, self.q, dtype) * sign[:, None]
+            out = term if out is None else out + term
+        return xp.reshape(out, (*idx.shape, self.q))
 
     def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         buckets = xp.arange(self.q, dtype=xp.int64, device=self._device)[:, None]
@@ -761,6 +797,17 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
             return _leverage_from_weights(w, q_f, seed_f, replace, "the Jacobian")
         return _oblivious_sketch(method, d, q_f, seed_f, replace, x, "method")
 
+    def _index_factor_sketch(block: KroneckerBlock, q_f: int, b: int) -> Sketch | None:
+        """:func:`factor` for an index factor a (N, S) of one-hot rows of width d_in: the
+        leverage weights (squared column norms of the one-hot rows) are the index counts,
+        :math:`a^\\top 1`, never forming the one-hot rows."""
+        d = block.d_in
+        if q_f >= d or method != "leverage":
+            return factor(block.a, d, q_f, b, 1) if q_f < d else None
+        ones = xp.ones((*block.a.shape, 1), dtype=block.g.dtype, device=J.device)
+        w = block.a_transpose_times(ones)[:, 0]
+        return _leverage_from_weights(w, q_f, spawn_seed(seed, b, 1), replace, "the Jacobian")
+
     blocks: list[Any] = []
     sketches: list[Any] = []
     shapes: list[tuple[int, int] | None] = []
@@ -776,11 +823,16 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
             sketches.append(sk)
         else:
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
-            sk_a = factor(block.a, block.d_in, q_a, b, 1)
+            sk_a = _index_factor_sketch(block, q_a, b) if block.one_hot is not None \
+                else factor(block.a, block.d_in, q_a, b, 1)
             sk_g = factor(block.g, block.d_out, q_g, b, 2)
-            a = block.a if sk_a is None else sk_a.apply(block.a, axis=2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
-            blocks.append(KroneckerBlock(a, g, block.name))
+            if sk_a is None:
+                blocks.append(block.with_arrays(block.a, g))
+            else:  # a Omega_A^T; for an index factor the rows of Omega_A^T, gathered
+                a = sk_a.apply(block.a, axis=2) if block.one_hot is None else \
+                    sk_a.columns(block.a, g.dtype)
+                blocks.append(KroneckerBlock(a, g, block.name))
             sketches.append(None if sk_a is None and sk_g is None else (sk_a, sk_g))
     out = Jacobian(blocks)
     if return_sketch:

@@ -95,8 +95,7 @@ class _JacobianOp(AdjointOperator):
 
         J, xp = self.J, self.J.xp
         if dtype != J.dtype:
-            J = Jacobian([type(b)(*(xp.astype(a, dtype) for a in b.arrays()), b.name)
-                          for b in J.blocks])
+            J = Jacobian([b.astype(dtype) for b in J.blocks])
         # finiteness: the callers check the Gram's diagonal (O(rho)), not the factors
         return FULL.matrix(xp, gram(J, mode="full", check_finite=False))
 
@@ -143,6 +142,8 @@ class SMWSolver:
             # not by an extra pass over U
             for blk in U.blocks:
                 for arr in blk.arrays():
+                    if arr.ndim == 2:  # a KroneckerBlock's index factor (checked there)
+                        continue
                     check_array(xp, arr, f"U (Jacobian block {blk.name!r})", (arr.ndim,),
                                 "a block array", finite=False)
             self.op: Any = _JacobianOp(U)

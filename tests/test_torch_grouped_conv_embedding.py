@@ -1,0 +1,383 @@
+"""Embeddings (index factors) and grouped / depthwise convolutions, issue 18 item 1.
+
+Every number is compared with a dense float64 reference: the ``torch.func`` Jacobian of the
+model, its Gram (full and trace), J v, J^T c, the sketched dense Jacobian J Omega^T and a
+direct solve of (lambda I + J^T J) d = g.  An ``nn.Embedding`` is a KroneckerBlock whose
+factor a is the (N, T) index array (``one_hot = V``): no (N, T, V) one-hot array exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, ntk, smw_solve
+from ntkcore.analysis import layer_traces
+from ntkcore.backends.torch_jacobian import jacobian, to_block_order
+from ntkcore.features import feature_variance, features
+from ntkcore.gram import _gram
+from ntkcore.lowrank import low_rank
+from ntkcore.sketch import sketch_jacobian
+from tests.test_torch_provider import reference
+from tests.tolerances import kernel_tol, solve_tol
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# -- models -------------------------------------------------------------------------------
+class Emb(nn.Module):
+    """Embedding (padding_idx) -> tanh -> Linear, mean over tokens."""
+
+    def __init__(self, v=7, d=3, padding_idx=0, out=3):
+        super().__init__()
+        self.e = nn.Embedding(v, d, padding_idx=padding_idx)
+        self.l = nn.Linear(d, out)
+
+    def forward(self, i):
+        return self.l(torch.tanh(self.e(i))).mean(1)
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + token type, LayerNorm, a Linear head on the mean token (as in BERT).
+
+    ``shared_positions``: positions looked up as ``pos(arange(T))`` (one (T, D) table for all
+    samples, no sample axis: a DenseBlock) instead of ``pos(arange(T).expand(N, T))``."""
+
+    def __init__(self, v=50, t=6, d=4, out=2, shared_positions=False):
+        super().__init__()
+        self.word = nn.Embedding(v, d, padding_idx=1)
+        self.pos = nn.Embedding(t, d)
+        self.typ = nn.Embedding(2, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, out)
+        self.shared = shared_positions
+
+    def forward(self, ids):
+        n, t = ids.shape
+        pos = torch.arange(t, device=ids.device)
+        p = self.pos(pos) if self.shared else self.pos(pos.expand(n, t))
+        typ = self.typ((ids % 2 == 0).long())  # a per-sample token type
+        h = self.norm(self.word(ids) + p + typ)
+        return self.head(torch.tanh(h)).mean(1)
+
+
+def _ids(n, t, v, pad=None, gen_seed=1):
+    g = torch.Generator().manual_seed(gen_seed)
+    ids = torch.randint(0, v, (n, t), generator=g)
+    if pad is not None:
+        ids[:, -1] = pad  # every sample has padding
+        ids[0, 0] = pad
+    return ids
+
+
+def rel(a, b):
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-300)
+
+
+def _dense_checks(model, x, j, ref):
+    """The Jacobian in block order, its Gram (full, trace, both Kronecker strategies), jvp and
+    vjp against the dense float64 reference; returns the dense reference Jacobian."""
+    jd_ref = to_block_order(model, j, ref)  # (N, O, P)
+    n, o, p = jd_ref.shape
+    tol = kernel_tol(DT, p + 2, computations=2)
+    assert rel(j.to_dense(), jd_ref) < tol
+    k_full = torch.einsum("nop,mqp->nmoq", jd_ref, jd_ref)
+    k_trace = torch.einsum("nop,mop->nm", jd_ref, jd_ref)
+    assert rel(gram(j, mode="full"), k_full) < tol
+    assert rel(gram(j, mode="trace"), k_trace) < tol
+    for strategy in ("positions", "materialise"):
+        assert rel(_gram(j, mode="full", strategy=strategy), k_full) < tol
+        assert rel(_gram(j, mode="diagonal", strategy=strategy),
+                   torch.einsum("nop,mop->nmo", jd_ref, jd_ref)) < tol
+    # a cross kernel (J1 != J2): rows 0..1 against all
+    assert rel(gram(j[0:2], j, mode="trace"), k_trace[0:2]) < tol
+    v = torch.randn(p, dtype=DT)
+    c = torch.randn(n, o, dtype=DT)
+    assert rel(j.jvp(v), jd_ref @ v) < tol
+    assert rel(j.vjp(c), torch.einsum("no,nop->p", c, jd_ref)) < tol
+    return jd_ref
+
+
+# -- embeddings -----------------------------------------------------------------------------
+def test_embedding_is_an_index_factor():
+    model = Emb().to(DT).eval()
+    ids = _ids(4, 5, 7, pad=0)
+    j = jacobian(model, ids)
+    e = j.blocks[0]
+    assert isinstance(e, KroneckerBlock) and e.one_hot == 7
+    assert tuple(e.a.shape) == (4, 5) and e.a.dtype == torch.int64  # no one-hot rows
+    assert (e.a == -1).sum() == (ids == 0).sum()  # padding_idx: a zero row
+    assert e.d_in == 7 and e.d_out == 3 and e.num_params == 21
+    _dense_checks(model, ids, j, reference(model, ids))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3, -1])
+def test_embedding_padding_idx(padding_idx):
+    model = Emb(v=6, padding_idx=padding_idx).to(DT).eval()
+    ids = _ids(3, 4, 6, pad=None if padding_idx is None else padding_idx % 6)
+    j = jacobian(model, ids)
+    _dense_checks(model, ids, j, reference(model, ids))
+
+
+def test_large_vocabulary_never_forms_one_hot_rows(monkeypatch):
+    """V = 30522 (BERT's vocabulary): the Gram, jvp, vjp and the sketch run on indices."""
+    import ntkcore.jacobian as jac_mod
+
+    v = 30522
+    model = Emb(v=v, d=2, padding_idx=0, out=2).to(DT).eval()
+    ids = _ids(3, 4, v, pad=0)
+    j = jacobian(model, ids)
+    ref = reference(model, ids)
+    calls = []
+    real = jac_mod.one_hot_rows
+
+    def spy(xp, idx, d, dtype):
+        calls.append(math.prod(idx.shape) * d)
+        return real(xp, idx, d, dtype)
+
+    monkeypatch.setattr(jac_mod, "one_hot_rows", spy)
+    jd_ref = to_block_order(model, j, ref)
+    tol = kernel_tol(DT, jd_ref.shape[2] + 2, computations=2)
+    assert rel(gram(j, mode="full"), torch.einsum("nop,mqp->nmoq", jd_ref, jd_ref)) < tol
+    vec = torch.randn(j.num_params, dtype=DT)
+    assert rel(j.jvp(vec), jd_ref @ vec) < tol
+    assert calls == []  # Gram and jvp: comparisons and gathers only
+    c = torch.randn(3, 2, dtype=DT)
+    assert rel(j.vjp(c), torch.einsum("no,nop->p", c, jd_ref)) < tol
+    assert max(calls) <= jac_mod._ONE_HOT_CHUNK + v  # vjp: one-hot rows in bounded chunks
+
+
+@pytest.mark.parametrize("shared_positions", [False, True])
+def test_bert_like_embedding_sum(shared_positions):
+    model = BertEmbeddings(shared_positions=shared_positions).to(DT).eval()
+    ids = _ids(4, 6, 50, pad=1)
+    j = jacobian(model, ids)
+    kinds = {b.name: (type(b).__name__, getattr(b, "one_hot", None)) for b in j.blocks}
+    assert kinds["word"] == ("KroneckerBlock", 50)
+    assert kinds["typ"] == ("KroneckerBlock", 2)
+    # pos(arange(T)) has no sample axis: a DenseBlock (torch.func); expanded: an index factor
+    assert kinds["pos"] == (("DenseBlock", None) if shared_positions else ("KroneckerBlock", 6))
+    _dense_checks(model, ids, j, reference(model, ids))
+
+
+def test_ntk_batches_and_concatenates_index_blocks():
+    """ntk() with a small budget: sample batches of the factors (select / concatenate)."""
+    model = BertEmbeddings().to(DT).eval()
+    ids = _ids(10, 6, 50, pad=1)
+    jd_ref = to_block_order(model, jacobian(model, ids), reference(model, ids))
+    k_ref = torch.einsum("nop,mop->nm", jd_ref, jd_ref)
+    tol = kernel_tol(DT, jd_ref.shape[2] + 2, computations=2)
+    assert rel(ntk(model, ids, mode="trace"), k_ref) < tol
+    assert rel(ntk(model, ids, mode="trace", batch_size=3), k_ref) < tol
+    ids2 = _ids(5, 6, 50, pad=1, gen_seed=2)
+    jd2 = to_block_order(model, jacobian(model, ids2), reference(model, ids2))
+    assert rel(ntk(model, ids, ids2, mode="trace", batch_size=4),
+               torch.einsum("nop,mop->nm", jd_ref, jd2)) < tol
+    j = jacobian(model, ids)
+    joined = Jacobian.concatenate([j[0:4], j[4:10]])
+    assert [getattr(b, "one_hot", None) for b in joined] == \
+        [getattr(b, "one_hot", None) for b in j]
+    assert rel(gram(joined, mode="trace"), k_ref) < tol
+
+
+def _one_hot_twin(j):
+    """The same Jacobian with every index factor materialised as dense one-hot rows."""
+    return Jacobian([KroneckerBlock(b.dense_a(), b.g, b.name)
+                     if isinstance(b, KroneckerBlock) and b.one_hot is not None else b
+                     for b in j.blocks])
+
+
+@pytest.mark.parametrize("method", ["uniform", "leverage", "gaussian", "sparse_sign"])
+def test_sketch_of_index_factor(method):
+    """sketch_jacobian on an index factor gathers Omega_A's columns: its blocks equal
+    J_b Omega_b^T of the dense reference, and its Gram the dense sketched Gram."""
+    model = Emb(v=40, d=3, padding_idx=0).to(DT).eval()
+    ids = _ids(5, 4, 40, pad=0)
+    j = jacobian(model, ids)
+    jd_ref = to_block_order(model, j, reference(model, ids))
+    js, jsk = sketch_jacobian(j, 60, method=method, seed=5, return_sketch=True)
+    e, es = j.blocks[0], js.blocks[0]
+    sk_a, sk_g = jsk.block_sketches[0]
+    assert sk_a is not None
+    om_a = sk_a.matrix(DT)
+    om_g = torch.eye(e.d_out, dtype=DT) if sk_g is None else sk_g.matrix(DT)
+    omega = torch.kron(om_g, om_a)  # parameter index i_out * d_in + i_in
+    ref_b = torch.einsum("nop,qp->noq", jd_ref[:, :, :e.num_params], omega)
+    tol = kernel_tol(DT, e.num_params + 2, computations=2)
+    assert rel(es.to_dense(), ref_b) < tol
+    # the whole sketched Jacobian against the dense one times the block-diagonal sketch
+    omegas = [omega] + [sk.matrix(DT) if sk is not None else torch.eye(b.num_params, dtype=DT)
+                        for b, sk in zip(j.blocks[1:], jsk.block_sketches[1:], strict=True)
+                        if isinstance(b, DenseBlock)]
+    if len(omegas) == len(j.blocks):
+        full = torch.block_diag(*omegas)
+        jd_sk = torch.einsum("nop,qp->noq", jd_ref, full)
+        assert rel(gram(js, mode="full"), torch.einsum("nop,mqp->nmoq", jd_sk, jd_sk)) < tol
+    # the same sketch on the one-hot twin: identical sketched factors
+    js2 = sketch_jacobian(_one_hot_twin(j), 60, method=method, seed=5)
+    assert rel(js2.blocks[0].a, es.a) < tol
+
+
+def test_smw_solve_with_index_factor():
+    model = BertEmbeddings(v=30, d=3).to(DT).eval()
+    ids = _ids(4, 6, 30, pad=1)
+    j = jacobian(model, ids)
+    jd = to_block_order(model, j, reference(model, ids))
+    n, o, p = jd.shape
+    u = jd.reshape(n * o, p).T  # (P, rho)
+    lam = 0.3
+    g = torch.randn(p, dtype=DT)
+    a = lam * torch.eye(p, dtype=DT) + u @ u.T
+    d_ref = torch.linalg.solve(a, g)
+    d = smw_solve(j, g, lam)
+    cond = torch.linalg.cond(a).item()
+    assert (d - d_ref).norm() / d_ref.norm() < solve_tol(DT, cond, computations=2) + \
+        kernel_tol(DT, p, computations=2) * cond
+
+
+def test_other_consumers_match_the_one_hot_twin():
+    """features, feature_variance, layer_traces and low_rank: index factor == one-hot rows."""
+    model = BertEmbeddings(v=30, d=3, out=1).to(DT).eval()
+    ids = _ids(4, 6, 30, pad=1)
+    j = jacobian(model, ids)
+    twin = _one_hot_twin(j)
+    tol = kernel_tol(DT, j.num_params + 2, computations=2)
+    assert rel(features(j, dim=64, seed=3), features(twin, dim=64, seed=3)) < tol
+    assert rel(layer_traces(j), layer_traces(twin)) < tol
+    assert rel(feature_variance(j, dim=64), feature_variance(twin, dim=64)) < tol
+    lr, err = low_rank(j, 2)
+    lr2, err2 = low_rank(twin, 2)
+    assert rel(err, err2) < 1e-8
+    assert rel(gram(lr, mode="trace"), gram(lr2, mode="trace")) < 1e-8
+
+
+def test_factored_feature_stats_of_index_factor():
+    from ntkcore.features import _pair_stats
+
+    model = Emb(v=9, d=2, padding_idx=0, out=1).to(DT).eval()
+    j = jacobian(model, _ids(3, 4, 9, pad=0))
+    e = j.blocks[0]
+    twin = _one_hot_twin(j).blocks[0]
+    for factored in (True, False):
+        st, st2 = _pair_stats(e, factored), _pair_stats(twin, factored)
+        for key in st2:
+            assert rel(st[key], st2[key]) < 1e-12, key
+
+
+def test_index_factor_validation():
+    g = torch.zeros(2, 3, 1, 4, dtype=DT)
+    with pytest.raises(ValueError, match=r"indices in \[0, 5\]; one_hot=5"):
+        KroneckerBlock(torch.tensor([[0, 1, 5], [0, 0, 0]]), g, "e", one_hot=5)
+    with pytest.raises(ValueError, match=r"\[-2, 1\]"):
+        KroneckerBlock(torch.tensor([[0, 1, -2], [0, 0, 0]]), g, "e", one_hot=5)
+    with pytest.raises(TypeError, match="integer dtype"):
+        KroneckerBlock(torch.zeros(2, 3, dtype=DT), g, "e", one_hot=5)
+    with pytest.raises(ValueError, match=r"shape \(N, S\)"):
+        KroneckerBlock(torch.zeros(2, 3, 5, dtype=torch.int64), g, "e", one_hot=5)
+    with pytest.raises(ValueError, match="positive int"):
+        KroneckerBlock(torch.zeros(2, 3, dtype=torch.int64), g, "e", one_hot=0)
+    ok = KroneckerBlock(torch.tensor([[0, 1, 4], [-1, 0, 0]]), g, "e", one_hot=5)
+    dense = KroneckerBlock(ok.dense_a(), g, "e")
+    with pytest.raises(ValueError, match="index factor"):
+        gram(Jacobian([ok]), Jacobian([dense]))
+
+
+# -- grouped and depthwise convolutions ------------------------------------------------------
+def _conv_net(dim, groups, bias, stride, dilation, padding, c=4):
+    conv = {1: nn.Conv1d, 2: nn.Conv2d}[dim]
+    return nn.Sequential(conv(2, c, 1), nn.Tanh(),
+                         conv(c, c, 3, groups=groups, bias=bias, stride=stride,
+                              dilation=dilation, padding=padding), nn.Tanh(),
+                         nn.Flatten(), nn.LazyLinear(3))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("groups", [2, 4])  # grouped, depthwise (groups = channels)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("geometry", [(1, 1, 1), (2, 1, 0), (1, 2, "same")])
+def test_grouped_and_depthwise_conv(dim, groups, bias, geometry):
+    stride, dilation, padding = geometry
+    model = _conv_net(dim, groups, bias, stride, dilation, padding)
+    x = torch.randn(3, 2, *([7] * dim), dtype=DT)
+    model(x.float())  # materialise the LazyLinear
+    model = model.to(DT).eval()
+    j = jacobian(model, x)
+    jd = _dense_checks(model, x, j, reference(model, x))
+    # sketch of the whole Jacobian: blocks J_b Omega_b^T, Gram vs the dense sketched Gram
+    js, jsk = sketch_jacobian(j, 40, method="gaussian", seed=2, return_sketch=True)
+    mats = []
+    for b, sk in zip(j.blocks, jsk.block_sketches, strict=True):
+        if sk is None:
+            mats.append(torch.eye(b.num_params, dtype=DT))
+        elif isinstance(b, KroneckerBlock):
+            sk_a, sk_g = sk
+            om_a = torch.eye(b.d_in, dtype=DT) if sk_a is None else sk_a.matrix(DT)
+            om_g = torch.eye(b.d_out, dtype=DT) if sk_g is None else sk_g.matrix(DT)
+            mats.append(torch.kron(om_g, om_a))
+        else:
+            mats.append(sk.matrix(DT))
+    jd_sk = torch.einsum("nop,qp->noq", jd, torch.block_diag(*mats))
+    tol = kernel_tol(DT, jd.shape[2] + 2, computations=2)
+    assert rel(gram(js, mode="full"), torch.einsum("nop,mqp->nmoq", jd_sk, jd_sk)) < tol
+    # SMW against a direct solve
+    n, o, p = jd.shape
+    u = jd.reshape(n * o, p).T
+    g = torch.randn(p, dtype=DT)
+    a = 0.5 * torch.eye(p, dtype=DT) + u @ u.T
+    d_ref = torch.linalg.solve(a, g)
+    cond = torch.linalg.cond(a).item()
+    assert (smw_solve(j, g, 0.5) - d_ref).norm() / d_ref.norm() < \
+        solve_tol(DT, cond, computations=2) + kernel_tol(DT, p, computations=2) * cond
+
+
+def test_depthwise_conv_is_a_hook_built_dense_block(monkeypatch):
+    """A depthwise convolution's block is its (N, O, C k [+ C]) per-sample gradient built from
+    the hooks (no torch.func pass): at every real size it is smaller, and its Gram cheaper,
+    than any Kronecker form (docs/concepts.md, "Grouped convolutions")."""
+    import ntkcore.backends.torch_jacobian as tj
+
+    seen = []
+    real = tj._dense_blocks
+
+    def spy(model, x, groups, *args, **kwargs):
+        seen.extend(name for name, _ in groups)
+        return real(model, x, groups, *args, **kwargs)
+
+    monkeypatch.setattr(tj, "_dense_blocks", spy)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8, padding=1), nn.Tanh(),
+                          nn.Conv2d(8, 8, 1), nn.Flatten(), nn.Linear(8 * 36, 2)).to(DT).eval()
+    x = torch.randn(2, 8, 6, 6, dtype=DT)
+    j = jacobian(model, x)
+    assert isinstance(j.blocks[0], DenseBlock) and j.blocks[0].num_params == 8 * 9 + 8
+    assert seen == []
+    _dense_checks(model, x, j, reference(model, x))
+
+
+def test_float32_index_factor_kernel():
+    """float32 factors against the float64 reference (tolerance from the fan-ins)."""
+    model = BertEmbeddings().eval()
+    ids = _ids(4, 6, 50, pad=1)
+    j32 = jacobian(model, ids)
+    model64 = BertEmbeddings().to(DT).eval()
+    model64.load_state_dict({k: v.to(DT) for k, v in model.state_dict().items()})
+    jd = to_block_order(model64, jacobian(model64, ids), reference(model64, ids))
+    k_ref = torch.einsum("nop,mop->nm", jd, jd)
+    k = gram(j32, mode="trace")
+    assert k.dtype == torch.float32
+    # first order (tests/tolerances.py): an entry of the float32 Jacobian sums the fan-ins
+    # forward (3 embeddings, LayerNorm mean and variance over d = 4 plus its rsqrt and
+    # division, the head's 4, the mean over T = 6) and the fan-outs backward (2 outputs, the
+    # LayerNorm's 4 + 4, T = 6), twice in a product; the Gram sums P products on top
+    n = 2 * ((3 + 4 + 4 + 2 + 4 + 6) + (2 + 4 + 4 + 6))
+    tol = kernel_tol(torch.float32, n) + kernel_tol(torch.float32, jd.shape[2] + 2)
+    assert rel(k.double(), k_ref) < tol
+    np.testing.assert_array_equal(k.numpy(), k.numpy().T)
