@@ -935,8 +935,8 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
 # the provider
 # --------------------------------------------------------------------------------------------
 @capabilities(name="backends.torch.jacobian", fast={
-    "torch": "Kronecker for Linear/Conv1-3d/Embedding, hooks for norm layers, torch.func for "
-             "the rest"},
+    "torch": "Kronecker for Linear/Conv1-3d/Embedding/RNN/GRU/LSTM/F.linear, hooks for norm "
+             "layers and elementwise parameters, torch.func for the rest"},
     note={"torch": "CPU and CUDA; differentiable in x when x.requires_grad"},
     missing=("numpy", "cupy", "jax", "array_api_strict"))
 def jacobian(
