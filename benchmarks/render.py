@@ -344,12 +344,15 @@ def _features_error_table(rows: list[dict[str, Any]]) -> str:
 def _features_throughput_table(rows: list[dict[str, Any]]) -> str:
     table = []
     by_case: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    base_rate: dict[Any, float] = {}  # the baseline's samples/s, by model (from any case)
     for r in rows:
         by_case[r["case"]].append(r)
+        if r["impl"].startswith("torch.func"):
+            base_rate[r["params"].get("model")] = r["params"].get("samples_per_s")
     for case, rs in by_case.items():
         rate = {r["impl"]: r["params"].get("samples_per_s") for r in rs}
         ntk = next((v for k, v in rate.items() if "ntk" in k and "features" not in k), None)
-        base = next((v for k, v in rate.items() if k.startswith("torch.func")), None)
+        base = base_rate.get(rs[0]["params"].get("model"))
         for r in rs:
             sps = rate[r["impl"]]
             t = r.get("median_s")

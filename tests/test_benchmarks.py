@@ -511,6 +511,26 @@ def test_features_suite_rows(quick_results: dict) -> None:
                 r["params"]["N"] / r["median_s"])
 
 
+def test_features_rendering(quick_results: dict, tmp_path: Path) -> None:
+    """The renderer's features section: its tables, and the error-against-dim plot under the
+    machine's name and under the name docs/features.md embeds."""
+    out = render.render([Path(quick_results["_path"])], docs=tmp_path)
+    text = out.read_text()
+    section = text[text.index("### features"):]
+    for title in ("#### Kernel error against dim", "#### Throughput"):
+        assert title in section
+    slug = f"{quick_results['machine_slug']}-{quick_results['config']['device']}"
+    assert f"img/{slug}-features-error-vs-dim.png" in section
+    for name in (f"{slug}-features-error-vs-dim.png", render.FEATURES_PAGE_IMAGE):
+        assert (tmp_path / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"img/{render.FEATURES_PAGE_IMAGE}" in (ROOT / "docs" / "features.md").read_text()
+    rows = [r for r in quick_results["rows"] if r["suite"] == "features"]
+    n_tp = sum(r["params"]["kind"] == "throughput" for r in rows)
+    n_err = sum(r["params"]["kind"] == "error" for r in rows)
+    assert section.count("| throughput ") == n_tp
+    assert n_err == sum(section.count(f"| {m} |") for m in {r["params"]["model"] for r in rows})
+
+
 def test_features_predicted_error_equals_feature_error() -> None:
     """The suite's one-pass prediction equals ``ntkcore.feature_error`` point by point."""
     pytest.importorskip("torch")

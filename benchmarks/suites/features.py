@@ -20,21 +20,24 @@ Three kinds of case (``--case error``, ``--case throughput``, ``--case scale`` s
     cases' ``max_memory`` (2 GB) are skipped with a row saying so.  Models: the ``ntk``
     suite's 6x512 tanh MLP, CNN (32x32x3, O = 10) and transformer block (T = 16, d = 64,
     O = 10), same initialisation and inputs.
-``throughput <model> N=256 dim=2048``
+``throughput <model> N=<n> dim=2048`` (N = 256 and 2048; 256 and 1024 for the CNN)
     Samples per second of ``ntkcore.features`` (trace; and pseudo when O > 1) against
-    ``ntkcore.ntk`` (the exact trace kernel of the same N inputs) and against the
+    ``ntkcore.ntk`` (the exact trace kernel of the same N inputs: its cost grows like N^2, that
+    of features like N, hence two N) and, in the N = 256 case, against the
     per-sample-gradient-then-project baseline ``torch.func vmap(grad) + Gaussian``
     (``benchmarks/baselines/torch_func.py``: the gradient of :math:`\sum_o f_o/\sqrt{O}` per
     sample, i.e. the pseudo-NTK's, TRAK's single scalar per sample, then a dense Gaussian
     P x dim projection generated in chunks, regenerated per batch of 64 when it exceeds
-    512 MB).  The baseline runs on the first 64 inputs (its cost is linear in N; 2 P dim flops
-    per sample), so compare samples per second.  All implementations are timed interleaved:
-    after one checked call each, every round calls each once (the order alternating), 3
-    rounds; ``median_s`` is per call, ``params["samples_per_s"]`` is N / median (the rows
-    name no ``baseline``: the generic speed-up, a ratio of times, would compare different N;
-    the renderer gives ratios of samples per second).  With O > 1
-    the baseline's like-for-like is ``features pseudo``; ``features trace`` estimates the sum
-    over the O outputs.
+    512 MB).  The baseline runs on the first 64 inputs (its cost is linear in N: per batch,
+    2 P dim flops per sample plus P dim normal draws), so compare samples per second.  All
+    implementations of a case are timed interleaved: after one checked call each, every round
+    calls each once (the order alternating), 3 rounds; a checked call over ``--long-call``
+    seconds (default 10) is that implementation's timing instead (one call).  ``median_s`` is
+    per call, ``params["samples_per_s"]`` is N / median (the rows name no ``baseline``: the
+    generic speed-up, a ratio of times, would compare different N; the renderer gives ratios
+    of samples per second, against the baseline of the same model).  With O > 1 the
+    baseline's like-for-like is ``features pseudo``; ``features trace`` estimates the sum over
+    the O outputs.
 ``scale CNN digits N=100000 dim=4096`` (not in ``--quick`` runs)
     100,000 augmented scikit-learn digits (8x8; the 1437 training digits shifted by up to one
     pixel, rescaled in intensity and with Gaussian noise; the 360 test digits untouched) and a
@@ -54,14 +57,17 @@ Three kinds of case (``--case error``, ``--case throughput``, ``--case scale`` s
 
 Options (``--set KEY=VALUE``): ``features_n`` (256), ``features_dims`` (256,1024,4096,16384),
 ``features_seeds`` (5), ``features_pred_n`` (64), ``features_probe_n`` (32),
-``features_splits`` (params,probe), ``features_error_budget`` (2GB); ``features_tp_n`` (256),
+``features_splits`` (params,probe), ``features_error_budget`` (2GB); ``features_tp_n``
+(comma-separated N of the throughput cases, for every model; default per model, above),
 ``features_tp_dim`` (2048), ``features_base_n`` (64), ``features_rounds`` (3),
 ``features_memory`` (1: peak memory of each throughput implementation in a fresh process);
 ``scale_n`` (100000), ``scale_dim`` (4096), ``scale_exact_n`` (8000; 0 skips the exact
 path), ``scale_budget`` (2GB), ``scale_reg`` (1e-3).
 
-Expected duration (2 shared cores): error cases ~1 (MLP), ~4 (CNN), ~1 (transformer) min;
-throughput cases ~0.5-2 min each; the scale case ~15-30 min (features of 100,000 inputs
+Expected duration (measured with one thread on the shared 2-core machine, load 8-14): error
+cases ~1.5 (MLP), ~14 (CNN: its 1024-position convolution), ~1.5 (transformer) min;
+throughput cases ~0.5-5 min each (the 6x512 MLP's baseline: ~1-2 min per call, 3 GFLOP
+per sample and 3e9 normal draws per batch); the scale case ~15-30 min (features of 100,000 inputs
 ~5-10 min, the primal Gram :math:`\Phi^\top\Phi` 3.4 TFLOP, the exact 8,000 kernel ~13 TFLOP).
 At N = 5000 / exact 2000 (``--set scale_n=5000 --set scale_exact_n=2000``), one thread on
 the loaded machine: 47 s (features 30 s, solve 18 s, peak RSS 1.1 GB, accuracy 0.994) and
@@ -93,6 +99,10 @@ QUICK_MODELS = {"MLP tiny": "mlp_tiny", "CNN tiny": "cnn_tiny",
 OUTPUTS = {"mlp6x512": 1, "mlp_tiny": 1, "cnn": 10, "cnn_tiny": 10, "transformer": 10,
            "transformer_tiny": 3}
 
+#: throughput cases: N per model (the baseline runs in the first); ``--set features_tp_n``
+#: replaces them for every model
+TP_SIZES = {"mlp6x512": (256, 2048), "cnn": (256, 1024), "transformer": (256, 2048)}
+
 #: --set defaults: (quick, full)
 DEFAULTS: dict[str, tuple[Any, Any]] = {
     "features_n": (16, 256),
@@ -102,7 +112,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "features_probe_n": (8, 32),
     "features_splits": ("params,probe", "params,probe"),
     "features_error_budget": ("256MB", "2GB"),
-    "features_tp_n": (16, 256),
+    "features_tp_n": ("16", ""),  # "": TP_SIZES
     "features_tp_dim": (64, 2048),
     "features_base_n": (8, 64),
     "features_rounds": (1, 3),
@@ -284,17 +294,24 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, dic
                 "repeats": len(v), "timed_calls": "interleaved"} for k, v in times.items()}
 
 
-def _throughput_rows(cfg: Config, name: str, model_name: str, kind: str
-                     ) -> list[dict[str, Any]]:
-    n, dim = _opt(cfg, "features_tp_n"), _opt(cfg, "features_tp_dim")
+def _tp_sizes(cfg: Config, kind: str) -> tuple[int, ...]:
+    given = _ints(_opt(cfg, "features_tp_n"))
+    return tuple(given) if given else TP_SIZES.get(kind, (256,))
+
+
+def _throughput_rows(cfg: Config, name: str, model_name: str, kind: str, n: int,
+                     with_baseline: bool) -> list[dict[str, Any]]:
+    dim = _opt(cfg, "features_tp_dim")
     base_n = min(_opt(cfg, "features_base_n"), n)
     o = OUTPUTS[kind]
     impls = ["ntkcore.features trace", *(["ntkcore.features pseudo"] if o > 1 else []),
-             "ntkcore.ntk trace", BASELINE]
-    fns, counts, shapes = {}, {}, {}
+             "ntkcore.ntk trace", *([BASELINE] if with_baseline else [])]
+    fns, counts, shapes, first = {}, {}, {}, {}
     for impl in impls:
         fn = throughput_case(impl, kind, n, dim, cfg.dtype, cfg.device, base_n)
+        t0 = time.perf_counter()
         out = fn()  # the checked call is the warm-up
+        first[impl] = time.perf_counter() - t0
         shapes[impl] = tuple(out.shape)
         counts[impl] = base_n if impl == BASELINE else n
         want = (counts[impl], counts[impl]) if impl == "ntkcore.ntk trace" else \
@@ -303,7 +320,12 @@ def _throughput_rows(cfg: Config, name: str, model_name: str, kind: str
             raise AssertionError(f"{impl} returned shape {shapes[impl]}, expected {want}")
         del out
         fns[impl] = fn
-    timing = interleaved(fns, _opt(cfg, "features_rounds"))
+    # a call over --long-call seconds is its own timing (not repeated), as in the ntk suite
+    long = {k for k, t in first.items() if not cfg.quick and t >= cfg.long_call_s}
+    timing = interleaved({k: f for k, f in fns.items() if k not in long},
+                         _opt(cfg, "features_rounds"))
+    timing.update({k: {"median_s": first[k], "min_s": first[k], "max_s": first[k],
+                       "repeats": 1, "timed_calls": "first"} for k in long})
     model, _ = build(kind, 1, cfg.dtype, cfg.device)
     p = sum(v.numel() for v in model.parameters())
     memory = cfg.flag("features_memory", True)
@@ -312,8 +334,9 @@ def _throughput_rows(cfg: Config, name: str, model_name: str, kind: str
         t = timing[impl]
         mem = None
         if memory:
-            # the baseline's one-time initialisation is negligible next to its call
-            mem = cfg.peak_memory(f"{HERE}:throughput_case", child_warmup=impl != BASELINE,
+            # the one-time initialisation is negligible next to the baseline's or a long call
+            mem = cfg.peak_memory(f"{HERE}:throughput_case",
+                                  child_warmup=impl != BASELINE and impl not in long,
                                   impl=impl, kind=kind, n=n,
                                   dim=dim, dtype=cfg.dtype, device=cfg.device, base_n=base_n)
         note = {"ntkcore.features trace": "trace features (the O outputs' sum)",
@@ -329,7 +352,8 @@ def _throughput_rows(cfg: Config, name: str, model_name: str, kind: str
                     "rounds": t["repeats"]},
             peak_mem_bytes=mem, mem_method=cfg.mem_method if mem is not None else None,
             flops=2.0 * p * dim * counts[impl] if impl == BASELINE else None,
-            note=note))
+            note=note + ("; one call (its first, which took over --long-call s)"
+                         if impl in long else "")))
     return rows
 
 
@@ -476,13 +500,15 @@ def _scale_rows(cfg: Config, name: str) -> list[dict[str, Any]]:
 def cases(cfg: Config) -> dict[str, tuple[str, Any]]:
     """Case name -> (kind of case, model)."""
     models = cfg.pick(QUICK_MODELS, ERROR_MODELS)
-    n, n_tp = _opt(cfg, "features_n"), _opt(cfg, "features_tp_n")
-    dim_tp = _opt(cfg, "features_tp_dim")
+    n, dim_tp = _opt(cfg, "features_n"), _opt(cfg, "features_tp_dim")
     out: dict[str, tuple[str, Any]] = {}
     for label, kind in models.items():
         out[f"error {label} N={n}"] = ("error", (label, kind))
     for label, kind in models.items():
-        out[f"throughput {label} N={n_tp} dim={dim_tp}"] = ("throughput", (label, kind))
+        sizes = _tp_sizes(cfg, kind)
+        for n_tp in sizes:
+            out[f"throughput {label} N={n_tp} dim={dim_tp}"] = (
+                "throughput", (label, kind, n_tp, n_tp == sizes[0]))
     if not cfg.quick:
         out[f"scale CNN digits N={_opt(cfg, 'scale_n')} dim={_opt(cfg, 'scale_dim')}"] = (
             "scale", None)
