@@ -424,7 +424,7 @@ def scale_job(job: str, n: int, dim: int, budget: str, reg: float) -> dict[str, 
         phi = ntkcore.features(model, x, dim=dim, seed=0, max_memory=budget)
         phi_test = ntkcore.features(model, x_test, dim=dim, seed=0, max_memory=budget)
         t1 = time.perf_counter()
-        lam = reg * float(torch.sum(phi * phi)) / n
+        lam = reg * float(torch.linalg.vector_norm(phi)) ** 2 / n  # tr(Phi Phi^T) / N
         pred = ntkcore.FeatureRidge(alpha=lam).fit(phi, y).predict(phi_test)
     elif job == "exact":
         k = ntkcore.ntk(model, x, mode="trace", max_memory=budget)
