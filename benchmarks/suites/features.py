@@ -162,15 +162,6 @@ def _kw(layout: str | None) -> dict[str, Any]:
     return {} if layout is None else {"kronecker": layout}
 
 
-def _rel(k: Any, ref: Any) -> float:
-    """Relative Frobenius error of ``k`` against ``ref`` (float64)."""
-    import torch
-
-    k = torch.as_tensor(k).to(torch.float64)
-    ref = torch.as_tensor(ref).to(torch.float64)
-    return float(torch.linalg.vector_norm(k - ref) / torch.linalg.vector_norm(ref))
-
-
 def _rms(errs: list[float]) -> float | None:
     """Root mean square over seeds: what the error model predicts,
     sqrt(E ||Phi Phi^T - K||_F^2) / ||K||_F."""
@@ -206,6 +197,7 @@ def _error_rows(cfg: Config, name: str, model_name: str, kind: str) -> list[dict
     import torch
 
     import ntkcore
+    from benchmarks.baselines.torch_func import kernel_error
     from ntkcore.errors import BudgetTooSmallError
     from ntkcore.providers import find_provider
 
@@ -238,8 +230,8 @@ def _error_rows(cfg: Config, name: str, model_name: str, kind: str) -> list[dict
                         f"not run: {exc}")
                 break
             phi = phi.to(torch.float64)
-            errs.append(_rel(phi @ phi.T, k))
-            errs_sub.append(_rel(phi[:n_pred] @ phi[:n_pred].T, k_sub))
+            errs.append(kernel_error(phi @ phi.T, k))
+            errs_sub.append(kernel_error(phi[:n_pred] @ phi[:n_pred].T, k_sub))
             del phi
         params = {"kind": "error", "model": model_name, "N": n, "P": p, "O": OUTPUTS[kind],
                   "dim": d, "kronecker": lay, "split": split, "seeds": len(errs),
