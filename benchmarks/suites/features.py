@@ -46,10 +46,9 @@ Three kinds of case (``--case error``, ``--case throughput``, ``--case scale`` s
     ``max_memory="2GB"``, then the primal ridge solve (``ntkcore.FeatureRidge``, one-hot
     targets, :math:`\lambda = 10^{-3}\,\mathrm{tr}(K)/N`), test accuracy of the argmax; next to
     the exact eNTK regression (``ntkcore.ntk`` + ``ntkcore.kernel_regression``, same relative
-    :math:`\lambda`) on the first 8,000 of the same training inputs (a 256 MB float32 kernel;
-    its N^2 pairs cost ~0.2 MFLOP each, so 8,000 is the largest subset of the issue's
-    8,000-16,000 range that runs in about the features path's wall time; at 16,000 the kernel
-    and its factor would fill the whole 2 GB budget and take 4x as long).  Each runs once in
+    :math:`\lambda`) on the first 16,000 of the same training inputs (a 1 GB float32 kernel,
+    the top of the issue's 8,000-16,000 range: the largest subset whose process peak stays
+    within the features path's, about 4 GB; its N^2 pairs cost ~0.2 MFLOP each).  Each runs once in
     a fresh process; ``peak_mem_bytes`` is that process's resident high-water mark
     (``VmHWM``, Python, torch and the data included; ``params["rss_start_bytes"]`` is the
     resident set before the measured work), ``median_s`` the wall time of features (or
@@ -61,17 +60,19 @@ Options (``--set KEY=VALUE``): ``features_n`` (256), ``features_dims`` (256,1024
 (comma-separated N of the throughput cases, for every model; default per model, above),
 ``features_tp_dim`` (2048), ``features_base_n`` (64), ``features_rounds`` (3),
 ``features_memory`` (1: peak memory of each throughput implementation in a fresh process);
-``scale_n`` (100000), ``scale_dim`` (4096), ``scale_exact_n`` (8000; 0 skips the exact
+``scale_n`` (100000), ``scale_dim`` (4096), ``scale_exact_n`` (16000; 0 skips the exact
 path), ``scale_budget`` (2GB), ``scale_reg`` (1e-3).
 
 Expected duration (measured with one thread on the shared 2-core machine, load 8-14): error
 cases ~1.5 (MLP), ~14 (CNN: its 1024-position convolution), ~1.5 (transformer) min;
 throughput cases ~0.5-5 min each (the 6x512 MLP's baseline: ~1-2 min per call, 3 GFLOP
-per sample and 3e9 normal draws per batch); the scale case ~15-30 min (features of 100,000 inputs
-~5-10 min, the primal Gram :math:`\Phi^\top\Phi` 3.4 TFLOP, the exact 8,000 kernel ~13 TFLOP).
-At N = 5000 / exact 2000 (``--set scale_n=5000 --set scale_exact_n=2000``), one thread on
-the loaded machine: 47 s (features 30 s, solve 18 s, peak RSS 1.1 GB, accuracy 0.994) and
-42 s (1.0 GB, 0.994).  Run it on its own:
+per sample and 3e9 normal draws per batch); the scale case ~6 min on a quiet machine.
+Measured once (2 torch threads, the machine shared with other jobs, load average 1-5):
+features of 100,000 inputs + FeatureRidge 77 s (features 51 s, solve 26 s), peak RSS
+3.9 GiB, test accuracy 0.992; exact eNTK regression at N = 8,000 56 s (kernels 41 s,
+solve 14 s), 2.4 GiB, 0.997; at N = 16,000 301 s (kernels 264 s, solve 37 s), 3.4 GiB,
+0.994.  At N = 5000 / exact 2000 (``--set scale_n=5000 --set scale_exact_n=2000``), one
+thread, load 14: 47 s (1.1 GB, 0.994) and 42 s (1.0 GB, 0.994).  Run it on its own:
 ``python -m benchmarks --suite features --case scale --suite-timeout 0 --total-budget 0``.
 """
 
@@ -118,7 +119,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "features_rounds": (1, 3),
     "scale_n": (2000, 100_000),
     "scale_dim": (256, 4096),
-    "scale_exact_n": (500, 8_000),
+    "scale_exact_n": (500, 16_000),
     "scale_budget": ("256MB", "2GB"),
     "scale_reg": (1e-3, 1e-3),
 }
