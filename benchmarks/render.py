@@ -22,6 +22,7 @@ import json
 import math
 import operator
 import re
+import shutil
 import sys
 import textwrap
 from collections import defaultdict
@@ -255,6 +256,173 @@ def plot_speedups(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# suite ``features``: error against dim, throughput, scale (benchmarks/suites/features.py)
+
+
+#: the error-against-dim plot under the name docs/features.md embeds (of the last CPU result)
+FEATURES_PAGE_IMAGE = "features-error-vs-dim.png"
+
+
+def _fkind(r: dict[str, Any]) -> str | None:
+    return (r.get("params") or {}).get("kind")
+
+
+def _fnum(v: Any, spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _fseries(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Error rows by model, then by layout and split (``"grid, params"``), sorted by dim."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        p = r["params"]
+        out[p["model"]][f"{p.get('kronecker') or 'default'}, dim split by {p['split']}"].append(r)
+    for series in out.values():
+        for rs in series.values():
+            rs.sort(key=lambda r: r["params"]["dim"])
+    return out
+
+
+def plot_feature_errors(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Kernel relative error against dim, one panel per model (log-log): the median over
+    seeds with its min-max band (N inputs), and the error model's prediction (dashed) next to
+    the root mean square measured on the same inputs (crosses); one colour per layout and
+    split of ``dim``."""
+    models = _fseries([r for r in rows if r.get("error") is not None])
+    if not models:
+        return False
+    plt = _plt()
+    from matplotlib.lines import Line2D
+
+    labels = sorted({label for series in models.values() for label in series})
+    color = {label: f"C{i}" for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.2), squeeze=False)
+    n_pred, n_all = set(), set()
+    for ax, (model, series) in zip(axes[0], models.items(), strict=True):
+        dims_all: list[int] = []
+        for label, rs in sorted(series.items()):
+            rs = [r for r in rs if r.get("error") is not None]
+            c = color[label]
+            dims = [r["params"]["dim"] for r in rs]
+            dims_all += dims
+            n_pred.add(rs[0]["params"]["n_pred"])
+            n_all.add(rs[0]["params"]["N"])
+            ax.plot(dims, [r["error"] for r in rs], "o-", color=c)
+            ax.fill_between(dims, [r["params"]["error_min"] for r in rs],
+                            [r["params"]["error_max"] for r in rs], color=c, alpha=0.15)
+            ax.plot(dims, [r["params"]["error_pred"] for r in rs], "--", color=c)
+            ax.plot(dims, [r["params"]["error_subset_rms"] for r in rs], "x", color=c, ms=7)
+        if dims_all:  # the 1/sqrt(dim) of a dense Gaussian projection, for the eye
+            d0, d1 = min(dims_all), max(dims_all)
+            ax.plot([d0, d1], [1.0, math.sqrt(d0 / d1)], ":", color="0.5", lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="dim",
+               ylabel="||Phi Phi^T - K||_F / ||K||_F", title=_wrap(model, 40))
+        ax.grid(True, which="both", alpha=0.3)
+    npred = "/".join(map(str, sorted(n_pred)))
+    nall = "/".join(map(str, sorted(n_all)))
+    handles = [Line2D([], [], color=color[label], lw=4, label=label) for label in labels] + [
+        Line2D([], [], color="k", marker="o", label=f"median over seeds, N={nall} "
+                                                      "(band: min-max)"),
+        Line2D([], [], color="k", ls="--", label=f"predicted (feature_error), first {npred}"),
+        Line2D([], [], color="k", marker="x", ls="", label=f"measured RMS, first {npred}"),
+        Line2D([], [], color="0.5", ls=":", label="slope dim^-1/2")]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+               fontsize=8)
+    _save(plt, fig, path)
+    return True
+
+
+def _features_error_table(rows: list[dict[str, Any]]) -> str:
+    table = []
+    for model, series in _fseries(rows).items():
+        for label, rs in sorted(series.items()):
+            for r in rs:
+                p = r["params"]
+                med = "-" if r.get("error") is None else (
+                    f"{r['error']:.3g} ({p['error_min']:.3g}–{p['error_max']:.3g})")
+                table.append([model, label, p["dim"], med, _fnum(p.get("error_rms")),
+                              _fnum(p.get("error_subset_rms")), _fnum(p.get("error_pred")),
+                              p.get("seeds", "-"),
+                              r["note"] if r.get("error") is None else ""])
+    return _table(["model", "layout, dim split", "dim", "median error (min–max), N inputs",
+                   "RMS, N inputs", "RMS, first n", "predicted, first n", "seeds", "note"],
+                  table)
+
+
+def _features_throughput_table(rows: list[dict[str, Any]]) -> str:
+    table = []
+    by_case: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    base_rate: dict[Any, float] = {}  # the baseline's samples/s, by model (from any case)
+    for r in rows:
+        by_case[r["case"]].append(r)
+        if r["impl"].startswith("torch.func"):
+            base_rate[r["params"].get("model")] = r["params"].get("samples_per_s")
+    for case, rs in by_case.items():
+        rate = {r["impl"]: r["params"].get("samples_per_s") for r in rs}
+        ntk = next((v for k, v in rate.items() if "ntk" in k and "features" not in k), None)
+        base = base_rate.get(rs[0]["params"].get("model"))
+        for r in rs:
+            sps = rate[r["impl"]]
+            t = r.get("median_s")
+            table.append([
+                case, r["impl"], r["params"]["N"],
+                "-" if t is None else
+                f"{fmt_time(t)} ({fmt_time(r.get('min_s'))}–{fmt_time(r.get('max_s'))})",
+                _fnum(sps, ".4g"),
+                "-" if not (sps and base) else f"{sps / base:.3g}x",
+                "-" if not (sps and ntk) else f"{sps / ntk:.3g}x",
+                fmt_bytes(r.get("peak_mem_bytes")), r.get("note", "")])
+    return _table(["case", "impl", "N", "median per call (min–max)", "samples/s",
+                   "vs torch.func baseline", "vs ntkcore.ntk", "peak memory", "note"], table)
+
+
+def _features_scale_table(rows: list[dict[str, Any]]) -> str:
+    table = []
+    for r in rows:
+        p = r["params"]
+        table.append([r["case"], r["impl"], p["N"], p.get("dim") or "-",
+                      fmt_time(r.get("median_s")), fmt_time(p.get("seconds_kernel")),
+                      fmt_time(p.get("seconds_solve")), fmt_bytes(r.get("peak_mem_bytes")),
+                      fmt_bytes(p.get("rss_start_bytes")), p.get("max_memory") or "-",
+                      _fnum(p.get("accuracy"), ".4f"), r.get("note", "")])
+    return _table(["case", "impl", "N", "dim", "wall time", "features / kernels", "solve",
+                   "peak RSS", "RSS before", "max_memory", "test accuracy", "note"], table)
+
+
+def features_section(rows: list[dict[str, Any]], img_dir: Path, img_rel: str,
+                     slug: str, page_copy: bool = False) -> str:
+    """The ``features`` suite: its error rows as a table and an error-against-dim plot
+    (``<slug>-features-error-vs-dim.png``; with ``page_copy`` also copied to
+    ``features-error-vs-dim.png``, the name docs/features.md embeds, whatever the machine),
+    its throughput rows with samples per second and the ratios, its scale rows."""
+    out = []
+    err = [r for r in rows if _fkind(r) == "error"]
+    tp = [r for r in rows if _fkind(r) == "throughput"]
+    sc = [r for r in rows if _fkind(r) == "scale"]
+    if err:
+        out.append("#### Kernel error against dim\n")
+        out.append("Trace-mode features against the exact trace eNTK: relative Frobenius "
+                   "error over seeds (median, min–max, root mean square) on N inputs, and on "
+                   "the first n of them the measured root mean square next to the error "
+                   "model's prediction (`ntkcore.feature_error`).\n")
+        out.append(_features_error_table(err))
+        name = f"{slug}-features-error-vs-dim.png"
+        if plot_feature_errors(err, img_dir / name):
+            if page_copy:
+                shutil.copyfile(img_dir / name, img_dir / FEATURES_PAGE_IMAGE)
+            out.append(f"\n![features: kernel error against dim]({img_rel}/{name})\n")
+    if tp:
+        out.append("\n#### Throughput\n")
+        out.append("Timed interleaved in one run; ratios are of samples per second (the "
+                   "torch.func baseline runs on fewer inputs: its cost is linear in N).\n")
+        out.append(_features_throughput_table(tp))
+    if sc:
+        out.append("\n#### Scale\n")
+        out.append(_features_scale_table(sc))
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
 # document
 
 
@@ -393,6 +561,10 @@ def render_doc(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
         stopped = _stopped_note(suites_info.get(suite))
         if stopped:
             out.append(stopped + "\n")
+        if suite == "features":
+            out.append(features_section(rs, img_dir, img_rel, slug,
+                                        page_copy=cfg.get("device", "cpu") == "cpu"))
+            continue
         rs.sort(key=_sort_key)
         table = []
         for r in rs:

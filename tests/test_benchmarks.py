@@ -533,3 +533,141 @@ def test_render_takes_each_case_from_its_newest_run():
     assert keep == {"old.json": {("ntk", "A")}, "new.json": {("ntk", "B")}}
     rows = render._only_cases(old, keep["old.json"])["rows"]
     assert {(r["case"], r["impl"]) for r in rows} == {("A", "ntkcore"), ("A", "torch.func")}
+
+
+# -- suite ``features`` (benchmarks/suites/features.py) -------------------------------------
+
+def test_features_suite_rows(quick_results: dict) -> None:
+    """The quick run's ``features`` rows: error rows for every model, layout, split and dim
+    with the measured and predicted errors; throughput rows of every implementation with
+    samples per second; no scale case in a quick run."""
+    pytest.importorskip("torch")
+    from benchmarks.suites import features as fs
+
+    rows = [r for r in quick_results["rows"] if r["suite"] == "features"]
+    err = [r for r in rows if r["params"]["kind"] == "error"]
+    tp = [r for r in rows if r["params"]["kind"] == "throughput"]
+    assert len(err) + len(tp) == len(rows)
+    assert not any("scale" in r["case"] for r in rows)
+    cfg = _harness.Config(quick=True)
+    dims = fs._ints(fs._opt(cfg, "features_dims"))
+    splits = fs._opt(cfg, "features_splits").split(",")
+    seeds = fs._opt(cfg, "features_seeds")
+    points = {(r["params"]["model"], r["params"]["kronecker"], r["params"]["split"],
+               r["params"]["dim"]) for r in err}
+    assert points == {(m, lay, s, d) for m in fs.QUICK_MODELS for lay in fs.layouts()
+                      for s in splits for d in dims}
+    for r in err:
+        p = r["params"]
+        assert len(p["errors"]) == len(p["errors_subset"]) == p["seeds"] == seeds
+        assert r["error"] == pytest.approx(float(np.median(p["errors"])))
+        assert p["error_min"] <= r["error"] <= p["error_max"]
+        assert p["error_rms"] == pytest.approx(math.sqrt(np.mean(np.square(p["errors"]))))
+        assert p["error_pred"] > 0 and p["error_subset_rms"] > 0
+    for model, kind in fs.QUICK_MODELS.items():
+        got = {r["impl"]: r for r in tp if r["params"]["model"] == model}
+        want = {"ntkcore.features trace", "ntkcore.ntk trace", fs.BASELINE}
+        if fs.OUTPUTS[kind] > 1:
+            want.add("ntkcore.features pseudo")
+        assert set(got) == want
+        for r in got.values():
+            assert r["params"]["samples_per_s"] == pytest.approx(
+                r["params"]["N"] / r["median_s"])
+
+
+def test_features_rendering(quick_results: dict, tmp_path: Path) -> None:
+    """The renderer's features section: its tables, and the error-against-dim plot under the
+    machine's name and under the name docs/features.md embeds."""
+    out = render.render([Path(quick_results["_path"])], docs=tmp_path)
+    text = out.read_text()
+    section = text[text.index("### features"):]
+    for title in ("#### Kernel error against dim", "#### Throughput"):
+        assert title in section
+    slug = f"{quick_results['machine_slug']}-{quick_results['config']['device']}"
+    assert f"img/{slug}-features-error-vs-dim.png" in section
+    for name in (f"{slug}-features-error-vs-dim.png", render.FEATURES_PAGE_IMAGE):
+        assert (tmp_path / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"img/{render.FEATURES_PAGE_IMAGE}" in (ROOT / "docs" / "features.md").read_text()
+    rows = [r for r in quick_results["rows"] if r["suite"] == "features"]
+    n_tp = sum(r["params"]["kind"] == "throughput" for r in rows)
+    n_err = sum(r["params"]["kind"] == "error" for r in rows)
+    assert section.count("| throughput ") == n_tp
+    assert n_err == sum(section.count(f"| {m} |") for m in {r["params"]["model"] for r in rows})
+
+
+def test_features_predicted_error_equals_feature_error() -> None:
+    """The suite's one-pass prediction equals ``ntkcore.feature_error`` point by point."""
+    pytest.importorskip("torch")
+    import ntkcore
+    from benchmarks.suites import features as fs
+
+    for kind in ("mlp_tiny", "cnn_tiny"):
+        model, x = fs.build(kind, 6, "float64", "cpu")
+        points = [(lay, split, d) for lay in fs.layouts() for split in ("params", "probe")
+                  for d in (16, 40)]
+        got = fs.predicted(model, x, points, x[:3])
+        for lay, split, d in points:
+            want = ntkcore.feature_error(model, x, dim=d, **fs._kw(lay),
+                                         probe=x[:3] if split == "probe" else None)
+            assert got[(lay, split, d)] == pytest.approx(want, rel=1e-12)
+
+
+def test_features_baseline_gradients_and_projection() -> None:
+    """The baseline's per-sample gradients give the pseudo-NTK (float64, against
+    ``ntkcore.pseudo_ntk``); every batch sees the same projection whether the Gaussian is
+    regenerated or kept, and the Frobenius error of its kernel is within 5x its predicted
+    root mean square (by Markov's inequality a random seed fails with probability <= 1/25;
+    the seed is fixed; a mis-scaled projection fails by far)."""
+    torch = pytest.importorskip("torch")
+    import ntkcore
+    from benchmarks.baselines import torch_func
+    from benchmarks.suites import features as fs
+    from tests.tolerances import kernel_tol
+
+    model, x = fs.build("cnn_tiny", 7, "float64", "cpu")
+    g = torch_func.per_sample_gradients(model, x)
+    k = g @ g.T
+    ref = ntkcore.pseudo_ntk(model, x)
+    p = g.shape[1]
+    assert float((k - ref).abs().max()) <= kernel_tol(torch.float64, p, 2) * float(
+        ref.abs().max())
+    dim = 4096
+    # regenerated for each batch of 2 (store_bytes=0) or kept: the same projection
+    phi = torch_func.gradient_projection(model, x, dim=dim, seed=3, batch=2,
+                                         chunk_bytes=1 << 16)
+    phi2 = torch_func.gradient_projection(model, x, dim=dim, seed=3, batch=2,
+                                          chunk_bytes=1 << 16, store_bytes=0)
+    assert torch.equal(phi, phi2)
+    # Var[(Phi Phi^T)_nm] = (K_nm^2 + K_nn K_mm) / dim for a Gaussian projection
+    var = (k * k + torch.outer(torch.diag(k), torch.diag(k))) / dim
+    assert float(torch.linalg.vector_norm(phi @ phi.T - k)) <= 5 * float(var.sum().sqrt())
+
+
+def test_features_scale_case_small(tmp_path: Path) -> None:
+    """The scale case end to end at a tiny size (fresh processes): both rows, their
+    accuracies and peak memory, and the augmented digits keep the originals first."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+
+    from benchmarks.suites import features as fs
+
+    x, y, x_test, labels = fs.digits_data(1500)
+    assert tuple(x.shape) == (1500, 1, 8, 8) and tuple(y.shape) == (1500, 10)
+    assert tuple(x_test.shape) == (360, 1, 8, 8) and tuple(labels.shape) == (360,)
+    assert bool((y.sum(1) == 1).all())
+    digits, target = load_digits(return_X_y=True)
+    train = np.random.default_rng(0).permutation(len(target))[360:]
+    z = (digits[train] / 16.0 - (digits[train] / 16.0).mean()) / (digits[train] / 16.0).std()
+    np.testing.assert_allclose(x[:1437, 0].reshape(1437, 64).numpy(), z, rtol=1e-6, atol=1e-6)
+    assert (y[:1437].argmax(1).numpy() == target[train]).all()
+    assert (y[1437:].argmax(1).numpy() == target[train][:63]).all()
+    cfg = _harness.Config(quick=False, extra={"scale_n": "300", "scale_dim": "64",
+                                              "scale_exact_n": "200", "scale_budget": "64MB"})
+    rows = fs._scale_rows(cfg, "scale test")
+    assert [r["params"]["N"] for r in rows] == [300, 200]
+    for r in rows:
+        assert 0.0 <= r["params"]["accuracy"] <= 1.0
+        assert r["peak_mem_bytes"] >= r["params"]["rss_start_bytes"] > 0
+        assert r["median_s"] == pytest.approx(r["params"]["seconds_kernel"]
+                                              + r["params"]["seconds_solve"])

@@ -15,6 +15,10 @@ r"""Two eNTK baselines built directly on ``torch.func``, for ``benchmarks/suites
     then :math:`J_1 u` by a vmapped ``torch.func.jvp`` gives the columns
     :math:`\Theta[:, m, :, p]`.  Cost :math:`N_2 O` (vjp + jvp) passes over the batch; memory
     :math:`k P` plus k batched activations.
+``gradient_projection``
+    Projected per-sample gradients (the ``features`` suite's baseline): ``vmap(grad)`` of
+    :math:`\sum_o f_o / \sqrt{O}` per sample, then a dense Gaussian projection generated in
+    chunks (TRAK without its CUDA kernel).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.func import functional_call, jacrev, jvp, vjp, vmap
+from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -124,6 +128,68 @@ def ntk_vector_products(model: torch.nn.Module, x1: torch.Tensor,
         return full
     diag = torch.diagonal(full, dim1=2, dim2=3)  # (N1, N2, O)
     return diag.sum(-1) if mode == "trace" else diag
+
+
+def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    r"""(N, P): ``vmap(grad)`` of the scalar :math:`\sum_o f_o(x_n) / \sqrt{O}` per sample (one
+    backward pass per sample; for O = 1 the output itself), all parameters flattened in the
+    order of ``model.named_parameters()``.  Its Gram matrix is the pseudo-NTK (the trace eNTK
+    when O = 1)."""
+    pd = _params(model)
+    with torch.no_grad():
+        o = int(model(x[:1]).numel())
+
+    def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, pd, (xn.unsqueeze(0),)).sum() / o ** 0.5
+
+    g = vmap(grad(f), in_dims=(None, 0))(pd, x)
+    n = x.shape[0]
+    return torch.cat([v.reshape(n, -1) for v in g.values()], dim=1)
+
+
+def gradient_projection(model: torch.nn.Module, x: torch.Tensor, *, dim: int, seed: int = 0,
+                        batch: int = 64, chunk_bytes: int = 1 << 28,
+                        store_bytes: int = 1 << 29) -> torch.Tensor:
+    r"""(N, dim) features :math:`\Phi = G\,\Omega`: per-sample gradients ``G`` (N, P) of
+    :func:`per_sample_gradients`, projected by a dense Gaussian :math:`\Omega` (P, dim) with
+    i.i.d. :math:`N(0, 1/\mathrm{dim})` entries, so :math:`\mathbb{E}[\Phi\Phi^\top] = G
+    G^\top`: TRAK's projected gradients without its CUDA kernel (its ``BasicProjector``).
+
+    Samples go in batches of ``batch``; :math:`\Omega` is generated in row chunks of at most
+    ``chunk_bytes`` (chunk k from the seed ``(seed, k)``, so every batch sees the same
+    projection).  When all of :math:`\Omega` takes at most ``store_bytes`` it is generated once
+    per call and kept for the later batches; otherwise every batch regenerates it chunk by
+    chunk, as TRAK does.  Cost per sample: one backward pass and :math:`2 P\,\mathrm{dim}`
+    flops; per generation :math:`P\,\mathrm{dim}` normal draws.
+    """
+    n = x.shape[0]
+    p = sum(v.numel() for v in _params(model).values())
+    dtype = x.dtype
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = max(1, chunk_bytes // (dim * item))
+    starts = list(range(0, p, rows))
+    keep = p * dim * item <= store_bytes
+    cache: dict[int, torch.Tensor] = {}
+
+    def omega(k: int, r0: int) -> torch.Tensor:
+        if k in cache:
+            return cache[k]
+        gen = torch.Generator(device=x.device).manual_seed(int(seed) * 1_000_003 + k)
+        om = torch.randn((min(rows, p - r0), dim), generator=gen, dtype=dtype,
+                         device=x.device) / dim ** 0.5
+        if keep:
+            cache[k] = om
+        return om
+
+    out = torch.empty((n, dim), dtype=dtype, device=x.device)
+    for s0 in range(0, n, batch):
+        g = per_sample_gradients(model, x[s0:s0 + batch])
+        acc = torch.zeros((g.shape[0], dim), dtype=dtype, device=x.device)
+        for k, r0 in enumerate(starts):
+            acc += g[:, r0:r0 + rows] @ omega(k, r0)
+        out[s0:s0 + batch] = acc
+        del g
+    return out
 
 
 def kernel_error(k: Any, ref: Any) -> float:
