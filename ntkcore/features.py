@@ -91,10 +91,15 @@ other blocks (:func:`allocate_exact`).
 Splitting ``dim`` (:func:`allocate`, deterministic): block b gets :math:`q_b \ge 1` columns in
 proportion to a weight :math:`w_b`: :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least
 1), the remaining columns one at a time to the largest remainders (ties: the lower block
-index), excess ones taken back from the smallest remainders.  Default weights are the block
-sizes (parameters): they depend on the model only, so the same ``(model, dim, method, seed,
-mode)`` gives the same projection for every ``x`` (features of a training and a test set live
-in one space).  ``probe=x_probe`` weights by each block's share of the kernel trace on that
+index), excess ones taken back from the smallest remainders.  Default weights are equal (one
+per block): they depend on the model only, so the same ``(model, dim, method, seed, mode)``
+gives the same projection for every ``x`` (features of a training and a test set live in one
+space).  Equal weights, not block sizes: a layer's share of the eNTK trace,
+:math:`\sum_n \|a_n\|^2 \|g_n\|^2` for a dense layer, is of the same order for every layer
+of a network at standard initialisation whatever its parameter count (the last layer of a
+6 x 512 MLP holds 0.04 % of the parameters and 44 % of the trace), so block sizes starve the
+small layers that carry much of the kernel; blocks whose equal share exceeds their width are
+exact and return their surplus.  ``probe=x_probe`` weights by each block's share of the kernel trace on that
 batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
 :math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  With
 ``kronecker="grid"`` a Kronecker block's :math:`q_b` is laid out on a grid with
@@ -251,9 +256,9 @@ class _BlockPlan:
 
 def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
           kronecker: str = "pairs") -> list[_BlockPlan]:
-    """The plan of the (output-merged) Jacobian ``J``; ``weights=None``: block sizes."""
+    """The plan of the (output-merged) Jacobian ``J``; ``weights=None``: equal weights."""
     widths = list(J.block_sizes)
-    qs = allocate_exact(dim, widths if weights is None else weights, widths)
+    qs = allocate_exact(dim, [1.0] * len(widths) if weights is None else weights, widths)
     plans = []
     for block, q, width in zip(J.blocks, qs, widths, strict=True):
         if q == width:
@@ -510,7 +515,8 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
         Progress per sample batch, as for :func:`ntkcore.ntk`.
     probe : array or Jacobian, optional
         Inputs (a Jacobian when ``model`` is one) on which each block's share of the kernel
-        trace is measured to split ``dim`` (default: block sizes, independent of any data).
+        trace is measured to split ``dim`` (default: equal weights per block, independent of
+        any data; small blocks exact).
     kronecker : {"pairs", "grid"}
         Layout of a Kronecker block's ``q`` features: ``pairs`` (default), q independent
         pairs :math:`\gamma_i \otimes \alpha_i` (2q factor rows, cost :math:`O(S q

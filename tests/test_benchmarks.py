@@ -603,7 +603,7 @@ def test_features_predicted_error_equals_feature_error() -> None:
 
     for kind in ("mlp_tiny", "cnn_tiny"):
         model, x = fs.build(kind, 6, "float64", "cpu")
-        points = [(lay, split, d) for lay in fs.layouts() for split in ("params", "probe")
+        points = [(lay, split, d) for lay in fs.layouts() for split in ("default", "probe")
                   for d in (16, 40)]
         got = fs.predicted(model, x, points, x[:3])
         for lay, split, d in points:

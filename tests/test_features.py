@@ -203,17 +203,20 @@ def test_generator_seed_is_drawn_once(rng):
 # -- agreement with sketch_jacobian + gram ---------------------------------------------------
 def test_full_grid_equals_sketch_jacobian_gram(backend, rng):
     """Full mode, Gaussian, whole grids: Phi Phi^T is gram(sketch_jacobian(J)) of the same
-    Omega (same split (12, 3), same grid (4, 3), same seeds, same draws)."""
+    Omega (same grid (4, 3) for the Kronecker block, same seeds, same draws).  One block per
+    Jacobian, so that both take all ``dim`` columns for it (``features`` splits ``dim`` with
+    equal weights, ``sketch_jacobian`` by block size)."""
     a, g, jac = _factors(rng)
-    J = _jacobian(backend, a, g, jac)
-    phi = backend.to_numpy(ntkcore.features(J, dim=15, seed=3, mode="full", method="gaussian",
-                                            kronecker="grid"))
-    js = ntkcore.sketch.sketch_jacobian(J, 15, method="gaussian", seed=3)
-    assert [b.num_params for b in js.blocks] == [12, 3]
-    ref = backend.to_numpy(ntkcore.gram(js, mode="full"))
-    got = _feature_kernel(phi, "full")
-    np.testing.assert_allclose(got, ref, rtol=0,
-                               atol=kernel_tol("float64", 58, 2) * 4 * np.abs(ref).max())
+    for block, q in zip(_jacobian(backend, a, g, jac).blocks, (12, 3), strict=True):
+        J = Jacobian([block])
+        phi = backend.to_numpy(ntkcore.features(J, dim=q, seed=3, mode="full",
+                                                method="gaussian", kronecker="grid"))
+        js = ntkcore.sketch.sketch_jacobian(J, q, method="gaussian", seed=3)
+        assert [b.num_params for b in js.blocks] == [q]
+        ref = backend.to_numpy(ntkcore.gram(js, mode="full"))
+        got = _feature_kernel(phi, "full")
+        np.testing.assert_allclose(got, ref, rtol=0,
+                                   atol=kernel_tol("float64", 58, 2) * 4 * np.abs(ref).max())
 
 
 # -- small blocks exact ----------------------------------------------------------------------
@@ -348,8 +351,9 @@ def test_probe_allocates_by_trace_share(backend, rng):
     parts = ntkcore.features(net, x, dim=40, probe=probe, layerwise=True)
     assert tuple(int(p.shape[-1]) for p in parts) == want
     default = ntkcore.features(net, x, dim=40, layerwise=True)
-    assert tuple(int(p.shape[-1]) for p in default) == allocate_exact(40, net.block_sizes,
-                                                                      widths)
+    equal = [1.0] * len(widths)  # the default split: equal weights, small blocks exact
+    assert tuple(int(p.shape[-1]) for p in default) == allocate_exact(40, equal, widths)
+    assert allocate_exact(40, equal, widths) != allocate_exact(40, net.block_sizes, widths)
     # the same probe gives the same space for another x
     phi = backend.to_numpy(ntkcore.features(net, x, dim=40, probe=probe, seed=2))
     head = backend.to_numpy(ntkcore.features(net, x[:2, ...], dim=40, probe=probe, seed=2))

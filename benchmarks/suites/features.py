@@ -6,8 +6,8 @@ Three kinds of case (``--case error``, ``--case throughput``, ``--case scale`` s
     Kernel relative Frobenius error :math:`\|\Phi\Phi^\top - \Theta\|_F / \|\Theta\|_F` of
     trace-mode features against the exact trace eNTK (``ntkcore.ntk``) of N = 256 inputs, for
     dim = 256, 1024, 4096, 16384, each Kronecker layout that ``ntkcore.features`` offers
-    (``kronecker=``, read at run time) and two splits of ``dim`` over the blocks: ``params``
-    (the default, block sizes) and ``probe`` (``probe=`` the first 32 inputs: each block's
+    (``kronecker=``, read at run time) and two splits of ``dim`` over the blocks: ``default``
+    (equal weights per block) and ``probe`` (``probe=`` the first 32 inputs: each block's
     share of the kernel trace).  Five seeds per point: the row's ``error`` is the median,
     ``params`` hold every seed's error, their root mean square (``error_rms``), the same on
     the leading (64, 64) block of the kernel (``error_subset``, ``error_subset_rms``) and the
@@ -52,11 +52,11 @@ Three kinds of case (``--case error``, ``--case throughput``, ``--case scale`` s
     a fresh process; ``peak_mem_bytes`` is that process's resident high-water mark
     (``VmHWM``, Python, torch and the data included; ``params["rss_start_bytes"]`` is the
     resident set before the measured work), ``median_s`` the wall time of features (or
-    kernels) plus solve plus test predictions, split in ``params``.
+    kernels) plus solve plus test predictions, split in ``default``.
 
 Options (``--set KEY=VALUE``): ``features_n`` (256), ``features_dims`` (256,1024,4096,16384),
 ``features_seeds`` (5), ``features_pred_n`` (64), ``features_probe_n`` (32),
-``features_splits`` (params,probe), ``features_error_budget`` (2GB); ``features_tp_n``
+``features_splits`` (default,probe), ``features_error_budget`` (2GB); ``features_tp_n``
 (comma-separated N of the throughput cases, for every model; default per model, above),
 ``features_tp_dim`` (2048), ``features_base_n`` (64), ``features_rounds`` (3),
 ``features_memory`` (1: peak memory of each throughput implementation in a fresh process);
@@ -111,7 +111,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "features_seeds": (2, 5),
     "features_pred_n": (8, 64),
     "features_probe_n": (8, 32),
-    "features_splits": ("params,probe", "params,probe"),
+    "features_splits": ("default,probe", "default,probe"),
     "features_error_budget": ("256MB", "2GB"),
     "features_tp_n": ("16", ""),  # "": TP_SIZES
     "features_tp_dim": (64, 2048),
@@ -173,7 +173,7 @@ def _rms(errs: list[float]) -> float | None:
 def predicted(model: Any, x: Any, points: list[tuple[str | None, str, int]],
               probe: Any) -> dict[tuple[str | None, str, int], float]:
     """Predicted relative Frobenius error (``ntkcore.feature_error``) of trace features on
-    ``x`` for each ``(layout, split, dim)``: ``split`` "params" (default) or "probe" (``probe``
+    ``x`` for each ``(layout, split, dim)``: ``split`` "default" (equal weights) or "probe" (``probe``
     given).  The pair statistics do not depend on the layout, split or dim, so they are
     computed once (the helpers behind ``feature_error``; its public form, one call per point,
     when those helpers are not there)."""
@@ -184,7 +184,7 @@ def predicted(model: Any, x: Any, points: list[tuple[str | None, str, int]],
     try:
         J = F._merge(find_provider(model).jacobian(model, x), "trace")
         sums, k2 = F._sums(J.xp, [F._pair_stats(b) for b in J.blocks])
-        weights = {"params": None, "probe": F._weights(probe, model, "trace", None, True)}
+        weights = {"default": None, "probe": F._weights(probe, model, "trace", None, True)}
         return {pt: F._relative_error(F._plan(J, pt[2], "auto", weights[pt[1]],
                                               *([] if pt[0] is None else [pt[0]])), sums, k2)
                 for pt in points}
