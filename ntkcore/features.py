@@ -99,8 +99,8 @@ space).  Equal weights, not block sizes: a layer's share of the eNTK trace,
 of a network at standard initialisation whatever its parameter count (the last layer of a
 6 x 512 MLP holds 0.04 % of the parameters and 44 % of the trace), so block sizes starve the
 small layers that carry much of the kernel; blocks whose equal share exceeds their width are
-exact and return their surplus.  ``probe=x_probe`` weights by each block's share of the kernel trace on that
-batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
+exact and return their surplus.  ``probe=x_probe`` weights by each block's share of the
+kernel trace on that batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
 :math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  With
 ``kronecker="grid"`` a Kronecker block's :math:`q_b` is laid out on a grid with
 :math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)`

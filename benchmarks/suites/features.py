@@ -173,8 +173,8 @@ def _rms(errs: list[float]) -> float | None:
 def predicted(model: Any, x: Any, points: list[tuple[str | None, str, int]],
               probe: Any) -> dict[tuple[str | None, str, int], float]:
     """Predicted relative Frobenius error (``ntkcore.feature_error``) of trace features on
-    ``x`` for each ``(layout, split, dim)``: ``split`` "default" (equal weights) or "probe" (``probe``
-    given).  The pair statistics do not depend on the layout, split or dim, so they are
+    ``x`` for each ``(layout, split, dim)``: ``split`` "default" (equal weights) or "probe"
+    (``probe`` given).  The pair statistics do not depend on the layout, split or dim, so they are
     computed once (the helpers behind ``feature_error``; its public form, one call per point,
     when those helpers are not there)."""
     import ntkcore
