@@ -993,12 +993,43 @@ def jacobian(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     _check_sample_coupling(model)
     with _provider_pass(model):
-        return _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+        jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+        if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
+            jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
+                                   backward, tables=jac)
+        return jac
+
+
+#: Per model (weakly), the paths of its ``nn.Embedding`` modules found looked up without a
+#: sample axis (positional tables, :func:`_shared_tables`): their lookups are followed by the
+#: functional mode from the first pass on.
+_TABLES: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, list[int]],
+                   axes: dict[str, list[int]], tables: frozenset[str]) -> frozenset[str]:
+    """``tables`` and the ``nn.Embedding`` units whose used calls have no sample axis (e.g.
+    ``pos(torch.arange(T))``), remembered for ``model``.
+
+    Such a lookup :math:`P[i]` is the same for all samples, so the hooks see no per-sample
+    gradient; but where the functional mode sees it added to (or multiplying) a sample
+    operand, ``torch_functional`` builds its index-factor block from that call's output
+    gradients (the dense rule with :math:`P[i]` as P's operand), so the provider runs its
+    forward once more with these tables followed by the mode."""
+    found = tables | {p for p in used if p not in axes
+                      and isinstance(units[p].module, nn.Embedding)}
+    if found != tables:
+        with contextlib.suppress(TypeError):  # not weakly referenceable: nothing remembered
+            _TABLES[model] = found
+    return found
 
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
-                     backward: str) -> Jacobian:
+                     backward: str, tables: frozenset[str] | None = None
+                     ) -> Jacobian | frozenset[str]:
+    """:func:`jacobian` under the model's lock; with ``tables`` None (the first pass) it may
+    return the positional tables (:func:`_shared_tables`) to run it again with instead."""
     selected = _select_params(model, params)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
@@ -1012,12 +1043,19 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     cands = [named[nm] for nm in selected
              if owners[nm][0] not in units and owners[nm][0] not in rec
              and registrations[id(named[nm])] == 1]
-    uses = ParamUses(cands) if cands else None
+    first = tables is None
+    if tables is None:
+        try:
+            tables = _TABLES.get(model, frozenset())
+        except TypeError:
+            tables = frozenset()
+    tabs = [named[nm] for p in tables if p in units for nm in units[p].names]
+    uses = ParamUses(cands, tables=tabs) if cands or tabs else None
     out = _run_forward(model, x, units, clone=False, uses=uses, rec=rec)
     if (any(c.a._version != c.a_version or c.y._version != c.y_version
             for u in units.values() for c in u.calls)
             or (uses is not None and any(c.modified() for c in uses.calls))):
-        uses = ParamUses(cands, clone=True) if cands else None
+        uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
         # something was modified in place
         out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
     if out.ndim < 1 or out.shape[0] != n:
@@ -1045,7 +1083,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                 continue
             used[path] = idx
         rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
-        probe_uses = None if uses is None else ParamUses(cands)
+        probe_uses = None if uses is None else ParamUses(cands, tables=tabs)
         if probe_uses is None and not rused:  # module calls only: the answer is remembered
             axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
         else:  # functional and recurrent calls are planned from this probe's own records
@@ -1053,7 +1091,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
         rkron = {p: u for p, u in rused.items() if p in axes}
+        if first and (more := _shared_tables(model, units, used, axes, tables)) != tables:
+            return more
         if uses is not None:
+            uses.bad.update(id(named[nm]) for p in tables if p in kron for nm in units[p].names)
             fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
                                                owners, named, n)
 
@@ -1124,6 +1165,7 @@ def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[An
     for c in uses.calls:
         if c.modified():  # changed in place even in the cloned pass
             bad.update(id(t.param) for t in c.terms)
+    bad |= _unseen_lookup_uses(uses, reachable)
     calls = uses.calls
     axes = functional_sample_axes(calls, probe.calls if probe is not None and probe.done
                                   else [], _tracking_axis, n, _probe_size(n))
@@ -1138,6 +1180,26 @@ def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[An
     ok = structured_groups(groups, [c for c, _ in live], [ax for _, ax in live], root)
     ids = {id(p) for ps in ok.values() for p in ps}
     return [(c, ax) for c, ax in live if any(id(t.param) in ids for t in c.terms)], ok
+
+
+def _unseen_lookup_uses(uses: ParamUses, reachable: set[Any]) -> set[int]:
+    """The tables (ids) with a lookup result y used in a way the mode did not see: the graph
+    has more edges from reachable nodes into y's node than recognised calls on y that reach
+    the output (the check of the direct uses of a parameter, for ``F.embedding`` results)."""
+    nodes = {tab.y.grad_fn: tab for tab in uses.gathers.values() if tab.y.grad_fn in reachable}
+    if not nodes:
+        return set()
+    edges = dict.fromkeys(nodes, 0)
+    for node in reachable:
+        for nxt, _ in node.next_functions:
+            if nxt in edges:
+                edges[nxt] += 1
+    for c in uses.calls:
+        if c.y.grad_fn in reachable:
+            for t in c.terms:
+                if t.operand is not None and t.operand.grad_fn in edges:
+                    edges[t.operand.grad_fn] -= 1
+    return {id(nodes[node].param) for node, k in edges.items() if k}
 
 
 # --------------------------------------------------------------------------------------------
