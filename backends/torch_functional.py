@@ -28,6 +28,10 @@ call (P = a parameter or a view of one)     block
                                             (``pos_embed``, a bias added by hand)
 ``torch.cat([..., P, ...])``                the slice of g at P's positions, summed over
                                             P's broadcast axes (``cls_token.expand(N, ...)``)
+``h + R``, ``h * R``, R = ``F.embedding(i,  KroneckerBlock with index factor a[n, t] = i_t
+E)`` of a table E in ``tables``             (``one_hot`` = V), g summed over R's broadcast
+                                            axes (BERT's ``position_embeddings``;
+                                            :func:`_table_block`)
 ==========================================  ================================================
 
 Dense rule.  Let y (the call's output, samples on axis k) depend on P only through
@@ -56,11 +60,19 @@ all selected parameters registered on its module are structured the same way (on
 Kronecker matrix [W | b], weight registered first, or all dense).  Otherwise the parameter
 keeps the exact ``torch.func`` path.
 
+Tables.  The provider passes as ``tables`` the ``nn.Embedding`` weights whose lookups its probe
+found without a sample axis (``pos(torch.arange(T))``); the mode then takes the result R of
+``F.embedding(i, E)`` (E itself, no ``max_norm`` or ``scale_grad_by_freq``) as E's operand,
+laid out as the rows :math:`E[i_t]`, and recognises R in ``h + R`` and ``h * R`` only (any
+other op on R, views included, is a use it does not recognise); the graph check (2) counts
+the edges into R's node against the recognised calls on R.  A table also used in any other
+recognised call (``F.linear(h, E)``, ``h + E``) keeps ``torch.func``.
+
 Not covered (they keep ``torch.func``): other ops (``-``, ``/``, ``addcmul``, ``matmul``,
-``F.embedding``, in-place ops), a result with fewer than two axes (an (N,) output plus a
-bias), a Linear weight registered on the root module, ``nn.MultiheadAttention`` with separate
-q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG`` does not use this module (its non-Linear /
-Conv layers keep its own ``torch.func`` path).
+``F.embedding`` of a non-table parameter, in-place ops), a result with fewer than two axes
+(an (N,) output plus a bias), a Linear weight registered on the root module,
+``nn.MultiheadAttention`` with separate q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG``
+does not use this module (its non-Linear / Conv layers keep its own ``torch.func`` path).
 
 ``nn.MultiheadAttention``.  ``F.multi_head_attention_forward`` is a Python function that
 dispatches to the mode as a whole; the mode runs a copy of its body with its

@@ -59,7 +59,10 @@ functional calls       parameters no hooked module owns, when every use of them 
                        ``torch.cat`` (``cls_token.expand(N, ...)``): recorded by a
                        ``TorchFunctionMode`` during the same forward and probe (only when such
                        parameters exist), blocks from the same output gradients
-                       (``torch_functional``: the rules and the guards).
+                       (``torch_functional``: the rules and the guards).  Likewise an
+                       ``nn.Embedding`` looked up without a sample axis (a positional table
+                       ``pos(torch.arange(T))``) whose result is added to or multiplies the
+                       samples: an index-factor KroneckerBlock (:func:`_shared_tables`).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
@@ -101,7 +104,9 @@ other axis unchanged.  Then:
 * there is none (the input is shared by all samples, or a sample axis merged with another, as
   in a (N*T, d) reshape), the sample axis of a convolution or channel normalisation (BatchNorm,
   GroupNorm, InstanceNorm) is not axis 0, the probe calls the module
-  a different number of times, or the probe itself fails: the module becomes a DenseBlock.
+  a different number of times, or the probe itself fails: the module becomes a DenseBlock
+  (an ``nn.Embedding`` without a sample axis first gets the chance of a positional table,
+  :func:`_shared_tables`).
 
 The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
 layers) costs one forward pass on p samples, and its answer does not depend on N, so every
