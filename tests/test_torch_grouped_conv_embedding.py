@@ -4,6 +4,9 @@ Every number is compared with a dense float64 reference: the ``torch.func`` Jaco
 model, its Gram (full and trace), J v, J^T c, the sketched dense Jacobian J Omega^T and a
 direct solve of (lambda I + J^T J) d = g.  An ``nn.Embedding`` is a KroneckerBlock whose
 factor a is the (N, T) index array (``one_hot = V``): no (N, T, V) one-hot array exists.
+A positional table looked up without a sample axis (``pos(arange(T))``, Hugging Face BERT's
+``position_embeddings``) and added to / multiplying the samples is such a block too (the
+``dense_calls`` spy: no ``torch.func`` pass); its other uses keep ``torch.func``.
 """
 
 from __future__ import annotations
@@ -294,6 +297,45 @@ def test_shared_table_is_remembered(dense_calls):
     j2 = jacobian(model, ids)
     assert first == 4 and len(passes) - first == 2
     assert rel(gram(j2, mode="full"), gram(j1, mode="full")) == 0
+    assert dense_calls == []
+
+
+class FloatWithTable(nn.Module):
+    """Linear on float inputs (N, T, 3) plus a positional table, tanh, head, sum over T."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.pos, self.head = nn.Linear(3, 4), nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l(x) + self.pos(torch.arange(x.shape[1])))).sum(1)
+
+
+@pytest.mark.parametrize("kw", [{"params": ["pos.weight"]}, {"pseudo": True},
+                                {"backward": "loop"}], ids=["pos-only", "pseudo", "loop"])
+def test_shared_table_provider_paths(kw, dense_calls):
+    model = FloatWithTable().to(DT)
+    x = torch.randn(3, 5, 3, dtype=DT)
+    j = jacobian(model, x, **kw)
+    ref = reference(model, x, kw.get("params"), pseudo=kw.get("pseudo", False))
+    assert all(isinstance(b, KroneckerBlock) for b in j.blocks) and dense_calls == []
+    jd = to_block_order(model, j, ref, kw.get("params"))
+    assert rel(j.to_dense(), jd) < kernel_tol(DT, jd.shape[2] + 2, computations=2)
+
+
+def test_shared_table_differentiable_in_x(dense_calls):
+    """x.requires_grad (KIP's path): the table's g keeps the graph to x."""
+    model = FloatWithTable().to(DT)
+    x = torch.randn(2, 5, 3, dtype=DT)
+    xg = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(ntk(model, xg, mode="trace").sum(), xg)
+
+    def kernel_of(xx):
+        r = torch.cat([v.reshape(v.shape[0], v.shape[1], -1)
+                       for v in reference(model, xx).values()], 2)
+        return torch.einsum("nok,mok->nm", r, r).sum()
+
+    assert rel(gx, torch.func.grad(kernel_of)(x)) < 1e-10
     assert dense_calls == []
 
 
