@@ -1006,27 +1006,41 @@ def jacobian(
 
 
 #: Per model (weakly), the paths of its ``nn.Embedding`` modules found looked up without a
-#: sample axis (positional tables, :func:`_shared_tables`): their lookups are followed by the
-#: functional mode from the first pass on.
-_TABLES: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+#: sample axis (positional tables, :func:`_shared_tables`): (those whose lookups the
+#: functional mode follows from the first pass on, all found so far).
+_TABLES: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[str], frozenset[str]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _remembered_tables(model: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
+    try:
+        return _TABLES.get(model, (frozenset(), frozenset()))
+    except TypeError:  # not weakly referenceable: nothing remembered
+        return frozenset(), frozenset()
+
+
+def _remember_tables(model: nn.Module, follow: frozenset[str], seen: frozenset[str]) -> None:
+    with contextlib.suppress(TypeError):
+        _TABLES[model] = (follow, seen)
 
 
 def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, list[int]],
-                   axes: dict[str, list[int]], tables: frozenset[str]) -> frozenset[str]:
-    """``tables`` and the ``nn.Embedding`` units whose used calls have no sample axis (e.g.
-    ``pos(torch.arange(T))``), remembered for ``model``.
+                   axes: dict[str, list[int]]) -> frozenset[str] | None:
+    """The tables to follow, when the ``nn.Embedding`` units whose used calls have no sample
+    axis (e.g. ``pos(torch.arange(T))``) include one not seen before on ``model``; else None.
 
     Such a lookup :math:`P[i]` is the same for all samples, so the hooks see no per-sample
     gradient; but where the functional mode sees it added to (or multiplying) a sample
     operand, ``torch_functional`` builds its index-factor block from that call's output
     gradients (the dense rule with :math:`P[i]` as P's operand), so the provider runs its
-    forward once more with these tables followed by the mode."""
-    found = tables | {p for p in used if p not in axes
-                      and isinstance(units[p].module, nn.Embedding)}
-    if found != tables:
-        with contextlib.suppress(TypeError):  # not weakly referenceable: nothing remembered
-            _TABLES[model] = found
-    return found
+    forward once more with these tables followed by the mode.  A table that turns out to be
+    used otherwise is followed no more (:func:`_jacobian_locked`): no mode for nothing."""
+    follow, seen = _remembered_tables(model)
+    new = {p for p in used if p not in axes and isinstance(units[p].module, nn.Embedding)}
+    if new <= seen:
+        return None
+    _remember_tables(model, follow | new, seen | new)
+    return follow | new
 
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
@@ -1050,10 +1064,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
              and registrations[id(named[nm])] == 1]
     first = tables is None
     if tables is None:
-        try:
-            tables = _TABLES.get(model, frozenset())
-        except TypeError:
-            tables = frozenset()
+        tables = _remembered_tables(model)[0]
     tabs = [named[nm] for p in tables if p in units for nm in units[p].names]
     uses = ParamUses(cands, tables=tabs) if cands or tabs else None
     out = _run_forward(model, x, units, clone=False, uses=uses, rec=rec)
@@ -1096,12 +1107,16 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
         rkron = {p: u for p, u in rused.items() if p in axes}
-        if first and (more := _shared_tables(model, units, used, axes, tables)) != tables:
+        if first and (more := _shared_tables(model, units, used, axes)) is not None:
             return more
         if uses is not None:
             uses.bad.update(id(named[nm]) for p in tables if p in kron for nm in units[p].names)
             fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
                                                owners, named, n)
+            failed = (tables & used.keys()) - kron.keys() - fgroups.keys()
+            if failed:  # used otherwise: follow them no more
+                follow, seen = _remembered_tables(model)
+                _remember_tables(model, follow - failed, seen)
 
     # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
     # one module (a root parameter alone).

@@ -300,6 +300,25 @@ def test_shared_table_is_remembered(dense_calls):
     assert dense_calls == []
 
 
+def test_table_used_otherwise_is_followed_no_more(monkeypatch, dense_calls):
+    """A table whose lookup is used in an unrecognised way: the second call runs without the
+    functional mode (no per-op cost for nothing), with the same exact torch.func block."""
+    import ntkcore.backends.torch_functional as tf
+
+    entered = []
+    real = tf.ParamUses.__torch_function__
+    monkeypatch.setattr(tf.ParamUses, "__torch_function__",
+                        lambda *a, **k: entered.append(1) or real(*a, **k))
+    model = SharedTable("row0").to(DT).eval()
+    ids = _ids(3, 5, 30)
+    j1 = jacobian(model, ids)
+    assert entered and dense_calls == ["pos"]
+    entered.clear()
+    j2 = jacobian(model, ids)
+    assert entered == [] and dense_calls == ["pos", "pos"]
+    assert rel(j2.to_dense(), j1.to_dense()) == 0
+
+
 class FloatWithTable(nn.Module):
     """Linear on float inputs (N, T, 3) plus a positional table, tanh, head, sum over T."""
 
