@@ -28,6 +28,10 @@ call (P = a parameter or a view of one)     block
                                             (``pos_embed``, a bias added by hand)
 ``torch.cat([..., P, ...])``                the slice of g at P's positions, summed over
                                             P's broadcast axes (``cls_token.expand(N, ...)``)
+``h + R``, ``h * R``, R = ``F.embedding(i,  KroneckerBlock with index factor a[n, t] = i_t
+E)`` of a table E in ``tables``             (``one_hot`` = V), g summed over R's broadcast
+                                            axes (BERT's ``position_embeddings``;
+                                            :func:`_table_block`)
 ==========================================  ================================================
 
 Dense rule.  Let y (the call's output, samples on axis k) depend on P only through
@@ -56,11 +60,19 @@ all selected parameters registered on its module are structured the same way (on
 Kronecker matrix [W | b], weight registered first, or all dense).  Otherwise the parameter
 keeps the exact ``torch.func`` path.
 
+Tables.  The provider passes as ``tables`` the ``nn.Embedding`` weights whose lookups its probe
+found without a sample axis (``pos(torch.arange(T))``); the mode then takes the result R of
+``F.embedding(i, E)`` (E itself, no ``max_norm`` or ``scale_grad_by_freq``) as E's operand,
+laid out as the rows :math:`E[i_t]`, and recognises R in ``h + R`` and ``h * R`` only (any
+other op on R, views included, is a use it does not recognise); the graph check (2) counts
+the edges into R's node against the recognised calls on R.  A table also used in any other
+recognised call (``F.linear(h, E)``, ``h + E``) keeps ``torch.func``.
+
 Not covered (they keep ``torch.func``): other ops (``-``, ``/``, ``addcmul``, ``matmul``,
-``F.embedding``, in-place ops), a result with fewer than two axes (an (N,) output plus a
-bias), a Linear weight registered on the root module, ``nn.MultiheadAttention`` with separate
-q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG`` does not use this module (its non-Linear /
-Conv layers keep its own ``torch.func`` path).
+``F.embedding`` of a non-table parameter, in-place ops), a result with fewer than two axes
+(an (N,) output plus a bias), a Linear weight registered on the root module,
+``nn.MultiheadAttention`` with separate q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG``
+does not use this module (its non-Linear / Conv layers keep its own ``torch.func`` path).
 
 ``nn.MultiheadAttention``.  ``F.multi_head_attention_forward`` is a Python function that
 dispatches to the mode as a whole; the mode runs a copy of its body with its
@@ -88,7 +100,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-from .torch_layers import _with_ones, cat
+from .torch_layers import _with_ones, cat, embedding_index
 
 __all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
            "structured_groups"]
@@ -144,6 +156,8 @@ _NORMS: dict[Any, tuple[tuple[tuple[str, Any], ...], Callable, bool]] = {
                        ("momentum", 0.1), ("eps", 1e-5)), _xhat_instance, True),
 }
 _LINEAR = (("input", None), ("weight", None), ("bias", None))
+_EMBEDDING = (("input", None), ("weight", None), ("padding_idx", None), ("max_norm", None),
+              ("norm_type", 2.0), ("scale_grad_by_freq", False), ("sparse", False))
 
 
 def _bind(spec: tuple[tuple[str, Any], ...], args: tuple, kwargs: dict) -> dict | None:
@@ -212,8 +226,9 @@ def _rows(d: torch.Tensor, p: torch.Tensor, ndim: int) -> tuple[int, int] | None
 @dataclass
 class Term:
     """One parameter operand of a call: ``role`` is "weight" / "bias" (Linear: rows
-    ``(lo, hi)``), "scale" (times ``Call.h``), "shift" or "piece" (a slice of y along
-    ``dim`` from ``lo`` to ``hi``); ``core`` and ``offset``: the operand's layout of P
+    ``(lo, hi)``), "scale" (times ``Call.h``), "shift", "piece" (a slice of y along
+    ``dim`` from ``lo`` to ``hi``) or "rows" (the rows ``P[index]`` of a table, added to or
+    times ``Call.h``: :class:`Table`); ``core`` and ``offset``: the operand's layout of P
     (:func:`_core`), ``place``: its shape in y's axes (ones where broadcast)."""
 
     param: torch.Tensor
@@ -225,6 +240,17 @@ class Term:
     hi: int = 0
     dim: int = 0
     operand: Any = None
+    index: torch.Tensor | None = None  # "rows": the index factor (-1 at padding_idx)
+
+
+@dataclass
+class Table:
+    """A lookup ``y = F.embedding(idx, P)`` of a table parameter P (:class:`ParamUses`'s
+    ``tables``): ``index`` is idx as an index factor (``torch_layers.embedding_index``)."""
+
+    y: torch.Tensor
+    param: torch.Tensor
+    index: torch.Tensor
 
 
 @dataclass
@@ -261,11 +287,16 @@ class ParamUses(TorchFunctionMode):
     (see the module docstring); ``bad`` collects the ids of parameters used otherwise,
     ``direct[id(P)]`` the outputs of the ops that took P itself (for the graph check).
     ``clone``: hand the model a clone of each recognised result (a rerun after an in-place
-    change).  ``probe``: a pass on other samples that only needs the calls' shapes."""
+    change).  ``probe``: a pass on other samples that only needs the calls' shapes.
+    ``tables``: embedding tables whose lookups ``F.embedding(idx, P)`` are followed
+    (``gathers[id(y)]``: the result y then counts as P's operand, see :func:`_table_term`)."""
 
-    def __init__(self, params: list[torch.Tensor], clone: bool = False):
+    def __init__(self, params: list[torch.Tensor], clone: bool = False,
+                 tables: list[torch.Tensor] = ()):
         super().__init__()
-        self.params = {id(p): p for p in params}
+        self.params = {id(p): p for p in (*params, *tables)}
+        self.tables = {id(p) for p in tables}
+        self.gathers: dict[int, Table] = {}
         self.clone = clone
         self.calls: list[Call] = []
         self.bad: set[int] = set()
@@ -279,6 +310,9 @@ class ParamUses(TorchFunctionMode):
         p = self.params.get(id(t))
         if p is t:
             return p
+        tab = self.gathers.get(id(t))
+        if tab is not None and tab.y is t:
+            return tab.param
         b = t._base
         if b is not None:
             p = self.params.get(id(b))
@@ -301,6 +335,10 @@ class ParamUses(TorchFunctionMode):
         params = {id(p): p for _, p in owned}
         if len(params) == 1 and all(self.owner(o) is owned[0][1] for o in outs):
             self._direct(owned, outs[0])  # a view of P (or P itself)
+            return out
+        if func is F.embedding and (tab := _lookup(self, args, kwargs, out)) is not None:
+            self._direct(owned, out)
+            self.gathers[id(out)] = tab
             return out
         call = _recognise(self, func, args, kwargs, owned, out)
         if call is None:
@@ -369,6 +407,20 @@ def _unchecked(func: Any, linear: Callable) -> Callable:
     return body
 
 
+def _lookup(mode: ParamUses, args: tuple, kwargs: dict, out: Any) -> Table | None:
+    """The :class:`Table` of ``F.embedding(idx, P, padding_idx)`` with P one of ``mode``'s
+    tables itself (not a view), else None (``max_norm`` renormalises P in place,
+    ``scale_grad_by_freq`` rescales its gradient: neither is a lookup)."""
+    a = _bind(_EMBEDDING, args, kwargs)
+    if a is None or not isinstance(out, torch.Tensor) or not isinstance(a["input"], torch.Tensor):
+        return None
+    p = a["weight"]
+    if (id(p) not in mode.tables or mode.params.get(id(p)) is not p or p.ndim != 2
+            or a["max_norm"] is not None or a["scale_grad_by_freq"]):
+        return None
+    return Table(out, p, embedding_index(a["input"], a["padding_idx"], int(p.shape[0])))
+
+
 def _recognise(mode: ParamUses, func: Any, args: tuple, kwargs: dict,
                owned: list[tuple[torch.Tensor, torch.Tensor]], out: Any) -> Call | None:
     """The :class:`Call` of ``func(*args, **kwargs) -> out`` if it is one of the recognised
@@ -393,7 +445,7 @@ def _recognise(mode: ParamUses, func: Any, args: tuple, kwargs: dict,
 def _term(mode: ParamUses, d: Any, role: str, ndim: int, **kw: Any) -> Term | None:
     """The term of operand ``d`` (a candidate's view) placed in ``ndim`` axes, or None."""
     p = mode.owner(d)
-    if p is None:
+    if p is None or id(d) in mode.gathers:  # a table lookup is no view of P
         return None
     found = _core(d, p)
     if found is None:
@@ -415,7 +467,7 @@ def _linear_call(mode: ParamUses, args: tuple, kwargs: dict, out: torch.Tensor) 
         p = mode.owner(d)
         if p is None:
             continue
-        r = _rows(d, p, dim)
+        r = None if id(d) in mode.gathers else _rows(d, p, dim)
         if r is None or (rows is not None and r != rows):
             return None
         rows = r
@@ -468,10 +520,23 @@ def _elementwise_call(mode: ParamUses, mul: bool, args: tuple, kwargs: dict,
     d, h = (a, b) if mode.owner(a) is not None else (b, a)
     if mode.owner(h) is not None:
         return None  # both operands parameters: no sample axis
-    t = _term(mode, d, "scale" if mul else "shift", out.ndim)
+    if id(d) in mode.gathers:
+        t = _table_term(mode.gathers[id(d)], out.ndim)
+    else:
+        t = _term(mode, d, "scale" if mul else "shift", out.ndim)
     if t is None:
         return None
     return Call("dense", out, [h], [t], h=h if mul else None)
+
+
+def _table_term(tab: Table, ndim: int) -> Term | None:
+    """The "rows" term of a lookup ``tab.y = P[idx]`` (idx.shape + (D,)) that is added to
+    (or multiplies) an ``ndim``-axis operand: placed like a view of P of that shape."""
+    place = _place(tuple(tab.y.shape), ndim)
+    if place is None or tab.y.shape[:-1] != tab.index.shape:
+        return None
+    return Term(tab.param, "rows", core=tuple(tab.y.shape), place=place, operand=tab.y,
+                index=tab.index)
 
 
 def _cat_call(mode: ParamUses, args: tuple, kwargs: dict, out: torch.Tensor) -> Call | None:
@@ -563,6 +628,10 @@ def structured_groups(groups: dict[str, list[torch.Tensor]], calls: list[Call],
             continue
         roles = [{t.role for j in by_param[i] for t in calls[j].terms if id(t.param) == i}
                  for i in ids]
+        if any("rows" in r for r in roles):  # a table: looked up only, never used directly
+            if all(r == {"rows"} for r in roles):
+                ok[name] = ps
+            continue
         if all(r.isdisjoint(("weight", "bias")) for r in roles):
             ok[name] = ps
             continue
@@ -614,6 +683,8 @@ def functional_blocks(groups: dict[str, list[torch.Tensor]], calls: list[tuple[C
                 if any(id(t.param) in ids for t in c.terms)]
         if mine[0][0].kind == "linear":
             out[name] = _linear_block(params, mine, n, name, create_graph)
+        elif any(t.role == "rows" for c, _, _ in mine for t in c.terms):
+            out[name] = _table_block(params[0], mine, n, name, create_graph)
         else:
             out[name] = _dense_block(params, mine, name, create_graph)
     return out
@@ -643,6 +714,35 @@ def _linear_block(params: list[torch.Tensor], mine: list, n: int, name: str,
         a_parts.append(x.to(g.dtype))
         g_parts.append(g)
     return KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name)
+
+
+def _table_block(p: torch.Tensor, mine: list, n: int, name: str,
+                 create_graph: bool) -> KroneckerBlock:
+    r"""The index-factor KroneckerBlock of a table P (V, D) looked up without a sample axis,
+    :math:`D_t = P[i_t]` (t over idx's entries), and added to (multiplying) the sample operand
+    h of y: by the dense rule with :math:`\pi(t, d) = (i_t, d)`,
+
+    .. math:: \frac{\partial f_o(x_n)}{\partial P_{vd}} = \sum_{t:\, i_t = v}
+              \sum_{j \in B \setminus k} g[n, o, t, j, d]\; (h[n, t, j, d]),
+
+    i.e. a Kronecker block of :math:`W = P^\top` (D, V) with one-hot inputs :math:`e_{i_t}`
+    (the same for every sample) at the positions t, and g the dense rule's sum over the
+    broadcast axes (:func:`_dense_term`) before the scatter by :math:`i_t`; every lookup and
+    call concatenated along the positions."""
+    a_parts, g_parts = [], []
+    d = int(p.shape[1])
+    for c, ax, g in mine:
+        gv = _grads_view(g, c.y, ax)
+        h = c.h if c.h is None or create_graph else c.h.detach()
+        for t in c.terms:
+            if t.param is not p:
+                continue
+            s = t.index.numel()
+            part = _dense_term(t, gv, h, c.y, ax)  # (N, O, S * D), rows in idx order
+            g_parts.append(part.reshape(n, part.shape[1], s, d).transpose(1, 2))
+            a_parts.append(t.index.reshape(1, s).expand(n, s))
+    return KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name,
+                          one_hot=int(p.shape[0]))
 
 
 def _dense_block(params: list[torch.Tensor], mine: list, name: str,

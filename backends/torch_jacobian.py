@@ -59,7 +59,10 @@ functional calls       parameters no hooked module owns, when every use of them 
                        ``torch.cat`` (``cls_token.expand(N, ...)``): recorded by a
                        ``TorchFunctionMode`` during the same forward and probe (only when such
                        parameters exist), blocks from the same output gradients
-                       (``torch_functional``: the rules and the guards).
+                       (``torch_functional``: the rules and the guards).  Likewise an
+                       ``nn.Embedding`` looked up without a sample axis (a positional table
+                       ``pos(torch.arange(T))``) whose result is added to or multiplies the
+                       samples: an index-factor KroneckerBlock (:func:`_shared_tables`).
 anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
                        of ``jacrev`` with respect to those parameters only, in chunks of
                        ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
@@ -101,7 +104,9 @@ other axis unchanged.  Then:
 * there is none (the input is shared by all samples, or a sample axis merged with another, as
   in a (N*T, d) reshape), the sample axis of a convolution or channel normalisation (BatchNorm,
   GroupNorm, InstanceNorm) is not axis 0, the probe calls the module
-  a different number of times, or the probe itself fails: the module becomes a DenseBlock.
+  a different number of times, or the probe itself fails: the module becomes a DenseBlock
+  (an ``nn.Embedding`` without a sample axis first gets the chance of a positional table,
+  :func:`_shared_tables`).
 
 The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
 layers) costs one forward pass on p samples, and its answer does not depend on N, so every
@@ -993,12 +998,57 @@ def jacobian(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     _check_sample_coupling(model)
     with _provider_pass(model):
-        return _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+        jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+        if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
+            jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
+                                   backward, tables=jac)
+        return jac
+
+
+#: Per model (weakly), the paths of its ``nn.Embedding`` modules found looked up without a
+#: sample axis (positional tables, :func:`_shared_tables`): (those whose lookups the
+#: functional mode follows from the first pass on, all found so far).
+_TABLES: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[str], frozenset[str]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _remembered_tables(model: nn.Module) -> tuple[frozenset[str], frozenset[str]]:
+    try:
+        return _TABLES.get(model, (frozenset(), frozenset()))
+    except TypeError:  # not weakly referenceable: nothing remembered
+        return frozenset(), frozenset()
+
+
+def _remember_tables(model: nn.Module, follow: frozenset[str], seen: frozenset[str]) -> None:
+    with contextlib.suppress(TypeError):
+        _TABLES[model] = (follow, seen)
+
+
+def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, list[int]],
+                   axes: dict[str, list[int]]) -> frozenset[str] | None:
+    """The tables to follow, when the ``nn.Embedding`` units whose used calls have no sample
+    axis (e.g. ``pos(torch.arange(T))``) include one not seen before on ``model``; else None.
+
+    Such a lookup :math:`P[i]` is the same for all samples, so the hooks see no per-sample
+    gradient; but where the functional mode sees it added to (or multiplying) a sample
+    operand, ``torch_functional`` builds its index-factor block from that call's output
+    gradients (the dense rule with :math:`P[i]` as P's operand), so the provider runs its
+    forward once more with these tables followed by the mode.  A table that turns out to be
+    used otherwise is followed no more (:func:`_jacobian_locked`): no mode for nothing."""
+    follow, seen = _remembered_tables(model)
+    new = {p for p in used if p not in axes and isinstance(units[p].module, nn.Embedding)}
+    if new <= seen:
+        return None
+    _remember_tables(model, follow | new, seen | new)
+    return follow | new
 
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
-                     backward: str) -> Jacobian:
+                     backward: str, tables: frozenset[str] | None = None
+                     ) -> Jacobian | frozenset[str]:
+    """:func:`jacobian` under the model's lock; with ``tables`` None (the first pass) it may
+    return the positional tables (:func:`_shared_tables`) to run it again with instead."""
     selected = _select_params(model, params)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
@@ -1012,12 +1062,16 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     cands = [named[nm] for nm in selected
              if owners[nm][0] not in units and owners[nm][0] not in rec
              and registrations[id(named[nm])] == 1]
-    uses = ParamUses(cands) if cands else None
+    first = tables is None
+    if tables is None:
+        tables = _remembered_tables(model)[0]
+    tabs = [named[nm] for p in tables if p in units for nm in units[p].names]
+    uses = ParamUses(cands, tables=tabs) if cands or tabs else None
     out = _run_forward(model, x, units, clone=False, uses=uses, rec=rec)
     if (any(c.a._version != c.a_version or c.y._version != c.y_version
             for u in units.values() for c in u.calls)
             or (uses is not None and any(c.modified() for c in uses.calls))):
-        uses = ParamUses(cands, clone=True) if cands else None
+        uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
         # something was modified in place
         out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
     if out.ndim < 1 or out.shape[0] != n:
@@ -1045,7 +1099,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                 continue
             used[path] = idx
         rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
-        probe_uses = None if uses is None else ParamUses(cands)
+        probe_uses = None if uses is None else ParamUses(cands, tables=tabs)
         if probe_uses is None and not rused:  # module calls only: the answer is remembered
             axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
         else:  # functional and recurrent calls are planned from this probe's own records
@@ -1053,9 +1107,16 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
         rkron = {p: u for p, u in rused.items() if p in axes}
+        if first and (more := _shared_tables(model, units, used, axes)) is not None:
+            return more
         if uses is not None:
+            uses.bad.update(id(named[nm]) for p in tables if p in kron for nm in units[p].names)
             fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
                                                owners, named, n)
+            failed = (tables & used.keys()) - kron.keys() - fgroups.keys()
+            if failed:  # used otherwise: follow them no more
+                follow, seen = _remembered_tables(model)
+                _remember_tables(model, follow - failed, seen)
 
     # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
     # one module (a root parameter alone).
@@ -1124,6 +1185,7 @@ def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[An
     for c in uses.calls:
         if c.modified():  # changed in place even in the cloned pass
             bad.update(id(t.param) for t in c.terms)
+    bad |= _unseen_lookup_uses(uses, reachable)
     calls = uses.calls
     axes = functional_sample_axes(calls, probe.calls if probe is not None and probe.done
                                   else [], _tracking_axis, n, _probe_size(n))
@@ -1138,6 +1200,26 @@ def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[An
     ok = structured_groups(groups, [c for c, _ in live], [ax for _, ax in live], root)
     ids = {id(p) for ps in ok.values() for p in ps}
     return [(c, ax) for c, ax in live if any(id(t.param) in ids for t in c.terms)], ok
+
+
+def _unseen_lookup_uses(uses: ParamUses, reachable: set[Any]) -> set[int]:
+    """The tables (ids) with a lookup result y used in a way the mode did not see: the graph
+    has more edges from reachable nodes into y's node than recognised calls on y that reach
+    the output (the check of the direct uses of a parameter, for ``F.embedding`` results)."""
+    nodes = {tab.y.grad_fn: tab for tab in uses.gathers.values() if tab.y.grad_fn in reachable}
+    if not nodes:
+        return set()
+    edges = dict.fromkeys(nodes, 0)
+    for node in reachable:
+        for nxt, _ in node.next_functions:
+            if nxt in edges:
+                edges[nxt] += 1
+    for c in uses.calls:
+        if c.y.grad_fn in reachable:
+            for t in c.terms:
+                if t.operand is not None and t.operand.grad_fn in edges:
+                    edges[t.operand.grad_fn] -= 1
+    return {id(nodes[node].param) for node, k in edges.items() if k}
 
 
 # --------------------------------------------------------------------------------------------

@@ -72,8 +72,8 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "cat", "input_factor", "layer_block",
-           "layer_type", "output_factor", "sample_axis_ok"]
+__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "cat", "embedding_index", "input_factor",
+           "layer_block", "layer_type", "output_factor", "sample_axis_ok"]
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -183,12 +183,17 @@ def input_factor(mod: nn.Module, a: torch.Tensor, n: int, ones: bool,
         a_c = a.reshape(n, -1, mod.in_features)
         return _with_ones(a_c) if ones else a_c
     if isinstance(mod, nn.Embedding):
-        idx = a.reshape(n, -1).to(torch.int64)
-        if mod.padding_idx is not None:
-            pad = mod.padding_idx % mod.num_embeddings  # torch allows a negative padding_idx
-            idx = torch.where(idx == pad, -1, idx)
-        return idx
+        return embedding_index(a.reshape(n, -1), mod.padding_idx, mod.num_embeddings)
     return conv_patches(mod, a, ones)
+
+
+def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch.Tensor:
+    """The indices ``idx`` of a lookup in a (v, D) table as an index factor: int64, ``-1`` at
+    ``padding_idx`` (whose row gets no gradient in torch; negative counts from the end)."""
+    idx = idx.to(torch.int64)
+    if padding_idx is None:
+        return idx
+    return torch.where(idx == padding_idx % v, -1, idx)
 
 
 def output_factor(mod: nn.Module, gr: torch.Tensor, n: int, lead: int,

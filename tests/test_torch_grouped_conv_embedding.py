@@ -4,6 +4,9 @@ Every number is compared with a dense float64 reference: the ``torch.func`` Jaco
 model, its Gram (full and trace), J v, J^T c, the sketched dense Jacobian J Omega^T and a
 direct solve of (lambda I + J^T J) d = g.  An ``nn.Embedding`` is a KroneckerBlock whose
 factor a is the (N, T) index array (``one_hot = V``): no (N, T, V) one-hot array exists.
+A positional table looked up without a sample axis (``pos(arange(T))``, Hugging Face BERT's
+``position_embeddings``) and added to / multiplying the samples is such a block too (the
+``dense_calls`` spy: no ``torch.func`` pass); its other uses keep ``torch.func``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from ntkcore.features import feature_variance, features
 from ntkcore.gram import _gram
 from ntkcore.lowrank import low_rank
 from ntkcore.sketch import sketch_jacobian
+from tests import test_torch_norm_blocks as norm_tests
 from tests.test_torch_provider import reference
 from tests.tolerances import kernel_tol, solve_tol
 
 DT = torch.float64
+dense_calls = norm_tests.dense_calls  # the fixture: block names that went through torch.func
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +55,8 @@ class BertEmbeddings(nn.Module):
     """word + position + token type, LayerNorm, a Linear head on the mean token (as in BERT).
 
     ``shared_positions``: positions looked up as ``pos(arange(T))`` (one (T, D) table for all
-    samples, no sample axis: a DenseBlock) instead of ``pos(arange(T).expand(N, T))``."""
+    samples, no sample axis: its lookup is followed to the sum with the sample operand)
+    instead of ``pos(arange(T).expand(N, T))``."""
 
     def __init__(self, v=50, t=6, d=4, out=2, shared_positions=False):
         super().__init__()
@@ -157,16 +163,229 @@ def test_large_vocabulary_never_forms_one_hot_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("shared_positions", [False, True])
-def test_bert_like_embedding_sum(shared_positions):
+def test_bert_like_embedding_sum(shared_positions, dense_calls):
     model = BertEmbeddings(shared_positions=shared_positions).to(DT).eval()
     ids = _ids(4, 6, 50, pad=1)
     j = jacobian(model, ids)
     kinds = {b.name: (type(b).__name__, getattr(b, "one_hot", None)) for b in j.blocks}
     assert kinds["word"] == ("KroneckerBlock", 50)
     assert kinds["typ"] == ("KroneckerBlock", 2)
-    # pos(arange(T)) has no sample axis: a DenseBlock (torch.func); expanded: an index factor
-    assert kinds["pos"] == (("DenseBlock", None) if shared_positions else ("KroneckerBlock", 6))
+    # pos(arange(T)), no sample axis, or expanded: an index factor either way
+    assert kinds["pos"] == ("KroneckerBlock", 6)
+    assert dense_calls == []  # no torch.func pass
     _dense_checks(model, ids, j, reference(model, ids))
+
+
+class SharedTable(nn.Module):
+    """A positional table looked up without a sample axis, used as ``how`` says: word
+    embeddings (N, T, D) -> [+ pos] -> LayerNorm -> tanh -> Linear head on the mean token.
+
+    Structured: "hf" (Hugging Face BERT: ``position_ids`` a (1, max) buffer sliced to (1, T),
+    added to word + token type; T < max so some rows get no gradient), "mul" (the sample
+    operand times the table), "twice" (one lookup added at two places), "two-calls" (the
+    module called twice), "padding" (a ``padding_idx`` row looked up: zero gradient).
+    Fallbacks (torch.func): "row0" (a view of the lookup, ``h + p[0]``), "matmul" (a
+    non-broadcast product ``h @ p.T``), "extra-sum" (``h + p`` and ``p.sum()``), "function"
+    (``h + p`` and a use inside an ``autograd.Function``), "tables" (two shared lookups
+    added to each other first); and "sequence-first" ((T, N, D) plus a (T, 1, D) lookup:
+    broadcast along the samples on axis 1, structured)."""
+
+    def __init__(self, how, v=30, t=5, d=4, out=3, max_pos=8):
+        super().__init__()
+        self.how, self.t = how, t
+        self.word = nn.Embedding(v, d)
+        if how == "hf":
+            self.typ = nn.Embedding(2, d)
+        self.pos = nn.Embedding(max_pos, d, padding_idx=2 if how == "padding" else None)
+        if how == "tables":
+            self.other = nn.Embedding(max_pos, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, out)
+        self.register_buffer("position_ids", torch.arange(max_pos).expand((1, -1)),
+                             persistent=False)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        h = self.word(ids)
+        how = self.how
+        if how == "hf":
+            h = h + self.typ(torch.zeros_like(ids))
+            y = h + self.pos(self.position_ids[:, :t])
+        elif how == "sequence-first":
+            y = (h.transpose(0, 1) + self.pos(torch.arange(t)[:, None])).transpose(0, 1)
+        else:
+            p = self.pos(torch.arange(t))
+            if how == "mul":
+                y = torch.tanh(h) * p
+            elif how == "twice":
+                y = torch.tanh(h + p) + p
+            elif how == "two-calls":
+                y = torch.tanh(h + p) + self.pos(torch.arange(t).flip(0))
+            elif how == "padding":
+                y = h + p
+            elif how == "row0":
+                y = h + p[0]
+            elif how == "matmul":
+                y = h @ p.T
+            elif how == "extra-sum":
+                y = h + p + p.sum()
+            elif how == "function":
+                y = h + p + _Product.apply(h, p)
+            elif how == "tables":
+                y = h + (p + self.other(torch.arange(t)))
+            else:
+                raise AssertionError(how)
+        y = y if y.shape[-1] == self.norm.normalized_shape[0] else y[..., :4]
+        return self.head(torch.tanh(self.norm(y))).mean(1)
+
+
+class _Product(torch.autograd.Function):
+    """h * p with a hand-written backward: a use of p that the functional mode cannot see."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h, p):
+        return h * p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, p = ctx.saved_tensors
+        return g * p, g * h
+
+
+SHARED = ["hf", "mul", "twice", "two-calls", "padding", "sequence-first"]
+FALLBACK = ["row0", "matmul", "extra-sum", "function", "tables"]
+
+
+@pytest.mark.parametrize("how", SHARED + FALLBACK)
+def test_shared_positional_table(how, dense_calls):
+    """A table looked up without a sample axis and broadcast-added to (or multiplying) the
+    samples is an index-factor KroneckerBlock from the sum's output gradients, exactly; any
+    other use of the lookup keeps the exact torch.func path."""
+    model = SharedTable(how).to(DT).eval()
+    with torch.no_grad():
+        for q in model.parameters():
+            q.normal_()
+    ids = _ids(4, 5, 30)
+    j = jacobian(model, ids)
+    pos = next(b for b in j.blocks if b.name == "pos")
+    if how in SHARED:
+        assert isinstance(pos, KroneckerBlock) and pos.one_hot == 8
+        assert dense_calls == []
+        if how == "padding":
+            assert (pos.a == -1).sum() == 4  # arange(5) hits padding_idx 2 once per sample
+    else:
+        assert isinstance(pos, DenseBlock)
+        assert "pos" in dense_calls
+    _dense_checks(model, ids, j, reference(model, ids))
+
+
+def test_shared_table_is_remembered(dense_calls):
+    """The first call finds the table (one more forward and probe); later calls follow its
+    lookup from the start (one forward and one probe)."""
+    model = SharedTable("hf").to(DT).eval()
+    ids = _ids(3, 5, 30)
+    passes = []
+    model.register_forward_pre_hook(lambda m, a: passes.append(a[0].shape[0]))
+    j1 = jacobian(model, ids)
+    first = len(passes)
+    j2 = jacobian(model, ids)
+    assert first == 4 and len(passes) - first == 2
+    assert rel(gram(j2, mode="full"), gram(j1, mode="full")) == 0
+    assert dense_calls == []
+
+
+def test_table_used_otherwise_is_followed_no_more(monkeypatch, dense_calls):
+    """A table whose lookup is used in an unrecognised way: the second call runs without the
+    functional mode (no per-op cost for nothing), with the same exact torch.func block."""
+    import ntkcore.backends.torch_functional as tf
+
+    entered = []
+    real = tf.ParamUses.__torch_function__
+    monkeypatch.setattr(tf.ParamUses, "__torch_function__",
+                        lambda *a, **k: entered.append(1) or real(*a, **k))
+    model = SharedTable("row0").to(DT).eval()
+    ids = _ids(3, 5, 30)
+    j1 = jacobian(model, ids)
+    assert entered and dense_calls == ["pos"]
+    entered.clear()
+    j2 = jacobian(model, ids)
+    assert entered == [] and dense_calls == ["pos", "pos"]
+    assert rel(j2.to_dense(), j1.to_dense()) == 0
+
+
+class FloatWithTable(nn.Module):
+    """Linear on float inputs (N, T, 3) plus a positional table, tanh, head, sum over T."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.pos, self.head = nn.Linear(3, 4), nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l(x) + self.pos(torch.arange(x.shape[1])))).sum(1)
+
+
+@pytest.mark.parametrize("kw", [{"params": ["pos.weight"]}, {"pseudo": True},
+                                {"backward": "loop"}], ids=["pos-only", "pseudo", "loop"])
+def test_shared_table_provider_paths(kw, dense_calls):
+    model = FloatWithTable().to(DT)
+    x = torch.randn(3, 5, 3, dtype=DT)
+    j = jacobian(model, x, **kw)
+    ref = reference(model, x, kw.get("params"), pseudo=kw.get("pseudo", False))
+    assert all(isinstance(b, KroneckerBlock) for b in j.blocks) and dense_calls == []
+    jd = to_block_order(model, j, ref, kw.get("params"))
+    assert rel(j.to_dense(), jd) < kernel_tol(DT, jd.shape[2] + 2, computations=2)
+
+
+def test_shared_table_differentiable_in_x(dense_calls):
+    """x.requires_grad (KIP's path): the table's g keeps the graph to x."""
+    model = FloatWithTable().to(DT)
+    x = torch.randn(2, 5, 3, dtype=DT)
+    xg = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(ntk(model, xg, mode="trace").sum(), xg)
+
+    def kernel_of(xx):
+        r = torch.cat([v.reshape(v.shape[0], v.shape[1], -1)
+                       for v in reference(model, xx).values()], 2)
+        return torch.einsum("nok,mok->nm", r, r).sum()
+
+    assert rel(gx, torch.func.grad(kernel_of)(x)) < 1e-10
+    assert dense_calls == []
+
+
+@pytest.fixture(scope="module")
+def hf_bert():
+    from benchmarks import real_models as rm
+
+    why = rm.available("bert")
+    if why:
+        pytest.skip(why)
+    return rm
+
+
+def test_hf_bert_position_embeddings(hf_bert, dense_calls):
+    """Hugging Face BertForSequenceClassification (tiny): every block structured, the position
+    table an index factor; Jacobian and full / trace kernels against dense float64."""
+    rm = hf_bert
+    model, ids = rm.build("bert", "tiny", n=3, dtype="float64")
+    assert rm.block_report(model, ids).torch_func == []
+    j = jacobian(model, ids)
+    pos = next(b for b in j.blocks if b.name.endswith("position_embeddings"))
+    assert isinstance(pos, KroneckerBlock) and pos.one_hot == 32
+    assert dense_calls == []
+    _dense_checks(model, ids, j, reference(model, ids))
+    ids2 = _ids(2, 6, 50, gen_seed=3)
+    r1 = to_block_order(model, j, reference(model, ids))
+    j2 = jacobian(model, ids2)
+    r2 = to_block_order(model, j2, reference(model, ids2))
+    tol = kernel_tol(DT, r1.shape[2] * r1.shape[1], computations=2)
+    assert rel(ntk(model, ids, ids2, mode="full"), torch.einsum("nop,mqp->nmoq", r1, r2)) < tol
+    assert rel(ntk(model, ids, ids2, mode="trace"), torch.einsum("nop,mop->nm", r1, r2)) < tol
 
 
 def test_ntk_batches_and_concatenates_index_blocks():

@@ -120,7 +120,7 @@ def tokens(n, t=6):
 
 # (model factory, input factory N -> x, T, block kinds whatever N is)
 CASES = {
-    "gpt": (GPT, lambda n: tokens(n), 6, "KDK"),
+    "gpt": (GPT, lambda n: tokens(n), 6, "KKK"),  # pos: a positional table (issue 18)
     "buffer": (partial(Buffer, out=2), lambda n: torch.randn(n, 5, dtype=DT), 5, "DK"),
     "seq_first_transformer": (partial(SeqFirst, out=2), lambda n: torch.randn(n, 5, 4, dtype=DT),
                               5, "KKKKDDK"),  # MHA: torch_functional (issue 18)
