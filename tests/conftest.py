@@ -190,3 +190,19 @@ def tiny_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
+
+
+@pytest.fixture
+def dense_calls(monkeypatch):
+    """The block names that went through the torch provider's torch.func (or per-sample
+    autograd) pass during the test: a spy on ``torch_jacobian._dense_blocks``."""
+    tj = pytest.importorskip("ntkcore.backends.torch_jacobian")
+    seen: list[str] = []
+    real = tj._dense_blocks
+
+    def spy(model, x, groups, *args, **kwargs):
+        seen.extend(name for name, _ in groups)
+        return real(model, x, groups, *args, **kwargs)
+
+    monkeypatch.setattr(tj, "_dense_blocks", spy)
+    return seen

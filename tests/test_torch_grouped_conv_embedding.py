@@ -558,20 +558,11 @@ def test_grouped_and_depthwise_conv(dim, groups, bias, geometry):
         solve_tol(DT, cond, computations=2) + kernel_tol(DT, p, computations=2) * cond
 
 
-def test_depthwise_conv_is_a_hook_built_dense_block(monkeypatch):
+def test_depthwise_conv_is_a_hook_built_dense_block(dense_calls):
     """A depthwise convolution's block is its (N, O, C k [+ C]) per-sample gradient built from
     the hooks (no torch.func pass): at every real size it is smaller, and its Gram cheaper,
     than any Kronecker form (docs/concepts.md, "Grouped convolutions")."""
-    import ntkcore.backends.torch_jacobian as tj
-
-    seen = []
-    real = tj._dense_blocks
-
-    def spy(model, x, groups, *args, **kwargs):
-        seen.extend(name for name, _ in groups)
-        return real(model, x, groups, *args, **kwargs)
-
-    monkeypatch.setattr(tj, "_dense_blocks", spy)
+    seen = dense_calls
     model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8, padding=1), nn.Tanh(),
                           nn.Conv2d(8, 8, 1), nn.Flatten(), nn.Linear(8 * 36, 2)).to(DT).eval()
     x = torch.randn(2, 8, 6, 6, dtype=DT)

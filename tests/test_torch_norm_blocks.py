@@ -23,7 +23,6 @@ from torch.func import functional_call, grad, jacrev, vmap  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import ntkcore  # noqa: E402
-import ntkcore.backends.torch_jacobian as tj  # noqa: E402
 from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.backends.torch_jacobian import jacobian, to_block_order  # noqa: E402
 from ntkcore.sketch import sketch_jacobian  # noqa: E402
@@ -156,20 +155,6 @@ def tol_for(p, o):
     """A kernel entry sums p * o products (trace) in two independent computations (the
     provider and the reference)."""
     return kernel_tol(DT, p * o, computations=2)
-
-
-@pytest.fixture
-def dense_calls(monkeypatch):
-    """The block names that went through the torch.func (or per-sample autograd) pass."""
-    seen: list[str] = []
-    real = tj._dense_blocks
-
-    def spy(model, x, groups, *args, **kwargs):
-        seen.extend(name for name, _ in groups)
-        return real(model, x, groups, *args, **kwargs)
-
-    monkeypatch.setattr(tj, "_dense_blocks", spy)
-    return seen
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -405,20 +405,11 @@ class TwoLN(nn.Module):
         return self.out(h).mean(1)
 
 
-def test_layernorm_blocks_come_from_the_hooks(monkeypatch):
+def test_layernorm_blocks_come_from_the_hooks(dense_calls):
     """LayerNorm over the last axis is assembled from the hooked inputs and output gradients
     (torch.func is not called for it), tied calls summed; over two axes too (issue 18; the
     other normalisation layers: test_torch_norm_blocks.py)."""
-    import ntkcore.backends.torch_jacobian as tj
-
-    seen = []
-    real = tj._dense_blocks
-
-    def spy(model, x, groups, *args, **kwargs):
-        seen.extend(name for name, _ in groups)
-        return real(model, x, groups, *args, **kwargs)
-
-    monkeypatch.setattr(tj, "_dense_blocks", spy)
+    seen = dense_calls
     x = torch.randn(5, 3, 4, dtype=DT)
     j = check_model(TwoLN(), x, kinds="KDDDK")
     assert seen == []

@@ -29,7 +29,6 @@ from torch import nn  # noqa: E402
 from torch.func import functional_call, jacrev  # noqa: E402
 
 import ntkcore  # noqa: E402
-import ntkcore.backends.torch_jacobian as tj  # noqa: E402
 from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.backends.torch_jacobian import from_block_order, jacobian, to_block_order  # noqa: E402
 from ntkcore.backends.torch_layers import recurrent_forward  # noqa: E402
@@ -122,20 +121,6 @@ def tol_for(p, o, layers, t=T, fan_in=IN + HID + 1):
 
 def kinds(j):
     return "".join("K" if isinstance(b, KroneckerBlock) else "D" for b in j.blocks)
-
-
-@pytest.fixture
-def dense_calls(monkeypatch):
-    """The block names that went through the torch.func (or per-sample autograd) pass."""
-    seen: list[str] = []
-    real = tj._dense_blocks
-
-    def spy(model, x, groups, *args, **kwargs):
-        seen.extend(name for name, _ in groups)
-        return real(model, x, groups, *args, **kwargs)
-
-    monkeypatch.setattr(tj, "_dense_blocks", spy)
-    return seen
 
 
 def check_against_reference(model, x1, x2, layers, params=None, t=T, fan_in=IN + HID + 1):
