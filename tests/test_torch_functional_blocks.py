@@ -34,11 +34,9 @@ import ntkcore  # noqa: E402
 import ntkcore.backends.torch_functional as tf  # noqa: E402
 from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.backends.torch_jacobian import jacobian, to_block_order  # noqa: E402
-from tests import test_torch_norm_blocks as norm_tests  # noqa: E402
 from tests.test_torch_norm_blocks import _randomise, dense, reference, rel, tol_for  # noqa: E402
 
 DT = torch.float64
-dense_calls = norm_tests.dense_calls  # the fixture: block names that went through torch.func
 
 
 @pytest.fixture(autouse=True)

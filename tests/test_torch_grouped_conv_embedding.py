@@ -25,12 +25,10 @@ from ntkcore.features import feature_variance, features
 from ntkcore.gram import _gram
 from ntkcore.lowrank import low_rank
 from ntkcore.sketch import sketch_jacobian
-from tests import test_torch_norm_blocks as norm_tests
 from tests.test_torch_provider import reference
 from tests.tolerances import kernel_tol, solve_tol
 
 DT = torch.float64
-dense_calls = norm_tests.dense_calls  # the fixture: block names that went through torch.func
 
 
 @pytest.fixture(autouse=True)
