@@ -402,24 +402,6 @@ def test_torch_cnn_float32(rng):
     assert _unbiased_violation(samples, exact, var) <= 0
 
 
-def test_jax_pair(rng):
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    p = {"w1": jnp.asarray(rng.standard_normal((5, 3))), "b1": jnp.zeros(5),
-         "w2": jnp.asarray(rng.standard_normal((2, 5)))}
-
-    def apply_fn(p, x):
-        return jnp.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
-
-    x = jnp.asarray(rng.standard_normal((4, 3)))
-    exact = np.asarray(ntkcore.ntk((apply_fn, p), x, mode="full"))
-    var = np.asarray(ntkcore.feature_variance((apply_fn, p), x, dim=12, mode="full"))
-    samples = np.stack([_feature_kernel(np.asarray(ntkcore.features(
-        (apply_fn, p), x, dim=12, seed=s, mode="full")), "full") for s in range(100)])
-    assert _unbiased_violation(samples, exact, var) <= 0
-    assert _unbiased_violation(1.5 * samples, exact, var) > 0  # a 50 % bias is caught
-
-
 def _jax_model(rng):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
@@ -430,6 +412,16 @@ def _jax_model(rng):
         return jnp.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
 
     return jax, (apply_fn, p), jnp.asarray(rng.standard_normal((4, 3)))
+
+
+def test_jax_pair(rng):
+    _, model, x = _jax_model(rng)
+    exact = np.asarray(ntkcore.ntk(model, x, mode="full"))
+    var = np.asarray(ntkcore.feature_variance(model, x, dim=12, mode="full"))
+    samples = np.stack([_feature_kernel(np.asarray(ntkcore.features(
+        model, x, dim=12, seed=s, mode="full")), "full") for s in range(100)])
+    assert _unbiased_violation(samples, exact, var) <= 0
+    assert _unbiased_violation(1.5 * samples, exact, var) > 0  # a 50 % bias is caught
 
 
 def test_jax_grad_through_exact_features_is_the_kernel_gradient(rng):
