@@ -42,6 +42,16 @@ CASES = (
 )
 
 
+def _training_step(m, opt, x, y):
+    """One SENG step of a cross-entropy loss, as a zero-argument call to time."""
+
+    def f():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return f
+
+
 def kron_jac(conv, n, s, din, dout, o, seed):
     r = np.random.default_rng(seed)
     a = (r.standard_normal((n, s, din)) / np.sqrt(din)).astype(np.float32)
@@ -162,11 +172,7 @@ def build(case):
         x = torch.randn(128, 64)
         y = torch.randint(0, 10, (128,))
 
-        def f():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
+        f = _training_step(m, opt, x, y)
     elif case == "seng_cnn":
         from ntkcore.backends.torch import SENG
 
@@ -180,11 +186,7 @@ def build(case):
         x = torch.randn(128, 1, 8, 8)
         y = torch.randint(0, 10, (128,))
 
-        def f():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
+        f = _training_step(m, opt, x, y)
     elif case == "regression":
         A = torch.randn(3000, 3000, dtype=torch.float64)
         K = A @ A.T / 3000 + torch.eye(3000, dtype=torch.float64)
