@@ -188,6 +188,7 @@ from .torch_layers import (
     CHANNELS_FIRST,
     RecurrentPass,
     cat,
+    drop_zero_positions,
     layer_block,
     layer_type,
     output_factor,
@@ -1168,6 +1169,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
+    if not create_graph:  # exact: positions with g == 0 add nothing (see drop_zero_positions)
+        blocks = {k: drop_zero_positions(b) for k, b in blocks.items()}
     return Jacobian([blocks[name] for name in order])
 
 

@@ -72,8 +72,9 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "cat", "embedding_index", "input_factor",
-           "layer_block", "layer_type", "output_factor", "sample_axis_ok"]
+__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "cat", "drop_zero_positions",
+           "embedding_index", "input_factor", "layer_block", "layer_type", "output_factor",
+           "sample_axis_ok"]
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -246,6 +247,36 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
     if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
         return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
     return KroneckerBlock(a.contiguous(), g, name)
+
+
+def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | KroneckerBlock:
+    r"""``block`` without the positions at which its output gradients vanish for every sample.
+
+    A position s with :math:`g[n, s, o, :] = 0` for all n and o adds nothing to the weight
+    gradient :math:`\sum_s g[n,s,o]\, a[n,s]^\top`, so dropping it from a and g is exact: a
+    classifier reading one token (ViT's class token, BERT's pooler) leaves S - 1 of the S
+    token positions of every Linear after the last attention at zero, and the Gram's
+    positions route then costs :math:`N^2` instead of :math:`N^2 S^2` per unit of width.
+    Cost: a read of sample 0's g (a position live there is live), and of the other samples
+    at sample 0's dead positions only.  A DenseBlock, S = 1, or a g on an autograd graph (a
+    zero value may have a non-zero derivative) is returned as it is; at least one position
+    stays.
+    """
+    if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
+        return block
+    g = block.g
+    live = g[0].ne(0).flatten(1).any(1)  # (S,)
+    if bool(live.all()):
+        return block
+    dead = (~live).nonzero().flatten()
+    live[dead] = g[:, dead].ne(0).transpose(0, 1).flatten(1).any(1)
+    keep = live.nonzero().flatten()
+    if keep.numel() == live.numel():
+        return block
+    if keep.numel() == 0:
+        keep = keep.new_zeros(1)
+    return block.with_arrays(block.a.index_select(1, keep).contiguous(),
+                             g.index_select(1, keep))
 
 
 def _affine_block(mod: nn.Module, xhat: Callable[[nn.Module, torch.Tensor], torch.Tensor],

@@ -111,7 +111,10 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 #: Row panels of a tile on the diagonal of a symmetric kernel (:meth:`TileGrid.pieces`): used
 #: when the contraction costs at least ``SYMMETRIC_SPLIT_FLOPS_PER_ENTRY`` flops per kernel
 #: entry and only where arrays support slice assignment; panels have at least
-#: ``SYMMETRIC_PANEL_ROWS`` rows (samples; CPU / GPU), a tile at most ``SYMMETRIC_MAX_PANELS``.
+#: ``SYMMETRIC_PANEL_ROWS`` GEMM rows (CPU / GPU), a tile at most ``SYMMETRIC_MAX_PANELS``.
+#: A panel of k samples is a GEMM of k rows for a dense, kron1 or materialised block and of
+#: k S rows for a block on the "positions" route (:func:`_panel_span`, the block with the
+#: most flops decides): a token or convolution layer's panels stay wide at small N.
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
@@ -308,27 +311,64 @@ def _flops(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: st
                      for r, nr in rows for c, nc in cols))
 
 
-def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
-               layerwise: bool, budget: int, itemsize: int, forced: str | None,
-               gpu: bool, writable: bool = True) -> GramPlan:
-    """Strategies and tile size from the cost model (see the module docstring)."""
-    elems = budget / itemsize
+def _panel_span(strategies: list[str], pairs: list[_Pair], mode: str, o: int, r: int) -> int:
+    """GEMM rows per sample of the block with the most flops on an ``r`` x ``r`` tile: its
+    positions S on the "positions" route (the Grams are (r S) x (r S)), else 1."""
+    _, strat, pair = max(((_cost(s, p, mode, o, r, r)[1], s, p)
+                              for s, p in zip(strategies, pairs, strict=True)),
+                             key=lambda x: x[0])
+    return pair.b1.num_positions if strat == "positions" else 1
+
+
+def _diagonal_flops(strategy: str, pair: _Pair, mode: str, o: int, r: int, panels: int) -> float:
+    """Flops of one block on an ``r`` x ``r`` tile on the diagonal of a symmetric kernel in
+    ``panels`` row panels: :func:`panel_share` of the products, the materialised weights formed
+    once (:math:`2 r S O P_b`, not for both sides)."""
+    flops = _cost(strategy, pair, mode, o, r, r)[1]
+    form = 0
+    if strategy == "materialise":
+        form = 2 * r * pair.b1.num_positions * o * pair.b1.num_params
+        flops -= 2 * form
+    return form + flops * panel_share(r, panels)
+
+
+def _symmetric_flops(strategy: str, pair: _Pair, mode: str, o: int, n: int, r: int,
+                     panels: int) -> float:
+    """Flops of one block over the upper-triangle tiles of an n x n kernel in r x r tiles."""
+    grid = sizes(n, r)
+    diag = sum(k * _cost(strategy, pair, mode, o, rr, rr)[1] for rr, k in grid)
+    rest = _flops([strategy], [pair], mode, o, grid, grid) - diag
+    return sum(k * _diagonal_flops(strategy, pair, mode, o, rr, panels)
+               for rr, k in grid) + rest / 2
+
+
+def _choose(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, fits_elems: float,
+            acc: int, forced: str | None, panel_rows: int) -> tuple[list[str], list[int]]:
+    """Per block the strategy with the fewest flops at the largest tile that fits, and that
+    tile.  ``panel_rows`` > 0: a symmetric kernel whose diagonal tiles are split into the row
+    panels of at least ``panel_rows`` GEMM rows that the strategy would get alone
+    (:func:`_panel_count`, :func:`_symmetric_flops`); 0: every tile counted in full."""
     nmax = max(n1, n2)
-    panels = 1
-    acc = _acc_factor(layerwise, len(pairs))
+    useful = useful_tile(nmax)
     chosen: list[str] = []
     tiles: list[int] = []
-    useful = useful_tile(nmax)
     for pair in pairs:
         options = []
         for strat in pair.strategies(forced):
             def fits(tile: int, strat: str = strat, pair: _Pair = pair) -> bool:
                 r, c = min(tile, n1), min(tile, n2)
-                return _work([strat], [pair], mode, o, r, c, acc) <= elems
+                return _work([strat], [pair], mode, o, r, c, acc) <= fits_elems
             tile = _largest(fits, 1, nmax)
             if tile >= useful:
-                grid = sizes(n1, min(tile, n1)), sizes(n2, min(tile, n2))
-                key = (0, _flops([strat], [pair], mode, o, *grid))
+                if panel_rows:
+                    r = min(tile, n1)
+                    span = pair.b1.num_positions if strat == "positions" else 1
+                    f = _symmetric_flops(strat, pair, mode, o, n1, r,
+                                         _panel_count(r, span, panel_rows))
+                else:
+                    f = _flops([strat], [pair], mode, o, sizes(n1, min(tile, n1)),
+                               sizes(n2, min(tile, n2)))
+                key = (0, f)
             elif tile >= 1:  # below a useful tile (plan_gram only): the largest tile
                 key = (1, float(-tile))
             else:  # nothing fits: prefer the smallest working set
@@ -337,7 +377,43 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
         key, tile, strat = min(options, key=lambda x: x[0])
         chosen.append(strat)
         tiles.append(tile)
+    return chosen, tiles
 
+
+def _panel_count(r: int, span: int, rows: int) -> int:
+    """Row panels of an ``r``-sample diagonal tile whose dominant GEMMs have ``span`` rows per
+    sample: panels of at least ``rows`` GEMM rows, at most ``SYMMETRIC_MAX_PANELS``."""
+    return max(1, min(SYMMETRIC_MAX_PANELS, r * span // rows, r))
+
+
+def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetric: bool,
+               layerwise: bool, budget: int, itemsize: int, forced: str | None,
+               gpu: bool, writable: bool = True) -> GramPlan:
+    """Strategies and tile size from the cost model (see the module docstring).
+
+    A symmetric kernel is planned twice: strategies chosen with every tile counted in full,
+    and chosen with the diagonal tiles split into the row panels each strategy would allow
+    alone (a "positions" block's panels are S times taller GEMMs); each plan gets the panels
+    its dominant block allows (:func:`_panel_span`), and the one with fewer flops is kept.
+    """
+    acc = _acc_factor(layerwise, len(pairs))
+    elems = budget / itemsize
+    args = (pairs, mode, o, n1, n2, symmetric, layerwise, budget, itemsize, gpu, writable, acc)
+    plan = _finish(*_choose(pairs, mode, o, n1, n2, elems, acc, forced, 0), *args)
+    if symmetric and writable and forced is None and SYMMETRIC_MAX_PANELS > 1:
+        rows = SYMMETRIC_PANEL_ROWS["gpu" if gpu else "cpu"]
+        paneled = _finish(*_choose(pairs, mode, o, n1, n2, elems, acc, forced, rows), *args)
+        if paneled.flops < plan.flops:
+            return paneled
+    return plan
+
+
+def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, o: int,
+            n1: int, n2: int, symmetric: bool, layerwise: bool, budget: int, itemsize: int,
+            gpu: bool, writable: bool, acc: int) -> GramPlan:
+    """The plan of the chosen strategies: one tile grid for all blocks, panels, flops."""
+    elems = budget / itemsize
+    panels = 1
     tile = max(1, min(tiles))  # _setup has checked that a useful tile fits
     if symmetric:
         r = min(tile, n1)
@@ -347,7 +423,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
             r = min(r, max(floor, math.ceil(n1 / 4)))
             if writable:
                 rows = SYMMETRIC_PANEL_ROWS["gpu" if gpu else "cpu"]
-                panels = max(1, min(SYMMETRIC_MAX_PANELS, r // rows))
+                panels = _panel_count(r, _panel_span(chosen, pairs, mode, o, r), rows)
         c = r
     else:
         r, c = min(tile, n1), min(tile, n2)
@@ -363,9 +439,8 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     ntiles = nr * (nr + 1) // 2 if symmetric else nr * nc
     flops_all = _flops(chosen, pairs, mode, o, sizes(n1, r), sizes(n2, c))
     if symmetric:  # upper triangle: diagonal tiles plus half of the rest
-        diag = sum(k * _flops(chosen, pairs, mode, o, [(rr, 1)], [(rr, 1)])
-                   for rr, k in sizes(n1, r))
-        flops = diag * panel_share(r, panels) + (flops_all - diag) / 2
+        flops = sum(_symmetric_flops(s, p, mode, o, n1, r, panels)
+                    for s, p in zip(chosen, pairs, strict=True))
     else:
         flops = flops_all
     working = _work(chosen, pairs, mode, o, r, c, acc)
