@@ -714,3 +714,27 @@ def test_plans_are_reused_by_shape(monkeypatch, rng):
     # a default budget is planned with its leading bits only, and reported exactly
     assert gram_module._round_budget(0b1011011_1111) == 0b1011010_0000
     assert gram_module._round_budget(40) == 40
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_positions_blocks_split_diagonal_tiles_in_gemm_rows(monkeypatch, rng, mode):
+    """A block on the "positions" route has (r S) x (r S) Grams: its diagonal tile is split
+    into row panels of at least SYMMETRIC_PANEL_ROWS GEMM rows (r S), not samples, so a
+    token layer at N = 32 (S = 17) gets panels and fewer flops, with the exact kernel."""
+    import sys
+
+    gram_module = sys.modules["ntkcore.gram"]
+    spec = {"O": 1, "blocks": [("kron", 17, 512, 512), ("dense", 6)]}
+    f = make_factors(spec, 32, rng)
+    j = to_jacobian_np(f)
+    plan = plan_gram(j, mode=mode)
+    assert plan.strategies[0] == "positions"
+    rows = gram_module.SYMMETRIC_PANEL_ROWS["cpu"]
+    assert plan.panels == min(gram_module.SYMMETRIC_MAX_PANELS, 32 * 17 // rows) > 1
+    monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 1)
+    assert plan_gram(j, mode=mode).flops > plan.flops
+    monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 4)
+    k = ntkcore.gram(j, mode=mode)
+    np.testing.assert_allclose(k, reference(f, f, mode), rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(k, np.swapaxes(k, 0, 1) if mode != "full"
+                                  else k.transpose(1, 0, 3, 2))

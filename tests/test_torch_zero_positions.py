@@ -1,0 +1,99 @@
+"""Kronecker positions whose output gradients vanish for every sample are dropped
+(``torch_layers.drop_zero_positions``, issue 18: a class-token readout leaves S - 1 of the S
+token positions of every Linear after the last token mixing at zero).
+
+A small float64 token model reads token 0 only; its kernels are compared with a dense float64
+``torch.func`` Jacobian (``vmap(jacrev)``, independent of the hooks and the output gradients),
+symmetric and cross, full and trace.  The block after the mixing keeps one position; the one
+before it keeps all; with ``x.requires_grad`` (a graph to x: a zero g may have a non-zero
+derivative) nothing is dropped and the kernel's gradient in x matches the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import ntkcore  # noqa: E402
+from ntkcore import KroneckerBlock  # noqa: E402
+from ntkcore.backends.torch_jacobian import jacobian  # noqa: E402
+from ntkcore.backends.torch_layers import drop_zero_positions  # noqa: E402
+from tests.test_torch_norm_blocks import dense, reference, rel, tol_for  # noqa: E402
+
+DT = torch.float64
+T, D, O = 5, 6, 3
+
+
+class ClsReadout(nn.Module):
+    """Tokens (N, T, D) -> Linear -> token mixing -> Linear -> token 0 -> head (N, O)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(D, D)
+        self.last = nn.Linear(D, D)
+        self.head = nn.Linear(D, O)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = h + h.mean(1, keepdim=True)  # every token reaches token 0
+        return self.head(torch.tanh(self.last(h))[:, 0])
+
+
+def _model():
+    torch.manual_seed(0)
+    return ClsReadout().to(DT)
+
+
+def _trace(k):
+    return k.diagonal(dim1=2, dim2=3).sum(-1)
+
+
+def test_readout_keeps_one_position_and_the_exact_kernel():
+    model = _model()
+    x1, x2 = torch.randn(7, T, D, dtype=DT), torch.randn(4, T, D, dtype=DT)
+    j = jacobian(model, x1)
+    pos = {b.name: b.num_positions for b in j.blocks if isinstance(b, KroneckerBlock)}
+    assert pos == {"first": T, "last": 1, "head": 1}
+    r1, r2 = dense(reference(model, x1)), dense(reference(model, x2))
+    tol = tol_for(j.num_params, O)
+    full11 = torch.einsum("nok,mpk->nmop", r1, r1)
+    full12 = torch.einsum("nok,mpk->nmop", r1, r2)
+    assert rel(ntkcore.ntk(model, x1, mode="full"), full11) < tol
+    assert rel(ntkcore.ntk(model, x1, x2, mode="full"), full12) < tol
+    assert rel(ntkcore.ntk(model, x1, mode="trace"), _trace(full11)) < tol
+    assert rel(ntkcore.ntk(model, x1, x2, mode="trace"), _trace(full12)) < tol
+
+
+def test_graph_to_x_keeps_every_position():
+    model = _model()
+    x = torch.randn(3, T, D, dtype=DT, requires_grad=True)
+    j = jacobian(model, x)
+    assert {b.num_positions for b in j.blocks if b.name == "last"} == {T}
+    k = ntkcore.ntk(model, x, mode="trace")
+    (gx,) = torch.autograd.grad(k.sum(), x)
+    xr = x.detach().clone().requires_grad_(True)
+    r = dense(reference(model, xr))
+    (gr,) = torch.autograd.grad(torch.einsum("nok,mok->nm", r, r).sum(), xr)
+    assert rel(gx, gr) < tol_for(j.num_params, O) * 10
+
+
+def test_positions_zero_for_some_samples_stay():
+    """Position 1 is zero everywhere (dropped), position 2 only for sample 0 (kept), and the
+    block's per-sample weight gradients are unchanged."""
+    a = torch.randn(3, 4, 5, dtype=DT)
+    g = torch.randn(3, 4, 2, 6, dtype=DT)
+    g[:, 1] = 0
+    g[0, 2] = 0
+    block = KroneckerBlock(a, g, "b")
+    kept = drop_zero_positions(block)
+    assert kept.num_positions == 3
+    torch.testing.assert_close(kept.a, a[:, [0, 2, 3]], rtol=0, atol=0)
+    w = torch.einsum("nsoi,nsj->noij", g, a)
+    torch.testing.assert_close(torch.einsum("nsoi,nsj->noij", kept.g, kept.a), w,
+                               rtol=0, atol=1e-14)
+    g[:, [0, 2, 3]] = 0  # every position zero: one stays
+    assert drop_zero_positions(KroneckerBlock(a, g, "b")).num_positions == 1
+    live = KroneckerBlock(a, torch.randn(3, 4, 2, 6, dtype=DT), "b")
+    assert drop_zero_positions(live) is live  # nothing dropped: the same block, no copy
