@@ -712,7 +712,7 @@ def _linear_block(params: list[torch.Tensor], mine: list, n: int, name: str,
         elif bias:
             x = _with_ones(x)
         a_parts.append(x.to(g.dtype))
-        g_parts.append(g)
+        g_parts.append(g.contiguous())  # (the provider's loop stores g output-major)
     return KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name)
 
 

@@ -805,7 +805,10 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                     for gr, m, ax in zip(grads, mods, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    gs: list[torch.Tensor] = []  # g (N, S, O, d) views of the loop's buffers, layouts as above
+    # g (N, S, O, d) views of the loop's buffers, layouts as above; a functional call's in
+    # (N, O, S, d) storage: each output's gradient is one contiguous copy per sample, and
+    # torch_functional's sums over broadcast axes read it contiguously
+    gs: list[torch.Tensor] = []
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
@@ -815,7 +818,9 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
             if k == 0:
                 s, d = g1.shape[1], g1.shape[3]
                 gs.append(gr.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
-                          if isinstance(m, CHANNELS_FIRST) else gr.new_empty((n, s, o, d)))
+                          if isinstance(m, CHANNELS_FIRST) else
+                          gr.new_empty((n, o, s, d)).transpose(1, 2) if m is None
+                          else gr.new_empty((n, s, o, d)))
             gs[i][:, :, k:k + 1].copy_(g1)
     return gs
 
@@ -1169,8 +1174,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
-    if not create_graph:  # exact: positions with g == 0 add nothing (see drop_zero_positions)
-        blocks = {k: drop_zero_positions(b) for k, b in blocks.items()}
+    if not create_graph:  # exact: positions with g == 0 add nothing (see drop_zero_positions);
+        # a recurrent block's positions are its time steps, kept whole
+        recurrent = set(rnames.values())
+        blocks = {k: b if k in recurrent else drop_zero_positions(b) for k, b in blocks.items()}
     return Jacobian([blocks[name] for name in order])
 
 
