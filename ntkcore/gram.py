@@ -57,7 +57,14 @@ A tile accumulator of :math:`3 r c O^k` elements comes on top (layerwise: one ti
 For each block and strategy the largest square tile that fits the budget is found, the total
 flop count over all tiles is computed at that tile size (so the materialisation's
 recomputation on small tiles is charged), and the strategy with fewer flops wins.  All blocks
-share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
+share one tile grid: its size is the smallest of the blocks' chosen tile sizes.  A symmetric
+kernel is planned a second time with the flops of its upper-triangle tiles (a diagonal tile:
+the materialised weights formed once, the products times :func:`~ntkcore.tiling.panel_share`
+of the row panels each strategy would get: a "positions" block's panels are GEMMs of
+``S`` rows per sample, so a token layer gets panels at N = 32 where a dense one needs
+``SYMMETRIC_PANEL_ROWS`` samples); the plan with fewer flops is kept (vit_tiny, N = 214:
+the "positions" route in 4 panels, 442 GFLOP, instead of materialised weights, 549 GFLOP
+and 1.9x the time).
 
 Tiling and memory
 -----------------
