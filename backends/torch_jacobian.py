@@ -706,6 +706,22 @@ def _remembered_sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, 
     return {path: list(ax) for path, ax in axes.items()}
 
 
+#: Models whose forward modified a recorded tensor in place (timm's ``BatchNormAct2d``: an
+#: in-place activation after the norm): their next passes record copies from the start.
+_IN_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _modifies_in_place(model: nn.Module, seen: bool = False) -> bool:
+    """Whether a forward of ``model`` modified a recorded tensor in place before (``seen``:
+    remember that it did now)."""
+    try:
+        if seen:
+            _IN_PLACE.add(model)
+        return model in _IN_PLACE
+    except TypeError:  # not weakly referenceable: find out every time
+        return False
+
+
 def _probe_size(n: int) -> int:
     return 2 if n == 1 else 1
 
@@ -1073,12 +1089,16 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         tables = _remembered_tables(model)[0]
     tabs = [named[nm] for p in tables if p in units for nm in units[p].names]
     uses = ParamUses(cands, tables=tabs) if cands or tabs else None
-    out = _run_forward(model, x, units, clone=False, uses=uses, rec=rec)
-    if (any(c.a._version != c.a_version or c.y._version != c.y_version
-            for u in units.values() for c in u.calls)
-            or (uses is not None and any(c.modified() for c in uses.calls))):
+    cloned = _modifies_in_place(model)
+    if cloned:  # it did last time: record copies at once (the pass below would be wasted)
+        uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
+    out = _run_forward(model, x, units, clone=cloned, uses=uses, rec=rec)
+    if not cloned and (any(c.a._version != c.a_version or c.y._version != c.y_version
+                           for u in units.values() for c in u.calls)
+                       or (uses is not None and any(c.modified() for c in uses.calls))):
         uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
         # something was modified in place
+        _modifies_in_place(model, True)
         out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "

@@ -293,6 +293,25 @@ def test_inplace_activation_after_linear():
     check_model(m, torch.randn(5, 3, dtype=DT), kinds="KK")
 
 
+def test_inplace_model_records_copies_from_its_second_call():
+    """A forward that modified a recorded tensor in place is repeated with copies; a model
+    that did so once records copies at once on its next calls (one forward, not two), with
+    the same exact Jacobian."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).to(DT)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    counts = []
+    for model in (m, plain):
+        seen = []
+        model.register_forward_hook(lambda mod, i, o, seen=seen: seen.append(i[0].shape[0]))
+        check_model(model, x, kinds="KK")  # (a probe forward runs on other batch sizes)
+        first = seen.count(5)
+        seen.clear()
+        check_model(model, x, kinds="KK")
+        counts.append((first, seen.count(5)))
+    assert counts == [(2, 1), (1, 1)]
+
+
 def test_batchnorm():
     m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(),
                       nn.Linear(12, 2)).to(DT)
