@@ -258,18 +258,18 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
     token positions of every Linear after the last attention at zero, and the Gram's
     positions route then costs :math:`N^2` instead of :math:`N^2 S^2` per unit of width.
     Cost: a read of sample 0's g (a position live there is live), and of the other samples
-    at sample 0's dead positions only.  A DenseBlock, S = 1, or a g on an autograd graph (a
-    zero value may have a non-zero derivative) is returned as it is; at least one position
-    stays.
+    at sample 0's dead positions only (one strided reduction each).  A DenseBlock, S = 1,
+    or a g on an autograd graph (a zero value may have a non-zero derivative) is returned as
+    it is; at least one position stays.
     """
     if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
         return block
     g = block.g
-    live = g[0].ne(0).flatten(1).any(1)  # (S,)
+    live = g[0].ne(0).any(-1).any(-1)  # (S,)
     if bool(live.all()):
         return block
-    dead = (~live).nonzero().flatten()
-    live[dead] = g[:, dead].ne(0).transpose(0, 1).flatten(1).any(1)
+    for p in (~live).nonzero().flatten().tolist():  # strided reads, no gathered copy
+        live[p] = g[:, p].any()
     keep = live.nonzero().flatten()
     if keep.numel() == live.numel():
         return block
