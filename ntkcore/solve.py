@@ -38,26 +38,21 @@ from typing import Any
 
 import array_api_compat
 
-from ._memory import itemsize
 from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, namespace_of
 from .backend import get_backend
 from .errors import NotPositiveDefiniteError
-from .gram import _writable
 from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
 from .support import CHOLESKY_SOLVE, capabilities
-from .tiling import panel_bounds
 
 __all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
 
 _NONFINITE_U = ("U contains NaN or Inf (or entries so large that their squares overflow "
                 "the dtype)")
-_SYRK_BLOCK = 128  # column-panel width of the blocked symmetric Gram
-#: Bytes of U per chunk of rows of the chunked symmetric Gram (:func:`sym_gram`).
-_SYRK_CHUNK_BYTES = 16 << 20
+_SYRK_BLOCK = 128  # column-block width of the blocked symmetric Gram
 
 
 # -- the symmetric Gram U^T U ---------------------------------------------------------------
@@ -65,40 +60,18 @@ def sym_gram(xp: Any, u: Array) -> Array:
     r""":math:`U^\top U` (rho, rho) for U (P, rho), using the symmetry.
 
     NumPy's ``matmul`` recognises ``U.T @ U`` and calls BLAS ``syrk`` (half the flops).  Other
-    namespaces with slice assignment walk U in chunks :math:`U_c` of rows (about
-    ``_SYRK_CHUNK_BYTES`` each) and accumulate the upper row panels of width 128 (column
-    ranges :math:`[b_k, b_{k+1})`, :func:`ntkcore.tiling.panel_bounds`):
-
-    .. math::
-
-        G[b_k{:}b_{k+1},\ b_k{:}] \mathrel{+}= U_c[:, b_k{:}b_{k+1}]^\top\, U_c[:, b_k{:}],
-
-    :math:`(m+1)/(2m)` of a full GEMM's flops for m panels; all panels of a chunk are taken
-    while it is in cache (U is read from memory once, not once per column block).  The blocks
-    left of each panel's square are the transposes of those right of it.  Namespaces without
-    slice assignment (JAX) compute the upper column blocks :math:`U_i^\top U_j`,
-    :math:`i \le j`, over all of U and concatenate them.
+    namespaces get a blocked upper triangle: with column blocks :math:`U_i` of width 128,
+    :math:`G_{ij} = U_i^\top U_j` is computed for :math:`i \le j` only and the lower blocks are
+    transposes, i.e. :math:`(m+1)/(2m)` of the flops of a full GEMM for m blocks.
     """
-    p, rho = int(u.shape[0]), int(u.shape[1])
+    rho = int(u.shape[1])
     if array_api_compat.is_numpy_namespace(xp) or rho <= _SYRK_BLOCK:
         return xp.matrix_transpose(u) @ u
-    b = panel_bounds(0, rho, -(-rho // _SYRK_BLOCK))
-    m = len(b) - 1
-    device = array_api_compat.device(u)
-    if not _writable(xp, u.dtype, device):
-        up = {(i, j): xp.matrix_transpose(u[:, b[i]:b[i + 1]]) @ u[:, b[j]:b[j + 1]]
-              for i in range(m) for j in range(i, m)}
-        return xp.concat([xp.concat([up[(i, j)] if j >= i else xp.matrix_transpose(up[(j, i)])
-                                     for j in range(m)], axis=1) for i in range(m)], axis=0)
-    g = xp.zeros((rho, rho), dtype=u.dtype, device=device)
-    rows = max(1, _SYRK_CHUNK_BYTES // (rho * itemsize(xp, u.dtype)))
-    for s in range(0, p, rows):
-        x = u[s:min(p, s + rows), :]
-        for k in range(m):
-            g[b[k]:b[k + 1], b[k]:] += xp.matrix_transpose(x[:, b[k]:b[k + 1]]) @ x[:, b[k]:]
-    for k in range(m - 1):
-        g[b[k + 1]:, b[k]:b[k + 1]] = xp.matrix_transpose(g[b[k]:b[k + 1], b[k + 1]:])
-    return g
+    cols = [u[:, s:min(rho, s + _SYRK_BLOCK)] for s in range(0, rho, _SYRK_BLOCK)]
+    m = len(cols)
+    upper = {(i, j): xp.matrix_transpose(cols[i]) @ cols[j] for i in range(m) for j in range(i, m)}
+    return xp.concat([xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
+                                 for j in range(m)], axis=1) for i in range(m)], axis=0)
 
 
 # -- operators standing for U, with their Gram in a given dtype -------------------------------
