@@ -91,7 +91,14 @@ from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
-from .jacobian import Jacobian, KroneckerBlock, as_jacobian, factor_gram, flat_weights
+from .jacobian import (
+    Jacobian,
+    KroneckerBlock,
+    as_jacobian,
+    factor_gram,
+    flat_weights,
+    with_ones,
+)
 from .modes import Mode, check_mode
 from .support import capabilities
 from .tiling import TileGrid, panel_share, progress_steps, sizes
@@ -444,13 +451,16 @@ def _dense_tile(xp: Any, j1: Array, j2: Array, mode: str) -> Array:
     return xp.permute_dims(k, (1, 2, 0))
 
 
-def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
-    """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
+def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str,
+                ones: bool = False) -> Array:
+    """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out);
+    ``ones``: the factors' implicit ones columns (:func:`factor_gram`)."""
     r, c = a1.shape[0], a2.shape[0]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r, *a1.shape[2:]))
-    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c, *a2.shape[2:])), g1.dtype)
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c, *a2.shape[2:])), g1.dtype,
+                     ones)
     # the Hadamard products are in place: the GEMM results are fresh arrays of this function
     # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
@@ -471,16 +481,18 @@ def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) 
     return gg
 
 
-def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str,
+                    ones: bool = False) -> Array:
     """Theta by contracting positions; a (r, S, d_in) (or index (r, S)), g (r, S, O, d_out);
-    a2/g2 with T."""
+    a2/g2 with T; ``ones`` as for :func:`_kron1_tile`."""
     r, s = a1.shape[0], a1.shape[1]
     c, t = a2.shape[0], a2.shape[1]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r * s, *a1.shape[2:]))
     # A[(n,s), (m,t)]
-    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c * t, *a2.shape[2:])), g1.dtype)
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c * t, *a2.shape[2:])), g1.dtype,
+                     ones)
     if mode == "trace":
         # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
         y1 = xp.reshape(g1, (r * s, o * dout))
@@ -507,6 +519,13 @@ def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     return x if x.dtype == dtype or x.ndim == 2 else xp.astype(x, dtype)
 
 
+def _take_a(xp: Any, block: KroneckerBlock, sl: slice, dtype: Any, ones: bool) -> Array:
+    """:func:`_take` of the factor a, its implicit ones column (``block.ones``) kept implicit
+    only where the product passes ``ones`` on (both sides have it), else appended."""
+    a = _take(xp, block.a, sl, dtype)
+    return with_ones(xp, a) if block.ones and not ones else a
+
+
 def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
                  pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any,
                  mode: str) -> Iterator[Array]:
@@ -521,8 +540,8 @@ def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
         for prs, pcs, _ in pieces:
             yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode)
         return
-    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype),
-                     pair.b1.one_hot)
+    w = flat_weights(xp, _take_a(xp, pair.b1, rows, dtype, False),
+                     _take(xp, pair.b1.g, rows, dtype), pair.b1.one_hot)
     r0 = rows.start
     for prs, pcs, _ in pieces:
         yield _dense_tile(xp, w[prs.start - r0:prs.stop - r0, ...],
@@ -541,13 +560,15 @@ def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
     if strategy == "dense":
         j1 = _take(xp, pair.b1.jac, rows, dtype)
         return _dense_tile(xp, j1, j1 if same else _take(xp, pair.b2.jac, cols, dtype), mode)
-    a1, g1 = _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype)
-    a2, g2 = (a1, g1) if same else (_take(xp, pair.b2.a, cols, dtype),
+    # implicit ones columns stay implicit in the factor products (not in materialise)
+    ones = strategy != "materialise" and pair.b1.ones and pair.b2.ones
+    a1, g1 = _take_a(xp, pair.b1, rows, dtype, ones), _take(xp, pair.b1.g, rows, dtype)
+    a2, g2 = (a1, g1) if same else (_take_a(xp, pair.b2, cols, dtype, ones),
                                     _take(xp, pair.b2.g, cols, dtype))
     if strategy == "kron1":
-        return _kron1_tile(xp, a1, g1, a2, g2, mode)
+        return _kron1_tile(xp, a1, g1, a2, g2, mode, ones)
     if strategy == "positions":
-        return _positions_tile(xp, a1, g1, a2, g2, mode)
+        return _positions_tile(xp, a1, g1, a2, g2, mode, ones)
     w1 = flat_weights(xp, a1, g1, pair.b1.one_hot)
     return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2, pair.b2.one_hot), mode)
 

@@ -154,7 +154,7 @@ def test_seq_first_linears_are_kronecker_over_tokens():
     j = check_model(model, torch.randn(5, 5, 4, dtype=DT), tol=TOL)
     by_name = dict(zip(j.names, j.blocks, strict=True))
     assert by_name["enc.linear1"].num_positions == 5  # the T tokens of each sample
-    assert by_name["enc.linear1"].a.shape == (5, 5, 5)  # (N, T, d + 1)
+    assert by_name["enc.linear1"].explicit_a().shape == (5, 5, 5)  # (N, T, d + 1)
 
 
 @pytest.mark.parametrize("backward", ["batched", "loop"])
