@@ -39,6 +39,24 @@ Per block kind (``r`` rows and ``c`` columns of one tile):
   - strategy ``"materialise"``: per-sample weights
     :math:`W[n,o] = \sum_s g[n,s,o]\, a[n,s]^\top` (N, O, d_out d_in), one batched GEMM per
     tile side, then the dense contraction.
+  - strategy ``"pairs"`` (index factors only, :func:`_pairs_tile`): as
+    :math:`\langle e_i, e_j\rangle = [i = j \ne -1]`,
+
+    .. math::
+
+        \Theta_b[n,m,o,p] = \sum_{(s,t):\ i_{ns} = i'_{mt} \ne -1}
+                            \langle g[n,s,o], g'[m,t,p]\rangle ,
+
+    a sum over the M matching (sample, position) pairs only, about :math:`(N S)^2 / V` of
+    the :math:`(N S)^2` for tokens spread over a vocabulary of V (but :math:`(N S)^2` for a
+    padding token everywhere).  The pairs are found by sorting the column indices and two
+    binary searches per row index, taken in chunks, their g rows gathered and contracted,
+    and the products scatter-added into their kernel cells
+    (:meth:`ntkcore.backend.Backend.scatter_add`).  The route is offered only where the
+    backend has a native scatter-add (``fast_scatter_add``: numpy, torch, jax, cupy; the
+    standard's fallback is one-hot products) and the index values can be read (not under
+    ``jax.jit``); :func:`gram` counts M when it plans (a sort and two searches of the
+    N S indices).
 
 Choosing the Kronecker strategy (flop and memory model)
 --------------------------------------------------------
@@ -52,11 +70,29 @@ working-memory elements, besides the factor slices :math:`(rS + cT)(d_{in} + O d
   :math:`2rcST + 2rcTOd_{out}` elements (``A`` and ``Y``, each possibly copied once).
 * materialise: :math:`2(rS + cT) O P_b + 2rcO^k P_b` flops, :math:`(r + c) O P_b` elements
   (twice that for diagonal).
+* pairs: with :math:`m = \rho r c` matching pairs in the tile (:math:`\rho = M / (N_1 N_2)`
+  measured on the whole kernel; a self-tile takes about half of them, not credited),
+  :math:`2 m O^k d_{out}` flops of products plus ``ELEMENT_FLOPS`` per element of its
+  memory-bound passes: :math:`m(2 O d_{out} + q + 8)` (the two gathers, the scatter, the
+  index arithmetic), :math:`(rS + cT)(4 + \log_2(cT + 2))` (the sort and the searches) and
+  :math:`rcq` (the cells); working memory :math:`8(rS + cT) + 2rcq` elements plus the chunk,
+  :math:`(2 O d_{out} + 2q + 8)` elements a pair (``q`` outputs per cell: 1, O or
+  :math:`O^2`).  The tile is chosen with a chunk of ``min(m, PAIRS_MIN_CHUNK)`` pairs; the
+  plan then takes the largest chunk up to ``PAIRS_MAX_CHUNK`` that the budget holds
+  (:attr:`GramPlan.pair_chunk`).  ``ELEMENT_FLOPS`` (16) is the flop-equivalent of one
+  element of such a pass: gathers and scatters run at memory speed, far fewer elements per
+  second than a GEMM does flops.  The weight is applied to this route only, whose work is
+  all gathers and scatters: charging the positions route's Hadamard product and strided sum
+  the same way turned convnext_atto's ``stages.1`` ``fc2`` blocks (N = 256, trace) to
+  materialise, which took 0.65 s against the positions route's 0.43 s (one thread), so the
+  other strategies keep their counts above.
 
 A tile accumulator of :math:`3 r c O^k` elements comes on top (layerwise: one tile).
 For each block and strategy the largest square tile that fits the budget is found, the total
 flop count over all tiles is computed at that tile size (so the materialisation's
-recomputation on small tiles is charged), and the strategy with fewer flops wins.  All blocks
+recomputation on small tiles is charged), and the strategy with fewer flops wins (the
+"pairs" route's M makes this choice data dependent: a plan is remembered per density
+:math:`\rho` rounded to two digits).  All blocks
 share one tile grid: its size is the smallest of the blocks' chosen tile sizes.
 
 Tiling and memory
@@ -100,10 +136,10 @@ __all__ = ["GramPlan", "gram", "plan_gram"]
 
 STRATEGIES = ("positions", "materialise", "pairs")
 
-#: Flop-equivalents of one element of a memory-bound pass (a gather, a scatter, an
-#: elementwise product, a cast, a strided sum): such passes run at memory speed, tens of times
-#: fewer elements per second than a GEMM does flops on a CPU core.  The cost model charges
-#: every elementwise pass of every strategy this many flops per element.
+#: Flop-equivalents of one element of a memory-bound pass (a gather, a scatter, index
+#: arithmetic): such passes run at memory speed, tens of times fewer elements per second than
+#: a GEMM does flops on a CPU core.  The cost model charges the "pairs" route's passes this
+#: many flops per element (see "Choosing the Kronecker strategy" above).
 ELEMENT_FLOPS = 16
 
 #: Matching pairs the "pairs" route gathers at a time: at least ``PAIRS_MIN_CHUNK`` (the
