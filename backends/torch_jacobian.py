@@ -169,6 +169,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -461,6 +462,11 @@ class _RecUnit:
     ok: bool = True  # False once a call could not be unrolled (e.g. a PackedSequence)
 
 
+#: The names torch's own recurrent modules give their parameters (``recurrent_pairs``): only
+#: their owners are looked up (``get_submodule`` walks the path, per parameter and call).
+_RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh)_l\d+(_reverse)?")
+
+
 def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
                      registrations: dict[int, int]) -> dict[str, _RecUnit]:
     """The recurrent modules (``torch_layers.recurrent_type``) owning selected parameters that
@@ -471,7 +477,8 @@ def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tu
         mpath = owners[nm][0]
         if mpath in units:
             units[mpath].names.append(nm)
-        elif mpath and recurrent_type(model.get_submodule(mpath)) is not None:
+        elif (mpath and _RNN_PARAM.fullmatch(owners[nm][1])
+              and recurrent_type(model.get_submodule(mpath)) is not None):
             units[mpath] = _RecUnit(model.get_submodule(mpath), [nm])
     return {p: u for p, u in units.items()
             if all(registrations[id(named[nm])] == 1 for nm in u.names)}
