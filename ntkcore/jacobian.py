@@ -30,6 +30,7 @@ import array_api_compat
 
 from ._memory import itemsize
 from ._typing import Array
+from .backend import get_backend
 from .linop import LinearOperator
 from .support import capabilities
 
@@ -346,24 +347,10 @@ def factor_times(xp: Any, a: Array, m: Array, one_hot: int | None) -> Array:
     return xp.reshape(rows, (*shape, m.shape[1]))
 
 
-#: Elements of the one-hot chunk that :func:`_index_transpose_times` forms at a time.
-_ONE_HOT_CHUNK = 1 << 22
-
-
 def _index_transpose_times(xp: Any, idx: Array, x: Array, d: int) -> Array:
-    """:math:`\\sum_r e_{idx_r} x_r^\\top` (d, k) for indices ``idx`` (R,) and ``x`` (R, k):
-    a scatter-add, as one-hot (chunk, d) products over row chunks (the array API standard
-    has no scatter-add), O(R d k) flops and at most ``_ONE_HOT_CHUNK`` extra elements."""
-    r = idx.shape[0]
-    step = max(1, _ONE_HOT_CHUNK // d)
-    out = None
-    for lo in range(0, r, step):
-        hi = min(r, lo + step)
-        part = one_hot_rows(xp, idx[lo:hi], d, x.dtype).T @ x[lo:hi, ...]
-        out = part if out is None else out + part
-    if out is None:
-        out = xp.zeros((d, x.shape[1]), dtype=x.dtype, device=array_api_compat.device(x))
-    return out
+    """:math:`\\sum_r e_{idx_r} x_r^\\top` (d, k) for indices ``idx`` (R,) and ``x`` (R, k): a
+    scatter-add (:meth:`ntkcore.backend.Backend.scatter_add`; ``-1`` rows are dropped)."""
+    return get_backend(xp).scatter_add(idx, x, d)
 
 
 def with_ones(xp: Any, a: Array) -> Array:
