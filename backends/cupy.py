@@ -40,6 +40,16 @@ class CupyBackend(GenericBackend):
 
         return cupyx.scipy.special.erf(x)
 
+    fast_scatter_add = True
+
+    def scatter_add(self, idx: Array, x: Array, size: int) -> Array:
+        import cupyx
+
+        idx = cupy.where(idx < 0, size, idx)  # -1 rows go to a spare last row
+        out = cupy.zeros((size + 1, *x.shape[1:]), dtype=x.dtype)
+        cupyx.scatter_add(out, idx, x)
+        return out[:size]
+
     def generator(self, seed: int | None, device: Device) -> CupyGenerator:
         return CupyGenerator(seed, device)
 

@@ -77,6 +77,13 @@ class JaxBackend(GenericBackend):
     def erf(self, x: Array) -> Array:
         return jax.scipy.special.erf(x)
 
+    fast_scatter_add = True
+
+    def scatter_add(self, idx: Array, x: Array, size: int) -> Array:
+        # -1 rows are sent out of bounds and dropped (a negative index would wrap around)
+        idx = jnp.where(idx < 0, size, idx)
+        return jnp.zeros_like(x, shape=(size, *x.shape[1:])).at[idx].add(x, mode="drop")
+
     def generator(self, seed: int | None, device: Device) -> JaxGenerator:
         return JaxGenerator(seed, device)
 

@@ -53,6 +53,14 @@ class TorchBackend(Backend):
     def erf(self, x: Array) -> Array:
         return torch.special.erf(x)
 
+    fast_scatter_add = True
+
+    def scatter_add(self, idx: Array, x: Array, size: int) -> Array:
+        # -1 rows go to a spare last row (no boolean mask: no device sync); index_add is
+        # differentiable in x
+        idx = torch.where(idx < 0, size, idx)
+        return x.new_zeros((size + 1, *x.shape[1:])).index_add(0, idx, x)[:size]
+
     def stop_gradient(self, x: Array) -> Array:
         return x.detach()
 

@@ -169,6 +169,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -462,6 +463,11 @@ class _RecUnit:
     ok: bool = True  # False once a call could not be unrolled (e.g. a PackedSequence)
 
 
+#: The names torch's own recurrent modules give their parameters (``recurrent_pairs``): only
+#: their owners are looked up (``get_submodule`` walks the path, per parameter and call).
+_RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh)_l\d+(_reverse)?")
+
+
 def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
                      registrations: dict[int, int]) -> dict[str, _RecUnit]:
     """The recurrent modules (``torch_layers.recurrent_type``) owning selected parameters that
@@ -472,7 +478,8 @@ def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tu
         mpath = owners[nm][0]
         if mpath in units:
             units[mpath].names.append(nm)
-        elif mpath and recurrent_type(model.get_submodule(mpath)) is not None:
+        elif (mpath and _RNN_PARAM.fullmatch(owners[nm][1])
+              and recurrent_type(model.get_submodule(mpath)) is not None):
             units[mpath] = _RecUnit(model.get_submodule(mpath), [nm])
     return {p: u for p, u in units.items()
             if all(registrations[id(named[nm])] == 1 for nm in u.names)}
@@ -664,9 +671,11 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
 
 
 #: The probe's answers per model (weakly: they die with it) and real pass
-#: (:func:`_real_pass_key`), so that repeated calls on one model and batch shape (a training
-#: loop, a kernel of many tiles, a benchmark) run the probe forward once.
-_AXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[str, list[int]]]] = \
+#: (:func:`_real_pass_key`; with functional or recurrent calls :func:`_remembered_probe`'s
+#: key, and the probe's functional call shapes too), so that repeated calls on one model and
+#: batch shape (a training loop, a kernel of many tiles, a benchmark) run the probe forward
+#: once.
+_AXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Any]] = \
     weakref.WeakKeyDictionary()
 _AXES_PER_MODEL = 16
 
@@ -720,6 +729,49 @@ def _modifies_in_place(model: nn.Module, seen: bool = False) -> bool:
         return model in _IN_PLACE
     except TypeError:  # not weakly referenceable: find out every time
         return False
+
+
+@dataclass(frozen=True)
+class _ProbeCall:
+    """A functional call of the probe as ``torch_functional.sample_axes`` reads it: the shapes
+    of its result and sample operands, kept as meta tensors (no data, no graph)."""
+
+    y: torch.Tensor
+    samples: list[torch.Tensor]
+
+
+def _remembered_probe(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
+                      used: dict[str, list[int]], reachable: set[Any], uses: ParamUses | None,
+                      cands: list[torch.Tensor], tabs: list[torch.Tensor],
+                      rec: dict[str, _RecUnit]) -> tuple[dict[str, list[int]], list[Any]]:
+    """``(axes, probe calls)``: :func:`_sample_axes` with functional calls (``uses``, a
+    :class:`ParamUses` over the parameters ``cands`` and tables ``tabs``) and recurrent
+    modules ``rec``, and the probe's functional calls (:class:`_ProbeCall`; empty when the
+    probe did not run to the end), run once per model and real pass: the key adds to
+    :func:`_real_pass_key` the parameters followed and the kinds and shapes of the real
+    pass's functional and recurrent calls (the records the probe is compared with)."""
+    key = (_real_pass_key(x, units, used, reachable), tuple(id(p) for p in cands),
+           tuple(id(p) for p in tabs),
+           () if uses is None else tuple((c.kind, tuple(c.y.shape),
+                                          tuple(tuple(s.shape) for s in c.samples))
+                                         for c in uses.calls),
+           tuple((path, tuple(u.shapes)) for path, u in rec.items()))
+    try:
+        memo = _AXES.setdefault(model, {})
+    except TypeError:  # not weakly referenceable / hashable: probe every time
+        memo = {}
+    hit = memo.get(key)
+    if hit is None:
+        probe = None if uses is None else ParamUses(cands, tables=tabs)
+        axes = _sample_axes(model, x, units, used, probe, rec)
+        calls = [] if probe is None or not probe.done else [
+            _ProbeCall(torch.empty(c.y.shape, device="meta"),
+                       [torch.empty(s.shape, device="meta") for s in c.samples])
+            for c in probe.calls]
+        if len(memo) >= _AXES_PER_MODEL:
+            memo.clear()
+        hit = memo[key] = (axes, calls)
+    return {path: list(ax) for path, ax in hit[0].items()}, hit[1]
 
 
 def _probe_size(n: int) -> int:
@@ -1125,11 +1177,12 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                 continue
             used[path] = idx
         rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
-        probe_uses = None if uses is None else ParamUses(cands, tables=tabs)
-        if probe_uses is None and not rused:  # module calls only: the answer is remembered
+        probe_calls: list[Any] = []
+        if uses is None and not rused:  # module calls only: the answer is remembered
             axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
-        else:  # functional and recurrent calls are planned from this probe's own records
-            axes = _sample_axes(model, x, units, used, probe_uses, rused)
+        else:  # functional and recurrent calls: the probe's axes and records, remembered
+            axes, probe_calls = _remembered_probe(model, x, units, used, reachable, uses,
+                                                  cands, tabs, rused)
         kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
                 for path, idx in used.items() if path in axes}
         rkron = {p: u for p, u in rused.items() if p in axes}
@@ -1137,7 +1190,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
             return more
         if uses is not None:
             uses.bad.update(id(named[nm]) for p in tables if p in kron for nm in units[p].names)
-            fcalls, fgroups = _functional_plan(uses, probe_uses, reachable, n_uses, selected,
+            fcalls, fgroups = _functional_plan(uses, probe_calls, reachable, n_uses, selected,
                                                owners, named, n)
             failed = (tables & used.keys()) - kron.keys() - fgroups.keys()
             if failed:  # used otherwise: follow them no more
@@ -1201,7 +1254,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     return Jacobian([blocks[name] for name in order])
 
 
-def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[Any],
+def _functional_plan(uses: ParamUses, probe: list[Any], reachable: set[Any],
                      n_uses: dict[int, int], selected: list[str],
                      owners: dict[str, tuple[str, str]], named: dict[str, torch.Tensor],
                      n: int) -> tuple[list, dict[str, list[torch.Tensor]]]:
@@ -1217,8 +1270,7 @@ def _functional_plan(uses: ParamUses, probe: ParamUses | None, reachable: set[An
             bad.update(id(t.param) for t in c.terms)
     bad |= _unseen_lookup_uses(uses, reachable)
     calls = uses.calls
-    axes = functional_sample_axes(calls, probe.calls if probe is not None and probe.done
-                                  else [], _tracking_axis, n, _probe_size(n))
+    axes = functional_sample_axes(calls, probe, _tracking_axis, n, _probe_size(n))
     live = [(c, ax) for c, ax in zip(calls, axes, strict=True) if c.y.grad_fn in reachable]
     found = {id(t.param) for c in calls for t in c.terms} - bad
     groups: dict[str, list[torch.Tensor]] = {}

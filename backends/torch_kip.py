@@ -118,8 +118,8 @@ class _Layout:
     """How each block of the Jacobian is represented on both sides.
 
     ``kinds[i]``: ``"dense"`` (DenseBlock, one array), ``"kron"`` (KroneckerBlock, arrays
-    ``a``, ``g``) or ``"mat"`` (KroneckerBlock materialised into a DenseBlock of per-sample
-    weights, one array).
+    ``a``, ``g``; ``"kron+1"`` with an implicit ones column, ``ones=True``) or ``"mat"``
+    (KroneckerBlock materialised into a DenseBlock of per-sample weights, one array).
     """
 
     names: tuple[str, ...]
@@ -131,7 +131,8 @@ class _Layout:
 
     def from_arrays(self, arrays: Sequence[torch.Tensor]) -> Jacobian:
         it = iter(arrays)
-        return Jacobian([KroneckerBlock(next(it), next(it), name) if kind == "kron"
+        return Jacobian([KroneckerBlock(next(it), next(it), name, ones=kind == "kron+1")
+                         if kind.startswith("kron")
                          else DenseBlock(next(it), name)
                          for name, kind in zip(self.names, self.kinds, strict=True)])
 
@@ -164,7 +165,7 @@ def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
             continue
         s, t = bt.num_positions, bs.num_positions
         if s == 1 and t == 1:
-            kinds.append("kron")
+            kinds.append("kron+1" if bs.ones else "kron")
             continue
         o, pb = bs.num_outputs, bs.num_params
         ok = o * o if mode == "full" else o
@@ -175,7 +176,7 @@ def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
             kinds.append("mat")
             spent += w_bytes
         else:
-            kinds.append("kron")
+            kinds.append("kron+1" if bs.ones else "kron")
     return _Layout(tuple(jt.names), tuple(kinds))
 
 

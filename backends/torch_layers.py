@@ -236,8 +236,11 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
         return _affine_block(mod, XHAT[base], inputs, gs, n, name, weight, bias)
     groups = getattr(mod, "groups", 1)
     ones = bias and weight and groups == 1
+    # a Linear's ones column stays implicit (KroneckerBlock ones=True): its input is the
+    # factor as it is, no copy
+    implicit = ones and isinstance(mod, nn.Linear)
     if weight:
-        a_parts = [input_factor(mod, a_c, n, ones, g_c.dtype)
+        a_parts = [input_factor(mod, a_c, n, ones and not implicit, g_c.dtype)
                    for a_c, g_c in zip(inputs, gs, strict=True)]
     else:  # bias only: the ones column is the whole input
         a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
@@ -246,7 +249,7 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
         return _grouped_conv_block(a, g, groups, name, weight, bias)
     if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
         return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
-    return KroneckerBlock(a.contiguous(), g, name)
+    return KroneckerBlock(a.contiguous(), g, name, ones=implicit)
 
 
 def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | KroneckerBlock:

@@ -184,7 +184,7 @@ class _Thin(LinearOperator):
         if self.kron:
             self.s = s = block.num_positions
             self.w_shape = (block.d_out, block.d_in)
-            self.a = block.a.reshape(self.n * s, block.d_in)
+            self.a = block.explicit_a().reshape(self.n * s, block.d_in)
             self.g = block.g.reshape(self.n * s, block.d_out)
             self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
         else:
@@ -812,8 +812,9 @@ class SENG(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         curvature = {name: {k: v.detach().clone() for k, v in zip(
-            ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",), block.arrays(),
-            strict=True)} for name, block in self._curvature.items()}
+            ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",),
+            (block.explicit_a(), block.g) if isinstance(block, KroneckerBlock)
+            else block.arrays(), strict=True)} for name, block in self._curvature.items()}
         sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
                       "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
         return sd

@@ -215,7 +215,7 @@ def layer_traces(J: Jacobian) -> Array:
             assert isinstance(b, KroneckerBlock)
             n, s = b.num_samples, b.num_positions
             g = xp.reshape(b.g, (n, s, b.num_outputs * b.d_out))
-            aa = factor_gram(xp, b.a, b.a, g.dtype)  # (N, S, S)
+            aa = factor_gram(xp, b.a, b.a, g.dtype, b.ones)  # (N, S, S)
             gg = g @ xp.permute_dims(g, (0, 2, 1))
             out.append(xp.sum(aa * gg))
     return xp.stack(out)

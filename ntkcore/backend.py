@@ -42,6 +42,10 @@ __all__ = ["BACKEND_NAMES", "Backend", "Generator", "get_backend", "namespace_an
 Namespace = Any
 Device = Any
 
+#: Elements of the one-hot chunk that the standard-only :meth:`Backend.scatter_add` forms at
+#: a time.
+ONE_HOT_CHUNK = 1 << 22
+
 
 @runtime_checkable
 class Generator(Protocol):
@@ -150,6 +154,35 @@ class Backend:
         :math:`r = b - A x` formed by the caller inside autograd; the backward pass applies
         ``solve`` (:math:`A^{-\top}`) once to the cotangent.  Without autograd: ``x``."""
         return x
+
+    # -- scatter-add ------------------------------------------------------------------------
+    #: Whether :meth:`scatter_add` costs O(R k) (a native scatter) rather than the standard
+    #: fallback's O(R size k) one-hot products; :mod:`ntkcore.gram` offers its "pairs" route
+    #: only then.
+    fast_scatter_add: bool = False
+
+    def scatter_add(self, idx: Array, x: Array, size: int) -> Array:
+        r"""``out[i] = sum of x[r] over the r with idx[r] == i``, shape (size, k): the sum
+        :math:`\sum_r e_{idx_r} x_r^\top` for indices ``idx`` (R,) in ``[-1, size)`` and ``x``
+        (R, k); rows with ``idx == -1`` are dropped.  In ``x``'s dtype and device, and
+        differentiable in ``x`` under the framework's autograd.
+
+        The array API standard has no scatter-add: this fallback forms one-hot (chunk, size)
+        matrices over row chunks, O(R size k) flops and at most ``ONE_HOT_CHUNK`` extra
+        elements; backends override it with their native scatter (``fast_scatter_add``).
+        """
+        xp = self.xp
+        r = idx.shape[0]
+        step = max(1, ONE_HOT_CHUNK // size)
+        cols = xp.arange(size, dtype=idx.dtype, device=_compat.device(idx))
+        out = None
+        for lo in range(0, r, step):
+            hi = min(r, lo + step)
+            part = xp.astype(idx[lo:hi, None] == cols, x.dtype).T @ x[lo:hi, ...]
+            out = part if out is None else out + part
+        if out is None:
+            out = xp.zeros((size, x.shape[1]), dtype=x.dtype, device=_compat.device(x))
+        return out
 
     # Optional: ``erf(x)``, the error function elementwise.  The standard has none; backends
     # that define it give ntkcore.models an exact, fast erf/gelu (the fallback is a pure

@@ -692,8 +692,9 @@ def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
 def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
     """:func:`_pair_stats` of a Kronecker block from its factors' Grams (its docstring)."""
     n, s, r = block.num_samples, block.num_positions, block.num_outputs
-    tail = tuple(block.a.shape[2:])  # (d_in,), or () for an index factor
-    a = xp.reshape(xp.broadcast_to(block.a[:, None, ...], (n, r, s, *tail)),
+    fa = block.explicit_a()
+    tail = tuple(fa.shape[2:])  # (d_in,), or () for an index factor
+    a = xp.reshape(xp.broadcast_to(fa[:, None, ...], (n, r, s, *tail)),
                    (n * r * s, *tail))  # rows (u, s), u = n r + o
     g = xp.reshape(xp.permute_dims(block.g, (0, 2, 1, 3)), (n * r * s, block.d_out))
     u = n * r

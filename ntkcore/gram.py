@@ -39,6 +39,24 @@ Per block kind (``r`` rows and ``c`` columns of one tile):
   - strategy ``"materialise"``: per-sample weights
     :math:`W[n,o] = \sum_s g[n,s,o]\, a[n,s]^\top` (N, O, d_out d_in), one batched GEMM per
     tile side, then the dense contraction.
+  - strategy ``"pairs"`` (index factors only, :func:`_pairs_tile`): as
+    :math:`\langle e_i, e_j\rangle = [i = j \ne -1]`,
+
+    .. math::
+
+        \Theta_b[n,m,o,p] = \sum_{(s,t):\ i_{ns} = i'_{mt} \ne -1}
+                            \langle g[n,s,o], g'[m,t,p]\rangle ,
+
+    a sum over the M matching (sample, position) pairs only, about :math:`(N S)^2 / V` of
+    the :math:`(N S)^2` for tokens spread over a vocabulary of V (but :math:`(N S)^2` for a
+    padding token everywhere).  The pairs are found by sorting the column indices and two
+    binary searches per row index, taken in chunks, their g rows gathered and contracted,
+    and the products scatter-added into their kernel cells
+    (:meth:`ntkcore.backend.Backend.scatter_add`).  The route is offered only where the
+    backend has a native scatter-add (``fast_scatter_add``: numpy, torch, jax, cupy; the
+    standard's fallback is one-hot products) and the index values can be read (not under
+    ``jax.jit``); :func:`gram` counts M when it plans (a sort and two searches of the
+    N S indices).
 
 Choosing the Kronecker strategy (flop and memory model)
 --------------------------------------------------------
@@ -52,19 +70,36 @@ working-memory elements, besides the factor slices :math:`(rS + cT)(d_{in} + O d
   :math:`2rcST + 2rcTOd_{out}` elements (``A`` and ``Y``, each possibly copied once).
 * materialise: :math:`2(rS + cT) O P_b + 2rcO^k P_b` flops, :math:`(r + c) O P_b` elements
   (twice that for diagonal).
+* pairs: with :math:`m = \rho r c` matching pairs in the tile (:math:`\rho = M / (N_1 N_2)`
+  measured on the whole kernel; a self-tile takes about half of them, not credited),
+  :math:`2 m O^k d_{out}` flops of products plus ``ELEMENT_FLOPS`` per element of its
+  memory-bound passes: :math:`m(2 O d_{out} + q + 8)` (the two gathers, the scatter, the
+  index arithmetic), :math:`(rS + cT)(4 + \log_2(cT + 2))` (the sort and the searches) and
+  :math:`rcq` (the cells); working memory :math:`8(rS + cT) + 2rcq` elements plus the chunk,
+  :math:`(2 O d_{out} + 2q + 8)` elements a pair (``q`` outputs per cell: 1, O or
+  :math:`O^2`).  The tile is chosen with a chunk of ``min(m, PAIRS_MIN_CHUNK)`` pairs; the
+  plan then takes the largest chunk up to ``PAIRS_MAX_CHUNK`` that the budget holds
+  (:attr:`GramPlan.pair_chunk`).  ``ELEMENT_FLOPS`` (16) is the flop-equivalent of one
+  element of such a pass: gathers and scatters run at memory speed, far fewer elements per
+  second than a GEMM does flops.  The weight is applied to this route only, whose work is
+  all gathers and scatters: charging the positions route's Hadamard product and strided sum
+  the same way turned convnext_atto's ``stages.1`` ``fc2`` blocks (N = 256, trace) to
+  materialise, which took 0.65 s against the positions route's 0.43 s (one thread), so the
+  other strategies keep their counts above.
 
 A tile accumulator of :math:`3 r c O^k` elements comes on top (layerwise: one tile).
 For each block and strategy the largest square tile that fits the budget is found, the total
 flop count over all tiles is computed at that tile size (so the materialisation's
-recomputation on small tiles is charged), and the strategy with fewer flops wins.  All blocks
-share one tile grid: its size is the smallest of the blocks' chosen tile sizes.  A symmetric
-kernel is planned a second time with the flops of its upper-triangle tiles (a diagonal tile:
-the materialised weights formed once, the products times :func:`~ntkcore.tiling.panel_share`
-of the row panels each strategy would get: a "positions" block's panels are GEMMs of
-``S`` rows per sample, so a token layer gets panels at N = 32 where a dense one needs
-``SYMMETRIC_PANEL_ROWS`` samples); the plan with fewer flops is kept (vit_tiny, N = 214:
-the "positions" route in 4 panels, 442 GFLOP, instead of materialised weights, 549 GFLOP
-and 1.9x the time).
+recomputation on small tiles is charged), and the strategy with fewer flops wins (the
+"pairs" route's M makes this choice data dependent: a plan is remembered per density
+:math:`\rho` rounded to two digits).  All blocks share one tile grid: its size is the
+smallest of the blocks' chosen tile sizes.  A symmetric kernel is planned a second time with
+the flops of its upper-triangle tiles (a diagonal tile: the materialised weights formed once,
+the products times :func:`~ntkcore.tiling.panel_share` of the row panels each strategy would
+get: a "positions" block's panels are GEMMs of ``S`` rows per sample, so a token layer gets
+panels at N = 32 where a dense one needs ``SYMMETRIC_PANEL_ROWS`` samples); the plan with
+fewer flops is kept (vit_tiny, N = 214: the "positions" route in 4 panels, 442 GFLOP,
+instead of materialised weights, 549 GFLOP and 1.9x the time).
 
 Tiling and memory
 -----------------
@@ -98,14 +133,33 @@ from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
-from .jacobian import Jacobian, KroneckerBlock, as_jacobian, factor_gram, flat_weights
+from .jacobian import (
+    Jacobian,
+    KroneckerBlock,
+    as_jacobian,
+    factor_gram,
+    flat_weights,
+    with_ones,
+)
 from .modes import Mode, check_mode
 from .support import capabilities
 from .tiling import TileGrid, panel_share, progress_steps, sizes
 
 __all__ = ["GramPlan", "gram", "plan_gram"]
 
-STRATEGIES = ("positions", "materialise")
+STRATEGIES = ("positions", "materialise", "pairs")
+
+#: Flop-equivalents of one element of a memory-bound pass (a gather, a scatter, index
+#: arithmetic): such passes run at memory speed, tens of times fewer elements per second than
+#: a GEMM does flops on a CPU core.  The cost model charges the "pairs" route's passes this
+#: many flops per element (see "Choosing the Kronecker strategy" above).
+ELEMENT_FLOPS = 16
+
+#: Matching pairs the "pairs" route gathers at a time: at least ``PAIRS_MIN_CHUNK`` (the
+#: working set the cost model charges when it picks a tile), at most ``PAIRS_MAX_CHUNK`` (the
+#: plan takes the largest chunk between the two that its budget holds).
+PAIRS_MIN_CHUNK = 256
+PAIRS_MAX_CHUNK = 1 << 16
 
 #: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
 #: (k+1)/(2k) of the work but mirrors the lower tiles (a transposed copy, memory bound).  The
@@ -143,10 +197,18 @@ class _Pair:
     b1: Any
     b2: Any
     kronecker: bool
+    #: Index blocks whose "pairs" route is on offer: matching positions per sample pair,
+    #: :math:`M / (N_1 N_2)` (:func:`_pairs_density`); None for every other block.
+    density: float | None = None
 
     def strategies(self, forced: str | None) -> tuple[str, ...]:
         if not self.kronecker:
             return ("dense",)
+        if self.density is not None:
+            if forced == "pairs":
+                return ("pairs",)
+            if forced is None:
+                return (*_Pair(self.name, self.b1, self.b2, True).strategies(None), "pairs")
         if forced == "materialise":
             return ("materialise",)
         if self.b1.num_positions == 1 and self.b2.num_positions == 1:
@@ -160,8 +222,10 @@ def _q(mode: str, o: int) -> int:
     return {"trace": 1, "diagonal": o, "full": o * o}[mode]
 
 
-def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tuple[int, int]:
-    """``(working elements, flops)`` of one block on one ``r`` x ``c`` tile (see module doc)."""
+def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int,
+          chunk: int | None = None) -> tuple[int, int]:
+    """``(working elements, flops)`` of one block on one ``r`` x ``c`` tile (see module doc);
+    ``chunk``: pairs gathered at a time by the "pairs" route (default: the least it needs)."""
     q = _q(mode, o)
     qk = o * o if mode == "full" else o  # output pairs per sample pair the GEMMs produce
     if strategy == "dense":
@@ -173,6 +237,8 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
     s, t, din, dout = b1.num_positions, b2.num_positions, b1.d_in, b1.d_out
     aw = b1.a_width  # d_in, or 1 for an index factor (its products are comparisons)
     inputs = (r * s + c * t) * (aw + o * dout)
+    if strategy == "pairs":
+        return _pairs_cost(pair.density, mode, o, dout, r, c, s, t, inputs, chunk)
     if strategy == "kron1":
         mem = inputs * (2 if mode == "diagonal" else 1) + r * c * (1 + q)
         if mode == "trace":
@@ -193,6 +259,28 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int) -> tupl
         mem = inputs + one_hot + w * (2 if mode == "diagonal" else 1)
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * qk * p
     raise AssertionError(strategy)
+
+
+def _pairs_cost(density: float, mode: str, o: int, dout: int, r: int, c: int, s: int, t: int,
+                inputs: int, chunk: int | None) -> tuple[int, int]:
+    """``(working elements, flops)`` of the "pairs" route on an ``r`` x ``c`` tile with
+    ``density * r * c`` matching pairs (see the module docstring)."""
+    q = _q(mode, o)
+    m = density * r * c
+    if chunk is None:
+        chunk = min(math.ceil(m), PAIRS_MIN_CHUNK)
+    index = r * s + c * t
+    # the sort and searches (int64: two elements each), the cell sums and their sum
+    mem = inputs + 8 * index + 2 * r * c * q + chunk * _pairs_per_pair(mode, o, dout)
+    gemm = 2 * m * o * dout * (o if mode == "full" else 1)
+    passes = m * (2 * o * dout + q + 8) + index * (4 + math.log2(c * t + 2)) + r * c * q
+    return int(mem), int(gemm + ELEMENT_FLOPS * passes)
+
+
+def _pairs_per_pair(mode: str, o: int, dout: int) -> int:
+    """Working elements per pair of a "pairs" chunk: two gathered g rows, the products, four
+    int64 indices (two elements each) and the scattered copy."""
+    return 2 * o * dout + 2 * _q(mode, o) + 8
 
 
 class _BlockShape(NamedTuple):
@@ -289,6 +377,8 @@ class GramPlan:
     panels : int
         Row panels per tile on the diagonal of a symmetric kernel (1: the tile is one
         product; see ``SYMMETRIC_PANEL_ROWS``).
+    pair_chunk : int
+        Matching pairs the "pairs" route gathers at a time (0: no block takes that route).
     """
 
     tile_rows: int
@@ -301,12 +391,14 @@ class GramPlan:
     flops: float
     flops_all_tiles: float
     panels: int = 1
+    pair_chunk: int = 0
 
 
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
-          r: int, c: int, acc: int) -> int:
+          r: int, c: int, acc: int, chunk: int | None = None) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
-    return max(_cost(s, p, mode, o, r, c)[0] for s, p in zip(strategies, pairs, strict=True)) \
+    return max(_cost(s, p, mode, o, r, c, chunk)[0]
+               for s, p in zip(strategies, pairs, strict=True)) \
         + r * c * _q(mode, o) * acc
 
 
@@ -450,11 +542,26 @@ def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, 
                     for s, p in zip(chosen, pairs, strict=True))
     else:
         flops = flops_all
-    working = _work(chosen, pairs, mode, o, r, c, acc)
+    chunk = _pair_chunk(chosen, pairs, mode, o, r, c, acc, elems)
+    working = _work(chosen, pairs, mode, o, r, c, acc, chunk)
     return GramPlan(tile_rows=r, tile_cols=c, strategies=tuple(chosen), num_tiles=ntiles,
                     symmetric=symmetric, working_bytes=int(working * itemsize),
                     budget_bytes=int(budget), flops=float(flops),
-                    flops_all_tiles=float(flops_all), panels=panels)
+                    flops_all_tiles=float(flops_all), panels=panels, pair_chunk=chunk)
+
+
+def _pair_chunk(chosen: list[str], pairs: list[_Pair], mode: str, o: int, r: int, c: int,
+                acc: int, elems: float) -> int:
+    """The largest chunk of matching pairs, up to ``PAIRS_MAX_CHUNK`` (and no more than a
+    tile has), that every "pairs" block fits in the budget with (0: no such block)."""
+    sel = [p for s, p in zip(chosen, pairs, strict=True) if s == "pairs"]
+    if not sel:
+        return 0
+    need = max(1, math.ceil(max(p.density for p in sel) * r * c))  # pairs in a tile
+    least = min(PAIRS_MIN_CHUNK, need)  # what the tile was chosen to fit with
+    most = max(least, min(PAIRS_MAX_CHUNK, need))
+    return max(least, _largest(lambda k: _work(chosen, pairs, mode, o, r, c, acc, k) <= elems,
+                               least, most))
 
 
 #: Plans by problem shape: repeated calls on same-shaped Jacobians (SENG refreshes, KIP
@@ -469,7 +576,8 @@ def _pair_key(pair: _Pair) -> tuple[Any, ...]:
     b1, b2 = pair.b1, pair.b2
     if not pair.kronecker:
         return ("dense", b1.num_params)
-    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width)
+    density = None if pair.density is None else float(f"{pair.density:.2g}")
+    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width, density)
 
 
 def _round_budget(budget: int) -> int:
@@ -492,7 +600,7 @@ def _cached_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmet
     key = (tuple(_pair_key(p) for p in pairs), mode, o, n1, n2, symmetric, layerwise,
            plan_budget, itemsize, forced, gpu, writable, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
            tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
-           SYMMETRIC_MAX_PANELS)
+           SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS, PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         plan = _make_plan(pairs, mode, o, n1, n2, symmetric, layerwise, plan_budget, itemsize,
@@ -526,13 +634,16 @@ def _dense_tile(xp: Any, j1: Array, j2: Array, mode: str) -> Array:
     return xp.permute_dims(k, (1, 2, 0))
 
 
-def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
-    """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out)."""
+def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str,
+                ones: bool = False) -> Array:
+    """Theta for S = T = 1: (G G'^T) (.) (A A'^T); a (r, 1, d_in), g (r, 1, O, d_out);
+    ``ones``: the factors' implicit ones columns (:func:`factor_gram`)."""
     r, c = a1.shape[0], a2.shape[0]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r, *a1.shape[2:]))
-    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c, *a2.shape[2:])), g1.dtype)
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c, *a2.shape[2:])), g1.dtype,
+                     ones)
     # the Hadamard products are in place: the GEMM results are fresh arrays of this function
     # (namespaces without in-place operators, JAX, rebind the name instead)
     if mode == "trace":  # sum_o <g[n,o], g'[m,o]> = (r, O d_out) @ (O d_out, c)
@@ -553,16 +664,18 @@ def _kron1_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) 
     return gg
 
 
-def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str) -> Array:
+def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: str,
+                    ones: bool = False) -> Array:
     """Theta by contracting positions; a (r, S, d_in) (or index (r, S)), g (r, S, O, d_out);
-    a2/g2 with T."""
+    a2/g2 with T; ``ones`` as for :func:`_kron1_tile`."""
     r, s = a1.shape[0], a1.shape[1]
     c, t = a2.shape[0], a2.shape[1]
     o, dout = g1.shape[2], g1.shape[3]
     same = a1 is a2 and g1 is g2
     x1 = xp.reshape(a1, (r * s, *a1.shape[2:]))
     # A[(n,s), (m,t)]
-    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c * t, *a2.shape[2:])), g1.dtype)
+    aa = factor_gram(xp, x1, x1 if same else xp.reshape(a2, (c * t, *a2.shape[2:])), g1.dtype,
+                     ones)
     if mode == "trace":
         # G[(n,s),(m,t)] = sum_o <g[n,s,o], g'[m,t,o]>;  Theta[n,m] = sum_{s,t} A (.) G
         y1 = xp.reshape(g1, (r * s, o * dout))
@@ -583,36 +696,145 @@ def _positions_tile(xp: Any, a1: Array, g1: Array, a2: Array, g2: Array, mode: s
     return xp.sum(xp.vecdot(y5, g2[None, ...], axis=-1), axis=2)
 
 
+def _index_matches(xp: Any, i1: Array, i2: Array) -> tuple[Array, Array, Array]:
+    """``(order, lo, cnt)`` for index vectors ``i1`` (R,) and ``i2`` (C,): the order that sorts
+    ``i2``, and for each ``i1[u]`` where its matches start in the sorted ``i2`` and how many
+    there are (0 for ``-1``, "no index"): ``i2[order[lo[u] + k]] == i1[u]`` for ``k < cnt[u]``."""
+    if i1.dtype != i2.dtype:
+        i1 = xp.astype(i1, xp.result_type(i1, i2))
+        i2 = xp.astype(i2, i1.dtype)
+    order = xp.argsort(i2)
+    srt = xp.take(i2, order)
+    lo = xp.searchsorted(srt, i1, side="left")
+    cnt = xp.searchsorted(srt, i1, side="right") - lo
+    return order, lo, xp.where(i1 >= 0, cnt, xp.zeros_like(cnt))
+
+
+def _pairs_density(xp: Any, a1: Array, a2: Array) -> float:
+    r"""Matching positions per sample pair of index factors ``a1`` (N1, S), ``a2`` (N2, T):
+    :math:`M / (N_1 N_2)` with :math:`M = \#\{(n,s,m,t) : i_{ns} = i'_{mt} \ne -1\}`."""
+    n1, n2 = a1.shape[0], a2.shape[0]
+    _, _, cnt = _index_matches(xp, xp.reshape(a1, (-1,)), xp.reshape(a2, (-1,)))
+    return int(xp.sum(cnt)) / (n1 * n2)
+
+
+def _pairs_tile(xp: Any, backend: Any, a1: Array, g1: Array, a2: Array, g2: Array,
+                mode: str, chunk: int) -> Array:
+    r"""Theta of an index block from its matching pairs only; a1 (r, S), a2 (c, T) indices,
+    g (r, S, O, d_out), g2 with T.
+
+    The one-hot inner product :math:`\langle e_i, e_j\rangle = [i = j \ne -1]` makes
+    :math:`\Theta[n,m,o,p] = \sum_{(s,t):\, i_{ns} = i'_{mt} \ne -1}
+    \langle g[n,s,o], g'[m,t,p]\rangle`.  Sorting the column indices and two binary searches
+    per row index give each flat row position ``u = (n, s)`` its matches in the sorted
+    order, ``lo[u] .. lo[u] + cnt[u]``; pair ``k`` (in ``0 .. M``, rows in order) belongs to
+    row ``u`` with :math:`e_{u-1} \le k < e_u` for the running sums ``e = cumsum(cnt)`` and
+    is its ``(k - e_{u-1})``-th match.  Pairs are taken ``chunk`` at a time: gather the two g
+    rows, contract them (trace: over (o, k); diagonal: over k; full: a (O, d) @ (d, O)
+    product) and scatter-add into cell ``(n, m)`` (:meth:`Backend.scatter_add`).  A self-tile
+    (J' = J) takes each unordered pair once, the matches of u from u's own place in the
+    sorted order on, and adds its value to both cells (n, m) and (m, n) (transposed over
+    (o, p)): half the gathers.  Work :math:`O(M O d_{out})` plus a sort, instead of the
+    positions route's :math:`O(r c S T)`.
+    """
+    r, s = a1.shape
+    c, t = a2.shape
+    o, dout = g1.shape[2], g1.shape[3]
+    same = a1 is a2 and g1 is g2
+    order, lo, cnt = _index_matches(xp, xp.reshape(a1, (r * s,)), xp.reshape(a2, (c * t,)))
+    if same:  # each unordered pair once: the matches at or after u's own sorted place
+        rank = xp.argsort(order)
+        cnt = xp.where(cnt > 0, lo + cnt - rank, cnt)
+        lo = rank
+    end = xp.cumulative_sum(cnt)
+    total = int(end[-1]) if r * s else 0
+    base = lo - (end - cnt)  # sorted position of pair k of row u: k + base[u]
+    y1, y2 = xp.reshape(g1, (r * s, o * dout)), xp.reshape(g2, (c * t, o * dout))
+    kept = (o * dout,) if mode == "trace" else (o, dout)  # the gathered rows' layout
+    q = _q(mode, o)
+    out = None
+    for p0 in range(0, total, chunk):
+        k = xp.arange(p0, min(total, p0 + chunk), dtype=end.dtype,
+                      device=array_api_compat.device(end))
+        row = xp.searchsorted(end, k, side="right")
+        col = xp.take(order, k + xp.take(base, row))
+        x1 = xp.reshape(xp.take(y1, row, axis=0), (k.shape[0], *kept))  # 2-D gathers: the
+        x2 = xp.reshape(xp.take(y2, col, axis=0), (k.shape[0], *kept))  # fast ones in torch
+        if mode == "trace":
+            v = xp.vecdot(x1, x2, axis=-1)[:, None]
+        elif mode == "full":  # (M, O, d) @ (M, d, O)
+            v = xp.reshape(x1 @ xp.permute_dims(x2, (0, 2, 1)), (k.shape[0], q))
+        else:  # diagonal: (M, O)
+            v = xp.vecdot(x1, x2, axis=-1)
+        cell = (row // s) * c + col // t
+        if same:  # and the mirror (m, n) of every pair of two positions (transposed O x O)
+            mirror = xp.where(row == col, -1, (col // s) * c + row // t)
+            cell = xp.concat((cell, mirror))
+            v = xp.concat((v, v if mode != "full" else xp.reshape(xp.permute_dims(
+                xp.reshape(v, (-1, o, o)), (0, 2, 1)), (-1, q))))
+        part = backend.scatter_add(cell, v, r * c)
+        out = part if out is None else out + part
+    if out is None:
+        out = xp.zeros((r * c, q), dtype=g1.dtype, device=array_api_compat.device(g1))
+    if mode == "trace":
+        return xp.reshape(out, (r, c))
+    if mode == "diagonal":
+        return xp.reshape(out, (r, c, o))
+    return xp.permute_dims(xp.reshape(out, (r, c, o, o)), (0, 2, 1, 3))  # (r, O, c, O)
+
+
 def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     """Samples ``sl`` of a factor, in the compute dtype (an index factor stays integer)."""
     x = x[sl, ...]
     return x if x.dtype == dtype or x.ndim == 2 else xp.astype(x, dtype)
 
 
+def _take_a(xp: Any, block: KroneckerBlock, sl: slice, dtype: Any, ones: bool) -> Array:
+    """:func:`_take` of the factor a, its implicit ones column (``block.ones``) kept implicit
+    only where the product passes ``ones`` on (both sides have it), else appended."""
+    a = _take(xp, block.a, sl, dtype)
+    return with_ones(xp, a) if block.ones and not ones else a
+
+
 def _piece_tiles(xp: Any, strategy: str, pair: _Pair, rows: slice,
                  pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any,
-                 mode: str) -> Iterator[Array]:
+                 mode: str, route: _Route) -> Iterator[Array]:
     """One block's tiles for the pieces (rows, cols, mirror) of the tile ``rows``, in order.
 
     ``same``: the single piece is a diagonal tile itself (self-products).  Several pieces are
     the row panels of a diagonal tile; materialised per-sample weights are then computed
     once for the whole tile and sliced for each panel (both sides of every panel lie within
-    the tile's rows).
+    the tile's rows).  The "pairs" route computes the whole diagonal tile as a self-tile (half
+    its pairs) and slices it for each panel.
     """
+    r0 = rows.start
+    if strategy == "pairs" and len(pieces) > 1:
+        t = _block_tile(xp, strategy, pair, rows, rows, True, dtype, mode, route)
+        for prs, pcs, _ in pieces:
+            i, j = slice(prs.start - r0, prs.stop - r0), slice(pcs.start - r0, pcs.stop - r0)
+            yield t[i, :, j, :] if mode == "full" else t[i, j, ...]  # full: (r, O, c, O)
+        return
     if strategy != "materialise" or len(pieces) == 1:
         for prs, pcs, _ in pieces:
-            yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode)
+            yield _block_tile(xp, strategy, pair, prs, pcs, same, dtype, mode, route)
         return
-    w = flat_weights(xp, _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype),
-                     pair.b1.one_hot)
-    r0 = rows.start
+    w = flat_weights(xp, _take_a(xp, pair.b1, rows, dtype, False),
+                     _take(xp, pair.b1.g, rows, dtype), pair.b1.one_hot)
     for prs, pcs, _ in pieces:
         yield _dense_tile(xp, w[prs.start - r0:prs.stop - r0, ...],
                           w[pcs.start - r0:pcs.stop - r0, ...], mode)
 
 
+class _Route(NamedTuple):
+    """What the "pairs" route needs besides the factors: the backend (its scatter-add) and
+    the plan's chunk of pairs."""
+
+    backend: Any
+    chunk: int
+
+
 def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
-                same: bool, dtype: Any, mode: str) -> Array:
+                same: bool, dtype: Any, mode: str, route: _Route) -> Array:
     """One block's contribution to the tile (rows, cols).
 
     In ``full`` mode the tile comes in the layout of the GEMMs that produce it, (r, O, c, O):
@@ -623,13 +845,17 @@ def _block_tile(xp: Any, strategy: str, pair: _Pair, rows: slice, cols: slice,
     if strategy == "dense":
         j1 = _take(xp, pair.b1.jac, rows, dtype)
         return _dense_tile(xp, j1, j1 if same else _take(xp, pair.b2.jac, cols, dtype), mode)
-    a1, g1 = _take(xp, pair.b1.a, rows, dtype), _take(xp, pair.b1.g, rows, dtype)
-    a2, g2 = (a1, g1) if same else (_take(xp, pair.b2.a, cols, dtype),
+    # implicit ones columns stay implicit in the factor products (not in materialise)
+    ones = strategy != "materialise" and pair.b1.ones and pair.b2.ones
+    a1, g1 = _take_a(xp, pair.b1, rows, dtype, ones), _take(xp, pair.b1.g, rows, dtype)
+    a2, g2 = (a1, g1) if same else (_take_a(xp, pair.b2, cols, dtype, ones),
                                     _take(xp, pair.b2.g, cols, dtype))
     if strategy == "kron1":
-        return _kron1_tile(xp, a1, g1, a2, g2, mode)
+        return _kron1_tile(xp, a1, g1, a2, g2, mode, ones)
     if strategy == "positions":
-        return _positions_tile(xp, a1, g1, a2, g2, mode)
+        return _positions_tile(xp, a1, g1, a2, g2, mode, ones)
+    if strategy == "pairs":
+        return _pairs_tile(xp, route.backend, a1, g1, a2, g2, mode, route.chunk)
     w1 = flat_weights(xp, a1, g1, pair.b1.one_hot)
     return _dense_tile(xp, w1, w1 if same else flat_weights(xp, a2, g2, pair.b2.one_hot), mode)
 
@@ -668,6 +894,20 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
                              f"P_b={b2.num_params} in J2")
         pairs.append(_Pair(str(b1.name), b1, b2, isinstance(b1, KroneckerBlock)))
     return pairs
+
+
+def _with_density(xp: Any, backend: Any, pairs: list[_Pair]) -> list[_Pair]:
+    """``pairs`` with the "pairs" route offered to the index-factor blocks (their matching
+    positions counted: a sort and two searches over the indices); factors traced by
+    ``jax.jit`` (values unknown) and empty ones are left as they are."""
+    out = []
+    for p in pairs:
+        b1, b2 = p.b1, p.b2
+        if (p.kronecker and b1.one_hot is not None and b1.num_samples and b2.num_samples
+                and not backend.is_traced(b1.a, b2.a)):
+            p = replace(p, density=_pairs_density(xp, b1.a, b2.a))
+        out.append(p)
+    return out
 
 
 def _resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
@@ -709,6 +949,7 @@ def _writable(xp: Any, dtype: Any, device: Any) -> bool:
 @dataclass
 class _Setup:
     xp: Any
+    backend: Any
     pairs: list[_Pair]
     mode: Mode
     n1: int
@@ -731,6 +972,8 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     xp, backend = namespace_of(J1=j1.blocks[0].arrays()[0],
                                J2=None if j2 is None else j2.blocks[0].arrays()[0])
     pairs = _pairs(j1, j2)
+    if backend.fast_scatter_add or strategy == "pairs":
+        pairs = _with_density(xp, backend, pairs)
     default = j1.dtype if j2 is None else xp.result_type(j1.dtype, j2.dtype)
     out_dtype = _resolve_dtype(xp, dtype, default)
     device = j1.device
@@ -757,7 +1000,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
             gpu = False
         plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, item,
                             strategy, gpu, _writable(xp, out_dtype, device))
-    return _Setup(xp, pairs, mode, n1, n2, o, out_dtype, device, plan)
+    return _Setup(xp, backend, pairs, mode, n1, n2, o, out_dtype, device, plan)
 
 
 def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,
@@ -897,10 +1140,11 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     tiles: dict[tuple[int, int], Array] = {}
     # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
     # (each entry and its mirror sum the same products in the same order); the "positions"
-    # contraction sums over s and t in different orders for (n, m) and (m, n), so its diagonal
-    # tiles are averaged with their transpose (exact: fl(x + y) = fl(y + x), halving is exact;
-    # test_self_kernel_exactly_symmetric checks every backend).
-    unsym = [s == "positions" for s in plan.strategies]
+    # and "pairs" contractions sum over s and t in different orders for (n, m) and (m, n), so
+    # their diagonal tiles are averaged with their transpose (exact: fl(x + y) = fl(y + x),
+    # halving is exact; test_self_kernel_exactly_symmetric checks every backend).
+    unsym = [s in ("positions", "pairs") for s in plan.strategies]
+    route = _Route(st.backend, plan.pair_chunk)
 
     def flush(accs: list[Array | None], k: int, piece: tuple[slice, slice, int],
               b: int | None, sym: bool, parts: list[Array]) -> None:
@@ -939,7 +1183,8 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
             # blocks outside, pieces inside: a block's per-tile work is done once
             for b, (strat, pair) in enumerate(zip(plan.strategies, st.pairs, strict=True)):
                 for k, t in enumerate(_piece_tiles(xp, strat, pair, rows, pieces,
-                                                   same and len(pieces) == 1, st.dtype, mode)):
+                                                   same and len(pieces) == 1, st.dtype, mode,
+                                                   route)):
                     if layerwise or accs[k] is None:
                         accs[k] = t
                     else:

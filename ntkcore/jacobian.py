@@ -30,6 +30,7 @@ import array_api_compat
 
 from ._memory import itemsize
 from ._typing import Array
+from .backend import get_backend
 from .linop import LinearOperator
 from .support import capabilities
 
@@ -124,8 +125,9 @@ class KroneckerBlock:
     Parameters
     ----------
     a : array, shape (N, S, d_in), or integer (N, S) with ``one_hot``
-        Layer inputs at each position (with a trailing ones column for a bias); with
-        ``one_hot`` the indices of one-hot inputs (``-1``: a zero input).
+        Layer inputs at each position (with a trailing ones column for a bias, stored or,
+        with ``ones``, implicit); with ``one_hot`` the indices of one-hot inputs (``-1``: a
+        zero input).
     g : array, shape (N, S, O, d_out)
         Gradients of each output with respect to the layer output at each position.
     name : str, optional
@@ -133,6 +135,12 @@ class KroneckerBlock:
     one_hot : int, optional
         ``d_in`` of an index factor: ``a[n, s] = i`` stands for the one-hot row
         :math:`e_i \\in \\mathbb{R}^{d_{in}}` (an embedding lookup), never materialised.
+    ones : bool, default False
+        The factor is :math:`[a, 1]` (N, S, d_in) with the bias's ones column implicit: ``a``
+        is stored as (N, S, d_in - 1), so a layer's input is used as it is, without a copy
+        that appends the column.  Products take the column into account
+        (:func:`factor_gram` adds :math:`1 1^\\top`); :meth:`explicit_a` forms
+        :math:`[a, 1]` for consumers that need it.
 
     Notes
     -----
@@ -146,9 +154,12 @@ class KroneckerBlock:
     g: Array
     name: str | None = None
     one_hot: int | None = None
+    ones: bool = False
 
     def __post_init__(self) -> None:
         label = f"KroneckerBlock {self.name}" if self.name else "KroneckerBlock"
+        if self.ones and self.one_hot is not None:
+            raise ValueError(f"{label}: an index factor (one_hot) cannot have ones=True")
         if self.one_hot is None:
             xa = _check_block_array(self.a, f"{label} factor a", 3, "(N, S, d_in)")
         else:
@@ -181,7 +192,9 @@ class KroneckerBlock:
 
     @property
     def d_in(self) -> int:
-        return int(self.a.shape[2]) if self.one_hot is None else int(self.one_hot)
+        if self.one_hot is not None:
+            return int(self.one_hot)
+        return int(self.a.shape[2]) + int(self.ones)
 
     @property
     def a_width(self) -> int:
@@ -216,25 +229,37 @@ class KroneckerBlock:
         a = self.a if self.one_hot is not None else xp.astype(self.a, dtype)
         return replace(self, a=a, g=xp.astype(self.g, dtype))
 
+    def explicit_a(self) -> Array:
+        """The stored factor with an implicit ones column (``ones``) made explicit,
+        :math:`[a, 1]` (N, S, d_in) (a copy); ``a`` itself otherwise (an index factor stays
+        one)."""
+        return with_ones(array_api_compat.array_namespace(self.a), self.a) if self.ones \
+            else self.a
+
     def dense_a(self) -> Array:
         """The factor a as a dense (N, S, d_in) array (one-hot rows materialised for an index
         factor: N S d_in numbers; for consumers without an index path)."""
         if self.one_hot is None:
-            return self.a
+            return self.explicit_a()
         return one_hot_rows(array_api_compat.array_namespace(self.a), self.a, self.one_hot,
                             self.g.dtype)
 
     def a_times(self, m: Array) -> Array:
         """``a @ m`` for ``m`` (d_in, k) -> (N, S, k); a row gather of ``m`` for an index
         factor (:math:`e_i^\\top M = M[i]`), O(N S k)."""
-        return factor_times(array_api_compat.array_namespace(self.a, m), self.a, m,
-                            self.one_hot)
+        xp = array_api_compat.array_namespace(self.a, m)
+        if self.ones:  # [a, 1] @ m = a @ m[:-1] + m[-1]
+            return self.a @ m[:-1, ...] + m[-1, ...]
+        return factor_times(xp, self.a, m, self.one_hot)
 
     def a_transpose_times(self, x: Array) -> Array:
         """:math:`\\sum_{n,s} a[n,s]\\, x[n,s]^\\top` for ``x`` (N, S, k) -> (d_in, k)."""
         xp = array_api_compat.array_namespace(self.a, x)
         n, s, k = x.shape
         xf = xp.reshape(x, (n * s, k))
+        if self.ones:  # [a, 1]^T x = [a^T x; 1^T x]
+            at = xp.reshape(self.a, (n * s, self.d_in - 1)).T @ xf
+            return xp.concat([at, xp.sum(xf, axis=0)[None, ...]], axis=0)
         if self.one_hot is None:
             return xp.reshape(self.a, (n * s, self.d_in)).T @ xf
         return _index_transpose_times(xp, xp.reshape(self.a, (n * s,)), xf, self.one_hot)
@@ -247,8 +272,8 @@ class KroneckerBlock:
 
     def to_dense(self) -> Array:
         """The block's Jacobian, shape (N, O, d_out * d_in)."""
-        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.a, self.g,
-                            self.one_hot)
+        return flat_weights(array_api_compat.array_namespace(self.a, self.g), self.explicit_a(),
+                            self.g, self.one_hot)
 
     def jvp(self, v: Array) -> Array:
         """:math:`J_b v` for ``v`` (d_out * d_in,) -> (N, O), never forming :math:`J_b`.
@@ -322,33 +347,30 @@ def factor_times(xp: Any, a: Array, m: Array, one_hot: int | None) -> Array:
     return xp.reshape(rows, (*shape, m.shape[1]))
 
 
-#: Elements of the one-hot chunk that :func:`_index_transpose_times` forms at a time.
-_ONE_HOT_CHUNK = 1 << 22
-
-
 def _index_transpose_times(xp: Any, idx: Array, x: Array, d: int) -> Array:
-    """:math:`\\sum_r e_{idx_r} x_r^\\top` (d, k) for indices ``idx`` (R,) and ``x`` (R, k):
-    a scatter-add, as one-hot (chunk, d) products over row chunks (the array API standard
-    has no scatter-add), O(R d k) flops and at most ``_ONE_HOT_CHUNK`` extra elements."""
-    r = idx.shape[0]
-    step = max(1, _ONE_HOT_CHUNK // d)
-    out = None
-    for lo in range(0, r, step):
-        hi = min(r, lo + step)
-        part = one_hot_rows(xp, idx[lo:hi], d, x.dtype).T @ x[lo:hi, ...]
-        out = part if out is None else out + part
-    if out is None:
-        out = xp.zeros((d, x.shape[1]), dtype=x.dtype, device=array_api_compat.device(x))
-    return out
+    """:math:`\\sum_r e_{idx_r} x_r^\\top` (d, k) for indices ``idx`` (R,) and ``x`` (R, k): a
+    scatter-add (:meth:`ntkcore.backend.Backend.scatter_add`; ``-1`` rows are dropped)."""
+    return get_backend(xp).scatter_add(idx, x, d)
 
 
-def factor_gram(xp: Any, a1: Array, a2: Array, dtype: Any = None) -> Array:
+def with_ones(xp: Any, a: Array) -> Array:
+    """:math:`[a, 1]`: ``a`` (..., d) with a trailing ones column, (..., d + 1) (a copy)."""
+    one = xp.ones((*a.shape[:-1], 1), dtype=a.dtype, device=array_api_compat.device(a))
+    return xp.concat([a, one], axis=-1)
+
+
+def factor_gram(xp: Any, a1: Array, a2: Array, dtype: Any = None, ones: bool = False) -> Array:
     """Inner products of factor rows: ``a1`` (..., R, d_in), ``a2`` (..., C, d_in) ->
     (..., R, C), ``a1 @ a2^T``.  Index factors (..., R) and (..., C) (of a
     :class:`KroneckerBlock` with ``one_hot``): :math:`\\langle e_i, e_j\\rangle = [i = j]`,
-    0 at ``-1``, in ``dtype``: O(R C) comparisons, the width d_in never appears."""
+    0 at ``-1``, in ``dtype``: O(R C) comparisons, the width d_in never appears.
+    ``ones``: the factors' implicit ones columns (:class:`KroneckerBlock` ``ones``),
+    :math:`[a_1, 1][a_2, 1]^\\top = a_1 a_2^\\top + 1 1^\\top`: one addition per entry."""
     if not xp.isdtype(a1.dtype, "integral"):
-        return a1 @ xp.matrix_transpose(a1 if a2 is a1 else a2)
+        k = a1 @ xp.matrix_transpose(a1 if a2 is a1 else a2)
+        if ones:
+            k += 1  # in place on the fresh product (a rebinding in JAX)
+        return k
     eq = (a1[..., :, None] == a2[..., None, :]) & (a1[..., :, None] >= 0)
     return xp.astype(eq, dtype)
 
@@ -567,9 +589,11 @@ class Jacobian:
         first = parts[0]
         xp = first.xp
         # (class, index factor width) per block: an index factor (one_hot) must stay one
-        kinds = [(type(b), getattr(b, "one_hot", None)) for b in first.blocks]
+        kinds = [(type(b), getattr(b, "one_hot", None), getattr(b, "ones", False))
+                 for b in first.blocks]
         if any(j.names != first.names
-               or [(type(b), getattr(b, "one_hot", None)) for b in j] != kinds
+               or [(type(b), getattr(b, "one_hot", None), getattr(b, "ones", False))
+                   for b in j] != kinds
                for j in parts[1:]):
             raise ValueError("Jacobians to concatenate must have the same blocks")
         names = first.names
@@ -578,13 +602,13 @@ class Jacobian:
         if consume:
             parts.clear()  # type: ignore[attr-defined]
         blocks = []
-        for i, (kind, one_hot) in enumerate(kinds):
+        for i, (kind, one_hot, ones) in enumerate(kinds):
             arrays = [xp.concat([p[i][k] for p in pieces], axis=0)
                       for k in range(len(pieces[0][i]))]
             for p in pieces:  # this block's pieces can go now
                 p[i] = ()
-            blocks.append(kind(*arrays, names[i]) if one_hot is None
-                          else kind(*arrays, names[i], one_hot=one_hot))
+            blocks.append(kind(*arrays, names[i]) if one_hot is None and not ones
+                          else kind(*arrays, names[i], one_hot=one_hot, ones=ones))
         return Jacobian(blocks)
 
 

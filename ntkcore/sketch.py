@@ -824,13 +824,14 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
         else:
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)
             sk_a = _index_factor_sketch(block, q_a, b) if block.one_hot is not None \
-                else factor(block.a, block.d_in, q_a, b, 1)
+                else (None if q_a >= block.d_in
+                      else factor(block.explicit_a(), block.d_in, q_a, b, 1))
             sk_g = factor(block.g, block.d_out, q_g, b, 2)
             g = block.g if sk_g is None else sk_g.apply(block.g, axis=3)
             if sk_a is None:
                 blocks.append(block.with_arrays(block.a, g))
             else:  # a Omega_A^T; for an index factor the rows of Omega_A^T, gathered
-                a = sk_a.apply(block.a, axis=2) if block.one_hot is None else \
+                a = sk_a.apply(block.explicit_a(), axis=2) if block.one_hot is None else \
                     sk_a.columns(block.a, g.dtype)
                 blocks.append(KroneckerBlock(a, g, block.name))
             sketches.append(None if sk_a is None and sk_g is None else (sk_a, sk_g))

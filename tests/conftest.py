@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +186,27 @@ def tiny_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     import ntkcore  # noqa: F401 - loads ntkcore.gram
 
     monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 1)
+
+
+@pytest.fixture
+def jax_quick_compile() -> Iterator[None]:
+    """XLA with most optimisations off during the test (``jax_disable_most_optimizations``).
+
+    Modules whose JAX cases run many small eager operations of changing shapes (the
+    projected-features tests) spend most of their time compiling one XLA program per
+    primitive and shape, about 0.1 s each; without the optimisation passes a compile takes
+    about half as long.  The results are the same operations in IEEE arithmetic, and the
+    tolerances are derived from the dtype's epsilon, not from a particular fusion.
+    """
+    if not HAS_JAX:
+        yield
+        return
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture

@@ -32,9 +32,11 @@ import ntkcore
 from ntkcore.modes import FULL
 from tests.tolerances import kernel_tol, solve_tol
 
-pytestmark = pytest.mark.supports(
+pytestmark = [pytest.mark.supports(
     "feature_regression", "feature_gd_mse_predict", "feature_gp_inference", "FeatureRidge",
-    "kernel_regression", "gd_mse_predict", "gp_inference", "gram")
+    "kernel_regression", "gd_mse_predict", "gp_inference", "gram"),
+    # many small eager JAX operations of changing shapes: compile them without XLA's passes
+    pytest.mark.usefixtures("jax_quick_compile")]
 
 #: (N, O or None, D): the primal side (D < rows) and the dual side (D >= rows), trace/full mode
 CASES = [(30, None, 8), (6, None, 15), (7, 3, 12), (5, 3, 40)]

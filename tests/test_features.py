@@ -24,6 +24,9 @@ from ntkcore.models import MLP
 from tests.conftest import make_case
 from tests.tolerances import kernel_tol
 
+# many small eager JAX operations of changing shapes: compile them without XLA's passes
+pytestmark = pytest.mark.usefixtures("jax_quick_compile")
+
 Z = 5.0  # standard errors allowed per entry
 
 

@@ -186,7 +186,7 @@ def test_blocks_kronecker_where_the_sample_axis_exists():
     opt = _seng_step(model, x, y)
     kinds = {k: type(b) for k, b in opt._curvature.items()}
     assert kinds["enc.linear1"] is KroneckerBlock and kinds["enc.linear2"] is KroneckerBlock
-    assert opt._curvature["enc.linear1"].a.shape == (t, t, 5)  # (N, T, d_in + 1)
+    assert opt._curvature["enc.linear1"].explicit_a().shape == (t, t, 5)  # (N, T, d_in + 1)
     assert kinds["o"] is KroneckerBlock
     assert kinds["enc.self_attn.out_proj"] is DenseBlock
     model, inp, t = _make("positional_table")

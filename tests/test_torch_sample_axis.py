@@ -154,7 +154,7 @@ def test_seq_first_linears_are_kronecker_over_tokens():
     j = check_model(model, torch.randn(5, 5, 4, dtype=DT), tol=TOL)
     by_name = dict(zip(j.names, j.blocks, strict=True))
     assert by_name["enc.linear1"].num_positions == 5  # the T tokens of each sample
-    assert by_name["enc.linear1"].a.shape == (5, 5, 5)  # (N, T, d + 1)
+    assert by_name["enc.linear1"].explicit_a().shape == (5, 5, 5)  # (N, T, d + 1)
 
 
 @pytest.mark.parametrize("backward", ["batched", "loop"])
@@ -402,3 +402,49 @@ def test_remembered_probe_follows_a_changed_forward():
         j = jacobian(model, x)
         ref = reference(model, x)
         assert rel(j.to_dense(), to_block_order(model, j, ref)) < TOL
+
+
+class _Weight(nn.Module):
+    """A bare weight that its parent applies with ``F.linear`` (a functional call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 3))
+
+
+class _FlipFunctional(nn.Module):
+    """:class:`_Flip` with the weight applied functionally (``torch_functional``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = _Weight()
+        self.seq_first = False
+
+    def forward(self, x):
+        w = self.proj.weight
+        if self.seq_first:
+            return torch.tanh(nn.functional.linear(x.transpose(0, 1), w)).transpose(0, 1).sum(1)
+        return torch.tanh(nn.functional.linear(x, w)).sum(1)
+
+
+def test_functional_probe_runs_once_per_model_and_batch_shape():
+    """With functional calls too, repeated calls on one model and input shape run the probe
+    forward once (its axes and call shapes are remembered); a changed forward (samples on
+    another axis, same shapes, T == N) is probed again and stays exact."""
+    model = _FlipFunctional().to(DT).eval()
+    x = torch.randn(5, 5, 3, dtype=DT)
+    forwards = []
+    model.register_forward_pre_hook(lambda mod, args: forwards.append(args[0].shape[0]))
+    first = jacobian(model, x)
+    assert kinds(first) == "K"
+    assert forwards == [5, 1]  # the real pass and the probe on one sample
+    again = jacobian(model, x)
+    assert forwards == [5, 1, 5]
+    assert torch.equal(first.to_dense(), again.to_dense())
+    jacobian(model, x[:3])  # another batch shape: probed
+    assert forwards == [5, 1, 5, 3, 1]
+    for flag in (True, False, True):
+        model.seq_first = flag
+        j = jacobian(model, x)
+        assert kinds(j) == "K"
+        assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < TOL
