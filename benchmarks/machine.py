@@ -28,6 +28,11 @@ THREAD_ENV = (
     "CUPY_TF32",
     "CUDA_VISIBLE_DEVICES",
 )
+#: glibc malloc settings: large thresholds keep freed buffers in the process instead of
+#: returning them to the OS, so that the next call does not page-fault them in again
+#: (docs/performance.md, "Page faults").  Recorded, never set, by the runner.
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+              "LD_PRELOAD")
 PACKAGES = (
     "ntkcore",
     "numpy",
@@ -239,7 +244,7 @@ def collect(device: str = "cpu") -> dict[str, Any]:
         "versions": {p: _version(p) for p in PACKAGES if importlib.util.find_spec(p) is not None},
         "blas": blas_info(),
         "blas_kernel": blas_kernel(),
-        "env": {k: os.environ.get(k) for k in (*BLAS_ENV, *THREAD_ENV)},
+        "env": {k: os.environ.get(k) for k in (*BLAS_ENV, *THREAD_ENV, *MALLOC_ENV)},
         "env_before_reexec": json.loads(orig) if orig else None,
         "torch": _torch_facts(device),
         "jax": _jax_facts(),

@@ -449,6 +449,9 @@ def _machine_section(doc: dict[str, Any]) -> str:
         ["OpenBLAS guards in the timing run",
          ", ".join(f"{k}={val}" for k, val in (m.get("env") or {}).items()
                    if k.startswith("OPENBLAS_") and val is not None) or "unset"],
+        ["malloc settings", ", ".join(f"{k}={val}" for k, val in (m.get("env") or {}).items()
+                                      if k.startswith(("MALLOC_", "LD_PRELOAD"))
+                                      and val is not None) or "glibc defaults"],
         ["removed by the runner", ", ".join(f"{k}={val}" for k, val in
                                             (m.get("env_before_reexec") or {}).items()) or "-"],
         ["Python", m.get("python")],
@@ -693,6 +696,12 @@ bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDI
   old OpenBLAS builds; they slow a current one down. Timing runs of `python -m benchmarks`
   re-execute themselves without both variables (only that command; tests and CI keep them)
   and record the BLAS kernel threadpoolctl reports.
+- **malloc**: glibc returns freed buffers of a few MB and more to the operating system, so
+  each call of a kernel page-faults its working memory in again (on the 8 x 1000 MLP,
+  N = 512: 3,000-16,000 minor faults per call, 0.002-0.5 s of system time depending on the
+  host).  Large `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` (or jemalloc/tcmalloc
+  through `LD_PRELOAD`) keep those buffers in the process.  The runner never sets them; each
+  run's machine table lists the settings it ran with ("malloc settings").
 - The machine that produced the CPU tables is shared: treat differences under ~20% as noise,
   and check the load average recorded with each run.
 
