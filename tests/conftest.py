@@ -209,6 +209,21 @@ def jax_quick_compile() -> Iterator[None]:
         jax.config.update("jax_disable_most_optimizations", before)
 
 
+def force_panels(monkeypatch: pytest.MonkeyPatch, rows: int = 3) -> Any:
+    """Split every diagonal tile of a symmetric Gram into row panels of ``rows`` GEMM rows
+    (``ntkcore.gram.SYMMETRIC_PANEL_ROWS`` on CPU and GPU, and no minimum work per entry), for
+    tests of the panel code on small inputs.  Returns the ``ntkcore.gram`` module."""
+    import sys
+
+    import ntkcore  # noqa: F401 - loads ntkcore.gram
+
+    gram_module = sys.modules["ntkcore.gram"]
+    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
+    for device in ("cpu", "gpu"):
+        monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, device, rows)
+    return gram_module
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)

@@ -19,6 +19,7 @@ import ntkcore
 from ntkcore._memory import DEFAULT_FRACTION, default_budget, parse_memory
 from ntkcore.gram import BudgetTooSmallError, _gram, plan_gram
 from ntkcore.tiling import panel_bounds
+from tests.conftest import force_panels
 from tests.tolerances import kernel_tol
 
 
@@ -213,15 +214,11 @@ def test_self_kernel_exactly_symmetric(monkeypatch, backend, rng, mode, layerwis
     strategies, whole, tiled and with diagonal tiles in row panels (the "positions"
     contraction of a diagonal tile alone is symmetric only up to rounding)."""
     limit_jax(backend, mode)
-    import sys
 
     if panels:
         if backend.name == "jax":
             pytest.skip("no slice assignment: diagonal tiles are never split into panels")
-        gram_module = sys.modules["ntkcore.gram"]
-        monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
-        monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 3)
-        monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "gpu", 3)
+        force_panels(monkeypatch)
     spec = {"O": 3, "blocks": [("kron", 4, 5, 3), ("kron", 1, 3, 4), ("dense", 4)]}
     f = make_factors(spec, 13, rng)
     j = to_jacobian(backend, f)
@@ -555,11 +552,8 @@ def test_torch_gradient_through_row_panels(monkeypatch, rng, mode):
     """Autograd through the in-place Hadamard products, panel sums and mirrored writes
     agrees with autograd through the dense einsum."""
     torch = pytest.importorskip("torch")
-    import sys
 
-    gram_module = sys.modules["ntkcore.gram"]
-    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 2)
+    force_panels(monkeypatch, rows=2)
     a = torch.tensor(rng.standard_normal((9, 1, 4)), requires_grad=True)
     g = torch.tensor(rng.standard_normal((9, 1, 2, 3)), requires_grad=True)
     j = ntkcore.Jacobian([ntkcore.KroneckerBlock(a, g)])
@@ -653,12 +647,8 @@ def test_diagonal_tiles_in_row_panels(monkeypatch, backend, rng, mode, layerwise
     """Diagonal tiles computed as row panels (upper part mirrored) give the dense kernel,
     with and without budget tiling, and the plan counts the panels' smaller work."""
     limit_jax(backend, mode)
-    import sys
 
-    gram_module = sys.modules["ntkcore.gram"]
-    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 3)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "gpu", 3)
+    gram_module = force_panels(monkeypatch)
     spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("kron", 3, 3, 2), ("dense", 4)]}
     f = make_factors(spec, 13, rng)
     j = to_jacobian(backend, f)

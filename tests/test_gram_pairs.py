@@ -14,6 +14,7 @@ from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, plan_gram
 from ntkcore.backend import get_backend
 from ntkcore.errors import BudgetTooSmallError
 from ntkcore.gram import _gram
+from tests.conftest import force_panels
 from tests.tolerances import kernel_tol
 
 V, O, D = 9, 3, 4
@@ -102,10 +103,7 @@ def test_pairs_route_in_row_panels(monkeypatch, backend, rng, mode):
     self-tile) and slices it per panel; exact and exactly symmetric."""
     if backend.name == "jax":
         pytest.skip("no slice assignment: diagonal tiles are never split into panels")
-    gram_module = sys.modules["ntkcore.gram"]
-    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 3)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "gpu", 3)
+    force_panels(monkeypatch)
     ids, g = _ids(rng, 12, 4, everywhere=0), rng.standard_normal((12, 4, O, D))
     j = Jacobian([_block(backend, ids, g)])
     plan = plan_gram(j, mode=mode, strategy="pairs")

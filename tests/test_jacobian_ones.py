@@ -5,14 +5,13 @@ and torch.func for the torch provider, whose Linear layers give such blocks."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 import ntkcore
 from ntkcore import Jacobian, KroneckerBlock
 from ntkcore.gram import _gram
+from tests.conftest import force_panels
 from tests.test_gram import dense_blocks, reference
 from tests.tolerances import kernel_tol
 
@@ -48,9 +47,7 @@ def test_implicit_ones_gram_matches_dense(monkeypatch, backend, rng, mode):
     panels and budget tiles, layerwise: the kernel of the explicit factor [a, 1]."""
     if backend.name == "jax" and mode != "trace":
         pytest.skip("jax: the trace-mode variant covers it (compiles per shape)")
-    gram_module = sys.modules["ntkcore.gram"]
-    monkeypatch.setattr(gram_module, "SYMMETRIC_SPLIT_FLOPS_PER_ENTRY", 0)
-    monkeypatch.setitem(gram_module.SYMMETRIC_PANEL_ROWS, "cpu", 3)
+    force_panels(monkeypatch)
     f1 = _factors(rng, 11, [1, 3])
     f2 = _factors(rng, 7, [1, 2])
     j1 = _jacobian(backend, f1)
