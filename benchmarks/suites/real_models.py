@@ -122,7 +122,9 @@ def reference(model: str, n: int, size: str = "bench") -> Any:
         def f(pd: dict, xn: Any, o: int = o) -> Any:
             return functional_call(m, pd, (xn[None],)).reshape(-1)[o]
 
-        jac = vmap(jacrev(f), in_dims=(None, 0))(pd, x)
+        with warnings.catch_warnings():  # torch's SDPA batching-rule note, as in the baseline
+            warnings.filterwarnings("ignore", message=".*batching rule")
+            jac = vmap(jacrev(f), in_dims=(None, 0))(pd, x)
         j = torch.cat([v.reshape(x.shape[0], -1) for v in jac.values()], dim=1)
         k += j @ j.T
         del jac, j
