@@ -288,8 +288,11 @@ def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, t
         mpath, _ = owners[n]
         by_module.setdefault(mpath, []).append(n)
     units: dict[str, _Unit] = {}
+    # the owners' paths are named_modules() paths (_owner_map): one walk, not one
+    # get_submodule per module
+    modules = dict(model.named_modules()) if by_module else {}
     for mpath, names in by_module.items():
-        mod = model.get_submodule(mpath) if mpath else model
+        mod = modules[mpath]
         if layer_type(mod) is None or isinstance(mod, CALLED_BY_PARENT):  # see torch_layers.FORWARD
             continue
         if any(registrations[id(named[n])] > 1 for n in names):

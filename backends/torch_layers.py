@@ -269,7 +269,7 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
     if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
         return block
     g = block.g
-    live = g[0].ne(0).any(-1).any(-1)  # (S,)
+    live = g[0].any(dim=(1, 2))  # (S,)
     if bool(live.all()):
         return block
     dead = (~live).nonzero().flatten()
