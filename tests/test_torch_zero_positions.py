@@ -109,3 +109,15 @@ def test_dead_positions_apart_read_in_one_range():
     kept = drop_zero_positions(KroneckerBlock(a, g, "b"))
     torch.testing.assert_close(kept.a, a[:, [0, 1, 2]], rtol=0, atol=0)
     torch.testing.assert_close(kept.g, g[:, [0, 1, 2]], rtol=0, atol=0)
+
+
+def test_nan_or_negative_only_positions_stay():
+    """A position whose only non-zero entries are negative, or NaN, is live (max = min = 0
+    is the test of a zero position)."""
+    a = torch.randn(2, 4, 3, dtype=DT)
+    g = torch.zeros(2, 4, 1, 2, dtype=DT)
+    g[:, 0] = 1.0
+    g[1, 1, 0, 0] = -2.0
+    g[1, 2, 0, 1] = float("nan")
+    kept = drop_zero_positions(KroneckerBlock(a, g, "b"))
+    torch.testing.assert_close(kept.a, a[:, [0, 1, 2]], rtol=0, atol=0)
