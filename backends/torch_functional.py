@@ -320,10 +320,27 @@ class ParamUses(TorchFunctionMode):
                 return p
         return None
 
+    def _owned(self, items: Any, found: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``found`` extended by ``(t, owner(t))`` for the tensors t in the nested ``items``
+        (lists, tuples, dict values) that are or view a candidate, in :func:`_flat` order: a
+        loop, not a generator, for it runs on every torch call of the forward pass."""
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                if (p := self.owner(t)) is not None:
+                    found.append((t, p))
+            elif isinstance(t, list | tuple):
+                self._owned(t, found)
+            elif isinstance(t, dict):
+                self._owned(t.values(), found)
+        return found
+
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        owned = [(t, p) for t in _flat((args, kwargs)) if (p := self.owner(t)) is not None]
+        owned = self._owned(args, [])
+        if kwargs:
+            self._owned(kwargs.values(), owned)
         if not owned:
             return func(*args, **kwargs)
         if func is F.multi_head_attention_forward:

@@ -288,8 +288,11 @@ def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, t
         mpath, _ = owners[n]
         by_module.setdefault(mpath, []).append(n)
     units: dict[str, _Unit] = {}
+    # the owners' paths are named_modules() paths (_owner_map): one walk, not one
+    # get_submodule per module
+    modules = dict(model.named_modules()) if by_module else {}
     for mpath, names in by_module.items():
-        mod = model.get_submodule(mpath) if mpath else model
+        mod = modules[mpath]
         if layer_type(mod) is None or isinstance(mod, CALLED_BY_PARENT):  # see torch_layers.FORWARD
             continue
         if any(registrations[id(named[n])] > 1 for n in names):
@@ -1053,7 +1056,7 @@ def jacobian(
     backward : {"auto", "batched", "loop"}
         How the O output-gradient passes run: one ``is_grads_batched`` pass or a loop of O
         passes over all samples ("auto": the loop when the model has convolutions, whose
-        vmapped backward is slow; batched otherwise).  Same flops either way.
+        vmapped backward is slow, or O <= 2; batched otherwise).  Same flops either way.
 
     Returns
     -------
@@ -1211,8 +1214,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
 
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if kron or rkron or fcalls:
-        if backward == "auto":
-            batched = not any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
+        if backward == "auto":  # two passes gain nothing from vmap, whose per-op batching
+            # costs more than a second pass (BERT at O = 2: 10-40% slower batched)
+            batched = o > 2 and not any(isinstance(mod, nn.modules.conv._ConvNd)
+                                        for mod in model.modules())
         else:
             batched = backward == "batched"
         flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]

@@ -101,8 +101,13 @@ def _named_parameters(model: Any) -> list[tuple[str, Any]]:
             except Exception:
                 pass
     if out:  # lazy modules' parameters before their first call hold no values yet
-        return [(n, p) for n, p in out
-                if not type(p).__name__.startswith("Uninitialized") and _is_array(p)]
+        arrays: dict[type, bool] = {}  # _is_array per type (its namespace test is per type)
+        for _, p in out:
+            if type(p) not in arrays:
+                arrays[type(p)] = (not type(p).__name__.startswith("Uninitialized")
+                                   and _is_array(p))
+        return [(n, p) for n, p in out if arrays[type(p)] and hasattr(p, "dtype")
+                and hasattr(p, "shape")]
     from .models import MLP  # pure array API
 
     if isinstance(model, MLP):

@@ -214,9 +214,17 @@ def first_nonfinite(named: list[tuple[str, Array]]) -> str | None:
     entry.  Integer and boolean arrays are skipped; traced arrays (``jax.jit``) count as finite.
     """
     groups: dict[tuple[int, str, str], tuple[Any, list[tuple[str, Array]]]] = {}
+    # an array's namespace depends on its type alone, whether it is inexact on its dtype
+    spaces: dict[Any, Any] = {}
     for name, arr in named:
-        xp = array_api_compat.array_namespace(arr)
-        if xp.isdtype(arr.dtype, ("real floating", "complex floating")):
+        xp = spaces.get(type(arr))
+        if xp is None:
+            xp = spaces[type(arr)] = array_api_compat.array_namespace(arr)
+        kind = (type(arr), arr.dtype)
+        inexact = spaces.get(kind)
+        if inexact is None:
+            inexact = spaces[kind] = xp.isdtype(arr.dtype, ("real floating", "complex floating"))
+        if inexact:
             key = (id(xp), str(array_api_compat.device(arr)), str(arr.dtype))
             groups.setdefault(key, (xp, []))[1].append((name, arr))
     for xp, items in groups.values():

@@ -97,3 +97,27 @@ def test_positions_zero_for_some_samples_stay():
     assert drop_zero_positions(KroneckerBlock(a, g, "b")).num_positions == 1
     live = KroneckerBlock(a, torch.randn(3, 4, 2, 6, dtype=DT), "b")
     assert drop_zero_positions(live) is live  # nothing dropped: the same block, no copy
+
+
+def test_dead_positions_apart_read_in_one_range():
+    """Sample 0 is zero at positions 0 and 3 (live at 1 and 2 in between): 0 is live for
+    another sample and stays, 3 is zero everywhere and goes, 1 and 2 stay."""
+    a = torch.randn(3, 4, 5, dtype=DT)
+    g = torch.randn(3, 4, 2, 6, dtype=DT)
+    g[0, 0] = 0
+    g[:, 3] = 0
+    kept = drop_zero_positions(KroneckerBlock(a, g, "b"))
+    torch.testing.assert_close(kept.a, a[:, [0, 1, 2]], rtol=0, atol=0)
+    torch.testing.assert_close(kept.g, g[:, [0, 1, 2]], rtol=0, atol=0)
+
+
+def test_nan_or_negative_only_positions_stay():
+    """A position whose only non-zero entries are negative, or NaN, is live (max = min = 0
+    is the test of a zero position)."""
+    a = torch.randn(2, 4, 3, dtype=DT)
+    g = torch.zeros(2, 4, 1, 2, dtype=DT)
+    g[:, 0] = 1.0
+    g[1, 1, 0, 0] = -2.0
+    g[1, 2, 0, 1] = float("nan")
+    kept = drop_zero_positions(KroneckerBlock(a, g, "b"))
+    torch.testing.assert_close(kept.a, a[:, [0, 1, 2]], rtol=0, atol=0)
