@@ -17,6 +17,9 @@ from ntkcore.gram import _gram
 from tests.conftest import force_panels
 from tests.tolerances import kernel_tol
 
+# many small eager JAX operations of changing shapes: compile them without XLA's passes
+pytestmark = pytest.mark.usefixtures("jax_quick_compile")
+
 V, O, D = 9, 3, 4
 SWAP = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}
 

@@ -14,6 +14,9 @@ from ntkcore.gram import _gram
 from ntkcore.sketch import sketch_jacobian
 from tests.tolerances import kernel_tol, solve_tol
 
+# many small eager JAX operations of changing shapes: compile them without XLA's passes
+pytestmark = pytest.mark.usefixtures("jax_quick_compile")
+
 V, D, N, S, O = 11, 3, 4, 5, 2
 
 

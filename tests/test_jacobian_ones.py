@@ -15,7 +15,8 @@ from tests.conftest import force_panels
 from tests.test_gram import dense_blocks, reference
 from tests.tolerances import kernel_tol
 
-pytestmark = [pytest.mark.usefixtures("tiny_tiles"), pytest.mark.supports("gram", "Jacobian")]
+pytestmark = [pytest.mark.usefixtures("tiny_tiles", "jax_quick_compile"),
+              pytest.mark.supports("gram", "Jacobian")]
 
 MODES = ["full", "trace", "diagonal"]
 
