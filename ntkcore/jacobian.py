@@ -603,6 +603,8 @@ class Jacobian:
             parts.clear()  # type: ignore[attr-defined]
         blocks = []
         for i, (kind, one_hot, ones) in enumerate(kinds):
+            if kind is KroneckerBlock:
+                _pad_positions(xp, pieces, i, one_hot is not None)
             arrays = [xp.concat([p[i][k] for p in pieces], axis=0)
                       for k in range(len(pieces[0][i]))]
             for p in pieces:  # this block's pieces can go now
@@ -610,6 +612,25 @@ class Jacobian:
             blocks.append(kind(*arrays, names[i]) if one_hot is None and not ones
                           else kind(*arrays, names[i], one_hot=one_hot, ones=ones))
         return Jacobian(blocks)
+
+
+def _pad_positions(xp: Any, pieces: list[list[Any]], i: int, index: bool) -> None:
+    r"""Give block ``i`` ((a, g)) of the sample batches ``pieces`` the same number of
+    positions, the largest, in place, by appending positions with g = 0 (a = 0, or index -1
+    for an index factor).  Exact: a position adds :math:`g[n,s,o]\, a[n,s]^\top` to the
+    weight gradient.  Batches can differ when a provider drops the positions whose g vanishes
+    for every sample of the batch (padding tokens that only some batches have).  No
+    reference to a piece outlives the call (``concatenate(consume=True)`` frees them)."""
+    s = max(int(p[i][0].shape[1]) for p in pieces)
+    for p in pieces:
+        a, g = p[i]
+        extra = s - int(a.shape[1])
+        if extra:
+            dev = array_api_compat.device(a)
+            a_pad = (xp.full((a.shape[0], extra), -1, dtype=a.dtype, device=dev) if index
+                     else xp.zeros((a.shape[0], extra, *a.shape[2:]), dtype=a.dtype, device=dev))
+            g_pad = xp.zeros((g.shape[0], extra, *g.shape[2:]), dtype=g.dtype, device=dev)
+            p[i] = (xp.concat([a, a_pad], axis=1), xp.concat([g, g_pad], axis=1))
 
 
 class JacobianOperator(LinearOperator):

@@ -121,3 +121,34 @@ def test_nan_or_negative_only_positions_stay():
     g[1, 2, 0, 1] = float("nan")
     kept = drop_zero_positions(KroneckerBlock(a, g, "b"))
     torch.testing.assert_close(kept.a, a[:, [0, 1, 2]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_concatenate_batches_with_different_positions(backend, rng, index):
+    """Sample batches whose dropped positions differ (padding only some batches have) stack
+    into one block, padded with g = 0 positions: the per-sample weights sum_s g a^T (one-hot
+    rows for an index factor) equal those of each batch, computed here with numpy."""
+    import numpy as np
+
+    from ntkcore import Jacobian
+
+    v, o, dout = 5, 2, 3
+    pieces = []
+    for n, s in ((3, 4), (2, 1), (2, 3)):
+        a = rng.integers(-1, v, (n, s)) if index else rng.standard_normal((n, s, 4))
+        pieces.append((a, rng.standard_normal((n, s, o, dout))))
+
+    def weights(a, g):  # (n, O, d_out, d_in)
+        if index:
+            a = np.where(a[..., None] == np.arange(v), 1.0, 0.0)
+        return np.einsum("nsok,nsi->noki", g, a)
+
+    jac = Jacobian.concatenate([Jacobian([KroneckerBlock(
+        backend.xp.asarray(a) if index else backend.asarray(a), backend.asarray(g), "w",
+        one_hot=v if index else None)]) for a, g in pieces])
+    block = jac.blocks[0]
+    assert block.num_positions == 4
+    got = weights(backend.to_numpy(block.a), backend.to_numpy(block.g))
+    ref = np.concatenate([weights(a, g) for a, g in pieces])
+    # the same products, summed with exact zeros added: rounding of a 4-term sum at most
+    np.testing.assert_allclose(got, ref, rtol=0, atol=8 * np.finfo(float).eps * np.abs(ref).max())
