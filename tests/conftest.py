@@ -26,6 +26,33 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist (``-n``), give each worker its share of the cores.
+
+    Every worker is its own process with its own BLAS and torch thread pools; left alone,
+    each would start one thread per core, and two workers on two cores would run four
+    threads that preempt each other.  Thread counts change no result here: every tolerance
+    is derived from the dtype's epsilon, not from one summation order.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers <= 1:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads)
+    except ImportError:  # threadpoolctl comes with scikit-learn, a test dependency
+        pass
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+_share_cores_between_workers()
+
 HAS_JAX = importlib.util.find_spec("jax") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 if HAS_JAX:

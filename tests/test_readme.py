@@ -43,7 +43,11 @@ def test_setup_commands_come_first():
     blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
     assert blocks[0] == ("bash", 'pip install torch==2.13.0 -e ".[bench]" && python -m ntkcore '
                                  "demo\n")
-    assert blocks[1][0] == "bash" and blocks[1][1].strip().endswith("python -m pytest -q")
+    test_command = "python -m pytest -q -n auto --dist loadfile"
+    assert blocks[1][0] == "bash" and blocks[1][1].strip().endswith(test_command)
+    # CI runs the README's command, not a variant of it
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci.splitlines()
 
 
 def test_same_line_can_fail():
