@@ -206,9 +206,12 @@ __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to
 # --------------------------------------------------------------------------------------------
 # parameter selection
 # --------------------------------------------------------------------------------------------
-def _select_params(model: nn.Module, params: Any) -> list[str]:
-    """Names of the selected parameters in ``named_parameters`` order."""
-    named = dict(model.named_parameters())
+def _select_params(model: nn.Module, params: Any,
+                   named: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Names of the selected parameters in ``named_parameters`` order (``named``: that dict,
+    when the caller has it)."""
+    if named is None:
+        named = dict(model.named_parameters())
     if params is None:
         chosen = [n for n, p in named.items() if p.requires_grad]
         if not chosen:
@@ -244,20 +247,46 @@ def _select_params(model: nn.Module, params: Any) -> list[str]:
     return chosen
 
 
-def _owner_map(model: nn.Module) -> tuple[dict[str, tuple[str, str]], dict[int, int]]:
-    """``name -> (module path, local name)`` for deduplicated names, and how many modules
-    register each parameter tensor (by id)."""
+@dataclass
+class _Walk:
+    """One walk over a model's modules: ``modules`` (path -> module, ``named_modules()``),
+    ``named`` (``dict(named_parameters())``), ``owners`` (deduplicated parameter name ->
+    (module path, local name)) and ``registrations`` (parameter id -> how many modules
+    register it)."""
+
+    modules: dict[str, nn.Module]
+    named: dict[str, torch.Tensor]
+    owners: dict[str, tuple[str, str]]
+    registrations: dict[int, int]
+
+
+def _walk(model: nn.Module) -> _Walk:
+    """The :class:`_Walk` of ``model``: a single ``named_modules()`` pass (each of
+    ``named_parameters``, ``get_submodule`` and the owner lookups would be another)."""
+    modules: dict[str, nn.Module] = {}
+    named: dict[str, torch.Tensor] = {}
     owners: dict[str, tuple[str, str]] = {}
     registrations: dict[int, int] = {}
-    # named_modules() dedups shared modules and visits in the order named_parameters() uses.
+    # named_modules() dedups shared modules and visits in the order named_parameters() uses,
+    # which keeps the first name of a parameter registered twice
     for mpath, mod in model.named_modules():
+        modules[mpath] = mod
         for local, p in mod._parameters.items():
             if p is None:
                 continue
             registrations[id(p)] = registrations.get(id(p), 0) + 1
             if registrations[id(p)] == 1:
-                owners[f"{mpath}.{local}" if mpath else local] = (mpath, local)
-    return owners, registrations
+                name = f"{mpath}.{local}" if mpath else local
+                owners[name] = (mpath, local)
+                named[name] = p
+    return _Walk(modules, named, owners, registrations)
+
+
+def _owner_map(model: nn.Module) -> tuple[dict[str, tuple[str, str]], dict[int, int]]:
+    """``name -> (module path, local name)`` for deduplicated names, and how many modules
+    register each parameter tensor (by id)."""
+    w = _walk(model)
+    return w.owners, w.registrations
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,17 +309,14 @@ class _Unit:
     calls: list[_Call] = field(default_factory=list)
 
 
-def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
-                      registrations: dict[int, int]) -> dict[str, _Unit]:
-    named = dict(model.named_parameters())
+def _structured_units(walk: _Walk, selected: list[str]) -> dict[str, _Unit]:
+    named, owners, registrations = walk.named, walk.owners, walk.registrations
     by_module: dict[str, list[str]] = {}
     for n in selected:
         mpath, _ = owners[n]
         by_module.setdefault(mpath, []).append(n)
     units: dict[str, _Unit] = {}
-    # the owners' paths are named_modules() paths (_owner_map): one walk, not one
-    # get_submodule per module
-    modules = dict(model.named_modules()) if by_module else {}
+    modules = walk.modules  # the owners' paths are named_modules() paths
     for mpath, names in by_module.items():
         mod = modules[mpath]
         if layer_type(mod) is None or isinstance(mod, CALLED_BY_PARENT):  # see torch_layers.FORWARD
@@ -304,10 +330,12 @@ def _structured_units(model: nn.Module, selected: list[str], owners: dict[str, t
     return units
 
 
-def _check_sample_coupling(model: nn.Module, dropout: bool = True) -> None:
+def _check_sample_coupling(model: nn.Module, dropout: bool = True,
+                           modules: dict[str, nn.Module] | None = None) -> None:
     """Raise ValueError naming the first module whose samples interact (BatchNorm with batch
-    statistics) or that is random (Dropout in training mode, unless ``dropout`` is False)."""
-    for path, mod in model.named_modules():
+    statistics) or that is random (Dropout in training mode, unless ``dropout`` is False);
+    ``modules``: ``dict(model.named_modules())``, when the caller has it."""
+    for path, mod in (model.named_modules() if modules is None else modules.items()):
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             if mod.training or not mod.track_running_stats:
                 raise ValueError(
@@ -471,19 +499,18 @@ class _RecUnit:
 _RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh)_l\d+(_reverse)?")
 
 
-def _recurrent_units(model: nn.Module, selected: list[str], owners: dict[str, tuple[str, str]],
-                     registrations: dict[int, int]) -> dict[str, _RecUnit]:
+def _recurrent_units(walk: _Walk, selected: list[str]) -> dict[str, _RecUnit]:
     """The recurrent modules (``torch_layers.recurrent_type``) owning selected parameters that
     no other module registers."""
-    named = dict(model.named_parameters())
+    named, owners, registrations = walk.named, walk.owners, walk.registrations
     units: dict[str, _RecUnit] = {}
     for nm in selected:
         mpath = owners[nm][0]
         if mpath in units:
             units[mpath].names.append(nm)
         elif (mpath and _RNN_PARAM.fullmatch(owners[nm][1])
-              and recurrent_type(model.get_submodule(mpath)) is not None):
-            units[mpath] = _RecUnit(model.get_submodule(mpath), [nm])
+              and recurrent_type(walk.modules[mpath]) is not None):
+            units[mpath] = _RecUnit(walk.modules[mpath], [nm])
     return {p: u for p, u in units.items()
             if all(registrations[id(named[nm])] == 1 for nm in u.names)}
 
@@ -876,23 +903,38 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                     for gr, m, ax in zip(grads, mods, axes, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    # g (N, S, O, d) views of the loop's buffers, layouts as above; a functional call's in
-    # (N, O, S, d) storage: each output's gradient is one contiguous copy per sample, and
-    # torch_functional's sums over broadcast axes read it contiguously
+    # g (N, S, O, d), layouts as above; a functional call's in (N, O, S, d) storage: each
+    # output's gradient is one contiguous piece per sample, and torch_functional's sums over
+    # broadcast axes read it contiguously
     gs: list[torch.Tensor] = []
+    kept: list[list[torch.Tensor]] = []  # o <= 2: each pass's g, concatenated at the end
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        for i, (gr, m, ax) in enumerate(zip(grads, mods, axes, strict=True)):
-            g1 = output_factor(m, gr[None], n, 1, ax)  # (N, S, 1, d)
-            if k == 0:
+        g1s = [output_factor(m, gr[None], n, 1, ax)  # (N, S, 1, d) views
+               for gr, m, ax in zip(grads, mods, axes, strict=True)]
+        if o <= 2:  # one concatenation a block costs less than O copies into a buffer (BERT)
+            kept.append(g1s)
+            continue
+        for i, (g1, m) in enumerate(zip(g1s, mods, strict=True)):
+            if k == 0:  # many outputs: each pass copied into its slot while it is in cache
                 s, d = g1.shape[1], g1.shape[3]
-                gs.append(gr.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
+                gs.append(g1.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
                           if isinstance(m, CHANNELS_FIRST) else
-                          gr.new_empty((n, o, s, d)).transpose(1, 2) if m is None
-                          else gr.new_empty((n, s, o, d)))
+                          g1.new_empty((n, o, s, d)).transpose(1, 2) if m is None
+                          else g1.new_empty((n, s, o, d)))
             gs[i][:, :, k:k + 1].copy_(g1)
+    for i, m in enumerate(mods if kept else ()):
+        parts = [p[i] for p in kept]
+        if isinstance(m, CHANNELS_FIRST):  # storage (N, O, C, S)
+            gs.append(torch.cat([g.permute(0, 2, 3, 1) for g in parts], 1).permute(0, 3, 1, 2))
+        elif m is None:  # storage (N, O, S, d)
+            gs.append(torch.cat([g.transpose(1, 2) for g in parts], 1).transpose(1, 2))
+        else:
+            gs.append(torch.cat(parts, 2))
+        for p in kept:
+            p[i] = None  # each pass's gradient goes once its block is assembled
     return gs
 
 
@@ -1073,12 +1115,14 @@ def jacobian(
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    _check_sample_coupling(model)
     with _provider_pass(model):
-        jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward)
+        walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
+        _check_sample_coupling(model, modules=walk.modules)
+        jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
+                               walk=walk)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
             jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
-                                   backward, tables=jac)
+                                   backward, tables=jac, walk=walk)
         return jac
 
 
@@ -1122,19 +1166,21 @@ def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, li
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
-                     backward: str, tables: frozenset[str] | None = None
-                     ) -> Jacobian | frozenset[str]:
+                     backward: str, tables: frozenset[str] | None = None,
+                     walk: _Walk | None = None) -> Jacobian | frozenset[str]:
     """:func:`jacobian` under the model's lock; with ``tables`` None (the first pass) it may
-    return the positional tables (:func:`_shared_tables`) to run it again with instead."""
-    selected = _select_params(model, params)
+    return the positional tables (:func:`_shared_tables`) to run it again with instead.
+    ``walk``: the model's :class:`_Walk`, taken under the lock."""
+    if walk is None:
+        walk = _walk(model)
+    named, owners, registrations = walk.named, walk.owners, walk.registrations
+    selected = _select_params(model, params, named)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
     n = int(x.shape[0])
 
-    owners, registrations = _owner_map(model)
-    units = _structured_units(model, selected, owners, registrations)
-    rec = _recurrent_units(model, selected, owners, registrations)
-    named = dict(model.named_parameters())
+    units = _structured_units(walk, selected)
+    rec = _recurrent_units(walk, selected)
     # parameters no structured module owns: their functional calls (torch_functional)
     cands = [named[nm] for nm in selected
              if owners[nm][0] not in units and owners[nm][0] not in rec

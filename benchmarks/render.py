@@ -623,8 +623,7 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
     """The ``real_models`` suite per model and N: ntkcore and torch.func times, the ratio,
     the blocks, the parameter shares in dense / torch.func blocks, and (budget cases) peak
     working memory over ``max_memory``."""
-    base = {(r["case"], r["dtype"]): r for r in rows if not r.get("baseline")
-            and r["impl"] != "ntkcore"}
+    base = {(r["case"], r["dtype"]): r for r in rows if r["impl"] == "torch.func jacobian"}
     table = []
     for r in rows:
         if r["impl"] != "ntkcore":
@@ -632,7 +631,7 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
         p = r.get("params") or {}
         if "N" not in p:  # a model that was not run
             table.append([p.get("model", r["case"]), "-", "-", "-", "-", "-", "-", "-", "-",
-                          r.get("note", "")])
+                          "-", "-", r.get("note", "")])
             continue
         b = base.get((r["case"], r["dtype"]))
         sp = r.get("_speedup")
@@ -640,7 +639,10 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
         table.append([
             p.get("model", r["case"]), p["N"], fmt_time(r.get("median_s")),
             fmt_time(b.get("median_s")) if b else "-",
-            "-" if sp is None else f"{sp:.3g}x", _blocks_text(p.get("blocks")),
+            "-" if sp is None else f"{sp:.3g}x",
+            fmt_time(p["floor_s"]) if p.get("floor_s") is not None else "-",
+            f"{p['bound']:.3g}x" if p.get("bound") is not None else "-",
+            _blocks_text(p.get("blocks")),
             "-" if p.get("dense_share") is None else f"{100 * p['dense_share']:.1f}%",
             "-" if p.get("func_share") is None else f"{100 * p['func_share']:.1f}%",
             "-" if over is None else f"{fmt_bytes(r.get('peak_mem_bytes'))} / "
@@ -648,10 +650,13 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
             ", ".join(p.get("torch_func_blocks") or [])[:200],
         ])
     return ("\nPer model (trace mode; ratio = torch.func time / ntkcore time, timed "
-            "interleaved in one run; blocks = Kronecker / dense / of which built by the "
+            "interleaved in one run; floor = the forward pass and one activation-gradient "
+            "backward pass per output, which both need, timed in the same rounds; bound = "
+            "torch.func time / floor, the most a method built on those passes can gain; "
+            "blocks = Kronecker / dense / of which built by the "
             "torch.func pass; shares = parameters in dense / in torch.func blocks; memory = "
             "peak working memory over `max_memory` in the budget cases):\n\n"
-            + _table(["model", "N", "ntkcore", "torch.func", "ratio",
+            + _table(["model", "N", "ntkcore", "torch.func", "ratio", "floor", "bound",
                       "blocks (K / dense / torch.func)", "dense params",
                       "torch.func params", "peak / max_memory", "torch.func blocks"], table))
 

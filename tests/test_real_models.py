@@ -224,6 +224,7 @@ def test_real_models_table_renders_blocks_shares_and_budget():
 
     params = {"N": 16, "model": "resnet18", "max_memory": "500MB", "dense_share": 0.25,
               "func_share": 0.125, "mem_over_budget": 1.04, "torch_func_blocks": ["bn1"],
+              "floor_s": 0.05, "bound": 40.0,
               "blocks": {"KroneckerBlock": 21, "DenseBlock": 20, "torch.func": 1,
                          "DiagonalBlock": 3}}
     rows = [{"suite": "real_models", "case": "resnet18 N=16 trace", "impl": "ntkcore",
@@ -236,6 +237,25 @@ def test_real_models_table_renders_blocks_shares_and_budget():
     line = [x for x in text.splitlines() if x.startswith("| resnet18")]
     assert len(line) == 1
     cells = [c.strip() for c in line[0].strip("|").split("|")]
-    assert cells[1:8] == ["16", "100 ms", "2 s", "20x", "21 / 20 / 1; 3 DiagonalBlock",
-                          "25.0%", "12.5%"]
-    assert cells[8].endswith("= 1.04x") and cells[9] == "bn1"
+    assert cells[1:10] == ["16", "100 ms", "2 s", "20x", "50 ms", "40x",
+                           "21 / 20 / 1; 3 DiagonalBlock", "25.0%", "12.5%"]
+    assert cells[10].endswith("= 1.04x") and cells[11] == "bn1"
+
+
+def test_backward_floor_takes_every_activation_gradient_and_no_weight_gradient():
+    """The suite's floor: O backward passes reaching every parameter owner's output, with no
+    weight gradient formed; its output is the model's (the same forward pass)."""
+    from benchmarks.suites.real_models import backward_floor
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 4, dtype=DT)
+    seen = []
+    for mod in m.modules():
+        if isinstance(mod, nn.Linear):
+            mod.register_full_backward_hook(lambda mod, gi, go: seen.append(go[0].shape))
+    out = backward_floor(m, x)()
+    torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+    # 3 outputs x 2 layers: every output's pass reaches both Linear outputs
+    assert seen == [(6, 3), (6, 5)] * 3
+    assert all(p.grad is None for p in m.parameters())

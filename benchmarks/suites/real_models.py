@@ -20,9 +20,12 @@ own timing).
 Each ntkcore row records in ``params``: ``blocks`` (block class name -> count, and
 ``"torch.func"``: the DenseBlocks built by the provider's ``torch.func`` pass),
 ``dense_share`` / ``func_share`` (the fraction of the parameters in DenseBlocks of any origin /
-in the ``torch.func`` ones).  A budget case per model (ntkcore alone, ``max_memory`` from
-:data:`BUDGETS`) measures peak working memory (resident-set growth in a fresh process, beyond
-the model and the inputs) against the budget: ``params["mem_over_budget"]``.
+in the ``torch.func`` ones), and ``floor_s`` / ``bound``: the time of :func:`backward_floor`
+(forward + one activation-gradient backward pass per output, timed in the same rounds) and
+``torch.func time / floor_s``, the most any method built on those passes can gain here.
+A budget case per model (ntkcore alone, ``max_memory`` from :data:`BUDGETS`) measures peak
+working memory (resident-set growth in a fresh process, beyond the model and the inputs)
+against the budget: ``params["mem_over_budget"]``.
 
 Options: ``--set real_models=resnet18,bert`` (models), ``--set baseline_memory=1`` (also
 measure the baseline's peak memory; off by default: it is at least its Jacobian).
@@ -40,6 +43,7 @@ from benchmarks._harness import Config, row
 SUITE = "real_models"
 HERE = "benchmarks.suites.real_models"
 BASELINE = "torch.func jacobian"
+FLOOR = "backward floor"
 JAC_BYTES = 8e9
 MAX_N = 256
 N_REF = 3
@@ -103,7 +107,47 @@ def case(impl: str, model: str, n: int, dtype: str, size: str = "bench",
                                                        max_jac_bytes=jac_bytes)
 
         return baseline
+    if impl == FLOOR:
+        return backward_floor(m, x)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def backward_floor(m: Any, x: Any) -> Callable[[], Any]:
+    r"""The work every exact reverse-mode eNTK needs, as a zero-argument call: the forward
+    pass with autograd, then one backward pass per output o = 1..O giving
+    :math:`\partial f_o / \partial y` at the output y of every module that owns a
+    parameter (the activation gradients only: no weight gradient).
+
+    ntkcore's torch provider needs these gradients for its factors, and ``torch.func``'s
+    ``jacrev`` computes them on its way to the weight gradients, so
+    ``time(torch.func) / time(floor)`` bounds from above the speed-up any method built on
+    these passes can reach on the machine (``params["bound"]`` of the ntkcore row).
+    """
+    import torch
+
+    owners = [mod for mod in m.modules() if any(True for _ in mod.parameters(recurse=False))]
+
+    def floor() -> Any:
+        ys: list[Any] = []
+
+        def keep(mod: Any, args: Any, y: Any) -> None:
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                ys.append(y)
+
+        handles = [mod.register_forward_hook(keep) for mod in owners]
+        try:
+            out = m(x)
+        finally:
+            for h in handles:
+                h.remove()
+        out2 = out.reshape(out.shape[0], -1)
+        eye = torch.eye(out2.shape[1], dtype=out2.dtype, device=out2.device)
+        for k in range(out2.shape[1]):
+            torch.autograd.grad(out2, ys, eye[k].expand_as(out2), allow_unused=True,
+                                retain_graph=k < out2.shape[1] - 1)
+        return out
+
+    return floor
 
 
 def reference(model: str, n: int, size: str = "bench") -> Any:
@@ -230,10 +274,22 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
         errs[impl] = kernel_error(k[:m_ref, :m_ref].cpu(), ref)
         del k
         fns[impl] = fn
+    if budget is None:  # the passes both need, timed in the same rounds (no kernel to check)
+        fns[FLOOR] = case(FLOOR, model, n, cfg.dtype, size)
+        t0 = time.perf_counter()
+        fns[FLOOR]()
+        first[FLOOR] = time.perf_counter() - t0
     timing, rounds = _interleaved(fns, first, cfg)
     del fns
     gc.collect()
     out = []
+    if budget is None:
+        floor_s = timing[FLOOR]["median_s"]
+        out.append(row(SUITE, name, FLOOR, backend="torch", device=cfg.device,
+                       dtype=cfg.dtype, timing=timing[FLOOR],
+                       params={"N": n, "O": fact["O"], "P": fact["P"], "model": model},
+                       note="forward + one activation-gradient backward pass per output "
+                            "(backward_floor); timed interleaved with the two above"))
     p, o = fact["P"], fact["O"]
     for impl in impls:
         params: dict[str, Any] = {"N": n, "O": o, "P": p, "mode": "trace", "model": model,
@@ -251,6 +307,9 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                                                 "torch_func_blocks")})
             if budget is not None and mem is not None:
                 params["mem_over_budget"] = mem / parse_memory(budget)
+            if budget is None:
+                params["floor_s"] = floor_s
+                params["bound"] = timing[BASELINE]["median_s"] / floor_s
         note = f"error vs float64 torch.func on the first {m_ref} samples"
         if len(impls) > 1:
             note += f"; timed interleaved: {rounds} round(s)"
