@@ -384,6 +384,40 @@ def gemm_throughput(
     }
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], first: dict[str, float],
+                cfg: Config) -> tuple[dict[str, dict[str, Any]], int]:
+    """Timings of ``fns`` called in turn, one call each per round, up to ``cfg.reps`` rounds
+    (fewer once the rounds have used ``cfg.budget_s`` per implementation), so that the slow
+    and fast phases of a shared machine fall on all of them; an implementation whose checked
+    first call (``first[k]``, seconds) took ``cfg.long_call_s`` or more is timed by that
+    call.  Returns the timings (as :func:`measure`'s) and the number of rounds."""
+    import statistics
+
+    long = {k for k, s in first.items() if not cfg.quick and s >= cfg.long_call_s}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    rounds = 0
+    for _ in range(max(1, cfg.reps)):
+        for k, fn in fns.items():
+            if k in long:
+                continue
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+        rounds += 1
+        spent = max((sum(v) for v in times.values()), default=0.0)
+        if not times or (cfg.budget_s is not None and not cfg.quick
+                         and spent * (rounds + 1) / rounds > cfg.budget_s):
+            break
+    out: dict[str, dict[str, Any]] = {}
+    for k in fns:
+        ts = times[k] or [first[k]]
+        out[k] = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+                  "repeats": len(ts)}
+        if k in long:
+            out[k]["timed_calls"] = "first"
+    return out, rounds
+
+
 # --------------------------------------------------------------------------------------------
 # peak memory
 
@@ -608,6 +642,7 @@ def row(
     mem_method: str | None = None,
     target: str | None = None,
     roofline_flops: float | None = None,
+    gemm_gflops: float | None = None,
 ) -> dict[str, Any]:
     """One result row; the schema checked by ``tests/test_benchmarks.py``.
 
@@ -618,6 +653,8 @@ def row(
     for every implementation of a case; e.g. ``suites.ntk.mlp_roofline_flops``), which the
     renderer divides by the time and the measured GEMM rate (``roofline_share``: 1 = the
     time of those flops at the GEMM rate);
+    ``gemm_gflops``: the GEMM rate to divide by instead of the run's (one measured in the
+    same rounds as this row's calls, see ``suites.ntk``);
     ``error`` is a relative error against a reference computed in the same run;
     ``params["N"]`` is the size the renderer plots time and memory against;
     ``target`` states a goal the renderer checks, ``"<metric> <op> <value>"`` with metric one
@@ -644,6 +681,8 @@ def row(
         out["flops"] = float(flops)
     if roofline_flops is not None:
         out["roofline_flops"] = float(roofline_flops)
+    if gemm_gflops is not None:
+        out["gemm_gflops"] = float(gemm_gflops)
     if baseline is not None:
         out["baseline"] = baseline
     if error is not None:

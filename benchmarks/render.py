@@ -135,7 +135,7 @@ def derive(doc: dict[str, Any]) -> list[dict[str, Any]]:
             r["_baseline_backend"] = base["backend"]
         if base is not None and base.get("peak_mem_bytes") and r.get("peak_mem_bytes") is not None:
             r["_mem_ratio"] = r["peak_mem_bytes"] / base["peak_mem_bytes"]
-        g = gemm_ref(doc, r)
+        g = r.get("gemm_gflops") or gemm_ref(doc, r)  # measured in the row's own rounds
         if r.get("flops") and t and g:
             r["_gflops"] = r["flops"] / t / 1e9
             r["_gemm_fraction"] = r["_gflops"] / g

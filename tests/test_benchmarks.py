@@ -519,6 +519,30 @@ def test_render_roofline_share() -> None:
     assert "roofline %" in text and "| 80% |" in text
 
 
+def test_roofline_share_uses_the_gemm_rate_of_the_rows_own_rounds() -> None:
+    """A row timed in the same rounds as a GEMM (``gemm_gflops``) is divided by that rate,
+    not by the run's separate measurement (100 GFLOP/s in ``_doc``)."""
+    rows = render.derive(_doc([_r("ours", 0.5, roofline_flops=40e9, gemm_gflops=160.0,
+                                  target="roofline_share >= 0.8")]))
+    assert rows[0]["_roofline_share"] == pytest.approx(0.5)  # 80 GFLOP/s of 160
+    assert rows[0]["_target_ok"] is False
+
+
+def test_paired_gemm_rate_is_timed_with_the_case() -> None:
+    """The roofline cases alternate the case's calls with a GEMM, one each per round, and
+    report the GEMM's rate from those rounds."""
+    pytest.importorskip("torch")
+    from benchmarks._harness import Config
+    from benchmarks.suites import ntk
+
+    calls: list[float] = []
+    cfg = Config(quick=True, repeat=3)
+    timing, gflops = ntk._paired_with_gemm(cfg, lambda: calls.append(time.perf_counter()),
+                                           0.001)
+    assert len(calls) == timing["repeats"] >= 1
+    assert math.isfinite(gflops) and gflops > 0
+
+
 def test_render_takes_each_case_from_its_newest_run():
     """A later run of one case replaces that case only; the suite's other cases stay."""
     from benchmarks import render

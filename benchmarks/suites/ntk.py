@@ -39,9 +39,12 @@ Targets: >= 100x the baseline on the 6x512 MLP, >= 3x on the CNN; the N = 4096 t
 within 1 GB of working memory; the 8x1000 MLP at N = 512 (O = 1, so trace and full mode are
 the same kernel) at >= 80% of its roofline.  Roofline (dense-layer MLPs, every
 implementation's row): :func:`mlp_roofline_flops` (forward, output-gradient pass and the
-symmetric Kronecker Grams) over the GEMM rate measured in the same run, rendered as
-"roofline %".  ``error``: relative Frobenius error of the kernel's leading
-(32, 32) block against a float64 ``torch.func`` Jacobian contraction on those 32 samples.
+symmetric Kronecker Grams) over the GEMM rate, rendered as "roofline %".  On the CPU that
+rate is measured in the same rounds as the row's calls (a 2048 x 2048 GEMM in the run's
+dtype after each call, ``gemm_gflops`` in the row), so that a slow phase of a shared machine
+slows both; elsewhere it is the run's GEMM measurement.  ``error``: relative Frobenius
+error of the kernel's leading (32, 32) block against a float64 ``torch.func`` Jacobian
+contraction on those 32 samples.
 
 Options (``--set KEY=VALUE``): ``ntk_baselines=0`` runs ntkcore only; ``ntk_impls=a,b`` runs
 the implementations whose names contain one of the substrings (``ntkcore``, ``jacobian``,
@@ -92,6 +95,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -298,6 +302,35 @@ def _impls(cfg: Config, impls: tuple[str, ...]) -> tuple[tuple[str, ...], dict[s
     return tuple(run_), skipped
 
 
+#: side of the square GEMM timed in the same rounds as a roofline case (CPU)
+PAIRED_GEMM_N = 2048
+
+
+def _paired_with_gemm(cfg: Config, fn: Any, first_s: float) -> tuple[dict[str, Any], float]:
+    """``fn``'s timing and the float32/float64 GEMM rate (GFLOP/s) of torch on the CPU, the
+    two timed in turn in the same rounds (:func:`_harness.interleaved`).
+
+    A roofline share divides a row's flops by its time and by the GEMM rate.  On a shared
+    machine both drift by tens of percent between phases (on the 2-core development VM the
+    two-thread GEMM rate of separate runs ranged 153-272 GFLOP/s); timed in the same rounds
+    they drift together, so their quotient is stable where each alone is not.
+    """
+    import torch
+
+    from benchmarks._harness import interleaved
+
+    n = cfg.pick(256, PAIRED_GEMM_N)
+    dt = getattr(torch, cfg.dtype)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen, dtype=dt) for _ in range(2))
+    t0 = time.perf_counter()
+    a @ b
+    first_g = time.perf_counter() - t0
+    timing, _ = interleaved({"case": fn, "gemm": lambda: a @ b},
+                            {"case": first_s, "gemm": first_g}, cfg)
+    return timing["case"], 2.0 * n ** 3 / timing["gemm"]["median_s"] / 1e9
+
+
 def run(cfg: Config) -> list[dict[str, Any]]:
     import time
 
@@ -329,7 +362,11 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             del k
             # the checked call is the warm-up; a call longer than cfg.long_call_s (only the
             # torch.func baselines) is its own timing instead of being repeated
-            timing = cfg.time(fn, "torch", first_s=first_s)
+            gemm_gflops = None
+            if kind in MLP_WIDTHS and cfg.device == "cpu":
+                timing, gemm_gflops = _paired_with_gemm(cfg, fn, first_s)
+            else:
+                timing = cfg.time(fn, "torch", first_s=first_s)
             del fn
             long_call = first_s >= cfg.long_call_s
             mem = None
@@ -350,6 +387,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 flops=_flops(kind, impl, n, mode, o, p),
                 roofline_flops=(mlp_roofline_flops(MLP_WIDTHS[kind], n, mode)
                                 if kind in MLP_WIDTHS else None),
+                gemm_gflops=gemm_gflops,
                 baseline=base if impl != base else None, error=err,
                 target=target if impl == "ntkcore" else None,
                 note=note,

@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._harness import Config, row
+from benchmarks._harness import Config, interleaved, row
 
 SUITE = "real_models"
 HERE = "benchmarks.suites.real_models"
@@ -175,38 +175,6 @@ def reference(model: str, n: int, size: str = "bench") -> Any:
     return k
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], first: dict[str, float],
-                 cfg: Config) -> tuple[dict[str, dict[str, Any]], int]:
-    """Timings of ``fns`` called in turn, one call each per round, up to ``cfg.reps`` rounds
-    (fewer once the rounds have used ``cfg.budget_s`` per implementation); an implementation
-    whose checked first call took ``cfg.long_call_s`` or more is timed by that call."""
-    import statistics
-
-    long = {k for k, s in first.items() if not cfg.quick and s >= cfg.long_call_s}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    rounds = 0
-    for _ in range(max(1, cfg.reps)):
-        for k, fn in fns.items():
-            if k in long:
-                continue
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-        rounds += 1
-        spent = max((sum(v) for v in times.values()), default=0.0)
-        if not times or (cfg.budget_s is not None and not cfg.quick
-                         and spent * (rounds + 1) / rounds > cfg.budget_s):
-            break
-    out: dict[str, dict[str, Any]] = {}
-    for k in fns:
-        ts = times[k] or [first[k]]
-        out[k] = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
-                  "repeats": len(ts)}
-        if k in long:
-            out[k]["timed_calls"] = "first"
-    return out, rounds
-
-
 def _blocks(model: str, dtype: str, size: str) -> dict[str, Any]:
     from benchmarks import real_models as rm
 
@@ -279,7 +247,7 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
         t0 = time.perf_counter()
         fns[FLOOR]()
         first[FLOOR] = time.perf_counter() - t0
-    timing, rounds = _interleaved(fns, first, cfg)
+    timing, rounds = interleaved(fns, first, cfg)
     del fns
     gc.collect()
     out = []
