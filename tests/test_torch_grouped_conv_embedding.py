@@ -556,6 +556,34 @@ def test_grouped_and_depthwise_conv(dim, groups, bias, geometry):
         solve_tol(DT, cond, computations=2) + kernel_tol(DT, p, computations=2) * cond
 
 
+class _TiedDepthwise(nn.Module):
+    """One depthwise convolution applied twice (its calls' gradients add up), then a channel
+    multiplier convolution (groups = C_in, C_out = 2 C_in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(4, 4, 3, groups=4, padding=1)
+        self.mult = nn.Conv2d(4, 8, 3, groups=4, padding=(1, 0), stride=(2, 1), dilation=(1, 2))
+        self.head = nn.LazyLinear(3)
+
+    def forward(self, x):
+        h = torch.tanh(self.dw(torch.tanh(self.dw(x))))
+        return self.head(torch.tanh(self.mult(h)).flatten(1))
+
+
+def test_tied_and_multiplier_depthwise_dense_blocks(dense_calls):
+    """The unfolded-patch GEMM route of grouped 2-d convolutions: calls of a tied layer
+    summed, output channels per group > 1, asymmetric stride / dilation / padding."""
+    model = _TiedDepthwise()
+    x = torch.randn(3, 4, 6, 7, dtype=DT)
+    model(x.float())  # materialise the LazyLinear
+    model = model.to(DT).eval()
+    j = jacobian(model, x)
+    assert [type(b).__name__ for b in j.blocks[:2]] == ["DenseBlock", "DenseBlock"]
+    assert dense_calls == []
+    _dense_checks(model, x, j, reference(model, x))
+
+
 def test_depthwise_conv_is_a_hook_built_dense_block(dense_calls):
     """A depthwise convolution's block is its (N, O, C k [+ C]) per-sample gradient built from
     the hooks (no torch.func pass): at every real size it is smaller, and its Gram cheaper,
