@@ -650,8 +650,9 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
             ", ".join(p.get("torch_func_blocks") or [])[:200],
         ])
     return ("\nPer model (trace mode; ratio = torch.func time / ntkcore time, timed "
-            "interleaved in one run; floor = the forward pass and one activation-gradient "
-            "backward pass per output, which both need, timed in the same rounds; bound = "
+            "interleaved in one run; floor = the forward pass and the activation-gradient "
+            "backward passes, which both need (the faster of one pass per output and one "
+            "batched pass), timed in the same rounds; bound = "
             "torch.func time / floor, the most a method built on those passes can gain; "
             "blocks = Kronecker / dense / of which built by the "
             "torch.func pass; shares = parameters in dense / in torch.func blocks; memory = "

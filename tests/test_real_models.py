@@ -259,3 +259,7 @@ def test_backward_floor_takes_every_activation_gradient_and_no_weight_gradient()
     # 3 outputs x 2 layers: every output's pass reaches both Linear outputs
     assert seen == [(6, 3), (6, 5)] * 3
     assert all(p.grad is None for p in m.parameters())
+    seen.clear()
+    m2 = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    torch.testing.assert_close(backward_floor(m2, x, batched=True)(), m2(x), rtol=0, atol=0)
+    assert all(p.grad is None for p in m2.parameters())
