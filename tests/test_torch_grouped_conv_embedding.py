@@ -584,6 +584,22 @@ def test_tied_and_multiplier_depthwise_dense_blocks(dense_calls):
     _dense_checks(model, x, j, reference(model, x))
 
 
+def test_grouped_conv_dense_block_differentiable_in_x():
+    """The GEMM route's block is differentiable in the input (gradcheck of its squared sum:
+    the patches and the output gradients both depend on x)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), nn.Tanh(), nn.Conv2d(4, 4, 3, groups=4, padding=1),
+                          nn.Tanh(), nn.Flatten(), nn.Linear(4 * 16, 2)).to(DT).eval()
+    x = torch.randn(2, 2, 4, 4, dtype=DT, requires_grad=True)
+    assert isinstance(jacobian(model, x.detach()).blocks[1], DenseBlock)
+
+    def kernel_of(xx):
+        jd = jacobian(model, xx).blocks[1].to_dense()
+        return (jd * jd).sum()
+
+    assert torch.autograd.gradcheck(kernel_of, (x,))
+
+
 def test_depthwise_conv_is_a_hook_built_dense_block(dense_calls):
     """A depthwise convolution's block is its (N, O, C k [+ C]) per-sample gradient built from
     the hooks (no torch.func pass): at every real size it is smaller, and its Gram cheaper,
