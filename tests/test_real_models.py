@@ -242,6 +242,7 @@ def test_real_models_table_renders_blocks_shares_and_budget():
     assert cells[10].endswith("= 1.04x") and cells[11] == "bn1"
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 def test_backward_floor_takes_every_activation_gradient_and_no_weight_gradient():
     """The suite's floor: O backward passes reaching every parameter owner's output, with no
     weight gradient formed; its output is the model's (the same forward pass)."""
