@@ -31,9 +31,11 @@ case                                       widths               phi     N      m
 The baseline is neural-tangents' structured derivatives (implementation 3); target for
 ntkcore: >= 1.5x faster. Every row with a timing also gets a roofline share: the case's
 least GEMM work (``benchmarks.suites.ntk.mlp_roofline_flops``) over its time and the GEMM
-rate of its backend measured in the same run. Timing is interleaved: neural-tangents impl 3
-stays compiled in a runner process (``nt.Interleaved``) and each round gives ntkcore (every
-backend) and the peer one turn of the same number of calls, for about a minute per case; the
+rate of its backend (ntkcore's rows: a 2048^2 GEMM timed after each of its turns in the
+interleaved rounds; the peer's: the run's GEMM measurement). Timing is interleaved:
+neural-tangents impl 3 stays compiled in a runner process (``nt.Interleaved``) and each round
+gives ntkcore (every backend) and the peer one turn of the same number of calls, for about a
+minute per case; the
 medians are over all rounds. A shared machine has slow and fast phases (on the development
 VM the same GEMM ran at 83 and at 143 GFLOP/s minutes apart), and timing one library after
 the other let such a phase decide the ratio. Implementations 1 and 2 are timed in their own
@@ -67,7 +69,7 @@ import numpy as np
 
 from benchmarks._harness import Config, _block, asarray, row, sync_fn, to_numpy
 from benchmarks.peers import nt
-from benchmarks.suites.ntk import mlp_roofline_flops
+from benchmarks.suites.ntk import PAIRED_GEMM_N, mlp_roofline_flops
 
 SUITE = "peers"
 HERE = "benchmarks.peers.suite"
@@ -243,10 +245,13 @@ def _interleaved_timings(cfg: Config, p: dict[str, Any],
     except Exception as exc:
         print(f"[peers] interleaved neural-tangents runner failed: {exc!r}", file=sys.stderr)
         return None
+    gemm_n = cfg.pick(256, PAIRED_GEMM_N)
+    gemms = {b: _gemm_call(b, cfg.device, cfg.dtype, gemm_n) for b in ours}
     with peer:
         slowest = max([o["first_s"] for o in ours.values()] + [0.0])
         calls = max(1, int(INTERLEAVE_TURN_S / max(slowest, 1e-3)))
         times: dict[str, list[float]] = {b: [] for b in ours}
+        gemm_times: dict[str, list[float]] = {b: [] for b in ours}
         peer_times: list[float] = []
         t_start, rounds = time.perf_counter(), 0
         min_rounds = 1 if cfg.quick else 3
@@ -256,13 +261,26 @@ def _interleaved_timings(cfg: Config, p: dict[str, Any],
             for backend, o in ours.items():
                 time.sleep(INTERLEAVE_PAUSE_S)
                 times[backend] += _time_calls(o["fn"], backend, cfg.device, calls)
+                gemm_times[backend] += _time_calls(gemms[backend], backend, cfg.device, 1)
             time.sleep(INTERLEAVE_PAUSE_S)
             peer_times += peer.time(calls)
             rounds += 1
     note = (f"; timed interleaved with {BASELINE}: {rounds} rounds of {calls} call(s) per "
             "library, median over all")
     return {"ours": {b: _timing(t, rounds) for b, t in times.items()},
+            "gemm_gflops": {b: 2.0 * gemm_n ** 3 / statistics.median(t) / 1e9
+                            for b, t in gemm_times.items()},
             "peer": _timing(peer_times, rounds), "note": note}
+
+
+def _gemm_call(backend: str, device: str, dtype: str, n: int) -> Callable[[], Any]:
+    """An n x n matrix product in ``backend``: timed after each turn of ntkcore's calls, its
+    rate is the denominator of that backend's roofline share (see ``suites.ntk``)."""
+    rng = np.random.default_rng(0)
+    a = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    b = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    _block(a @ b)  # warm-up (JAX compiles)
+    return lambda: a @ b
 
 
 def _neural_tangents_rows(cfg: Config, p: dict[str, Any], params: dict[str, Any],
@@ -353,15 +371,17 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             peer_rows = _neural_tangents_rows(cfg, p, params, ref)
             interleaved = _interleaved_timings(cfg, p, ours)
         for backend, o in ours.items():
+            gemm_gflops = None
             if interleaved is not None:
                 timing, how = interleaved["ours"][backend], interleaved["note"]
+                gemm_gflops = interleaved["gemm_gflops"][backend]
             else:
                 timing, how = cfg.time(o["fn"], backend, first_s=o["first_s"]), ""
             rows.append(row(
                 SUITE, case, "ntkcore", backend=backend, device=cfg.device, dtype=cfg.dtype,
                 timing=timing, params=params, peak_mem_bytes=o["mem"],
                 mem_method=cfg.mem_method, baseline=BASELINE if nt_ok else None,
-                roofline_flops=_roofline(p),
+                roofline_flops=_roofline(p), gemm_gflops=gemm_gflops,
                 error=o["error"], target="speedup >= 1.5" if nt_ok else None,
                 note=f"{p['mode']} eNTK" + _err_note(p) + how
                 + ("" if nt_ok else f"; neural-tangents not run: {nt_info}"),
