@@ -881,7 +881,8 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
     passes are one ``is_grads_batched`` pass, or (``batched`` False, or an op without a
-    batching rule) a loop of O passes into preallocated arrays.  No weight gradient is formed.
+    batching rule) a loop of O passes: into preallocated arrays, or for O <= 2 concatenated
+    once per layer at the end.  No weight gradient is formed.
     """
     n, o = out2.shape
     if pseudo or o == 1:
