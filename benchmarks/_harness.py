@@ -356,6 +356,18 @@ def available_backends(
 # GEMM throughput
 
 
+def gemm_call(backend: str, device: str, dtype: str, n: int) -> Callable[[], Any]:
+    """An n x n times n x n matrix product of ``backend`` arrays (standard normal, seed 0),
+    as a zero-argument call: the probe of :func:`gemm_throughput`, and the GEMM that
+    roofline cases time in the same rounds as their own calls."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    b = asarray(rng.standard_normal((n, n)), backend, device, dtype)
+    return lambda: a @ b
+
+
 def gemm_throughput(
     backend: str, device: str, dtype: str, n: int, *, repeat: int = 3
 ) -> dict[str, Any]:
@@ -364,14 +376,8 @@ def gemm_throughput(
     Returns ``gflops`` (from the median time), ``gflops_max`` (from the fastest call) and the
     timing; ``2 n^3`` flops per product.
     """
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    a = asarray(rng.standard_normal((n, n)), backend, device, dtype)
-    b = asarray(rng.standard_normal((n, n)), backend, device, dtype)
-    t = measure(
-        lambda: a @ b, repeat=repeat, warmup=1, sync=sync_fn(backend, device), budget_s=10.0
-    )
+    t = measure(gemm_call(backend, device, dtype, n), repeat=repeat, warmup=1,
+                sync=sync_fn(backend, device), budget_s=10.0)
     flops = 2.0 * n**3
     return {
         "backend": backend,

@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import Config, _block, asarray, row, sync_fn, to_numpy
+from benchmarks._harness import Config, _block, asarray, gemm_call, row, sync_fn, to_numpy
 from benchmarks.peers import nt
 from benchmarks.suites.ntk import PAIRED_GEMM_N, mlp_roofline_flops
 
@@ -246,7 +246,9 @@ def _interleaved_timings(cfg: Config, p: dict[str, Any],
         print(f"[peers] interleaved neural-tangents runner failed: {exc!r}", file=sys.stderr)
         return None
     gemm_n = cfg.pick(256, PAIRED_GEMM_N)
-    gemms = {b: _gemm_call(b, cfg.device, cfg.dtype, gemm_n) for b in ours}
+    gemms = {b: gemm_call(b, cfg.device, cfg.dtype, gemm_n) for b in ours}
+    for gemm in gemms.values():
+        _block(gemm())  # warm-up (JAX compiles)
     with peer:
         slowest = max([o["first_s"] for o in ours.values()] + [0.0])
         calls = max(1, int(INTERLEAVE_TURN_S / max(slowest, 1e-3)))
@@ -271,16 +273,6 @@ def _interleaved_timings(cfg: Config, p: dict[str, Any],
             "gemm_gflops": {b: 2.0 * gemm_n ** 3 / statistics.median(t) / 1e9
                             for b, t in gemm_times.items()},
             "peer": _timing(peer_times, rounds), "note": note}
-
-
-def _gemm_call(backend: str, device: str, dtype: str, n: int) -> Callable[[], Any]:
-    """An n x n matrix product in ``backend``: timed after each turn of ntkcore's calls, its
-    rate is the denominator of that backend's roofline share (see ``suites.ntk``)."""
-    rng = np.random.default_rng(0)
-    a = asarray(rng.standard_normal((n, n)), backend, device, dtype)
-    b = asarray(rng.standard_normal((n, n)), backend, device, dtype)
-    _block(a @ b)  # warm-up (JAX compiles)
-    return lambda: a @ b
 
 
 def _neural_tangents_rows(cfg: Config, p: dict[str, Any], params: dict[str, Any],

@@ -315,19 +315,15 @@ def _paired_with_gemm(cfg: Config, fn: Any, first_s: float) -> tuple[dict[str, A
     two-thread GEMM rate of separate runs ranged 153-272 GFLOP/s); timed in the same rounds
     they drift together, so their quotient is stable where each alone is not.
     """
-    import torch
-
-    from benchmarks._harness import interleaved
+    from benchmarks._harness import gemm_call, interleaved
 
     n = cfg.pick(256, PAIRED_GEMM_N)
-    dt = getattr(torch, cfg.dtype)
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen, dtype=dt) for _ in range(2))
+    gemm = gemm_call("torch", "cpu", cfg.dtype, n)
     t0 = time.perf_counter()
-    a @ b
+    gemm()
     first_g = time.perf_counter() - t0
-    timing, _ = interleaved({"case": fn, "gemm": lambda: a @ b},
-                            {"case": first_s, "gemm": first_g}, cfg)
+    timing, _ = interleaved({"case": fn, "gemm": gemm}, {"case": first_s, "gemm": first_g},
+                            cfg)
     return timing["case"], 2.0 * n ** 3 / timing["gemm"]["median_s"] / 1e9
 
 
