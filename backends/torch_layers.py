@@ -323,15 +323,19 @@ def _affine_block(mod: nn.Module, xhat: Callable[[nn.Module, torch.Tensor], torc
     return DenseBlock(cat(pieces, -1), name)
 
 
-def _dense_grouped(mod: nn.Module, gs: list[torch.Tensor], n: int) -> bool:
-    """Whether :func:`_grouped_conv_block` would build a DenseBlock for these calls: the
-    per-sample gradient N O C_out (C_in/G k + 1) is smaller than the group-position Kronecker
-    factors N G S (O C_out + C_in/G k + 1)."""
-    groups = mod.groups
-    s = sum(int(g_c.shape[1]) for g_c in gs)
-    o, cout = int(gs[0].shape[2]), int(gs[0].shape[3])
-    cg_in = mod.in_channels // groups * math.prod(mod.kernel_size)
+def _dense_is_smaller(n: int, groups: int, s: int, o: int, cout: int, cg_in: int) -> bool:
+    """Whether a grouped convolution's per-sample gradient N O C_out (C_in/G k + 1) is
+    smaller than its group-position Kronecker factors N G S (O C_out + C_in/G k + 1): the
+    choice of :func:`_grouped_conv_block` (S positions over all calls, C_in/G k = ``cg_in``)."""
     return n * groups * s * (o * cout + cg_in + 1) > n * o * cout * (cg_in + 1)
+
+
+def _dense_grouped(mod: nn.Module, gs: list[torch.Tensor], n: int) -> bool:
+    """:func:`_dense_is_smaller` for the calls' output gradients ``gs`` of ``mod``, before any
+    patch factor is formed."""
+    return _dense_is_smaller(n, mod.groups, sum(int(g_c.shape[1]) for g_c in gs),
+                             int(gs[0].shape[2]), int(gs[0].shape[3]),
+                             mod.in_channels // mod.groups * math.prod(mod.kernel_size))
 
 
 #: when :func:`_grouped_conv_dense` is used: at least this many output positions per call
@@ -406,9 +410,7 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     cg_in = a.shape[2] // groups
     cg_out = cout // groups
     a4 = a.reshape(n, s, groups, cg_in)
-    kron_size = n * groups * s * (o * cout + cg_in + 1)
-    dense_size = n * o * cout * (cg_in + 1)
-    if kron_size <= dense_size:
+    if not _dense_is_smaller(n, groups, s, o, cout, cg_in):
         ap = a4.permute(0, 2, 1, 3).reshape(n, groups * s, cg_in)
         # g6[n, G, l, o, G', c] = g[n, l, o, G' cg_out + c] where G == G', else 0
         g6 = g.new_zeros((n, groups, s, o, groups, cg_out))
