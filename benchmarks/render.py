@@ -695,9 +695,9 @@ bash benchmarks/gpu.sh OUTDIR                      # on a machine with one NVIDI
   `benchmarks/suites/ntk.py:mlp_roofline_flops`; for SMW: the symmetric product
   U^T U and the two products with U), divided by the time and the same throughput: the
   share of the GEMM-bound floor an implementation reaches.  The `ntk` suite's MLP rows on
-  the CPU divide instead by the rate of a 2048 x 2048 GEMM timed in the same rounds as the
-  row's calls (one call, one GEMM, in turn), so that a slow phase of a shared machine slows
-  both sides of the share.
+  the CPU, and ntkcore's rows of the `peers` suite, divide instead by the rate of a
+  2048 x 2048 GEMM timed in the same rounds as the row's calls (`gemm_gflops`), so that a
+  slow phase of a shared machine slows both sides of the share.
 - **Speed-up** compares a row with the baseline named in the row (same case, device and dtype,
   same run); "rel. error" is the relative error against a float64 reference computed in the
   same run.
