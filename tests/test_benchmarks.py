@@ -528,18 +528,25 @@ def test_roofline_share_uses_the_gemm_rate_of_the_rows_own_rounds() -> None:
     assert rows[0]["_target_ok"] is False
 
 
-def test_paired_gemm_rate_is_timed_with_the_case() -> None:
+def test_paired_gemm_rate_is_timed_with_the_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """The roofline cases alternate the case's calls with a GEMM, one each per round, and
     report the GEMM's rate from those rounds."""
     pytest.importorskip("torch")
     from benchmarks._harness import Config
     from benchmarks.suites import ntk
 
-    calls: list[float] = []
+    order: list[str] = []
+    real = _harness.gemm_call
+
+    def recorded(*args):
+        gemm = real(*args)
+        return lambda: (order.append("gemm"), gemm())[1]
+
+    monkeypatch.setattr(_harness, "gemm_call", recorded)
     cfg = Config(quick=True, repeat=3)
-    timing, gflops = ntk._paired_with_gemm(cfg, lambda: calls.append(time.perf_counter()),
-                                           0.001)
-    assert len(calls) == timing["repeats"] >= 1
+    timing, gflops = ntk._paired_with_gemm(cfg, lambda: order.append("case"), 0.001)
+    rounds = timing["repeats"]
+    assert rounds >= 1 and order == ["gemm"] + ["case", "gemm"] * rounds  # warm-up first
     assert math.isfinite(gflops) and gflops > 0
 
 
