@@ -100,7 +100,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-from .torch_layers import _with_ones, cat, embedding_index
+from .torch_layers import Summed, _with_ones, cat, embedding_index
 
 __all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
            "structured_groups"]
@@ -669,18 +669,44 @@ def _grads_view(g: torch.Tensor, y: torch.Tensor, ax: int) -> torch.Tensor:
     return g.unflatten(1, rest[:-1]).movedim(-2, 1) if len(rest) > 1 else g[:, 0]
 
 
+def term_sums(c: Call, ax: int,
+              create_graph: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    r"""For a call every term of which follows the dense rule (no Linear, no table rows): the
+    map from its output gradients g (N, S, L, d) (Linear layout, any number L of outputs) to
+    its terms' :func:`_dense_term` sums concatenated along the last axis, in ``c.terms``
+    order, (N, L, W).  The factor h (:math:`\hat x` for a norm) is formed once, here.  The
+    provider applies it pass by pass and keeps only the sums (``torch_layers.Summed``);
+    None for any other call (its g is kept)."""
+    if c.kind != "dense" or any(t.role == "rows" for t in c.terms):
+        return None
+    h = c.h if c.h is None or create_graph else c.h.detach()
+    scaled = None  # the factor of every "scale" term, broadcast to y, samples in front
+    if h is not None and any(t.role == "scale" for t in c.terms):
+        hh = c.xhat(h) if c.xhat is not None else h
+        scaled = hh.broadcast_to(c.y.shape).movedim(ax, 0).unsqueeze(1)
+
+    def reduce(g: torch.Tensor) -> torch.Tensor:
+        gv = _grads_view(g, c.y, ax)
+        return cat([_dense_term(t, gv, scaled if t.role == "scale" else None, c.y, ax,
+                                ready=True) for t in c.terms], -1)
+
+    return reduce
+
+
 def _dense_term(t: Term, gv: torch.Tensor, h: torch.Tensor | None, y: torch.Tensor,
-                ax: int) -> torch.Tensor:
+                ax: int, ready: bool = False) -> torch.Tensor:
     r"""(N, O, prod(t.core)): the term's :math:`\sum_{\text{broadcast}} g\,(h)` of the module
-    docstring, from gv (N, O, *rest) and h (broadcastable to y, or None)."""
+    docstring, from gv (N, O, *rest) and h (broadcastable to y, or None; with ``ready``
+    already broadcast to y with the samples in front and an output axis, (N, 1, *rest))."""
     place = [s for i, s in enumerate(t.place) if i != ax]
     rest = [s for i, s in enumerate(y.shape) if i != ax]
     if t.role == "piece":  # no h
         d = t.dim - (t.dim > ax)
         gv = gv.narrow(2 + d, t.lo, t.hi - t.lo)
         rest[d] = t.hi - t.lo
-    elif h is not None:
-        gv = gv * h.to(gv.dtype).broadcast_to(y.shape).movedim(ax, 0).unsqueeze(1)
+    elif h is not None:  # ready: h is already (N, 1, *rest)
+        gv = gv * (h if ready else h.broadcast_to(y.shape).movedim(ax, 0).unsqueeze(1)).to(
+            gv.dtype)
     dims = [2 + i for i, (pl, r) in enumerate(zip(place, rest, strict=True)) if pl == 1 and r > 1]
     red = gv.sum(dims) if dims else gv
     return red.reshape(red.shape[0], red.shape[1], -1)
@@ -762,21 +788,41 @@ def _table_block(p: torch.Tensor, mine: list, n: int, name: str,
                           one_hot=int(p.shape[0]))
 
 
+def _term_width(t: Term, y: torch.Tensor, ax: int) -> int:
+    """The last-axis length of :func:`_dense_term`'s result for term ``t`` of a call with
+    result ``y`` (sample axis ``ax``): the kept (not summed) axes of y, a piece's narrowed."""
+    rest = [s for i, s in enumerate(y.shape) if i != ax]
+    place = [s for i, s in enumerate(t.place) if i != ax]
+    if t.role == "piece":
+        rest[t.dim - (t.dim > ax)] = t.hi - t.lo
+    return math.prod(r for pl, r in zip(place, rest, strict=True) if not (pl == 1 and r > 1))
+
+
 def _dense_block(params: list[torch.Tensor], mine: list, name: str,
                  create_graph: bool) -> DenseBlock:
     """Per parameter, the sum over its terms of :func:`_dense_term`, placed at the term's
     offset; concatenated in block order."""
     cols: dict[int, torch.Tensor] = {}
     for c, ax, g in mine:
-        gv = _grads_view(g, c.y, ax)
-        h = c.h if c.h is None or create_graph else c.h.detach()
-        for t in c.terms:
+        if isinstance(g, Summed):  # term_sums' output: the terms' sums side by side
+            widths = [_term_width(t, c.y, ax) for t in c.terms]
+            if sum(widths) != g.sums.shape[-1]:
+                raise RuntimeError(f"block {name!r}: the reduced output gradients have "
+                                   f"{g.sums.shape[-1]} columns, the call's terms {widths}")
+            parts = list(torch.split(g.sums, widths, dim=-1))
+        else:
+            gv = _grads_view(g, c.y, ax)
+            h = c.h if c.h is None or create_graph else c.h.detach()
+        for i, t in enumerate(c.terms):
             if id(t.param) not in {id(p) for p in params}:
                 continue
-            hh = None
-            if t.role == "scale":
-                hh = c.xhat(h) if c.xhat is not None else h
-            part = _dense_term(t, gv, hh, c.y, ax)
+            if isinstance(g, Summed):
+                part = parts[i]
+            else:
+                hh = None
+                if t.role == "scale":
+                    hh = c.xhat(h) if c.xhat is not None else h
+                part = _dense_term(t, gv, hh, c.y, ax)
             numel = t.param.numel()
             if part.shape[2] == numel:
                 cols[id(t.param)] = part if id(t.param) not in cols else cols[id(t.param)] + part

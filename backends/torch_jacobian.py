@@ -183,11 +183,20 @@ from torch import nn
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
-from .torch_functional import CALLED_BY_PARENT, ParamUses, functional_blocks, structured_groups
+from .torch_functional import (
+    CALLED_BY_PARENT,
+    ParamUses,
+    functional_blocks,
+    structured_groups,
+    term_sums,
+)
 from .torch_functional import sample_axes as functional_sample_axes
 from .torch_layers import (
     CHANNELS_FIRST,
+    XHAT,
     RecurrentPass,
+    Summed,
+    affine_sums,
     cat,
     drop_zero_positions,
     layer_block,
@@ -873,10 +882,14 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
 
 def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Module],
                   pseudo: bool, create_graph: bool, batched: bool,
-                  axes: list[int]) -> list[torch.Tensor]:
+                  axes: list[int], reducers: list[Any] | None = None) -> list[Any]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each call output
     ``ys[i]`` of ``mods[i]`` (samples on ``axes[i]``), as g (N, S, O, d_out) shaped by
-    :func:`torch_layers.output_factor` (O = 1 for the pseudo-NTK).
+    :func:`torch_layers.output_factor` (O = 1 for the pseudo-NTK); or, where ``reducers[i]``
+    is a map g (N, S, L, d) -> (N, L, W) (``torch_layers.affine_sums``,
+    ``torch_functional.term_sums``), its results for all O outputs as a
+    ``torch_layers.Summed`` (N, O, W): applied to each pass's g while it is in cache, so
+    that g is never stored.
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
@@ -885,12 +898,17 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
     once per layer at the end.  No weight gradient is formed.
     """
     n, o = out2.shape
+    red = reducers if reducers is not None else [None] * len(ys)
+
+    def done(g: torch.Tensor, r: Any) -> Any:  # all O outputs' g, reduced if it has a map
+        return g if r is None else Summed(r(g))
+
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                     allow_unused=True, materialize_grads=True)
-        return [output_factor(m, gr[None], n, 1, ax)
-                for gr, m, ax in zip(grads, mods, axes, strict=True)]
+        return [done(output_factor(m, gr[None], n, 1, ax), r)
+                for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
     if batched:
@@ -900,35 +918,44 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                 grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                             retain_graph=True, allow_unused=True,
                                             materialize_grads=True, is_grads_batched=True)
-            return [output_factor(m, gr, n, o, ax)
-                    for gr, m, ax in zip(grads, mods, axes, strict=True)]
+            return [done(output_factor(m, gr, n, o, ax), r)
+                    for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
     # g (N, S, O, d), layouts as above; a functional call's in (N, O, S, d) storage: each
     # output's gradient is one contiguous piece per sample, and torch_functional's sums over
-    # broadcast axes read it contiguously
-    gs: list[torch.Tensor] = []
+    # broadcast axes read it contiguously.  A reduced entry: (N, O, W).
+    gs: list[Any] = []
     kept: list[list[torch.Tensor]] = []  # o <= 2: each pass's g, concatenated at the end
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        g1s = [output_factor(m, gr[None], n, 1, ax)  # (N, S, 1, d) views
-               for gr, m, ax in zip(grads, mods, axes, strict=True)]
+        g1s = [output_factor(m, gr[None], n, 1, ax) if r is None  # (N, S, 1, d) views
+               else r(output_factor(m, gr[None], n, 1, ax))  # (N, 1, W)
+               for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
+        del grads
         if o <= 2:  # one concatenation a block costs less than O copies into a buffer (BERT)
             kept.append(g1s)
             continue
-        for i, (g1, m) in enumerate(zip(g1s, mods, strict=True)):
+        for i, (g1, m, r) in enumerate(zip(g1s, mods, red, strict=True)):
             if k == 0:  # many outputs: each pass copied into its slot while it is in cache
-                s, d = g1.shape[1], g1.shape[3]
-                gs.append(g1.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
+                s, d = g1.shape[1], g1.shape[-1]
+                gs.append(g1.new_empty((n, o, d)) if r is not None else
+                          g1.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
                           if isinstance(m, CHANNELS_FIRST) else
                           g1.new_empty((n, o, s, d)).transpose(1, 2) if m is None
                           else g1.new_empty((n, s, o, d)))
-            gs[i][:, :, k:k + 1].copy_(g1)
-    for i, m in enumerate(mods if kept else ()):
+            if r is not None:
+                gs[i][:, k:k + 1].copy_(g1)
+            else:
+                gs[i][:, :, k:k + 1].copy_(g1)
+        del g1s
+    for i, (m, r) in enumerate(zip(mods, red, strict=True) if kept else ()):
         parts = [p[i] for p in kept]
-        if isinstance(m, CHANNELS_FIRST):  # storage (N, O, C, S)
+        if r is not None:  # (N, 1, W) each
+            gs.append(torch.cat(parts, 1))
+        elif isinstance(m, CHANNELS_FIRST):  # storage (N, O, C, S)
             gs.append(torch.cat([g.permute(0, 2, 3, 1) for g in parts], 1).permute(0, 3, 1, 2))
         elif m is None:  # storage (N, O, S, d)
             gs.append(torch.cat([g.transpose(1, 2) for g in parts], 1).transpose(1, 2))
@@ -936,7 +963,14 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
             gs.append(torch.cat(parts, 2))
         for p in kept:
             p[i] = None  # each pass's gradient goes once its block is assembled
-    return gs
+    return [g if r is None else Summed(g) for g, r in zip(gs, red, strict=True)]
+
+
+def _front(a: torch.Tensor, ax: int, create_graph: bool) -> torch.Tensor:
+    """A recorded call input with its sample axis ``ax`` in front, detached unless the
+    Jacobian is to be differentiable."""
+    a = a if ax == 0 else a.movedim(ax, 0)
+    return a if create_graph else a.detach()
 
 
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
@@ -1270,13 +1304,19 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]
         # recurrent: the gradients w.r.t. u = W_ih x_t + b_ih of every layer, direction, call
         rflat = [(u.module, r.u) for u in rkron.values() for passes in u.calls for r in passes]
+        # normalisation layers and dense-rule functional calls: g reduced pass by pass
+        reducers = [affine_sums(units[p].module, _front(c.a, ax, create_graph), n,
+                                units[p].has_weight, units[p].has_bias)
+                    if layer_type(units[p].module) in XHAT else None
+                    for p, calls in kron.items() for c, ax in calls]
+        reducers += [None] * len(rflat) + [term_sums(c, ax, create_graph) for c, ax in fcalls]
         # functional calls: Linear layout (no module), after the module calls
         gs = _output_grads(out2, [c.y for _, c, _ in flat] + [y for _, y in rflat]
                            + [c.y for c, _ in fcalls],
                            [m for m, _, _ in flat] + [m for m, _ in rflat] + [None] * len(fcalls),
                            pseudo, create_graph, batched,
                            [ax for _, _, ax in flat] + [0] * len(rflat)
-                           + [ax for _, ax in fcalls])
+                           + [ax for _, ax in fcalls], reducers)
         if fcalls:
             blocks.update(functional_blocks(fgroups, fcalls, gs[len(flat) + len(rflat):], n,
                                             create_graph))
@@ -1284,8 +1324,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         for p, calls in kron.items():
             unit = units[p]
             # inputs with the sample axis moved to the front, as the output gradients are
-            front = [c.a if ax == 0 else c.a.movedim(ax, 0) for c, ax in calls]
-            blocks[p] = layer_block(unit.module, [a if create_graph else a.detach() for a in front],
+            blocks[p] = layer_block(unit.module, [_front(c.a, ax, create_graph)
+                                                  for c, ax in calls],
                                     gs[k:k + len(calls)], n, p, weight=unit.has_weight,
                                     bias=unit.has_bias)
             k += len(calls)

@@ -72,9 +72,9 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "cat", "drop_zero_positions",
-           "embedding_index", "input_factor", "layer_block", "layer_type", "output_factor",
-           "sample_axis_ok"]
+__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "Summed", "affine_sums", "cat",
+           "drop_zero_positions", "embedding_index", "input_factor", "layer_block", "layer_type",
+           "output_factor", "sample_axis_ok"]
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -218,11 +218,12 @@ def output_factor(mod: nn.Module, gr: torch.Tensor, n: int, lead: int,
     return g4 if lead == 1 else g4.contiguous()
 
 
-def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tensor], n: int,
+def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: int,
                 name: str, *, weight: bool = True,
                 bias: bool = True) -> DenseBlock | KroneckerBlock:
     r"""The block of one layer from its calls: ``inputs[i]`` the input of call i with the
-    sample axis in front, ``gs[i]`` its g (N, S_i, O, d_out) (:func:`output_factor`).
+    sample axis in front, ``gs[i]`` its g (N, S_i, O, d_out) (:func:`output_factor`), or for
+    a normalisation layer its :class:`Summed` when the provider reduced g pass by pass.
 
     ``weight`` / ``bias``: which of the layer's parameters the block covers.  Several calls
     (tied weights) are concatenated along S:
@@ -233,7 +234,7 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tenso
     """
     base = layer_type(mod)
     if base in XHAT:
-        return _affine_block(mod, XHAT[base], inputs, gs, n, name, weight, bias)
+        return _affine_block(mod, inputs, gs, n, name, weight, bias)
     groups = getattr(mod, "groups", 1)
     if groups > 1 and weight and _dense_grouped(mod, gs, n) and _unfoldable(mod, gs):
         return _grouped_conv_dense(mod, inputs, gs, n, name, bias)
@@ -289,38 +290,60 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
                              g.index_select(1, keep))
 
 
-def _affine_block(mod: nn.Module, xhat: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                  inputs: list[torch.Tensor], gs: list[torch.Tensor], n: int, name: str,
-                  weight: bool, bias: bool) -> DenseBlock:
-    r"""The DenseBlock (N, O, C [+ C]) of an elementwise-affine layer, from its calls.
+@dataclass
+class Summed:
+    """Output gradients already reduced to what a DenseBlock needs: ``sums`` (N, O, W), the
+    passes' results of a :func:`affine_sums` / ``torch_functional.term_sums`` map stacked
+    along O.  The provider reduces a normalisation layer's (or a dense-rule functional
+    call's) g pass by pass, while it is in cache, and never stores g (N, S, O, C): S times
+    the memory, and a copy per pass (efficientnet_b0: 49 BatchNorm layers, O = 10)."""
 
-    With :math:`\hat x` = ``xhat(mod, input)`` and g (N, S, O, C) (positions s, parameter
-    entries c; see the module docstring),
+    sums: torch.Tensor
 
-    .. math:: J_\gamma[n, o, c] = \sum_s g[n, s, o, c]\,\hat x[n, s, c], \qquad
-              J_\beta[n, o, c] = \sum_s g[n, s, o, c],
 
-    summed over every call (tied modules), in the layout [weight.flatten(), bias.flatten()].
-    :math:`\hat x` is recomputed from the recorded input (differentiably when the input is on
-    a graph).  Cost O(N S O C): no torch.func pass.  The products are taken in g's storage
-    layout, (N, O, C, S) for a channels-first layer (:func:`output_factor`), (N, S, O, C)
+def affine_sums(mod: nn.Module, a_in: torch.Tensor, n: int, weight: bool,
+                bias: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    r"""The map g (N, S, L, C) -> (N, L, C [+ C]) of one call of an elementwise-affine layer
+    ``mod`` (:data:`XHAT`) with input ``a_in`` (samples in front), for any number L of
+    outputs (one pass, or all O):
+
+    .. math:: J_\gamma[n, l, c] = \sum_s g[n, s, l, c]\,\hat x[n, s, c], \qquad
+              J_\beta[n, l, c] = \sum_s g[n, s, l, c],
+
+    in the layout [weight.flatten(), bias.flatten()].  :math:`\hat x` is computed once, here
+    (differentiably when ``a_in`` is on a graph).  The products are taken in g's storage
+    layout, (N, L, C, S) for a channels-first layer (:func:`output_factor`), (N, S, L, C)
     otherwise: a contiguous multiply-and-sum, 4x faster than an ``einsum`` that copies g.
     """
     chan = isinstance(mod, CHANNELS_FIRST)
-    gv = [g_c.permute(0, 2, 3, 1) if chan else g_c for g_c in gs]
     axis = -1 if chan else 1  # the positions
+    x = XHAT[layer_type(mod)](mod, a_in) if weight else None  # type: ignore[index]
 
-    def scale(a_in: torch.Tensor, g_c: torch.Tensor) -> torch.Tensor:
-        x = xhat(mod, a_in).to(g_c.dtype)
-        return (g_c * (x.reshape(n, 1, x.shape[1], -1) if chan else
-                       x.reshape(n, -1, 1, g_c.shape[-1]))).sum(axis)
+    def reduce(g: torch.Tensor) -> torch.Tensor:
+        gv = g.permute(0, 2, 3, 1) if chan else g
+        pieces = []
+        if x is not None:
+            xx = x.to(g.dtype)
+            pieces.append((gv * (xx.reshape(n, 1, xx.shape[1], -1) if chan else
+                                 xx.reshape(n, -1, 1, gv.shape[-1]))).sum(axis))
+        if bias:
+            pieces.append(gv.sum(axis))
+        return cat(pieces, -1)
 
-    pieces = []
-    if weight:
-        pieces.append(functools.reduce(torch.add, map(scale, inputs, gv)))
-    if bias:
-        pieces.append(functools.reduce(torch.add, (g_c.sum(axis) for g_c in gv)))
-    return DenseBlock(cat(pieces, -1), name)
+    return reduce
+
+
+def _affine_block(mod: nn.Module, inputs: list[torch.Tensor],
+                  gs: list[torch.Tensor] | list[Summed], n: int, name: str, weight: bool,
+                  bias: bool) -> DenseBlock:
+    r"""The DenseBlock (N, O, C [+ C]) of an elementwise-affine layer: the sum over its calls
+    (tied modules) of :func:`affine_sums` of each call's g, or of the calls' :class:`Summed`
+    when the provider reduced them pass by pass.  Cost O(N S O C): no torch.func pass."""
+    if isinstance(gs[0], Summed):
+        return DenseBlock(functools.reduce(torch.add, (g.sums for g in gs)), name)  # type: ignore[union-attr]
+    return DenseBlock(functools.reduce(torch.add, (
+        affine_sums(mod, a_c, n, weight, bias)(g_c)  # type: ignore[arg-type]
+        for a_c, g_c in zip(inputs, gs, strict=True))), name)
 
 
 def _dense_is_smaller(n: int, groups: int, s: int, o: int, cout: int, cg_in: int) -> bool:

@@ -237,6 +237,59 @@ def test_norm_block_differentiable_in_x(name):
     assert torch.autograd.gradcheck(kernel_of, (x,))
 
 
+class PassSums(nn.Module):
+    """conv -> BatchNorm2d (a hooked module) -> a GroupNorm subclass with its own forward (a
+    functional call) -> layer-scale ``gamma`` (a product in the graph) -> tanh -> Linear (O)."""
+
+    def __init__(self, o: int):
+        super().__init__()
+
+        class Half(nn.GroupNorm):
+            def forward(self, x):
+                return super().forward(x) * 0.5
+
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.gn = Half(2, 4)
+        self.gamma = nn.Parameter(torch.randn(4, 1, 1))
+        self.fc = nn.Linear(4 * 9, o)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.gn(self.bn(self.conv(x))) * self.gamma).flatten(1))
+
+
+@pytest.mark.parametrize("o", [1, 2, 5])
+@pytest.mark.parametrize("how", ["batched", "loop"])
+def test_norm_gradients_reduced_pass_by_pass(o, how, monkeypatch, dense_calls):
+    """The output gradients of the norm layers and of the dense-rule functional calls reach
+    the block builders already summed (``Summed`` (N, O, W)), for one pass (O = 1), the
+    concatenated passes (O = 2), the per-pass buffer (O = 5) and the batched pass; the
+    Jacobian equals the dense float64 reference in every case."""
+    from ntkcore.backends import torch_jacobian as tj
+    from ntkcore.backends.torch_layers import Summed
+
+    model = _randomise(PassSums(o))
+    x = torch.randn(4, 2, 3, 3, dtype=DT)
+    seen = []
+    original = tj._output_grads
+
+    def spy(*args, **kwargs):
+        gs = original(*args, **kwargs)
+        seen.extend(gs)
+        return gs
+
+    monkeypatch.setattr(tj, "_output_grads", spy)
+    j = jacobian(model, x, backward=how)
+    summed = [g for g in seen if isinstance(g, Summed)]
+    # bn, the functional group norm (weight, bias) and gamma: one reduced entry each
+    assert len(summed) == 3
+    assert all(g.sums.shape[:2] == (4, o) for g in summed)
+    assert sorted(g.sums.shape[2] for g in summed) == [4, 8, 8]
+    assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
+        tol_for(j.num_params, o)
+    assert dense_calls == []
+
+
 @pytest.mark.parametrize("method", ["gaussian", "uniform"])
 def test_sketches_of_norm_blocks(method):
     """The sketched Jacobian is exactly J Omega^T with Omega the returned sketch (Omega from
