@@ -369,6 +369,10 @@ def _dense_grouped(mod: nn.Module, gs: list[torch.Tensor], n: int) -> bool:
 #: either way; convnext_atto's 7 x 7 layers 15-40% slower at 64 positions.
 GROUPED_GEMM_MIN_POSITIONS = 4
 GROUPED_GEMM_MAX_TAPS = 9
+#: :func:`_grouped_conv_block`'s dense form with at most this many positions is a sum of
+#: outer products written in place, not an ``einsum`` (whose batched GEMMs over the positions
+#: are tiny).
+GROUPED_OUTER_MAX_POSITIONS = 4
 
 
 def _unfoldable(mod: nn.Module, gs: list[torch.Tensor]) -> bool:
@@ -425,7 +429,7 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     a'[n, (G,L), C_in/G*k] and g'[n, (G,L), o, c] = g[n, L, o, c] if c is in group G else 0,
     :math:`\sum_{(G,L)} g' a'^\top` is the (C_out, C_in/G*k) weight gradient exactly.  When
     that is larger than the per-sample gradient itself (many groups, e.g. depthwise), a
-    DenseBlock is built from the same factors instead.
+    DenseBlock is built from the same factors instead, written once into its final array.
     """
     n, s, o, cout = g.shape
     if not weight:  # bias only: the groups do not matter
@@ -444,9 +448,26 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         return KroneckerBlock(ap.contiguous(), gp, name)
     # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
     gg = g.reshape(n, s, o, groups, cg_out)
-    dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
-    # DenseBlock layout: [weight.flatten(), bias]
-    return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1), name)
+    if g.requires_grad or a.requires_grad:  # differentiable: no out= writes
+        dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
+        # DenseBlock layout: [weight.flatten(), bias]
+        return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1),
+                          name)
+    # written once into the block (N, O, [weight.flatten(), bias]): the block is N O C_out
+    # C_in/G k numbers, often tens of MB in fresh pages, and each extra pass over it (the
+    # einsum's layout copy, the concatenation with the bias) cost as much as the products
+    width = cout * cg_in
+    out = g.new_empty((n, o, width + (cout if bias else 0)))
+    w = out[..., :width].unflatten(-1, (groups, cg_out, cg_in))
+    if s <= GROUPED_OUTER_MAX_POSITIONS:  # a sum of outer products per sample and group
+        torch.mul(gg[:, 0, ..., None], a4[:, 0, :, None, :].unsqueeze(1), out=w)
+        for j in range(1, s):
+            w.addcmul_(gg[:, j, ..., None], a4[:, j, :, None, :].unsqueeze(1))
+    else:
+        w.copy_(torch.einsum("nsogc,nsgk->nogck", gg, a4))
+    if bias:
+        torch.sum(g, dim=1, out=out[..., width:])
+    return DenseBlock(out, name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -520,7 +520,8 @@ def _conv_net(dim, groups, bias, stride, dilation, padding, c=4):
 @pytest.mark.parametrize("dim", [1, 2])
 @pytest.mark.parametrize("groups", [2, 4])  # grouped, depthwise (groups = channels)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("geometry", [(1, 1, 1), (2, 1, 0), (1, 2, "same")])
+# 7 positions per axis in; out: 7 (1d) / 49 (2d), 3 / 9, 7 / 49, and one position (stride 8)
+@pytest.mark.parametrize("geometry", [(1, 1, 1), (2, 1, 0), (1, 2, "same"), (8, 1, 0)])
 def test_grouped_and_depthwise_conv(dim, groups, bias, geometry):
     stride, dilation, padding = geometry
     model = _conv_net(dim, groups, bias, stride, dilation, padding)
