@@ -290,6 +290,23 @@ def test_norm_gradients_reduced_pass_by_pass(o, how, monkeypatch, dense_calls):
     assert dense_calls == []
 
 
+@pytest.mark.parametrize("o", [2, 5])
+def test_reduced_norm_gradients_differentiable_in_x(o):
+    """The pass-by-pass sums stay on the autograd graph (x requiring grad): the kernel of the
+    reduced blocks passes ``gradcheck`` for the concatenated (O = 2) and buffered (O = 5)
+    passes."""
+    model = _randomise(PassSums(o))
+    x = torch.randn(2, 2, 3, 3, dtype=DT, requires_grad=True)
+    names = [b.name for b in jacobian(model, x.detach()).blocks]
+    keep = [names.index(k) for k in ("bn", "gn", "gamma")]
+
+    def kernel_of(xx):
+        blocks = jacobian(model, xx).blocks
+        return sum((blocks[i].to_dense() ** 2).sum() for i in keep)
+
+    assert torch.autograd.gradcheck(kernel_of, (x,))
+
+
 @pytest.mark.parametrize("method", ["gaussian", "uniform"])
 def test_sketches_of_norm_blocks(method):
     """The sketched Jacobian is exactly J Omega^T with Omega the returned sketch (Omega from
