@@ -801,28 +801,24 @@ def _term_width(t: Term, y: torch.Tensor, ax: int) -> int:
 def _dense_block(params: list[torch.Tensor], mine: list, name: str,
                  create_graph: bool) -> DenseBlock:
     """Per parameter, the sum over its terms of :func:`_dense_term`, placed at the term's
-    offset; concatenated in block order."""
+    offset; concatenated in block order.  Each call's sums come from :func:`term_sums`: as
+    the provider's ``Summed``, or applied here to a stored g."""
     cols: dict[int, torch.Tensor] = {}
     for c, ax, g in mine:
-        if isinstance(g, Summed):  # term_sums' output: the terms' sums side by side
-            widths = [_term_width(t, c.y, ax) for t in c.terms]
-            if sum(widths) != g.sums.shape[-1]:
-                raise RuntimeError(f"block {name!r}: the reduced output gradients have "
-                                   f"{g.sums.shape[-1]} columns, the call's terms {widths}")
-            parts = list(torch.split(g.sums, widths, dim=-1))
-        else:
-            gv = _grads_view(g, c.y, ax)
-            h = c.h if c.h is None or create_graph else c.h.detach()
-        for i, t in enumerate(c.terms):
+        if not isinstance(g, Summed):  # a stored g: reduced here as the provider does per pass
+            reduce = term_sums(c, ax, create_graph)
+            if reduce is None:
+                raise RuntimeError(f"block {name!r}: a call of kind {c.kind!r} in a dense group")
+            g = Summed(reduce(g))
+        # term_sums' output: the terms' sums side by side
+        widths = [_term_width(t, c.y, ax) for t in c.terms]
+        if sum(widths) != g.sums.shape[-1]:
+            raise RuntimeError(f"block {name!r}: the reduced output gradients have "
+                               f"{g.sums.shape[-1]} columns, the call's terms {widths}")
+        parts = torch.split(g.sums, widths, dim=-1)
+        for t, part in zip(c.terms, parts, strict=True):
             if id(t.param) not in {id(p) for p in params}:
                 continue
-            if isinstance(g, Summed):
-                part = parts[i]
-            else:
-                hh = None
-                if t.role == "scale":
-                    hh = c.xhat(h) if c.xhat is not None else h
-                part = _dense_term(t, gv, hh, c.y, ax)
             numel = t.param.numel()
             if part.shape[2] == numel:
                 cols[id(t.param)] = part if id(t.param) not in cols else cols[id(t.param)] + part
