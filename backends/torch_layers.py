@@ -454,8 +454,9 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1),
                           name)
     # written once into the block (N, O, [weight.flatten(), bias]): the block is N O C_out
-    # C_in/G k numbers, often tens of MB in fresh pages, and each extra pass over it (the
-    # einsum's layout copy, the concatenation with the bias) cost as much as the products
+    # C_in/G k numbers, often tens of MB in fresh pages; the two extra passes over it (the
+    # einsum's layout copy, the concatenation with the bias) made building these blocks
+    # 22-26 % slower (docs/concepts.md)
     width = cout * cg_in
     out = g.new_empty((n, o, width + (cout if bias else 0)))
     w = out[..., :width].unflatten(-1, (groups, cg_out, cg_in))

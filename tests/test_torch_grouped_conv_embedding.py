@@ -634,3 +634,34 @@ def test_float32_index_factor_kernel():
     tol = kernel_tol(torch.float32, n) + kernel_tol(torch.float32, jd.shape[2] + 2)
     assert rel(k.double(), k_ref) < tol
     np.testing.assert_array_equal(k.numpy(), k.numpy().T)
+
+
+@pytest.mark.parametrize("stride", [8, 1])  # one position (outer products), 49 (einsum)
+def test_patch_factor_dense_block_on_a_graph(stride):
+    """With x on an autograd graph the patch-factor route builds its block by ``einsum``
+    (no ``out=`` writes): its values equal the dense float64 reference, the same as the
+    written-once block of a detached x, and it passes ``gradcheck`` in x."""
+    torch.manual_seed(4)
+    # 16 channels: the dense block is smaller than the group-position factors also at one
+    # position (_dense_is_smaller)
+    model = nn.Sequential(nn.Conv2d(2, 16, 1), nn.Tanh(),
+                          nn.Conv2d(16, 16, 5, groups=16, padding=2, stride=stride), nn.Tanh(),
+                          nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(2, 2, 7, 7, dtype=DT)
+    model(x.float())  # materialise the LazyLinear
+    model = model.to(DT).eval()
+    j0 = jacobian(model, x)
+    assert isinstance(j0.blocks[1], DenseBlock)
+    xg = x.clone().requires_grad_(True)
+    jg = jacobian(model, xg)
+    assert jg.blocks[1].jac.requires_grad
+    ref = to_block_order(model, jg, reference(model, x))
+    tol = kernel_tol(DT, j0.num_params, computations=2)
+    assert rel(jg.to_dense().detach(), ref) < tol
+    assert rel(j0.to_dense(), ref) < tol
+
+    def kernel_of(xx):
+        jd = jacobian(model, xx).blocks[1].to_dense()
+        return (jd * jd).sum()
+
+    assert torch.autograd.gradcheck(kernel_of, (xg,))
