@@ -78,6 +78,7 @@ class JaxBackend(GenericBackend):
         return jax.scipy.special.erf(x)
 
     fast_scatter_add = True
+    eager_loops = False
 
     def scatter_add(self, idx: Array, x: Array, size: int) -> Array:
         # -1 rows are sent out of bounds and dropped (a negative index would wrap around)

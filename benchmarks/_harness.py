@@ -390,6 +390,31 @@ def gemm_throughput(
     }
 
 
+#: side of the square GEMM timed in the same rounds as a roofline case (CPU)
+PAIRED_GEMM_N = 2048
+
+
+def paired_with_gemm(cfg: Config, fn: Callable[[], Any], first_s: float, backend: str
+                     ) -> tuple[dict[str, Any], float]:
+    """``fn``'s timing and the GEMM rate (GFLOP/s) of ``backend`` on the CPU in ``cfg.dtype``,
+    the two timed in turn in the same rounds (:func:`interleaved`).
+
+    A roofline share divides a row's flops by its time and by the GEMM rate.  On a shared
+    machine both drift by tens of percent between phases (on the 2-core development VM the
+    two-thread GEMM rate of separate runs ranged 153-272 GFLOP/s, the one-thread rate 107-151
+    within one hour); timed in the same rounds they drift together, so their quotient is
+    stable where each alone is not.
+    """
+    n = cfg.pick(256, PAIRED_GEMM_N)
+    gemm = gemm_call(backend, "cpu", cfg.dtype, n)
+    t0 = time.perf_counter()
+    gemm()
+    first_g = time.perf_counter() - t0
+    timing, _ = interleaved({"case": fn, "gemm": gemm}, {"case": first_s, "gemm": first_g},
+                            cfg)
+    return timing["case"], 2.0 * n ** 3 / timing["gemm"]["median_s"] / 1e9
+
+
 def interleaved(fns: dict[str, Callable[[], Any]], first: dict[str, float],
                 cfg: Config) -> tuple[dict[str, dict[str, Any]], int]:
     """Timings of ``fns`` called in turn, one call each per round, up to ``cfg.reps`` rounds

@@ -37,7 +37,7 @@ import array_api_compat as _compat
 from ._typing import Array
 
 __all__ = ["BACKEND_NAMES", "Backend", "Generator", "get_backend", "namespace_and_backend",
-           "register_backend", "seed_from"]
+           "on_gpu", "register_backend", "seed_from"]
 
 Namespace = Any
 Device = Any
@@ -155,6 +155,11 @@ class Backend:
         ``solve`` (:math:`A^{-\top}`) once to the cotangent.  Without autograd: ``x``."""
         return x
 
+    #: Whether a Python loop of many small array calls is cheap (eager dispatch of a few
+    #: microseconds per call).  False where every call is staged or costly to dispatch (JAX);
+    #: loops over row chunks (:func:`ntkcore.solve.gram_and_product`) run only where it holds.
+    eager_loops: bool = True
+
     # -- scatter-add ------------------------------------------------------------------------
     #: Whether :meth:`scatter_add` costs O(R k) (a native scatter) rather than the standard
     #: fallback's O(R size k) one-hot products; :mod:`ntkcore.gram` offers its "pairs" route
@@ -248,6 +253,15 @@ def get_backend(xp: Any) -> Backend:
         backend = _backend_class(target)(xp)
         _cache[key] = backend
     return backend
+
+
+def on_gpu(xp: Any, device: Any) -> bool:
+    """Whether ``device`` (of namespace ``xp``) is a GPU; False where it cannot be told (a
+    traced JAX array has no device)."""
+    try:
+        return bool(get_backend(xp).is_gpu(device))
+    except Exception:
+        return False
 
 
 def _backend_class(target: str) -> type[Backend]:

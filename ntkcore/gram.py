@@ -132,6 +132,7 @@ import array_api_compat
 from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
+from .backend import on_gpu
 from .errors import BudgetTooSmallError
 from .jacobian import (
     Jacobian,
@@ -994,10 +995,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
                 f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
                 f"mode {mode!r}{', layerwise' if layerwise else ''}, {item}-byte "
                 f"numbers): pass max_memory >= {need} bytes", budget, need)
-        try:
-            gpu = bool(backend.is_gpu(device))
-        except Exception:
-            gpu = False
+        gpu = on_gpu(xp, device)
         plan = _cached_plan(pairs, mode, o, n1, n2, j2 is None, layerwise, budget, item,
                             strategy, gpu, _writable(xp, out_dtype, device))
     return _Setup(xp, backend, pairs, mode, n1, n2, o, out_dtype, device, plan)

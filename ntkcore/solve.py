@@ -38,40 +38,94 @@ from typing import Any
 
 import array_api_compat
 
+from ._memory import itemsize
 from ._typing import Array
 from ._validation import all_finite, check_array, check_scalar, namespace_of
-from .backend import get_backend
+from .backend import get_backend, on_gpu
 from .errors import NotPositiveDefiniteError
+from .gram import SYMMETRIC_MAX_PANELS
 from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
 from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
 from .support import CHOLESKY_SOLVE, capabilities
+from .tiling import bounds, panel_bounds
 
-__all__ = ["SMWSolver", "natural_gradient", "smw_solve", "sym_gram"]
+__all__ = ["SMWSolver", "gram_and_product", "natural_gradient", "smw_solve", "sym_gram"]
 
 _NONFINITE_U = ("U contains NaN or Inf (or entries so large that their squares overflow "
                 "the dtype)")
-_SYRK_BLOCK = 128  # column-block width of the blocked symmetric Gram
+#: Columns per row panel of the symmetric Gram U^T U on a CPU / GPU device: at least this
+#: many (a narrower GEMM loses more rate than its saved flops), at most
+#: ``SYMMETRIC_MAX_PANELS`` panels.  Measured on the 2-core Xeon, one thread, P = 1e6, as a
+#: share of rho^2 P at the GEMM rate: rho = 256 in 4 panels of 64: 0.72, 2 panels: 0.63,
+#: one GEMM: 0.46; rho = 512 in 4 panels: 0.75, in 8: 0.73; rho = 128: 2 panels 0.54, one
+#: GEMM 0.50.  A GPU keeps one GEMM up to the Gram's panel size (not measured here).
+SYRK_PANEL_COLS = {"cpu": 64, "gpu": 2048}
+#: Bytes of U per row chunk of the panels on a CPU (a chunk stays in cache while all panels
+#: and ``U^T v`` read it: U is read from memory once, not once per panel).
+SYRK_CHUNK_BYTES = 2 << 20
 
 
 # -- the symmetric Gram U^T U ---------------------------------------------------------------
 def sym_gram(xp: Any, u: Array) -> Array:
-    r""":math:`U^\top U` (rho, rho) for U (P, rho), using the symmetry.
+    r""":math:`U^\top U` (rho, rho) for U (P, rho), using the symmetry
+    (:func:`gram_and_product` without a product)."""
+    return gram_and_product(xp, u, None)[0]
+
+
+def gram_and_product(xp: Any, u: Array, v: Array | None) -> tuple[Array, Array | None]:
+    r""":math:`U^\top U` (rho, rho) and :math:`U^\top v` ((rho,) or (rho, k); None without
+    ``v``) for U (P, rho), in one pass over U where that pays.
 
     NumPy's ``matmul`` recognises ``U.T @ U`` and calls BLAS ``syrk`` (half the flops).  Other
-    namespaces get a blocked upper triangle: with column blocks :math:`U_i` of width 128,
-    :math:`G_{ij} = U_i^\top U_j` is computed for :math:`i \le j` only and the lower blocks are
-    transposes, i.e. :math:`(m+1)/(2m)` of the flops of a full GEMM for m blocks.
+    namespaces get row panels: with column blocks :math:`U_k = U[:, a_k:a_{k+1}]`, panel
+    :math:`k` is the one GEMM :math:`R_k = U_k^\top U[:, a_k:]` (the rows :math:`a_k..a_{k+1}`
+    of the Gram from the diagonal on); the blocks left of the diagonal are transposes of the
+    panels above, :math:`G_{kj} = (R_j[:, a_k - a_j : a_{k+1} - a_j])^\top` for :math:`j < k`.
+    With p equal panels that is :math:`(p+1)/(2p)` of a full GEMM's flops
+    (:func:`~ntkcore.tiling.panel_share`), every product still as wide as the Gram's rest.
+
+    On a CPU, where the backend's loops are cheap (:attr:`~ntkcore.backend.Backend.eager_loops`),
+    the rows of U are taken in chunks of ``SYRK_CHUNK_BYTES``,
+    :math:`R_k = \sum_c U_{c,k}^\top U_{c,a_k:}` and :math:`U^\top v = \sum_c U_c^\top v_c`,
+    so that every panel and the product read a chunk while it is in cache.  The diagonal
+    blocks are products of GEMMs, symmetric up to rounding (callers symmetrise).
     """
-    rho = int(u.shape[1])
-    if array_api_compat.is_numpy_namespace(xp) or rho <= _SYRK_BLOCK:
-        return xp.matrix_transpose(u) @ u
-    cols = [u[:, s:min(rho, s + _SYRK_BLOCK)] for s in range(0, rho, _SYRK_BLOCK)]
-    m = len(cols)
-    upper = {(i, j): xp.matrix_transpose(cols[i]) @ cols[j] for i in range(m) for j in range(i, m)}
-    return xp.concat([xp.concat([upper[(i, j)] if j >= i else xp.matrix_transpose(upper[(j, i)])
-                                 for j in range(m)], axis=1) for i in range(m)], axis=0)
+    rho, p = int(u.shape[1]), int(u.shape[0])
+    if array_api_compat.is_numpy_namespace(xp):
+        ut = xp.matrix_transpose(u)
+        return ut @ u, (None if v is None else ut @ v)
+    backend = get_backend(xp)
+    try:
+        device = array_api_compat.device(u)
+    except Exception:  # a traced array
+        device = None
+    gpu = on_gpu(xp, device)
+    panels = max(1, min(SYMMETRIC_MAX_PANELS, rho // SYRK_PANEL_COLS["gpu" if gpu else "cpu"]))
+    a = panel_bounds(0, rho, panels)
+    if p == 0 or rho == 0:
+        ut = xp.matrix_transpose(u)
+        return ut @ u, (None if v is None else ut @ v)
+    loop = not gpu and backend.eager_loops and not backend.is_traced(u)
+    chunk = max(1, SYRK_CHUNK_BYTES // (rho * itemsize(xp, u.dtype))) if loop else p
+    rows: list[Any] = [None] * panels
+    uv: Any = None
+    for c0, c1 in bounds(p, chunk):
+        c = u[c0:c1, ...]
+        for k in range(panels):
+            part = xp.matrix_transpose(c[:, a[k]:a[k + 1]]) @ c[:, a[k]:]
+            rows[k] = part if rows[k] is None else rows[k] + part
+        if v is not None:
+            part = xp.matrix_transpose(c) @ v[c0:c1, ...]
+            uv = part if uv is None else uv + part
+    if panels == 1:
+        return rows[0], uv
+    gram = xp.concat([
+        xp.concat([xp.matrix_transpose(rows[j][:, a[k] - a[j]:a[k + 1] - a[j]])
+                   for j in range(k)] + [rows[k]], axis=1)
+        for k in range(panels)], axis=0)
+    return gram, uv
 
 
 # -- operators standing for U, with their Gram in a given dtype -------------------------------
@@ -130,7 +184,7 @@ class SMWSolver:
     """
 
     def __init__(self, U: Array | Jacobian, damping: float, *, sketch: Any = None,
-                 scale: float = 1.0, gram_dtype: str = "native") -> None:
+                 scale: float = 1.0, gram_dtype: str = "native", _rhs: Any = None) -> None:
         damping = check_scalar(damping, "damping", positive=True)
         self.scale = check_scalar(scale, "scale", positive=True)
         if gram_dtype not in ("native", "wide"):
@@ -157,6 +211,12 @@ class SMWSolver:
         self.gram_dtype = gram_dtype
         self._prepare_sketch(U, sketch)
         self.damping = damping
+        # smw_solve's one right-hand side: U^T g formed in the Gram's pass over U
+        # (gram_and_product), used by the next coefficients() call for this very array
+        self._rhs = _rhs if (_rhs is not None and isinstance(self.op, _ArrayOp)
+                             and self.sketch_op is self.op and gram_dtype == "native"
+                             and _rhs.dtype == self.dtype) else None
+        self._rhs_product: Any = None
         self._factor()
 
     # the sketched operator Xi and the map g -> Omega g
@@ -191,8 +251,12 @@ class SMWSolver:
         xp = self.xp
         if not hasattr(self, "_gram"):
             op = self.sketch_op
-            gram = xp.astype(op.gram(self.wide if self.gram_dtype == "wide" else op.dtype),
-                             self.wide)
+            if self._rhs is not None:
+                gram, ug = gram_and_product(xp, op.array, self._rhs)
+                self._rhs_product, self._rhs = (self._rhs, ug), None
+            else:
+                gram = op.gram(self.wide if self.gram_dtype == "wide" else op.dtype)
+            gram = xp.astype(gram, self.wide)
             self._gram = (gram + xp.matrix_transpose(gram)) / 2  # exact symmetry, once
             # diag(U^T U) holds squared column norms: non-finite iff the column has NaN/Inf
             if not all_finite(xp, xp.linalg.diagonal(self._gram)):
@@ -244,8 +308,12 @@ class SMWSolver:
         ``t_mul(v)``, when given, computes :math:`\Xi^\top v` (see :meth:`solve_with`).
         """
         g = self._promote(g)
+        fused, self._rhs_product = self._rhs_product, None
         sg = g if self.sketch_vec is None else self.sketch_vec(g)
-        rhs = (self.sketch_op.T @ sg) if t_mul is None else t_mul(sg)
+        if fused is not None and t_mul is None and fused[0] is g:
+            rhs = fused[1]  # U^T g from the Gram's pass
+        else:
+            rhs = (self.sketch_op.T @ sg) if t_mul is None else t_mul(sg)
         return self.backend.cho_solve(self._chol,
                                       self.xp.astype(rhs, self.wide, copy=False) * self.scale)
 
@@ -305,7 +373,9 @@ def _check_system(u: Any, g: Array, name: str, what: str, p_axis: int) -> Any:
 
 
 @capabilities(fast=CHOLESKY_SOLVE,
-              note={"numpy": "U^T U through BLAS syrk (matmul detects it)"})
+              note={"numpy": "U^T U through BLAS syrk (matmul detects it)",
+                    "torch": "U^T U in 4 row panels over cache-sized row chunks of U (CPU), "
+                             "U^T g in the same pass"})
 def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = None) -> Array:
     r"""Solve :math:`(\lambda I + U U^\top) d = g` through a rho x rho Cholesky factorisation.
 
@@ -343,7 +413,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
     """
     damping = check_scalar(damping, "damping", positive=True)
     _check_system(U, g, "U", "(P, rho)", 0)
-    return SMWSolver(U, damping, sketch=sketch).solve(g)
+    return SMWSolver(U, damping, sketch=sketch, _rhs=g).solve(g)
 
 
 @capabilities(fast=CHOLESKY_SOLVE)

@@ -533,8 +533,6 @@ def test_paired_gemm_rate_is_timed_with_the_case(monkeypatch: pytest.MonkeyPatch
     report the GEMM's rate from those rounds."""
     pytest.importorskip("torch")
     from benchmarks._harness import Config
-    from benchmarks.suites import ntk
-
     order: list[str] = []
     real = _harness.gemm_call
 
@@ -544,7 +542,8 @@ def test_paired_gemm_rate_is_timed_with_the_case(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(_harness, "gemm_call", recorded)
     cfg = Config(quick=True, repeat=3)
-    timing, gflops = ntk._paired_with_gemm(cfg, lambda: order.append("case"), 0.001)
+    timing, gflops = _harness.paired_with_gemm(cfg, lambda: order.append("case"), 0.001,
+                                               "torch")
     rounds = timing["repeats"]
     assert rounds >= 1 and order == ["gemm"] + ["case", "gemm"] * rounds  # warm-up first
     assert math.isfinite(gflops) and gflops > 0
@@ -702,3 +701,16 @@ def test_features_scale_case_small(tmp_path: Path) -> None:
         assert r["peak_mem_bytes"] >= r["params"]["rss_start_bytes"] > 0
         assert r["median_s"] == pytest.approx(r["params"]["seconds_kernel"]
                                               + r["params"]["seconds_solve"])
+
+
+def test_render_quotes_the_widest_run_for_all_suites():
+    """The "all suites took ..." estimate comes from the CPU run with the most suites and no
+    case filter, not from whichever run came last (a one-case rerun took 3 of 6 minutes)."""
+    from benchmarks import render
+
+    def doc(suites, wall, cases=()):
+        return {"config": {"device": "cpu", "suites": suites, "cases": list(cases)},
+                "wall_s": wall}
+    docs = [doc(["gram", "smw", "ntk"], 360.0), doc(["smw"], 160.0, ["large"]),
+            doc(["ntk"], 60.0)]
+    assert render._expected_minutes(docs) == "took 6 min on the machine below"

@@ -55,11 +55,54 @@ def test_smw_solve_float32_stays_float32(backend, rng):
     assert err <= solve_tol(np.float32, c, computations=2), err
 
 
-def test_blocked_symmetric_gram(backend, rng):
-    u = rng.standard_normal((50, 300))
-    np.testing.assert_allclose(backend.to_numpy(sym_gram(backend.xp if backend.name == "numpy"
-                                                          else _ns(backend), backend.asarray(u))),
-                               u.T @ u, rtol=1e-10)
+@pytest.mark.parametrize("rho", [1, 5, 8, 12, 13, 40])
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+@pytest.mark.parametrize("k", [None, 1, 3])
+def test_symmetric_gram_panels_and_chunks(backend, rng, monkeypatch, rho, chunk_rows, k):
+    """U^T U and U^T v in 1 to 4 row panels (panel width 4 here, uneven at rho = 13), the rows
+    of U whole or in chunks of 7 (the last one shorter), against float64 products."""
+    import ntkcore.solve as solve
+
+    monkeypatch.setitem(solve.SYRK_PANEL_COLS, "cpu", 4)
+    if chunk_rows is not None:
+        monkeypatch.setattr(solve, "SYRK_CHUNK_BYTES", chunk_rows * rho * 8)
+    u = rng.standard_normal((50, rho))
+    v = None if k is None else rng.standard_normal(50 if k == 1 else (50, k))
+    xp = _ns(backend)
+    gram, uv = solve.gram_and_product(xp, backend.asarray(u),
+                                      None if v is None else backend.asarray(v))
+    # float64 sums of 50 products: a few eps times the sum of |terms|
+    tol = 50 * np.finfo(np.float64).eps * (np.abs(u).T @ np.abs(u))
+    assert np.all(np.abs(backend.to_numpy(gram) - u.T @ u) <= tol)
+    assert np.array_equal(backend.to_numpy(sym_gram(xp, backend.asarray(u))),
+                          backend.to_numpy(gram))
+    if v is None:
+        assert uv is None
+    else:
+        assert np.all(np.abs(backend.to_numpy(uv) - u.T @ v)
+                      <= 50 * np.finfo(np.float64).eps * (np.abs(u).T @ np.abs(v)))
+
+
+def test_smw_solve_forms_u_t_g_in_the_gram_pass(backend, rng, monkeypatch):
+    """smw_solve takes U^T g from the Gram's pass (the solver's second product with U is
+    never made), for one and for k right-hand sides; SMWSolver.solve computes it itself."""
+    import ntkcore.solve as solve
+
+    calls = []
+    real = solve._ArrayOp.rmatmat
+    monkeypatch.setattr(solve._ArrayOp, "rmatmat", lambda self, w: (calls.append(1),
+                                                                    real(self, w))[1])
+    u = rng.standard_normal((60, 9))
+    for g in (rng.standard_normal(60), rng.standard_normal((60, 2))):
+        calls.clear()
+        d = ntkcore.smw_solve(backend.asarray(u), backend.asarray(g), 0.3)
+        np.testing.assert_allclose(backend.to_numpy(d), _dense_solve(u, g, 0.3), rtol=1e-9,
+                                   atol=1e-10)
+        assert calls == []
+        solver = SMWSolver(backend.asarray(u), 0.3)
+        np.testing.assert_allclose(backend.to_numpy(solver.solve(backend.asarray(g))),
+                                   backend.to_numpy(d), rtol=1e-12, atol=1e-13)
+        assert calls == [1]
 
 
 def _ns(backend):

@@ -67,9 +67,18 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import Config, _block, asarray, gemm_call, row, sync_fn, to_numpy
+from benchmarks._harness import (
+    PAIRED_GEMM_N,
+    Config,
+    _block,
+    asarray,
+    gemm_call,
+    row,
+    sync_fn,
+    to_numpy,
+)
 from benchmarks.peers import nt
-from benchmarks.suites.ntk import PAIRED_GEMM_N, mlp_roofline_flops
+from benchmarks.suites.ntk import mlp_roofline_flops
 
 SUITE = "peers"
 HERE = "benchmarks.peers.suite"

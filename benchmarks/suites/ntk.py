@@ -99,7 +99,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._harness import Config, row
+from benchmarks._harness import Config, paired_with_gemm, row
 
 SUITE = "ntk"
 HERE = "benchmarks.suites.ntk"
@@ -302,33 +302,7 @@ def _impls(cfg: Config, impls: tuple[str, ...]) -> tuple[tuple[str, ...], dict[s
     return tuple(run_), skipped
 
 
-#: side of the square GEMM timed in the same rounds as a roofline case (CPU)
-PAIRED_GEMM_N = 2048
-
-
-def _paired_with_gemm(cfg: Config, fn: Any, first_s: float) -> tuple[dict[str, Any], float]:
-    """``fn``'s timing and the float32/float64 GEMM rate (GFLOP/s) of torch on the CPU, the
-    two timed in turn in the same rounds (:func:`_harness.interleaved`).
-
-    A roofline share divides a row's flops by its time and by the GEMM rate.  On a shared
-    machine both drift by tens of percent between phases (on the 2-core development VM the
-    two-thread GEMM rate of separate runs ranged 153-272 GFLOP/s); timed in the same rounds
-    they drift together, so their quotient is stable where each alone is not.
-    """
-    from benchmarks._harness import gemm_call, interleaved
-
-    n = cfg.pick(256, PAIRED_GEMM_N)
-    gemm = gemm_call("torch", "cpu", cfg.dtype, n)
-    t0 = time.perf_counter()
-    gemm()
-    first_g = time.perf_counter() - t0
-    timing, _ = interleaved({"case": fn, "gemm": gemm}, {"case": first_s, "gemm": first_g},
-                            cfg)
-    return timing["case"], 2.0 * n ** 3 / timing["gemm"]["median_s"] / 1e9
-
-
 def run(cfg: Config) -> list[dict[str, Any]]:
-    import time
 
     from benchmarks.baselines.torch_func import kernel_error
 
@@ -360,7 +334,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             # torch.func baselines) is its own timing instead of being repeated
             gemm_gflops = None
             if kind in MLP_WIDTHS and cfg.device == "cpu":
-                timing, gemm_gflops = _paired_with_gemm(cfg, fn, first_s)
+                timing, gemm_gflops = paired_with_gemm(cfg, fn, first_s, "torch")
             else:
                 timing = cfg.time(fn, "torch", first_s=first_s)
             del fn

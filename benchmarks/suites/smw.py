@@ -18,17 +18,20 @@ Cases
 Every row gets a roofline share (the renderer's "roofline %"): the least GEMM work of the
 solve, the symmetric product plus the two products with U (:func:`_roofline_flops`), over the
 time and the GEMM rate measured in the same run; the dense baselines' rows share their
-case's figure.
+case's figure.  The ``large`` rows on the CPU are timed in the same rounds as a 2048 x 2048
+GEMM of their backend (:func:`benchmarks._harness.paired_with_gemm`, ``gemm_gflops`` in the
+row), whose rate their share divides by.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import Config, row
+from benchmarks._harness import Config, paired_with_gemm, row
 
 SUITE = "smw"
 LAM = 0.1
@@ -121,8 +124,11 @@ def _residual(d: Any, u: Any, g: Any) -> float:
 def run(cfg: Config) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     backends = [b for b in cfg.backends if b in ("numpy", "torch")]
-    for p in cfg.pick([300], [1000, 4000, 8000]):
-        rho = cfg.pick(16, 64)
+    rho_dense = cfg.pick(16, 64)
+    dense = cfg.select({f"vs dense P={p} rho={rho_dense}": p
+                        for p in cfg.pick([300], [1000, 4000, 8000])})
+    for p in dense.values():
+        rho = rho_dense
         for backend in backends:
             ref = None
             for impl in ("ntkcore", DENSE_BASELINE[backend]):
@@ -142,20 +148,27 @@ def run(cfg: Config) -> list[dict[str, Any]]:
                 del fn, u, g
     sizes = cfg.pick([(20_000, 32)], [(1_000_000, 64), (1_000_000, 256), (1_000_000, 512),
                                       (4_000_000, 64), (4_000_000, 256)])
-    for p, rho in sizes:
+    for p, rho in cfg.select({f"large P={p} rho={rho}": (p, rho) for p, rho in sizes}).values():
         for backend in backends:
             fn, u, g = case("ntkcore", backend, cfg.device, cfg.dtype, p, rho)
+            t0 = time.perf_counter()
             d = fn()
+            first_s = time.perf_counter() - t0
+            gemm_gflops = None
+            if cfg.device == "cpu":
+                timing, gemm_gflops = paired_with_gemm(cfg, fn, first_s, backend)
+            else:
+                timing = cfg.time(fn, backend, first_s=first_s)
             big = (p, rho) == (4_000_000, 256) and cfg.dtype == "float32"
             # one target per row: the time of the issue-16 note, or the roofline share of
             # issue 18 (the time target assumed the developers' machine's GEMM rate)
             target = "roofline_share >= 0.7" if big else None
             rows.append(row(
                 SUITE, f"large P={p} rho={rho}", "ntkcore", backend=backend, device=cfg.device,
-                dtype=cfg.dtype, timing=cfg.time(fn, backend),
+                dtype=cfg.dtype, timing=timing,
                 params={"N": p, "P": p, "rho": rho, "damping": LAM},
                 flops=_flops("ntkcore", p, rho), roofline_flops=_roofline_flops(p, rho),
-                error=_residual(d, u, g), target=target,
+                error=_residual(d, u, g), target=target, gemm_gflops=gemm_gflops,
                 note="dense P x P infeasible; error = relative residual",
             ))
             del fn, u, g, d
