@@ -281,8 +281,10 @@ def _free_port():
 def test_distributed_directions_are_averaged(tmp_path):
     import torch.multiprocessing as mp
 
-    # fork where available: the children need no fresh interpreter (torch imports dominate)
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    # spawn, not fork: the test process runs JAX's and torch's threads (tests/conftest.py
+    # imports jax), and a forked child of a multithreaded process can deadlock on a lock held
+    # by a thread that does not exist in it (Python warns); fresh interpreters cost ~5 s
+    method = "spawn"
     mp.start_processes(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
                        join=True, start_method=method)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
