@@ -16,6 +16,17 @@ from ._typing import Array
 from .backend import Backend, get_backend
 
 
+def promote(xp: Any, *arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` (None passes through) cast to the floating dtype they promote to under the
+    array API's rules (float32 with float64: float64), so that products between them run in
+    one dtype, as NumPy's ``matmul`` does; torch's ``matmul`` refuses mixed dtypes."""
+    present = [a for a in arrays if a is not None]
+    if len(present) < 2:
+        return arrays
+    common = xp.result_type(*present)
+    return tuple(a if a is None or a.dtype == common else xp.astype(a, common) for a in arrays)
+
+
 def namespace_of(**arrays: Array | None) -> tuple[Any, Backend]:
     """``(xp, backend)`` shared by the named arrays; ``None`` values are skipped.
 

@@ -76,7 +76,14 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from ._typing import Array
-from ._validation import all_finite, check_array, check_scalar, check_symmetric, namespace_of
+from ._validation import (
+    all_finite,
+    check_array,
+    check_scalar,
+    check_symmetric,
+    namespace_of,
+    promote,
+)
 from .backend import Backend, get_backend, seed_from
 from .linop import ArrayOperator, IdentityOperator, LinearOperator
 from .support import GENERATOR, capabilities
@@ -544,7 +551,8 @@ def cg_solve(
         raise ValueError(f"y has {y.shape[0]} rows but k is {n} x {n}")
     if dense:
         check_array(xp, backend.stop_gradient(op.array), name, (2,), "(N, N)")
-        op = ArrayOperator(check_symmetric(xp, op.array, name, backend))
+        k_sym, y = promote(xp, check_symmetric(xp, op.array, name, backend), y)
+        op = ArrayOperator(k_sym)
     reg = check_scalar(reg, "reg", nonnegative=True)
     base, shift = op.split_identity()
     if base is not None and shift > 0:
@@ -725,5 +733,8 @@ def cg_kernel_regression(
                     "k_test_train", (2,), "(M, N)")
     alpha, _ = cg_solve(k_train, y_train, reg=reg, name="k_train", **cg_options)
     if _is_array(k_test_train):  # dask arrays too: a lazy product
+        if k_test_train.dtype != alpha.dtype:  # one library here (a dask K_* meets NumPy)
+            k_test_train, alpha = promote(array_api_compat.array_namespace(alpha),
+                                          k_test_train, alpha)
         return k_test_train @ alpha
     return _DuckOperator(k_test_train) @ alpha

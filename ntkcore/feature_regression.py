@@ -55,7 +55,7 @@ from array_api_compat import device
 
 from ._estimator import Regressor, _floating
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of
+from ._validation import check_array, check_scalar, namespace_of, promote
 from .backend import Backend
 from .errors import NotPositiveDefiniteError
 from .regression import (
@@ -108,6 +108,7 @@ def _inputs(phi_train: Array, y_train: Array, phi_test: Array
     phi = _rows(xp, phi_train, "phi_train")
     y = _targets(xp, y_train, phi_train)
     phi_s = _rows(xp, phi_test, "phi_test", tuple(phi_train.shape[1:]))
+    phi, y, phi_s = promote(xp, phi, y, phi_s)
     return xp, backend, phi, y, phi_s, (phi_test.shape[0], *y_train.shape[1:])
 
 
@@ -159,7 +160,7 @@ def _stream_moments(model: Any, x: Array | None, y: Array, kw: dict[str, Any]
     g = c = None
     for _, start, stop, phi in feature_batches(model, x, reserve=reserve, **kw):
         xp, backend = namespace_of(features=phi, y_train=y)
-        rows, yb = _rows(xp, phi, "features"), _targets(xp, y[start:stop, ...], phi)
+        rows, yb = promote(xp, _rows(xp, phi, "features"), _targets(xp, y[start:stop, ...], phi))
         gb, cb = rows.T @ rows, rows.T @ yb
         g, c = (gb, cb) if g is None else (g + gb, c + cb)
         tail = tuple(phi.shape[1:])
@@ -443,8 +444,9 @@ class FeatureRidge(Regressor):
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
         _jitter_cap(self.jitter)
         xp, backend = namespace_of(phi_train=phi, y_train=y)
-        beta, eps = _ridge_weights(xp, backend, _rows(xp, phi, "phi_train"),
-                                   _targets(xp, y, phi), alpha, self.jitter)
+        beta, eps = _ridge_weights(xp, backend, *promote(xp, _rows(xp, phi, "phi_train"),
+                                                         _targets(xp, y, phi)),
+                                   alpha, self.jitter)
         self.coef_ = xp.matrix_transpose(beta) if y.ndim == phi.ndim else beta[:, 0]
         self.jitter_ = eps
         self.n_features_in_ = int(phi.shape[-1])
@@ -526,6 +528,6 @@ class FeatureRidge(Regressor):
             raise ValueError(f"phi_test must have D={d} columns (X has {phi.shape[1]} features, "
                              f"but {type(self).__name__} is expecting {d} features as input); "
                              f"got shape {tuple(phi.shape)}")
-        rows = _rows(xp, phi, "phi_test", tail)
-        beta = xp.reshape(self.coef_, (-1, d))  # (K, D)
+        rows, coef = promote(xp, _rows(xp, phi, "phi_test", tail), self.coef_)
+        beta = xp.reshape(coef, (-1, d))  # (K, D)
         return xp.reshape(rows @ xp.matrix_transpose(beta), (phi.shape[0], *y_tail))

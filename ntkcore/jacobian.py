@@ -524,20 +524,30 @@ class Jacobian:
         models)."""
         return self._xp.concat([b.to_dense() for b in self.blocks], axis=2)
 
+    def _promoted(self, v: Array) -> Jacobian:
+        """J in the dtype J and ``v`` promote to (itself when that is J's): the products
+        run there, as NumPy's ``matmul`` would (torch's refuses mixed dtypes)."""
+        common = self._xp.result_type(self.dtype, v.dtype)
+        return self if common == self.dtype else Jacobian([b.astype(common)
+                                                            for b in self.blocks])
+
     def jvp(self, v: Array) -> Array:
-        """:math:`J v` for a flat parameter vector ``v`` (P,) -> (N, O)."""
+        """:math:`J v` for a flat parameter vector ``v`` (P,) -> (N, O), in the dtype J and
+        ``v`` promote to."""
         pieces = self.split_params(v)
-        out = self.blocks[0].jvp(pieces[0])
-        for b, piece in zip(self.blocks[1:], pieces[1:], strict=True):
+        blocks = self._promoted(v).blocks
+        out = blocks[0].jvp(pieces[0])
+        for b, piece in zip(blocks[1:], pieces[1:], strict=True):
             out = out + b.jvp(piece)
         return out
 
     def vjp(self, c: Array) -> Array:
-        """:math:`J^\\top c` for ``c`` (N, O) -> flat (P,)."""
+        """:math:`J^\\top c` for ``c`` (N, O) -> flat (P,), in the dtype J and ``c``
+        promote to."""
         n, o = self.num_samples, self.num_outputs
         if tuple(c.shape) != (n, o):
             raise ValueError(f"c must have shape ({n}, {o}); got {tuple(c.shape)}")
-        return self._xp.concat([b.vjp(c) for b in self.blocks], axis=0)
+        return self._xp.concat([b.vjp(c) for b in self._promoted(c).blocks], axis=0)
 
     def as_operator(self) -> JacobianOperator:
         """J as an (N O, P) :class:`~ntkcore.linop.LinearOperator` (products :meth:`jvp`,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ._estimator import NotFittedError, Regressor, _floating
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of
+from ._validation import check_array, check_scalar, namespace_of, promote
 from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
@@ -88,7 +88,7 @@ class KernelRidge(Regressor):
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
         _jitter_cap(self.jitter)
         xp, backend = namespace_of(k_train=k_train, y_train=y_train)
-        k_train = _check_regression_inputs(xp, k_train, y_train, None, backend)
+        k_train, y_train, _ = _check_regression_inputs(xp, k_train, y_train, None, backend)
         l, dual, eps = _ridge_solve(xp, backend, k_train, y_train, alpha, self.jitter)
         self.chol_ = l
         self.dual_coef_ = dual
@@ -119,4 +119,5 @@ class KernelRidge(Regressor):
                 f"but KernelRidge is expecting {n} features as input); got shape "
                 f"{tuple(k_test_train.shape)}"
             )
-        return k_test_train @ self.dual_coef_
+        k_test_train, dual = promote(xp, k_test_train, self.dual_coef_)
+        return k_test_train @ dual

@@ -22,7 +22,9 @@ Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing b
 :class:`~ntkcore.NotPositiveDefiniteError`.
 
 Input checks (every entry point): shapes, real floating dtypes and finiteness of every array
-(ValueError / TypeError naming the argument), and symmetry of ``k_train`` within
+(ValueError / TypeError naming the argument); arrays of different float dtypes are computed
+and returned in the dtype they promote to (float32 with float64: float64); and symmetry of
+``k_train`` within
 :math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|`
 (:data:`ntkcore._validation.SYMMETRY_RTOL_EPS`; within it every path, Cholesky, refinement and
 CG, works on :math:`(K + K^\top)/2`).  Not positive definite beyond the jitter cap:
@@ -45,7 +47,7 @@ from typing import Any
 from array_api_compat import device
 
 from ._typing import Array
-from ._validation import check_array, check_scalar, check_symmetric, namespace_of
+from ._validation import check_array, check_scalar, check_symmetric, namespace_of, promote
 from .backend import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
 from .support import DIFFERENTIABLE, GENERATOR, TRIANGULAR_SOLVE, capabilities
@@ -155,9 +157,10 @@ def _ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
 def _check_regression_inputs(
     xp: Any, k_train: Array, y_train: Array | None, k_test_train: Array | None,
     backend: Any = None,
-) -> Array:
-    """Check the arrays (rank, dtype, finiteness, shapes; names in messages) and return
-    ``k_train`` symmetrised within ``SYMMETRY_RTOL_EPS`` eps (ValueError beyond)."""
+) -> tuple[Array, Any, Any]:
+    """Check the arrays (rank, dtype, finiteness, shapes; names in messages) and return them
+    in the dtype they promote to (:func:`~ntkcore._validation.promote`), ``k_train``
+    symmetrised within ``SYMMETRY_RTOL_EPS`` eps (ValueError beyond)."""
     check_array(xp, k_train, "k_train", (2,), "(N, N)")
     n = k_train.shape[0]
     if k_train.shape[1] != n:
@@ -173,7 +176,8 @@ def _check_regression_inputs(
                 f"k_test_train must have N={n} columns (one per training point); got shape "
                 f"{tuple(k_test_train.shape)}"
             )
-    return check_symmetric(xp, k_train, "k_train", backend)
+    return promote(xp, check_symmetric(xp, k_train, "k_train", backend), y_train,  # type: ignore[return-value]
+                   k_test_train)
 
 
 @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
@@ -249,7 +253,8 @@ def kernel_regression(
     reg = check_scalar(reg, "reg", nonnegative=True)
     _jitter_cap(jitter)
     xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
-    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
+    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
+                                                              k_test_train, backend)
     return k_test_train @ _ridge_solve(xp, backend, k_train, y_train, reg, jitter)[1]
 
 
@@ -341,7 +346,8 @@ def gd_mse_predict(
         adds jitter for them.
     """
     xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
-    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
+    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
+                                                              k_test_train, backend)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
     t_arr, ts = _check_times(xp, backend, t, k_train)
@@ -467,7 +473,8 @@ def gp_inference(
     xp, backend = namespace_of(
         k_train=k_train, y_train=y_train, k_test_train=k_test_train, k_test_test=k_test_test
     )
-    k_train = _check_regression_inputs(xp, k_train, y_train, k_test_train, backend)
+    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
+                                                              k_test_train, backend)
     reg = check_scalar(reg, "reg", nonnegative=True)
     m = k_test_train.shape[0]
     if k_test_test is not None:
@@ -476,6 +483,8 @@ def gp_inference(
             raise ValueError(
                 f"k_test_test must have shape ({m}, {m}); got {tuple(k_test_test.shape)}"
             )
+        k_train, y_train, k_test_train, k_test_test = promote(xp, k_train, y_train,
+                                                              k_test_train, k_test_test)
     l, eps = cholesky_with_jitter(xp, backend, k_train, reg=reg, jitter=jitter)
     alpha = backend.cho_solve(l, y_train)
     mean = k_test_train @ alpha

@@ -101,6 +101,24 @@ def test_dense_jvp_vjp_match_reference(backend, spec, seed):
                                rtol=1e-10, atol=1e-10)
 
 
+def test_jvp_vjp_promote_mixed_dtypes(backend, rng):
+    """A float32 Jacobian times a float64 vector runs in float64, as NumPy's matmul would
+    (torch's refuses mixed dtypes): exact products of the float32-rounded factors."""
+    f = np_factors((4, 3, [("kron", 1, 3, 2), ("kron", 3, 2, 4), ("dense", 5)]), rng)
+    f32 = backend.asarray(np.zeros(1), "float32").dtype
+    j = ntkcore.Jacobian([b.astype(f32) for b in build(backend, f).blocks])
+    assert j.dtype == f32
+    # the float64 dense Jacobian of the float32-rounded factors
+    dense = np_dense([tuple(x.astype(np.float32).astype(np.float64)
+                            if isinstance(x, np.ndarray) else x for x in fac) for fac in f])
+    v, c = rng.standard_normal(dense.shape[2]), rng.standard_normal((4, 3))
+    jv, jtc = j.jvp(backend.asarray(v)), j.vjp(backend.asarray(c))
+    assert jv.dtype == jtc.dtype == backend.asarray(v).dtype  # float64
+    np.testing.assert_allclose(backend.to_numpy(jv), dense @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(jtc), np.einsum("nop,no->p", dense, c),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_fixed_shapes_all_backends(backend, rng):
     """One mixed Jacobian on every backend (jax included)."""
     f = np_factors((4, 3, [("kron", 1, 3, 2), ("kron", 3, 2, 4), ("dense", 5)]), rng)

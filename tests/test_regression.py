@@ -359,3 +359,55 @@ def test_jit_gives_nan_where_eager_raises():
     ks = jnp.asarray([[1.0, 1.0], [1.0, 1.0]])
     out = np.asarray(jax.jit(ntkcore.gd_mse_predict)(ks, y, ks, jnp.asarray([1.0, -1.0, jnp.inf])))
     assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1:]))
+
+
+@pytest.mark.parametrize("wide", ["k", "y"])
+@pytest.mark.parametrize("fn", ["kernel_regression", "kernel_regression_cg", "gd_mse_predict",
+                                "gp_inference", "KernelRidge", "cg_solve",
+                                "feature_regression", "FeatureRidge"])
+def test_mixed_float_dtypes_promote(backend, rng, fn, wide):
+    """float32 and float64 inputs together are computed in float64 (the array API's
+    promotion, as NumPy's matmul does; torch's matmul refuses mixed dtypes), on every entry
+    point, and equal the all-float64 call on the float32-rounded inputs."""
+    if backend.name == "jax":
+        pytest.skip("eager backends: jax's promotion follows the same rule under its own x64")
+    n, m, d = 12, 4, 5
+    phi = rng.standard_normal((n, d))
+    k = phi @ phi.T + np.eye(n)
+    ks = rng.standard_normal((m, d)) @ phi.T
+    y = rng.standard_normal(n)
+    narrow = {"k": "float64", "y": "float32"} if wide == "k" else {"k": "float32",
+                                                                     "y": "float64"}
+
+    def arr(x, which):
+        return backend.asarray(x, narrow[which])
+
+    def rounded(x, which):  # the float64 value of what the call received
+        return backend.asarray(backend.to_numpy(arr(x, which)).astype(np.float64), "float64")
+
+    def call(a):  # a(x, which) makes the inputs
+        if fn == "kernel_regression":
+            return ntkcore.kernel_regression(a(k, "k"), a(y, "y"), a(ks, "k"), reg=0.1)
+        if fn == "kernel_regression_cg":
+            return ntkcore.kernel_regression(a(k, "k"), a(y, "y"), a(ks, "k"), reg=0.1,
+                                             solver="cg", tol=1e-12, preconditioner=None)
+        if fn == "gd_mse_predict":
+            return ntkcore.gd_mse_predict(a(k, "k"), a(y, "y"), a(ks, "k"), 2.0, reg=0.1)
+        if fn == "gp_inference":
+            return ntkcore.gp_inference(a(k, "k"), a(y, "y"), a(ks, "k"), reg=0.1).mean
+        if fn == "KernelRidge":
+            return ntkcore.KernelRidge(alpha=0.1).fit(a(k, "k"), a(y, "y")).predict(a(ks, "k"))
+        if fn == "cg_solve":
+            return ntkcore.cg_solve(a(k, "k"), a(y, "y"), reg=0.1, tol=1e-12,
+                                    preconditioner=None)[0]
+        if fn == "feature_regression":
+            return ntkcore.feature_regression(a(phi, "k"), a(y, "y"), a(ks[:, :d], "k"),
+                                              reg=0.1)
+        return ntkcore.FeatureRidge(alpha=0.1).fit(a(phi, "k"), a(y, "y")).predict(
+            a(ks[:, :d], "k"))
+
+    got, ref = call(arr), call(rounded)
+    assert got.dtype == ref.dtype == backend.asarray(y, "float64").dtype
+    tol = 1e-8 if fn.endswith("cg") or fn == "cg_solve" else 1e-10
+    np.testing.assert_allclose(backend.to_numpy(got), backend.to_numpy(ref), rtol=tol,
+                               atol=tol)

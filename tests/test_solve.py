@@ -288,3 +288,30 @@ def test_smw_solve_is_differentiable_through_panels_and_chunks(monkeypatch):
     u = torch.randn(30, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     g = torch.randn(30, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda u, g: ntkcore.smw_solve(u, g, 0.3), (u, g))
+
+
+@pytest.mark.parametrize("u_dtype,g_dtype", [("float32", "float64"), ("float64", "float32")])
+@pytest.mark.parametrize("kind", ["array", "jacobian"])
+@pytest.mark.parametrize("sketch", [None, ("gaussian", 30, 3)])
+def test_smw_solve_promotes_mixed_dtypes(backend, rng, u_dtype, g_dtype, kind, sketch):
+    """U and g of different float dtypes: the products run in the promoted dtype (torch's
+    matmul refuses mixed dtypes, so U is cast for them) and d has g's dtype; against the
+    float64 dense solve of the rounded inputs, to float32 accuracy (cond <= ~4 here)."""
+    n, o = 6, 2
+    jac = _jacobian(backend, rng, n=n, o=o)
+    if kind == "array":
+        u64 = rng.standard_normal((40, 7)) / 4
+        U = backend.asarray(u64, u_dtype)
+        u64 = backend.to_numpy(U).astype(np.float64)
+    else:
+        U = Jacobian([b.astype(getattr(_ns(backend), u_dtype)) for b in jac.blocks])
+        u64 = backend.to_numpy(U.to_dense()).reshape(n * o, -1).T.astype(np.float64)
+    g = backend.asarray(rng.standard_normal(u64.shape[0]), g_dtype)
+    d = ntkcore.smw_solve(U, g, 2.0, sketch=sketch)
+    assert d.dtype == g.dtype
+    if sketch is not None:
+        return  # the sketched direction is not the solve; the dtypes are the point here
+    ref = _dense_solve(u64, backend.to_numpy(g).astype(np.float64), 2.0)
+    err = np.linalg.norm(backend.to_numpy(d).astype(np.float64) - ref) / np.linalg.norm(ref)
+    c = np.linalg.cond(2.0 * np.eye(u64.shape[0]) + u64 @ u64.T)
+    assert err <= solve_tol(np.float32, c, computations=2), err
