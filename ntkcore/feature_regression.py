@@ -444,9 +444,8 @@ class FeatureRidge(Regressor):
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
         _jitter_cap(self.jitter)
         xp, backend = namespace_of(phi_train=phi, y_train=y)
-        beta, eps = _ridge_weights(xp, backend, *promote(xp, _rows(xp, phi, "phi_train"),
-                                                         _targets(xp, y, phi)),
-                                   alpha, self.jitter)
+        rows, targets = promote(xp, _rows(xp, phi, "phi_train"), _targets(xp, y, phi))
+        beta, eps = _ridge_weights(xp, backend, rows, targets, alpha, self.jitter)
         self.coef_ = xp.matrix_transpose(beta) if y.ndim == phi.ndim else beta[:, 0]
         self.jitter_ = eps
         self.n_features_in_ = int(phi.shape[-1])
