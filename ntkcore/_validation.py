@@ -23,7 +23,7 @@ def promote(xp: Any, *arrays: Any) -> tuple[Any, ...]:
     present = [a for a in arrays if a is not None]
     if len(present) < 2:
         return arrays
-    common = xp.result_type(*present)
+    common = xp.result_type(*(a.dtype for a in present))  # dtypes: never converts an array
     return tuple(a if a is None or a.dtype == common else xp.astype(a, common) for a in arrays)
 
 
