@@ -93,7 +93,7 @@ def gram_and_product(xp: Any, u: Array, v: Array | None) -> tuple[Array, Array |
     blocks are products of GEMMs, symmetric up to rounding (callers symmetrise).
     """
     rho, p = int(u.shape[1]), int(u.shape[0])
-    if array_api_compat.is_numpy_namespace(xp):
+    if array_api_compat.is_numpy_namespace(xp) or p == 0 or rho == 0:
         ut = xp.matrix_transpose(u)
         return ut @ u, (None if v is None else ut @ v)
     backend = get_backend(xp)
@@ -104,9 +104,6 @@ def gram_and_product(xp: Any, u: Array, v: Array | None) -> tuple[Array, Array |
     gpu = on_gpu(xp, device)
     panels = max(1, min(SYMMETRIC_MAX_PANELS, rho // SYRK_PANEL_COLS["gpu" if gpu else "cpu"]))
     a = panel_bounds(0, rho, panels)
-    if p == 0 or rho == 0:
-        ut = xp.matrix_transpose(u)
-        return ut @ u, (None if v is None else ut @ v)
     loop = not gpu and backend.eager_loops and not backend.is_traced(u)
     chunk = max(1, SYRK_CHUNK_BYTES // (rho * itemsize(xp, u.dtype))) if loop else p
     rows: list[Any] = [None] * panels
