@@ -22,6 +22,7 @@ from typing import Any
 import array_api_compat
 
 from ._typing import Array
+from ._validation import promote
 
 __all__ = ["AdjointOperator", "ArrayOperator", "IdentityOperator", "LinearOperator"]
 
@@ -127,7 +128,13 @@ class LinearOperator:
 
 
 class ArrayOperator(LinearOperator):
-    """An in-memory (M, N) array ``a`` of any array-API namespace (kept as ``array``)."""
+    """An in-memory (M, N) array ``a`` of any array-API namespace (kept as ``array``).
+
+    Products with an operand of another float dtype run in the dtype the two promote to
+    (:func:`~ntkcore._validation.promote`, as NumPy's ``matmul`` does; torch's refuses mixed
+    dtypes); ``a`` is then cast for each product, so callers that multiply often promote
+    once up front (:func:`~ntkcore.cg_solve` does).
+    """
 
     def __init__(self, a: Array) -> None:
         self.array = a
@@ -137,10 +144,12 @@ class ArrayOperator(LinearOperator):
         self.device = array_api_compat.device(a)
 
     def matmat(self, v: Array) -> Array:
-        return self.array @ v
+        a, v = promote(self.xp, self.array, v)
+        return a @ v
 
     def rmatmat(self, w: Array) -> Array:
-        return self.xp.matrix_transpose(self.array) @ w
+        a, w = promote(self.xp, self.array, w)
+        return self.xp.matrix_transpose(a) @ w
 
     def columns(self, idx: list[int], like: Array) -> Array:
         ind = self.xp.asarray(idx, dtype=self.xp.int64, device=self.device)

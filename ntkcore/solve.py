@@ -127,21 +127,11 @@ def gram_and_product(xp: Any, u: Array, v: Array | None) -> tuple[Array, Array |
 
 # -- operators standing for U, with their Gram in a given dtype -------------------------------
 class _ArrayOp(ArrayOperator):
-    """U as a (P, rho) array; its products with a wider operand run in the promoted dtype
-    (U cast for them, as NumPy's ``matmul`` does: torch's refuses mixed dtypes)."""
+    """U as a (P, rho) array (products with a wider operand in the promoted dtype, as every
+    :class:`~ntkcore.linop.ArrayOperator`)."""
 
     def gram(self, dtype: Any) -> Array:
         return sym_gram(self.xp, self.xp.astype(self.array, dtype, copy=False))
-
-    def _like(self, v: Array) -> Array:
-        common = self.xp.result_type(self.array.dtype, v.dtype)
-        return self.array if self.array.dtype == common else self.xp.astype(self.array, common)
-
-    def matmat(self, v: Array) -> Array:
-        return self._like(v) @ v
-
-    def rmatmat(self, w: Array) -> Array:
-        return self.xp.matrix_transpose(self._like(w)) @ w
 
 
 class _JacobianOp(AdjointOperator):

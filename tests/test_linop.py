@@ -202,3 +202,18 @@ def test_seng_layer_factor_is_an_operator(rng, positions):
                                    atol=tol * (np.abs(u) @ np.abs(c)).max())
         np.testing.assert_allclose((op.T @ torch.as_tensor(v)).numpy(), u.T @ v, rtol=0,
                                    atol=tol * (np.abs(u.T) @ np.abs(v)).max())
+
+
+def test_array_operator_promotes_a_wider_operand(backend, rng):
+    """A float32 ArrayOperator times float64 vectors (both products) runs in float64: equal,
+    to float64 rounding, to the float64 product of the float32-rounded matrix."""
+    a = backend.asarray(rng.standard_normal((7, 5)), "float32")
+    a64 = backend.to_numpy(a).astype(np.float64)
+    op = ArrayOperator(a)
+    v, w = rng.standard_normal((5, 2)), rng.standard_normal((7, 2))
+    av, atw = op.matmat(backend.asarray(v)), op.rmatmat(backend.asarray(w))
+    assert av.dtype == atw.dtype == backend.asarray(v).dtype
+    tol = gamma(np.float64, 7)
+    assert np.abs(backend.to_numpy(av) - a64 @ v).max() <= tol * (np.abs(a64) @ np.abs(v)).max()
+    assert (np.abs(backend.to_numpy(atw) - a64.T @ w).max()
+            <= tol * (np.abs(a64.T) @ np.abs(w)).max())
