@@ -21,8 +21,8 @@ def promote(xp: Any, *arrays: Any) -> tuple[Any, ...]:
     array API's rules (float32 with float64: float64), so that products between them run in
     one dtype, as NumPy's ``matmul`` does; torch's ``matmul`` refuses mixed dtypes."""
     present = [a for a in arrays if a is not None]
-    if len(present) < 2:
-        return arrays
+    if len(present) < 2 or all(a.dtype == present[0].dtype for a in present):
+        return arrays  # the common case, kept cheap: ArrayOperator calls this per product
     common = xp.result_type(*(a.dtype for a in present))  # dtypes: never converts an array
     return tuple(a if a is None or a.dtype == common else xp.astype(a, common) for a in arrays)
 
