@@ -127,7 +127,10 @@ class _Layout:
 
     def support_arrays(self, j: Jacobian) -> list[torch.Tensor]:
         return [arr for b, kind in zip(j.blocks, self.kinds, strict=True)
-                for arr in ((b.to_dense(),) if kind == "mat" else b.arrays())]
+                # a DenseBlock with stored columns goes in whole: from_arrays rebuilds
+                # plain DenseBlocks
+                for arr in ((b.to_dense(),) if kind == "mat" or isinstance(b, DenseBlock)
+                            else b.arrays())]
 
     def from_arrays(self, arrays: Sequence[torch.Tensor]) -> Jacobian:
         it = iter(arrays)

@@ -188,7 +188,7 @@ class _Thin(LinearOperator):
             self.g = block.g.reshape(self.n * s, block.d_out)
             self.gt = self.g.t().contiguous()  # (d_out, N S) for the row-major product U c
         else:
-            self.jac = block.jac.reshape(self.n, block.num_params)
+            self.jac = block.to_dense().reshape(self.n, block.num_params)
 
     def rmatvec(self, v: torch.Tensor) -> torch.Tensor:  # (P_b,) -> (N,)
         if not self.kron:
@@ -814,7 +814,7 @@ class SENG(torch.optim.Optimizer):
         curvature = {name: {k: v.detach().clone() for k, v in zip(
             ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",),
             (block.explicit_a(), block.g) if isinstance(block, KroneckerBlock)
-            else block.arrays(), strict=True)} for name, block in self._curvature.items()}
+            else (block.to_dense(),), strict=True)} for name, block in self._curvature.items()}
         sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
                       "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
         return sd

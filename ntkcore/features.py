@@ -358,9 +358,13 @@ class _FeatureMap:
                 scale = math.sqrt(p.q_a * p.q_g / p.dim)  # the 1/sqrt(q) of the grid
                 out.append(w * scale if scale != 1.0 else w)
             elif p.method == "gaussian":
-                out.append(block.jac @ self._omega_t(sk, block.jac.dtype))
+                omega_t = self._omega_t(sk, block.jac.dtype)  # (P_b, q)
+                columns = getattr(block, "columns", None)
+                if columns is not None:  # the rows of the stored columns
+                    omega_t = xp.take(omega_t, columns, axis=0)
+                out.append(block.jac @ omega_t)
             else:
-                out.append(sk.apply(block.jac, axis=2))
+                out.append(sk.apply(block.to_dense(), axis=2))
         return out[0] if len(out) == 1 else xp.concat(out, axis=2)
 
 
@@ -379,7 +383,15 @@ def _merge(J: Jacobian, mode: str) -> Jacobian:
     for b in J.blocks:
         if isinstance(b, DenseBlock):
             n, o, p = b.jac.shape
-            blocks.append(DenseBlock(xp.reshape(b.jac, (n, 1, o * p)), b.name))
+            merged = xp.reshape(b.jac, (n, 1, o * p))
+            if b.columns is None:
+                blocks.append(DenseBlock(merged, b.name))
+                continue
+            # output o's column c is o P_b + c of the merged block (increasing, o-major)
+            offsets = xp.arange(o, dtype=b.columns.dtype,
+                                device=array_api_compat.device(b.columns))
+            cols = xp.reshape(offsets[:, None] * b.num_params + b.columns[None, :], (-1,))
+            blocks.append(DenseBlock(merged, b.name, cols, o * b.num_params))
         else:
             n, s, o, d = b.g.shape
             blocks.append(b.with_arrays(b.a, xp.reshape(b.g, (n, s, 1, o * d))))

@@ -135,6 +135,7 @@ from ._validation import all_finite, first_nonfinite, namespace_of
 from .backend import on_gpu
 from .errors import BudgetTooSmallError
 from .jacobian import (
+    DenseBlock,
     Jacobian,
     KroneckerBlock,
     as_jacobian,
@@ -230,7 +231,7 @@ def _cost(strategy: str, pair: _Pair, mode: str, o: int, r: int, c: int,
     q = _q(mode, o)
     qk = o * o if mode == "full" else o  # output pairs per sample pair the GEMMs produce
     if strategy == "dense":
-        p = pair.b1.num_params
+        p = pair.b1.num_stored  # the columns a DenseBlock stores (its zeros are not read)
         inputs = (r + c) * o * p
         mem = inputs * (2 if mode == "diagonal" else 1)
         return mem, 2 * r * c * qk * p
@@ -294,11 +295,17 @@ class _BlockShape(NamedTuple):
     d_out: int = 0
     a_width: int = 0  # KroneckerBlock.a_width
 
+    @property
+    def num_stored(self) -> int:
+        """A dense block's stored columns (:attr:`DenseBlock.num_stored`): ``num_params``
+        holds them here."""
+        return self.num_params
+
 
 def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
     """The block shapes of a Jacobian as the cost model sees them (no arrays are kept)."""
     return tuple(_BlockShape(True, b.num_params, b.num_positions, b.d_in, b.d_out, b.a_width)
-                 if isinstance(b, KroneckerBlock) else _BlockShape(False, b.num_params)
+                 if isinstance(b, KroneckerBlock) else _BlockShape(False, b.num_stored)
                  for b in as_jacobian(j, "J").blocks)
 
 
@@ -576,7 +583,7 @@ def _pair_key(pair: _Pair) -> tuple[Any, ...]:
     """What the cost model reads of a block pair."""
     b1, b2 = pair.b1, pair.b2
     if not pair.kronecker:
-        return ("dense", b1.num_params)
+        return ("dense", b1.num_stored)
     density = None if pair.density is None else float(f"{pair.density:.2g}")
     return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width, density)
 
@@ -893,6 +900,9 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
         elif b1.num_params != b2.num_params:
             raise ValueError(f"{label} has P_b={b1.num_params} parameters in J1 but "
                              f"P_b={b2.num_params} in J2")
+        if isinstance(b1, DenseBlock) and isinstance(b2, DenseBlock) and \
+                not b1.same_columns(b2):  # stored columns differ: the tiles need them aligned
+            b1, b2 = b1.expanded(), b2.expanded()
         pairs.append(_Pair(str(b1.name), b1, b2, isinstance(b1, KroneckerBlock)))
     return pairs
 

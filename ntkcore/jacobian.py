@@ -60,18 +60,38 @@ class DenseBlock:
 
     Parameters
     ----------
-    jac : array, shape (N, O, P_b)
-        :math:`\\partial f_o(x_n) / \\partial \\theta_b`.
+    jac : array, shape (N, O, P_b), or (N, O, P_s) with ``columns``
+        :math:`\\partial f_o(x_n) / \\partial \\theta_b`, or only the columns that ``columns``
+        names.
     name : str, optional
         Label for layerwise reports (e.g. a module path).
+    columns : integer array, shape (P_s,), optional
+        The parameter indices (strictly increasing, in ``[0, size)``) of ``jac``'s columns;
+        every other column of the block's Jacobian is exactly zero and not stored.  A
+        provider gives them where the zeros follow from the layer alone: a convolution's
+        kernel taps that read only zero padding at every output position (a 5 x 5
+        depthwise convolution on a 1 x 1 map has 1 live tap of 25).  The Gram of the
+        stored columns is the block's Gram; :meth:`to_dense`, :meth:`jvp` and :meth:`vjp`
+        work in all ``size`` parameters.
+    size : int, optional
+        :math:`P_b`, the block's number of parameters: required with ``columns``.
     """
 
     jac: Array
     name: str | None = None
+    columns: Array | None = None
+    size: int | None = None
 
     def __post_init__(self) -> None:
         label = f"DenseBlock {self.name}" if self.name else "DenseBlock"
-        _check_block_array(self.jac, f"{label} jac", 3, "(N, O, P_b)")
+        xp = _check_block_array(self.jac, f"{label} jac", 3, "(N, O, P_b)")
+        if self.columns is None:
+            if self.size is not None and self.size != self.jac.shape[2]:
+                raise ValueError(f"{label}: size={self.size} but jac has "
+                                 f"{self.jac.shape[2]} columns (give columns for a block "
+                                 f"that stores only some)")
+            return
+        _check_columns(xp, self.columns, self.size, int(self.jac.shape[2]), label)
 
     @property
     def num_samples(self) -> int:
@@ -83,6 +103,12 @@ class DenseBlock:
 
     @property
     def num_params(self) -> int:
+        """:math:`P_b` (``size`` when only some columns are stored)."""
+        return int(self.jac.shape[2]) if self.size is None else self.size
+
+    @property
+    def num_stored(self) -> int:
+        """The number of stored columns :math:`P_s` (:math:`P_b` without ``columns``)."""
         return int(self.jac.shape[2])
 
     @property
@@ -93,29 +119,82 @@ class DenseBlock:
         return (self.jac,)
 
     def to_dense(self) -> Array:
-        """The block's Jacobian, shape (N, O, P_b)."""
-        return self.jac
+        """The block's Jacobian, shape (N, O, P_b) (the unstored columns as zeros)."""
+        if self.columns is None:
+            return self.jac
+        xp = array_api_compat.array_namespace(self.jac)
+        n, o, ps = self.jac.shape
+        # (P_s, N O) rows scattered to their parameter indices: (P_b, N O)
+        rows = get_backend(xp).scatter_add(self.columns,
+                                           xp.reshape(self.jac, (n * o, ps)).T, self.num_params)
+        return xp.reshape(rows.T, (n, o, self.num_params))
+
+    def expanded(self) -> DenseBlock:
+        """The same block with every column stored (itself when it already is)."""
+        return self if self.columns is None else DenseBlock(self.to_dense(), self.name)
 
     def jvp(self, v: Array) -> Array:
         """:math:`J_b v` for ``v`` (P_b,) -> (N, O)."""
-        return self.jac @ v
+        if self.columns is None:
+            return self.jac @ v
+        return self.jac @ array_api_compat.array_namespace(v).take(v, self.columns, axis=0)
 
     def vjp(self, c: Array) -> Array:
         """:math:`J_b^\\top c` for ``c`` (N, O) -> (P_b,)."""
         xp = array_api_compat.array_namespace(self.jac, c)
         n, o, p = self.jac.shape
-        return xp.reshape(c, (n * o,)) @ xp.reshape(self.jac, (n * o, p))
+        out = xp.reshape(c, (n * o,)) @ xp.reshape(self.jac, (n * o, p))
+        if self.columns is None:
+            return out
+        return get_backend(xp).scatter_add(self.columns, out[:, None], self.num_params)[:, 0]
+
+    def same_columns(self, other: DenseBlock) -> bool:
+        """Whether ``other`` stores the same parameter columns (both all, or equal
+        ``columns``)."""
+        if self.columns is None or other.columns is None:
+            return self.columns is None and other.columns is None and (
+                self.num_params == other.num_params)
+        if self.columns is other.columns:
+            return True
+        if self.size != other.size or self.num_stored != other.num_stored:
+            return False
+        xp = array_api_compat.array_namespace(self.columns)
+        return bool(xp.all(self.columns == other.columns))
 
     def select(self, idx: Any) -> DenseBlock:
-        return DenseBlock(_take_samples(self.jac, idx), self.name)
+        return replace(self, jac=_take_samples(self.jac, idx))
 
     def with_arrays(self, jac: Array) -> DenseBlock:
-        """The same block with other arrays (same layout)."""
+        """The same block with other arrays (same layout, same stored columns)."""
         return replace(self, jac=jac)
 
     def astype(self, dtype: Any) -> DenseBlock:
-        return DenseBlock(array_api_compat.array_namespace(self.jac).astype(self.jac, dtype),
-                          self.name)
+        return replace(self, jac=array_api_compat.array_namespace(self.jac).astype(self.jac,
+                                                                                  dtype))
+
+
+def _check_columns(xp: Any, columns: Any, size: int | None, stored: int, label: str) -> None:
+    """A DenseBlock's ``columns``: an integer (P_s,) array matching ``jac``'s P_s columns,
+    strictly increasing in ``[0, size)``; ValueError/TypeError naming what is wrong."""
+    try:
+        cxp = array_api_compat.array_namespace(columns)
+    except TypeError:
+        raise TypeError(f"{label} columns must be an array; got {type(columns).__name__}"
+                        ) from None
+    if cxp is not xp:
+        raise TypeError(f"{label} columns must be an array of jac's library")
+    if not cxp.isdtype(columns.dtype, "integral"):
+        raise TypeError(f"{label} columns must have an integer dtype; got {columns.dtype}")
+    if columns.ndim != 1 or int(columns.shape[0]) != stored:
+        raise ValueError(f"{label} columns must have shape ({stored},) (one per stored "
+                         f"column of jac); got {tuple(columns.shape)}")
+    if size is None or not isinstance(size, int) or size < stored:
+        raise ValueError(f"{label}: columns need size, the block's number of parameters "
+                         f"(an int >= {stored}); got {size!r}")
+    if stored and not bool(xp.all(columns[1:] > columns[:-1]) & (columns[0] >= 0)
+                           & (columns[-1] < size)):
+        raise ValueError(f"{label} columns must be strictly increasing parameter indices "
+                         f"in [0, {size})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -563,8 +642,8 @@ class Jacobian:
         blocks: list[Block] = []
         for b in self.blocks:
             if isinstance(b, DenseBlock):
-                blocks.append(DenseBlock(xp.matmul(xp.permute_dims(b.jac, (0, 2, 1)), w)[
-                    :, None, :], b.name))
+                blocks.append(b.with_arrays(xp.matmul(xp.permute_dims(b.jac, (0, 2, 1)), w)[
+                    :, None, :]))
             else:
                 gw = xp.sum(b.g * w[:, None], axis=2)  # (N, S, d_out)
                 blocks.append(b.with_arrays(b.a, gw[:, :, None, :]))
@@ -607,11 +686,16 @@ class Jacobian:
                for j in parts[1:]):
             raise ValueError("Jacobians to concatenate must have the same blocks")
         names = first.names
-        pieces = [[b.arrays() for b in j.blocks] for j in parts]
+        # a DenseBlock keeps its stored columns when every part stores the same ones
+        # (a provider's are fixed by the layer), else every part is expanded
+        columns = [_common_columns([j.blocks[i] for j in parts])
+                   if kind is DenseBlock else None for i, (kind, _, _) in enumerate(kinds)]
+        pieces = [[b.arrays() if columns[i] is not None or not isinstance(b, DenseBlock)
+                   else (b.to_dense(),) for i, b in enumerate(j.blocks)] for j in parts]
         del first
         if consume:
             parts.clear()  # type: ignore[attr-defined]
-        blocks = []
+        blocks: list[Block] = []
         for i, (kind, one_hot, ones) in enumerate(kinds):
             if kind is KroneckerBlock:
                 _pad_positions(xp, pieces, i, one_hot is not None)
@@ -619,9 +703,22 @@ class Jacobian:
                       for k in range(len(pieces[0][i]))]
             for p in pieces:  # this block's pieces can go now
                 p[i] = ()
+            if kind is DenseBlock:
+                cols = columns[i]
+                blocks.append(DenseBlock(arrays[0], names[i]) if cols is None
+                              or cols.columns is None
+                              else DenseBlock(arrays[0], names[i], cols.columns, cols.size))
+                continue
             blocks.append(kind(*arrays, names[i]) if one_hot is None and not ones
                           else kind(*arrays, names[i], one_hot=one_hot, ones=ones))
         return Jacobian(blocks)
+
+
+def _common_columns(blocks: list[Any]) -> DenseBlock | None:
+    """The first of ``blocks`` (DenseBlocks of one parameter block) if all store the same
+    columns, else None (they are to be expanded)."""
+    first = blocks[0]
+    return first if all(first.same_columns(b) for b in blocks[1:]) else None
 
 
 def _pad_positions(xp: Any, pieces: list[list[Any]], i: int, index: bool) -> None:

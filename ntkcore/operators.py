@@ -164,8 +164,8 @@ class KernelOperator(LinearOperator):
                 per_pair = s * s * ((o * o if self.mode == "full" else o) * b.d_out + b.a_width)
                 per_sample = 2.0 * s * b.d_in * b.d_out
             else:
-                per_pair = (o if self.mode == "full" else 1) * o * b.num_params
-                per_sample = 2.0 * o * b.num_params
+                per_pair = (o if self.mode == "full" else 1) * o * b.num_stored
+                per_sample = 2.0 * o * b.num_stored
             tiles += (n1 * n2 / (2.0 if self.symmetric else 1.0)) * per_pair
             # one vjp + one jvp per output (trace) or per column (full)
             factors += (n1 + n2) * per_sample * (o if self.mode == "trace" else 1)

@@ -818,8 +818,9 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
             blocks.append(block)
             sketches.append(None)
         elif dense:
-            sk = factor(block.jac, block.num_params, q_b, b, 0)
-            blocks.append(DenseBlock(sk.apply(block.jac, axis=2), block.name))
+            jac = block.to_dense()  # the sketch mixes all P_b columns (unstored ones are 0)
+            sk = factor(jac, block.num_params, q_b, b, 0)
+            blocks.append(DenseBlock(sk.apply(jac, axis=2), block.name))
             sketches.append(sk)
         else:
             q_a, q_g = split_kronecker(q_b, block.d_in, block.d_out)

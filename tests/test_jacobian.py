@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ntkcore
+from tests.tolerances import kernel_tol
 
 
 def fixture_settings(max_examples: int) -> settings:
@@ -320,3 +321,109 @@ def test_nbytes_counts_every_factor_array(backend, rng):
     d = backend.asarray(rng.standard_normal((3, 5, 7)))
     j = ntkcore.Jacobian([ntkcore.KroneckerBlock(a, g, "k"), ntkcore.DenseBlock(d, "d")])
     assert j.nbytes == (3 * 2 * 4 + 3 * 2 * 5 * 6) * 4 + 3 * 5 * 7 * 8
+
+
+# -- DenseBlock with stored columns (the others exactly zero) --------------------------------
+def _columns_case(backend, rng, n=4, o=3, size=11, cols=(0, 2, 3, 7, 10)):
+    """A DenseBlock storing ``cols`` of ``size`` columns, and its dense (N, O, size) float64
+    reference written here with zeros elsewhere (independently of ``to_dense``)."""
+    stored = rng.standard_normal((n, o, len(cols)))
+    dense = np.zeros((n, o, size))
+    dense[..., list(cols)] = stored
+    block = ntkcore.DenseBlock(backend.asarray(stored), "d", backend.asarray(cols, "int64"), size)
+    return block, dense
+
+
+def test_dense_block_columns_products(backend, rng):
+    """to_dense, J v, J^T c, select, astype and contract_outputs of a block that stores 5 of
+    its 11 columns, against the zero-filled dense reference."""
+    block, dense = _columns_case(backend, rng)
+    assert (block.num_params, block.num_stored) == (11, 5)
+    np.testing.assert_array_equal(backend.to_numpy(block.to_dense()), dense)
+    v, c = rng.standard_normal(11), rng.standard_normal((4, 3))
+    tol = dict(rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(backend.to_numpy(block.jvp(backend.asarray(v))), dense @ v, **tol)
+    np.testing.assert_allclose(backend.to_numpy(block.vjp(backend.asarray(c))),
+                               np.einsum("nop,no->p", dense, c), **tol)
+    j = ntkcore.Jacobian([block, ntkcore.DenseBlock(backend.asarray(dense), "full")])
+    assert j.num_params == 22
+    np.testing.assert_array_equal(backend.to_numpy(j.select([2, 0]).to_dense()),
+                                  np.concatenate([dense, dense], axis=2)[[2, 0]])
+    f32 = backend.asarray(np.zeros(1), "float32").dtype
+    b32 = block.astype(f32)
+    assert b32.dtype == f32 and b32.num_params == 11
+    w = rng.standard_normal(3)
+    np.testing.assert_allclose(
+        backend.to_numpy(j.contract_outputs(backend.asarray(w)).to_dense()),
+        np.einsum("nop,o->np", np.concatenate([dense, dense], axis=2), w)[:, None, :], **tol)
+
+
+def test_dense_block_columns_concatenate(backend, rng):
+    """Batches with the same stored columns stay compact; with different ones (or one batch
+    storing all) they are expanded, and the stacked Jacobian is the stacked reference."""
+    b1, d1 = _columns_case(backend, rng)
+    b2, d2 = _columns_case(backend, rng, n=2)
+    b3, d3 = _columns_case(backend, rng, n=3, cols=(1, 2, 3, 8, 9))
+    same = ntkcore.Jacobian.concatenate([ntkcore.Jacobian([b1]), ntkcore.Jacobian([b2])])
+    assert same.blocks[0].num_stored == 5
+    np.testing.assert_array_equal(backend.to_numpy(same.to_dense()), np.concatenate([d1, d2]))
+    for other, d_other in ((b3, d3), (b2.expanded(), d2)):
+        mixed = ntkcore.Jacobian.concatenate([ntkcore.Jacobian([b1]), ntkcore.Jacobian([other])])
+        assert mixed.blocks[0].columns is None and mixed.num_params == 11
+        np.testing.assert_array_equal(backend.to_numpy(mixed.to_dense()),
+                                      np.concatenate([d1, d_other]))
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_dense_block_columns_gram(backend, rng, mode):
+    """Self and cross Grams (same and different stored columns, and against a block storing
+    all) equal the Grams of the zero-filled references."""
+    b1, d1 = _columns_case(backend, rng)
+    b2, d2 = _columns_case(backend, rng, n=2)
+    b3, d3 = _columns_case(backend, rng, n=3, cols=(1, 2, 3, 8, 9))
+    sub = {"full": "nop,mqp->nmoq", "trace": "nop,mop->nm", "diagonal": "nop,mop->nmo"}[mode]
+    tol = kernel_tol(np.float64, 11, computations=2)
+    for left, dl, right, dr in ((b1, d1, None, d1), (b1, d1, b2, d2), (b1, d1, b3, d3),
+                                (b3, d3, b2.expanded(), d2)):
+        k = ntkcore.gram(ntkcore.Jacobian([left]),
+                         None if right is None else ntkcore.Jacobian([right]), mode=mode)
+        ref = np.einsum(sub, dl, dr)
+        assert np.abs(backend.to_numpy(k) - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_dense_block_columns_sketch_and_features(backend, rng):
+    """Consumers that mix parameter columns (sketches, random features, merged outputs) see
+    the same block as its expanded twin: equal results for one seed."""
+    from ntkcore.features import features
+    from ntkcore.sketch import sketch_jacobian
+
+    block, dense = _columns_case(backend, rng, size=40, cols=tuple(range(0, 40, 3)))
+    twin = block.expanded()
+    np.testing.assert_array_equal(backend.to_numpy(twin.jac), dense)
+    for method in ("gaussian", "sparse_sign", "leverage"):
+        a = sketch_jacobian(ntkcore.Jacobian([block]), 7, method=method, seed=3)
+        b = sketch_jacobian(ntkcore.Jacobian([twin]), 7, method=method, seed=3)
+        np.testing.assert_allclose(backend.to_numpy(a.to_dense()), backend.to_numpy(b.to_dense()),
+                                   rtol=1e-12, atol=1e-12)
+    for mode in ("full", "trace"):
+        for method in ("gaussian", "sparse_sign"):
+            fa = features(ntkcore.Jacobian([block]), dim=9, mode=mode, method=method, seed=4)
+            fb = features(ntkcore.Jacobian([twin]), dim=9, mode=mode, method=method, seed=4)
+            np.testing.assert_allclose(backend.to_numpy(fa), backend.to_numpy(fb),
+                                       rtol=1e-12, atol=1e-12)
+
+
+def test_dense_block_columns_validation(rng):
+    jac = rng.standard_normal((2, 1, 3))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ntkcore.DenseBlock(jac, "d", np.array([0, 2, 2]), 5)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ntkcore.DenseBlock(jac, "d", np.array([0, 2, 5]), 5)  # out of range
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        ntkcore.DenseBlock(jac, "d", np.array([0, 2]), 5)
+    with pytest.raises(ValueError, match="need size"):
+        ntkcore.DenseBlock(jac, "d", np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match="integer dtype"):
+        ntkcore.DenseBlock(jac, "d", np.array([0.0, 1.0, 2.0]), 5)
+    with pytest.raises(ValueError, match="size=4 but jac has 3 columns"):
+        ntkcore.DenseBlock(jac, "d", size=4)
