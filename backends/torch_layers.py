@@ -249,7 +249,8 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: in
         a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
     a, g = cat(a_parts, 1), cat(gs, 1)
     if groups > 1:
-        return _grouped_conv_block(a, g, groups, name, weight, bias)
+        return _grouped_conv_block(a, g, groups, name, weight, bias,
+                                   live_taps(mod, [tuple(a_c.shape[2:]) for a_c in inputs]))
     if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
         return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
     return KroneckerBlock(a.contiguous(), g, name, ones=implicit)
@@ -420,8 +421,50 @@ def _grouped_conv_dense(mod: nn.Conv2d, inputs: list[torch.Tensor], gs: list[tor
     return DenseBlock(j.contiguous(), name)
 
 
+def _conv_padding(mod: Any, i: int) -> tuple[int, int]:
+    """Zeros added before and after spatial axis ``i`` of a convolution's input."""
+    if mod.padding == "same":  # torch pads the extra element on the right
+        total = mod.dilation[i] * (mod.kernel_size[i] - 1)
+        return total // 2, total - total // 2
+    if mod.padding == "valid":
+        return 0, 0
+    return mod.padding[i], mod.padding[i]
+
+
+def live_taps(mod: Any, sizes: list[tuple[int, ...]]) -> torch.Tensor | None:
+    r"""The kernel taps of a zero-padded convolution ``mod`` that read the input, not only
+    padding, at some output position of some call (input spatial sizes ``sizes``): a bool
+    mask (prod(kernel_size),) over the taps in row-major order, or None when every tap does
+    (or the padding is not zeros).
+
+    Along an axis of input length L, with stride s, dilation d, padding ``lo`` before, tap
+    :math:`\kappa` reads input index :math:`l s + \kappa d - lo` at output position l, for
+    :math:`0 \le l < L_{out}`.  A tap none of whose indices lies in [0, L) sees only the
+    zeros of the padding, so its weight's per-sample gradient is exactly zero for every
+    sample: a 5 x 5 kernel with padding 2 on a 1 x 1 map reads the input at its centre tap
+    alone.  Depends on the shapes only, so every batch of one input size gets the same taps.
+    """
+    if mod.padding_mode != "zeros":
+        return None
+    masks = []
+    for i, (k, d, st) in enumerate(zip(mod.kernel_size, mod.dilation, mod.stride,
+                                       strict=True)):
+        lo, hi = _conv_padding(mod, i)
+        live = [False] * k
+        for size in sizes:
+            n_in = size[i]
+            n_out = (n_in + lo + hi - d * (k - 1) - 1) // st + 1
+            for kap in range(k):
+                first = max(0, -((kap * d - lo) // st))  # the first l with l s + kap d >= lo
+                live[kap] |= first < n_out and first * st + kap * d - lo < n_in
+        masks.append(torch.tensor(live))
+    mask = functools.reduce(lambda m, v: (m[..., None] & v).flatten(), masks[1:], masks[0])
+    return None if bool(mask.all()) else mask
+
+
 def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str,
-                        weight: bool, bias: bool) -> DenseBlock | KroneckerBlock:
+                        weight: bool, bias: bool,
+                        taps: torch.Tensor | None = None) -> DenseBlock | KroneckerBlock:
     r"""A grouped convolution: a (N, L, C_in*k), g (N, L, O, C_out).
 
     Output channel c belongs to group c // (C_out/G) and sees only that group's input channels
@@ -430,6 +473,9 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     :math:`\sum_{(G,L)} g' a'^\top` is the (C_out, C_in/G*k) weight gradient exactly.  When
     that is larger than the per-sample gradient itself (many groups, e.g. depthwise), a
     DenseBlock is built from the same factors instead, written once into its final array.
+    ``taps`` (the mask of :func:`live_taps`, None: all): the dense block stores only the
+    columns of these kernel taps (and the bias), the others being exactly zero
+    (``DenseBlock.columns``).
     """
     n, s, o, cout = g.shape
     if not weight:  # bias only: the groups do not matter
@@ -448,11 +494,22 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         return KroneckerBlock(ap.contiguous(), gp, name)
     # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
     gg = g.reshape(n, s, o, groups, cg_out)
+    columns = size = None
+    if taps is not None:  # the patch entries (C_in/G, k) of the live taps, then the columns
+        k = taps.numel()  # a group's patch entries are (C_in/G, k), row-major
+        kk = (torch.arange(cg_in // k)[:, None] * k + taps.nonzero().flatten()).flatten()
+        kk = kk.to(a.device)
+        a4 = a4.index_select(3, kk)
+        size = cout * cg_in + (cout if bias else 0)
+        columns = (torch.arange(cout, device=a.device)[:, None] * cg_in + kk).flatten()
+        if bias:
+            columns = torch.cat([columns, cout * cg_in + torch.arange(cout, device=a.device)])
+        cg_in = int(kk.numel())
     if g.requires_grad or a.requires_grad:  # differentiable: no out= writes
         dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
         # DenseBlock layout: [weight.flatten(), bias]
         return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1),
-                          name)
+                          name, columns, size)
     # written once into the block (N, O, [weight.flatten(), bias]): the block is N O C_out
     # C_in/G k numbers, often tens of MB in fresh pages; the two extra passes over it (the
     # einsum's layout copy, the concatenation with the bias) made building these blocks
@@ -468,7 +525,7 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         w.copy_(torch.einsum("nsogc,nsgk->nogck", gg, a4))
     if bias:
         torch.sum(g, dim=1, out=out[..., width:])
-    return DenseBlock(out, name)
+    return DenseBlock(out, name, columns, size)
 
 
 # --------------------------------------------------------------------------------------------

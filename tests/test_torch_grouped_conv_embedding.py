@@ -665,3 +665,130 @@ def test_patch_factor_dense_block_on_a_graph(stride):
         return (jd * jd).sum()
 
     assert torch.autograd.gradcheck(kernel_of, (xg,))
+
+
+# -- kernel taps that read only zero padding -------------------------------------------------
+def _tap_reads(conv, sizes):
+    """Reference for ``live_taps``: torch's own convolution backward.  The weight gradient of
+    sum(conv(ones)) counts, per tap, the input elements (not padding) it reads over all output
+    positions and channels; a tap is live iff that count is positive for some call."""
+    reads = 0
+    for size in sizes:
+        w = conv.weight.detach().clone().requires_grad_(True)
+        x = torch.ones(1, conv.in_channels, *size, dtype=w.dtype)
+        y = conv._conv_forward(x, w, None)
+        (g,) = torch.autograd.grad(y.sum(), w)
+        reads = reads + g.sum(dim=(0, 1))
+    return (reads > 0).flatten()
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize(("dim", "kernel", "stride", "dilation", "padding", "sizes"), [
+    (2, 5, 1, 1, 2, [(1, 1)]),  # a 5 x 5 kernel on a 1 x 1 map: the centre tap alone
+    (2, 5, 1, 1, 2, [(2, 2)]),  # 3 x 3 of the 25 taps
+    (2, 3, 1, 1, 1, [(1, 1)]),
+    (2, 3, 2, 1, 1, [(2, 2)]),  # one output position, stride 2: 2 x 2 taps
+    (2, (3, 5), (1, 2), (2, 1), (2, 2), [(1, 3)]),
+    (2, 3, 1, 2, "same", [(1, 2)]),
+    (2, 4, 1, 1, "same", [(1, 1)]),  # even kernel: the extra zero on the right
+    (2, 5, 1, 1, 2, [(1, 1), (4, 4)]),  # two calls: the union (all live at 4 x 4)
+    (2, 3, 1, 1, 0, [(3, 3)]),  # no padding: all live
+    (2, 3, 1, 1, "valid", [(5, 5)]),
+    (1, 7, 1, 1, 3, [(2,)]),
+    (3, 3, 1, 1, 1, [(1, 2, 3)]),
+])
+def test_live_taps_match_the_convolution_backward(dim, kernel, stride, dilation, padding, sizes):
+    from ntkcore.backends.torch_layers import live_taps
+
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim](
+        3, 3, kernel, stride=stride, dilation=dilation, padding=padding, groups=3).to(DT)
+    ref = _tap_reads(conv, sizes)
+    got = live_taps(conv, sizes)
+    if bool(ref.all()):
+        assert got is None
+    else:
+        assert torch.equal(got, ref)
+
+
+def test_live_taps_need_zero_padding():
+    """Reflect / replicate / circular padding reads real values at every tap."""
+    from ntkcore.backends.torch_layers import live_taps
+
+    for mode in ("reflect", "replicate", "circular"):
+        conv = nn.Conv2d(2, 2, 3, padding=1, groups=2, padding_mode=mode)
+        assert live_taps(conv, [(1, 1)]) is None
+    assert live_taps(nn.Conv2d(2, 2, 3, padding=1, groups=2), [(1, 1)]) is not None
+
+
+class _SmallMapDepthwise(nn.Module):
+    """Depthwise convolutions on maps smaller than their kernels' reach (CIFAR-sized inputs
+    deep in an EfficientNet / MobileNet), called once or twice (tied)."""
+
+    def __init__(self, c=20, kernel=5, bias=True, tied=False):
+        super().__init__()
+        self.inp = nn.Conv2d(2, c, 1)
+        self.dw = nn.Conv2d(c, c, kernel, padding=kernel // 2, groups=c, bias=bias)
+        self.head = nn.LazyLinear(2)
+        self.tied = tied
+
+    def forward(self, x):
+        h = torch.tanh(self.dw(torch.tanh(self.inp(x))))
+        if self.tied:
+            h = torch.tanh(self.dw(h))
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize(("kernel", "size", "live", "bias", "tied"), [
+    (5, 1, 1, True, False), (5, 1, 1, False, False), (3, 1, 1, True, False),
+    (5, 2, 9, True, False), (5, 2, 9, False, True),
+])
+def test_depthwise_dense_block_stores_live_taps_only(kernel, size, live, bias, tied,
+                                                      dense_calls):
+    """The depthwise block stores the live taps' columns (and the bias) only, and the
+    Jacobian, Grams (all routes, a cross kernel), J v, J^T c, a sketch and an SMW solve equal
+    those of the dense float64 torch.func reference, whose other columns are zeros."""
+    model = _SmallMapDepthwise(kernel=kernel, bias=bias, tied=tied)
+    x = torch.randn(3, 2, size, size, dtype=DT)
+    model(x.float())  # materialise the LazyLinear
+    model = model.to(DT).eval()
+    j = jacobian(model, x)
+    b = j.blocks[1]
+    c = 20
+    assert isinstance(b, DenseBlock) and b.columns is not None
+    assert (b.num_params, b.num_stored) == (c * kernel**2 + c * bias, c * live + c * bias)
+    assert dense_calls == []
+    jd = _dense_checks(model, x, j, reference(model, x))
+    n, o, p = jd.shape
+    # the columns not stored are zero in the reference
+    mask = torch.ones(p, dtype=torch.bool)
+    start = j.blocks[0].num_params
+    mask[start + b.columns] = False
+    mask[:start] = False
+    mask[start + b.num_params:] = False
+    assert jd[..., mask].abs().max().item() == 0.0
+    js = sketch_jacobian(j, 30, method="gaussian", seed=1)
+    assert js.num_samples == n
+    u = jd.reshape(n * o, p).T
+    g = torch.randn(p, dtype=DT)
+    a = 0.5 * torch.eye(p, dtype=DT) + u @ u.T
+    d_ref = torch.linalg.solve(a, g)
+    cond = torch.linalg.cond(a).item()
+    assert (smw_solve(j, g, 0.5) - d_ref).norm() / d_ref.norm() < \
+        solve_tol(DT, cond, computations=2) + kernel_tol(DT, p, computations=2) * cond
+
+
+def test_live_tap_block_differentiable_in_x():
+    """The stored-columns block on a graph (einsum route, then ``to_dense``'s scatter) is
+    differentiable in the input: gradcheck of the squared sum."""
+    torch.manual_seed(5)
+    model = _SmallMapDepthwise(kernel=5).to(DT)
+    model(torch.randn(1, 2, 1, 1, dtype=DT))
+    model = model.eval()
+    x = torch.randn(2, 2, 1, 1, dtype=DT, requires_grad=True)
+    assert jacobian(model, x.detach()).blocks[1].columns is not None
+
+    def kernel_of(xx):
+        jd = jacobian(model, xx).blocks[1].to_dense()
+        return (jd * jd).sum()
+
+    assert torch.autograd.gradcheck(kernel_of, (x,))
