@@ -127,10 +127,12 @@ def sample_axis_ok(mod: nn.Module, axis: int, ndim: int) -> bool:
     return not (isinstance(mod, nn.Linear) and axis == ndim - 1)
 
 
-def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
+def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool,
+                 taps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
     order, with a trailing ones column if ``ones``; written with a single copy, so that
-    ``y[n, :, l] = [W.reshape(C_out, -1), b] @ a[n, l]``."""
+    ``y[n, :, l] = [W.reshape(C_out, -1), b] @ a[n, l]``.  ``taps`` (per spatial axis, the
+    bool masks of :func:`live_tap_axes`): only those taps, (N, L, C_in * prod(k_live))."""
     nd = len(mod.kernel_size)
     flat: list[int] = []  # (lo, hi) per axis, the last axis first as F.pad wants
     for i in reversed(range(nd)):
@@ -148,15 +150,23 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool) -> torch.Tensor:
         a = a.unfold(2 + i, span, s)  # appends a window axis
         if d > 1:
             a = a[..., ::d]
+    kernel = tuple(mod.kernel_size)
+    if taps is not None:  # the window axes cut to the live taps (a slice when contiguous)
+        for i, live in enumerate(taps):
+            idx = live.nonzero().flatten()
+            lo, m = int(idx[0]), int(idx.numel())
+            a = (a.narrow(2 + nd + i, lo, m) if int(idx[-1]) - lo + 1 == m
+                 else a.index_select(2 + nd + i, idx.to(a.device)))
+        kernel = tuple(int(live.sum()) for live in taps)
     n, c = a.shape[0], a.shape[1]
     lens = tuple(a.shape[2:2 + nd])
     # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd), a strided view
     view = a.permute([0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)])
-    dk = c * math.prod(mod.kernel_size)
+    dk = c * math.prod(kernel)
     out = a.new_empty((n, math.prod(lens), dk + int(ones)))
     if ones:
         out[..., dk] = 1
-    out[..., :dk].unflatten(2, (c, *mod.kernel_size)).unflatten(1, lens).copy_(view)
+    out[..., :dk].unflatten(2, (c, *kernel)).unflatten(1, lens).copy_(view)
     return out
 
 
@@ -170,7 +180,7 @@ def _with_ones(a: torch.Tensor) -> torch.Tensor:
 
 
 def input_factor(mod: nn.Module, a: torch.Tensor, n: int, ones: bool,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, taps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The factor a (N, S, d_in [+ 1]) of one call of a Linear / Conv / Embedding ``mod``.
 
     ``a`` is the call's input with the sample axis in front: (N, *mid, d_in) for a Linear
@@ -178,14 +188,15 @@ def input_factor(mod: nn.Module, a: torch.Tensor, n: int, ones: bool,
     indices (N, *mid) for an Embedding: then the factor is the *index factor* (N, S) of
     :class:`~ntkcore.KroneckerBlock` (``one_hot = num_embeddings``; one-hot rows never formed),
     int64, ``-1`` at ``padding_idx`` (whose row gets no gradient in torch).
-    ``ones`` appends the bias's ones column (Linear / Conv).
+    ``ones`` appends the bias's ones column (Linear / Conv); ``taps`` keeps a convolution's
+    live taps only (:func:`conv_patches`).
     """
     if isinstance(mod, nn.Linear):
         a_c = a.reshape(n, -1, mod.in_features)
         return _with_ones(a_c) if ones else a_c
     if isinstance(mod, nn.Embedding):
         return embedding_index(a.reshape(n, -1), mod.padding_idx, mod.num_embeddings)
-    return conv_patches(mod, a, ones)
+    return conv_patches(mod, a, ones, taps)
 
 
 def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch.Tensor:
@@ -242,15 +253,19 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: in
     # a Linear's ones column stays implicit (KroneckerBlock ones=True): its input is the
     # factor as it is, no copy
     implicit = ones and isinstance(mod, nn.Linear)
+    # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
+    # its patches are formed for those alone
+    taps = (live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs])
+            if groups > 1 and weight and _dense_grouped(mod, gs, n) else None)
     if weight:
-        a_parts = [input_factor(mod, a_c, n, ones and not implicit, g_c.dtype)
+        a_parts = [input_factor(mod, a_c, n, ones and not implicit, g_c.dtype, taps)
                    for a_c, g_c in zip(inputs, gs, strict=True)]
     else:  # bias only: the ones column is the whole input
         a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
     a, g = cat(a_parts, 1), cat(gs, 1)
     if groups > 1:
         return _grouped_conv_block(a, g, groups, name, weight, bias,
-                                   live_taps(mod, [tuple(a_c.shape[2:]) for a_c in inputs]))
+                                   None if taps is None else _flat_taps(taps))
     if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
         return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
     return KroneckerBlock(a.contiguous(), g, name, ones=implicit)
@@ -432,10 +447,22 @@ def _conv_padding(mod: Any, i: int) -> tuple[int, int]:
 
 
 def live_taps(mod: Any, sizes: list[tuple[int, ...]]) -> torch.Tensor | None:
+    """:func:`live_tap_axes` as one bool mask (prod(kernel_size),) over the taps in
+    row-major order, or None."""
+    axes = live_tap_axes(mod, sizes)
+    return None if axes is None else _flat_taps(axes)
+
+
+def _flat_taps(axes: list[torch.Tensor]) -> torch.Tensor:
+    """The row-major product of per-axis tap masks, (prod(k),)."""
+    return functools.reduce(lambda m, v: (m[..., None] & v).flatten(), axes[1:], axes[0])
+
+
+def live_tap_axes(mod: Any, sizes: list[tuple[int, ...]]) -> list[torch.Tensor] | None:
     r"""The kernel taps of a zero-padded convolution ``mod`` that read the input, not only
-    padding, at some output position of some call (input spatial sizes ``sizes``): a bool
-    mask (prod(kernel_size),) over the taps in row-major order, or None when every tap does
-    (or the padding is not zeros).
+    padding, at some output position of some call (input spatial sizes ``sizes``): one bool
+    mask (k_i,) per spatial axis (a tap is live iff it is live along every axis), or None
+    when every tap is live (or the padding is not zeros).
 
     Along an axis of input length L, with stride s, dilation d, padding ``lo`` before, tap
     :math:`\kappa` reads input index :math:`l s + \kappa d - lo` at output position l, for
@@ -458,8 +485,7 @@ def live_taps(mod: Any, sizes: list[tuple[int, ...]]) -> torch.Tensor | None:
                 first = max(0, -((kap * d - lo) // st))  # the first l with l s + kap d >= lo
                 live[kap] |= first < n_out and first * st + kap * d - lo < n_in
         masks.append(torch.tensor(live))
-    mask = functools.reduce(lambda m, v: (m[..., None] & v).flatten(), masks[1:], masks[0])
-    return None if bool(mask.all()) else mask
+    return None if all(bool(m.all()) for m in masks) else masks
 
 
 def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str,
@@ -475,7 +501,8 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     DenseBlock is built from the same factors instead, written once into its final array.
     ``taps`` (the mask of :func:`live_taps`, None: all): the dense block stores only the
     columns of these kernel taps (and the bias), the others being exactly zero
-    (``DenseBlock.columns``).
+    (``DenseBlock.columns``); ``a`` then holds the patches of those taps alone
+    (:func:`conv_patches`), and the Kronecker form is not taken.
     """
     n, s, o, cout = g.shape
     if not weight:  # bias only: the groups do not matter
@@ -483,7 +510,7 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     cg_in = a.shape[2] // groups
     cg_out = cout // groups
     a4 = a.reshape(n, s, groups, cg_in)
-    if not _dense_is_smaller(n, groups, s, o, cout, cg_in):
+    if taps is None and not _dense_is_smaller(n, groups, s, o, cout, cg_in):
         ap = a4.permute(0, 2, 1, 3).reshape(n, groups * s, cg_in)
         # g6[n, G, l, o, G', c] = g[n, l, o, G' cg_out + c] where G == G', else 0
         g6 = g.new_zeros((n, groups, s, o, groups, cg_out))
@@ -495,16 +522,14 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
     gg = g.reshape(n, s, o, groups, cg_out)
     columns = size = None
-    if taps is not None:  # the patch entries (C_in/G, k) of the live taps, then the columns
-        k = taps.numel()  # a group's patch entries are (C_in/G, k), row-major
-        kk = (torch.arange(cg_in // k)[:, None] * k + taps.nonzero().flatten()).flatten()
-        kk = kk.to(a.device)
-        a4 = a4.index_select(3, kk)
-        size = cout * cg_in + (cout if bias else 0)
-        columns = (torch.arange(cout, device=a.device)[:, None] * cg_in + kk).flatten()
+    if taps is not None:  # a's patch entries: (C_in/G, k_live) per group, row-major
+        k, live = taps.numel(), taps.nonzero().flatten()
+        width = cg_in // live.numel() * k  # a group's patch width with every tap
+        kk = (torch.arange(cg_in // live.numel())[:, None] * k + live).flatten().to(a.device)
+        size = cout * width + (cout if bias else 0)
+        columns = (torch.arange(cout, device=a.device)[:, None] * width + kk).flatten()
         if bias:
-            columns = torch.cat([columns, cout * cg_in + torch.arange(cout, device=a.device)])
-        cg_in = int(kk.numel())
+            columns = torch.cat([columns, cout * width + torch.arange(cout, device=a.device)])
     if g.requires_grad or a.requires_grad:  # differentiable: no out= writes
         dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
         # DenseBlock layout: [weight.flatten(), bias]

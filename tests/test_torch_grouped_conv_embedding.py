@@ -696,6 +696,7 @@ def _tap_reads(conv, sizes):
     (2, 3, 1, 1, "valid", [(5, 5)]),
     (1, 7, 1, 1, 3, [(2,)]),
     (3, 3, 1, 1, 1, [(1, 2, 3)]),
+    (2, 5, 2, 1, 4, [(1, 1)]),  # taps 0, 2, 4 per axis: live taps with gaps
 ])
 def test_live_taps_match_the_convolution_backward(dim, kernel, stride, dilation, padding, sizes):
     from ntkcore.backends.torch_layers import live_taps
@@ -724,10 +725,11 @@ class _SmallMapDepthwise(nn.Module):
     """Depthwise convolutions on maps smaller than their kernels' reach (CIFAR-sized inputs
     deep in an EfficientNet / MobileNet), called once or twice (tied)."""
 
-    def __init__(self, c=20, kernel=5, bias=True, tied=False):
+    def __init__(self, c=20, kernel=5, bias=True, tied=False, stride=1, padding=None):
         super().__init__()
         self.inp = nn.Conv2d(2, c, 1)
-        self.dw = nn.Conv2d(c, c, kernel, padding=kernel // 2, groups=c, bias=bias)
+        self.dw = nn.Conv2d(c, c, kernel, padding=kernel // 2 if padding is None else padding,
+                            stride=stride, groups=c, bias=bias)
         self.head = nn.LazyLinear(2)
         self.tied = tied
 
@@ -738,16 +740,19 @@ class _SmallMapDepthwise(nn.Module):
         return self.head(h.flatten(1))
 
 
-@pytest.mark.parametrize(("kernel", "size", "live", "bias", "tied"), [
-    (5, 1, 1, True, False), (5, 1, 1, False, False), (3, 1, 1, True, False),
-    (5, 2, 9, True, False), (5, 2, 9, False, True),
+@pytest.mark.parametrize(("kernel", "size", "live", "bias", "tied", "stride", "padding"), [
+    (5, 1, 1, True, False, 1, None), (5, 1, 1, False, False, 1, None),
+    (3, 1, 1, True, False, 1, None), (5, 2, 9, True, False, 1, None),
+    (5, 2, 9, False, True, 1, None),
+    (5, 1, 9, True, False, 2, 4),  # taps 0, 2, 4 per axis (gaps), 3 x 3 outputs
 ])
-def test_depthwise_dense_block_stores_live_taps_only(kernel, size, live, bias, tied,
-                                                      dense_calls):
+def test_depthwise_dense_block_stores_live_taps_only(kernel, size, live, bias, tied, stride,
+                                                      padding, dense_calls):
     """The depthwise block stores the live taps' columns (and the bias) only, and the
     Jacobian, Grams (all routes, a cross kernel), J v, J^T c, a sketch and an SMW solve equal
     those of the dense float64 torch.func reference, whose other columns are zeros."""
-    model = _SmallMapDepthwise(kernel=kernel, bias=bias, tied=tied)
+    model = _SmallMapDepthwise(kernel=kernel, bias=bias, tied=tied, stride=stride,
+                               padding=padding)
     x = torch.randn(3, 2, size, size, dtype=DT)
     model(x.float())  # materialise the LazyLinear
     model = model.to(DT).eval()
