@@ -427,3 +427,20 @@ def test_dense_block_columns_validation(rng):
         ntkcore.DenseBlock(jac, "d", np.array([0.0, 1.0, 2.0]), 5)
     with pytest.raises(ValueError, match="size=4 but jac has 3 columns"):
         ntkcore.DenseBlock(jac, "d", size=4)
+
+
+def test_dense_block_columns_under_jax_jit(rng):
+    """Traced columns are not value-checked (unknown under jit), and a cross Gram of blocks
+    whose columns cannot be compared expands both: the kernel is still exact."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    jac, cols = rng.standard_normal((3, 2, 4)), np.array([1, 3, 4, 7])
+
+    def kernel(jac, cols):
+        b = ntkcore.DenseBlock(jac, "d", cols, 9)
+        b2 = ntkcore.DenseBlock(jac[:2], "d", cols, 9)
+        return ntkcore.gram(ntkcore.Jacobian([b]), ntkcore.Jacobian([b2]), mode="trace")
+
+    k = jax.jit(kernel)(jnp.asarray(jac), jnp.asarray(cols))  # float64: conftest enables x64
+    np.testing.assert_allclose(np.asarray(k), np.einsum("nop,mop->nm", jac, jac[:2]),
+                               rtol=1e-13, atol=1e-13)
