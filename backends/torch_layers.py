@@ -127,6 +127,16 @@ def sample_axis_ok(mod: nn.Module, axis: int, ndim: int) -> bool:
     return not (isinstance(mod, nn.Linear) and axis == ndim - 1)
 
 
+def _conv_padding(mod: Any, i: int) -> tuple[int, int]:
+    """The padding (before, after) of spatial axis ``i`` of a convolution's input."""
+    if mod.padding == "same":  # torch pads the extra element on the right
+        total = mod.dilation[i] * (mod.kernel_size[i] - 1)
+        return total // 2, total - total // 2
+    if mod.padding == "valid":
+        return 0, 0
+    return mod.padding[i], mod.padding[i]
+
+
 def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool,
                  taps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
@@ -136,11 +146,7 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool,
     nd = len(mod.kernel_size)
     flat: list[int] = []  # (lo, hi) per axis, the last axis first as F.pad wants
     for i in reversed(range(nd)):
-        if mod.padding == "same":  # torch pads the extra element on the right
-            total = mod.dilation[i] * (mod.kernel_size[i] - 1)
-            flat += [total // 2, total - total // 2]
-        else:
-            flat += [0, 0] if mod.padding == "valid" else [mod.padding[i]] * 2
+        flat += _conv_padding(mod, i)
     if any(flat):
         mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
         a = F.pad(a, flat, mode=mode)
@@ -247,7 +253,8 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: in
     if base in XHAT:
         return _affine_block(mod, inputs, gs, n, name, weight, bias)
     groups = getattr(mod, "groups", 1)
-    if groups > 1 and weight and _dense_grouped(mod, gs, n) and _unfoldable(mod, gs):
+    dense = groups > 1 and weight and _dense_grouped(mod, gs, n)
+    if dense and _unfoldable(mod, gs):
         return _grouped_conv_dense(mod, inputs, gs, n, name, bias)
     ones = bias and weight and groups == 1
     # a Linear's ones column stays implicit (KroneckerBlock ones=True): its input is the
@@ -255,8 +262,7 @@ def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: in
     implicit = ones and isinstance(mod, nn.Linear)
     # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
     # its patches are formed for those alone
-    taps = (live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs])
-            if groups > 1 and weight and _dense_grouped(mod, gs, n) else None)
+    taps = live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) if dense else None
     if weight:
         a_parts = [input_factor(mod, a_c, n, ones and not implicit, g_c.dtype, taps)
                    for a_c, g_c in zip(inputs, gs, strict=True)]
@@ -434,16 +440,6 @@ def _grouped_conv_dense(mod: nn.Conv2d, inputs: list[torch.Tensor], gs: list[tor
     if bias:
         j = cat([j, functools.reduce(torch.add, (g_c.sum(dim=1) for g_c in gs))], -1)
     return DenseBlock(j.contiguous(), name)
-
-
-def _conv_padding(mod: Any, i: int) -> tuple[int, int]:
-    """Zeros added before and after spatial axis ``i`` of a convolution's input."""
-    if mod.padding == "same":  # torch pads the extra element on the right
-        total = mod.dilation[i] * (mod.kernel_size[i] - 1)
-        return total // 2, total - total // 2
-    if mod.padding == "valid":
-        return 0, 0
-    return mod.padding[i], mod.padding[i]
 
 
 def live_taps(mod: Any, sizes: list[tuple[int, ...]]) -> torch.Tensor | None:

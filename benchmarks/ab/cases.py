@@ -39,6 +39,8 @@ CASES = (
     "seng_cnn",
     "regression",
     "distributed",
+    "effnet16",
+    "effnet32",
 )
 
 
@@ -210,6 +212,13 @@ def build(case):
                     nd.ntk_to_zarr(net, x, store=os.path.join(d, "k.zarr"), chunk=2000)
             finally:
                 shutil.rmtree(d)
+    elif case in ("effnet16", "effnet32"):  # needs timm (the real-models extra)
+        from benchmarks.real_models import build as build_model
+
+        model, x = build_model("efficientnet_b0", "bench", int(case[-2:]))[:2]
+
+        def f():
+            return ntkcore.ntk(model, x, mode="trace")
     else:
         raise ValueError(f"unknown case {case!r}; one of {CASES}")
     return f
