@@ -16,6 +16,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, ntk, smw_solve
@@ -796,3 +798,34 @@ def test_live_tap_block_differentiable_in_x():
         return (jd * jd).sum()
 
     assert torch.autograd.gradcheck(kernel_of, (x,))
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_live_taps_property(data):
+    """Random 1-d / 2-d geometries (kernel, stride, dilation, padding or "same", input sizes,
+    one or two calls): ``live_taps`` equals the convolution-backward reference."""
+    from ntkcore.backends.torch_layers import live_taps
+
+    dim = data.draw(st.sampled_from([1, 2]))
+    kernel = tuple(data.draw(st.integers(1, 6)) for _ in range(dim))
+    dilation = tuple(data.draw(st.integers(1, 3)) for _ in range(dim))
+    same = data.draw(st.booleans())
+    stride = (1,) * dim if same else tuple(data.draw(st.integers(1, 3)) for _ in range(dim))
+    padding = "same" if same else tuple(data.draw(st.integers(0, 5)) for _ in range(dim))
+    conv = {1: nn.Conv1d, 2: nn.Conv2d}[dim](2, 2, kernel, stride=stride, dilation=dilation,
+                                             padding=padding, groups=2).to(DT)
+    sizes = []
+    for _ in range(data.draw(st.integers(1, 2))):
+        size = []
+        for i in range(dim):
+            pad = 2 * (0 if same else padding[i])
+            least = max(1, dilation[i] * (kernel[i] - 1) + 1 - pad)  # one output position
+            size.append(data.draw(st.integers(least, least + 5)))
+        sizes.append(tuple(size))
+    ref = _tap_reads(conv, sizes)
+    got = live_taps(conv, sizes)
+    assert (got is None) == bool(ref.all())
+    if got is not None:
+        assert torch.equal(got, ref)
