@@ -185,6 +185,31 @@ def test_checkpointed_equals_untiled(monkeypatch, mode, layout):
     assert rel(k, k0.permute(check_mode(mode).swap(0))) < 1e-13 and rel(g, g0) < 1e-12
 
 
+def test_checkpointed_with_stored_column_blocks():
+    """A depthwise convolution on 1 x 1 maps stores one live tap of 25 (``DenseBlock.columns``)
+    on the target side; the support side is rebuilt from whole arrays.  Value and input
+    gradient of the checkpointed kernel against the torch.func reference."""
+    from tests.test_torch_grouped_conv_embedding import _SmallMapDepthwise
+    from tests.tolerances import kernel_tol
+
+    torch.manual_seed(4)
+    model = _SmallMapDepthwise(kernel=5).to(DT)
+    model(torch.randn(1, 2, 1, 1, dtype=DT))
+    model = model.eval()
+    xt = torch.randn(5, 2, 1, 1, dtype=DT)
+    xs = torch.randn(3, 2, 1, 1, dtype=DT, requires_grad=True)
+    blocks = ntkcore.backends.torch_jacobian.jacobian(model, xt).blocks
+    assert blocks[1].columns is not None and blocks[1].num_stored == 20 + 20
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(2), dtype=DT)
+    k = checkpointed_ntk(model, xt, xs, mode="trace")
+    (g,) = torch.autograd.grad((k * w).sum(), (xs,))
+    kr = ref_kernel(model, xt, xs, "trace")
+    (gr,) = torch.autograd.grad((kr * w).sum(), (xs,))
+    p = sum(q.numel() for q in model.parameters())
+    assert rel(k, kr) < kernel_tol(DT, p, computations=2)
+    assert rel(g, gr) < kernel_tol(DT, p, computations=8)
+
+
 def test_checkpointed_layerwise_pseudo_and_dense_blocks():
     model = mlp()  # LayerNorm: a DenseBlock
     xs, xt = inputs("mlp", 3, 10, True), inputs("mlp", 6, 11)
