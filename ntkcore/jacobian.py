@@ -30,7 +30,7 @@ import array_api_compat
 
 from ._memory import itemsize
 from ._typing import Array
-from ._validation import _unreadable
+from ._validation import concrete
 from .backend import get_backend
 from .linop import LinearOperator
 from .support import capabilities
@@ -160,8 +160,8 @@ class DenseBlock:
         if self.size != other.size or self.num_stored != other.num_stored:
             return False
         xp = array_api_compat.array_namespace(self.columns)
-        same = _known(xp.all(self.columns == other.columns))
-        return bool(same)  # unknown under jax.jit: False, the blocks are expanded
+        # unknown under jax.jit (None): not the same, the blocks are expanded
+        return concrete(xp.all(self.columns == other.columns)) == 1.0
 
     def select(self, idx: Any) -> DenseBlock:
         return replace(self, jac=_take_samples(self.jac, idx))
@@ -193,21 +193,10 @@ def _check_columns(xp: Any, columns: Any, size: int | None, stored: int, label: 
     if size is None or not isinstance(size, int) or size < stored:
         raise ValueError(f"{label}: columns need size, the block's number of parameters "
                          f"(an int >= {stored}); got {size!r}")
-    if stored and _known(xp.all(columns[1:] > columns[:-1]) & (columns[0] >= 0)
-                         & (columns[-1] < size)) is False:  # unknown (traced): unchecked
+    if stored and concrete(xp.all(columns[1:] > columns[:-1]) & (columns[0] >= 0)
+                           & (columns[-1] < size)) == 0.0:  # unknown (traced): unchecked
         raise ValueError(f"{label} columns must be strictly increasing parameter indices "
                          f"in [0, {size})")
-
-
-def _known(flag: Any) -> bool | None:
-    """``bool(flag)`` for a 0-d boolean array, None when its value is unknown (a tracer under
-    ``jax.jit``)."""
-    try:
-        return bool(flag)
-    except Exception as exc:
-        if _unreadable(exc):
-            return None
-        raise
 
 
 @dataclass(frozen=True, eq=False)
