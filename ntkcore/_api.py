@@ -45,11 +45,15 @@ framework import: ``named_parameters()`` / ``named_buffers()`` (``torch.nn.Modul
 lists and tuples of a JAX ``(apply_fn, params)`` pair.  Cost: one reduction per array and
 one device sync.  :func:`~ntkcore.gram` then checks the Jacobian factors (NaN or Inf from
 an overflow or a non-finite activation of finite inputs).  When the model itself fails on
-an input, the error is explained when the cause is visible: an input whose floating dtype
-differs from every floating parameter's raises TypeError naming it, an ``x2`` whose
-per-sample shape differs from ``x1``'s raises ValueError naming both shapes (the model's
-own message follows; nothing is rejected up front, because models may cast inputs or accept
-several shapes).
+an input, the error is explained when the cause is visible (:func:`input_problem`): an
+input of another array library than the model's parameters (a NumPy array for a torch
+model) raises TypeError naming both libraries and the conversion (``torch.as_tensor(x1)``);
+a complex input to a model with real parameters, or a real floating input whose dtype is
+no floating parameter's (when the model's error speaks of types), raises TypeError naming
+it; an ``x2`` whose per-sample shape differs from ``x1``'s raises ValueError naming both
+shapes (the model's own message follows; nothing is rejected up front, because models may
+cast inputs or accept several shapes or complex inputs).  The torch provider's
+:func:`~ntkcore.backends.torch.jacobian` explains its ``x`` the same way.
 
 Pure array API: nothing here imports a framework.
 """
@@ -83,7 +87,8 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None and (x.ndim < 1 or x.shape[0] is None):
             raise ValueError(f"{name} must lead with the sample axis N; got shape "
-                             f"{tuple(x.shape)}")
+                             f"{tuple(x.shape)} (for a single sample add the sample axis: "
+                             f"{name}[None])")
         if x is not None and x.shape[0] == 0:
             raise ValueError(f"{name} has no samples (N{name[1]} = 0)")
     return xp, backend
@@ -145,28 +150,142 @@ def _check_model_finite(model: Any) -> None:
                          "(pass check_finite=False to skip this check)")
 
 
-def _floating(x: Any) -> bool:
+#: Array libraries by the ``array_api_compat`` predicate that recognises their arrays (by
+#: module name: nothing is imported): the library's name, what one and several of its arrays
+#: are called in messages, and how to convert another library's array ``{}`` into one.
+_LIBRARIES = (
+    ("is_numpy_array", "NumPy", "a NumPy array", "NumPy arrays", "numpy.asarray({})"),
+    ("is_torch_array", "torch", "a torch tensor", "torch tensors", "torch.as_tensor({})"),
+    ("is_jax_array", "JAX", "a JAX array", "JAX arrays", "jax.numpy.asarray({})"),
+    ("is_cupy_array", "CuPy", "a CuPy array", "CuPy arrays", "cupy.asarray({})"),
+    ("is_dask_array", "Dask", "a Dask array", "Dask arrays", "dask.array.asarray({})"),
+)
+
+#: Libraries whose functions convert other libraries' arrays themselves (``jax.numpy`` takes
+#: NumPy arrays and CPU tensors), so that a model of theirs given a foreign array is not
+#: failing for that reason.
+_CONVERTING = frozenset({"JAX"})
+
+
+def _library(x: Any) -> tuple[str, str, str, str] | None:
+    """``(name, one, several, conversion)`` of ``x``'s array library (:data:`_LIBRARIES`),
+    or ``None`` for another library or a non-array."""
+    for test, *library in _LIBRARIES:
+        fn = getattr(array_api_compat, test, None)
+        if fn is not None and fn(x):
+            return library[0], library[1], library[2], library[3]
+    return None
+
+
+def _about_types(exc: BaseException | None) -> bool:
+    """Whether the model's error ``exc`` speaks of types (torch's "must have the same dtype",
+    "expected scalar type Float", "Input type (double) and bias type (float)"; JAX's "requires
+    arguments to have the same dtypes"): a dtype difference is then named as its cause, not
+    after a shape error."""
+    return exc is None or "type" in str(exc).lower()
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float32"`` for ``torch.float32``, ``numpy.float32``, ... (libraries compared)."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _is_dtype(x: Any, kind: str) -> bool:
     try:
-        return bool(array_api_compat.array_namespace(x).isdtype(x.dtype, "real floating"))
+        return bool(array_api_compat.array_namespace(x).isdtype(x.dtype, kind))
     except Exception:
         return False
 
 
-def _explain(exc: Exception, model: Any, name: str, x: Any, x1: Any) -> None:
+def _floating(x: Any) -> bool:
+    return _is_dtype(x, "real floating")
+
+
+def input_problem(model: Any, name: str, x: Any,
+                  exc: BaseException | None = None) -> tuple[str, bool] | None:
+    """What visibly keeps ``model`` from taking the input ``x`` (called ``name``), or ``None``.
+
+    Returns ``(message, with_cause)``: ``with_cause`` says whether the model's own error is
+    worth quoting after the message.  Checked, in this order, against the model's parameters
+    (:func:`_named_parameters`; nothing is known without them):
+
+    * ``x`` is an array of another library than every parameter's (a NumPy array for a torch
+      model): the message names both libraries and the conversion, e.g.
+      ``torch.as_tensor(x1)`` (with the parameters' dtype and, off the CPU, device).  Not for
+      JAX models, whose functions convert foreign arrays themselves.
+    * ``x`` is complex and no parameter is: complex inputs need a model that maps them to
+      real values itself.
+    * ``x`` is real floating, its dtype is no floating parameter's dtype, and the model's
+      error ``exc`` (when given) speaks of types.
+    """
+    params = [p for _, p in _named_parameters(model)]
+    if not params:
+        return None
+    mine = _library(x)
+    theirs = {_library(p) for p in params}
+    lib = next(iter(theirs)) if len(theirs) == 1 else None
+    if lib is not None and lib != mine and lib[0] not in _CONVERTING and _is_array(x):
+        what = mine[1] if mine is not None else \
+            f"an array of {type(x).__module__.split('.')[0]}"
+        extra = []
+        floats = {str(p.dtype) for p in params if _floating(p)}
+        if len(floats) == 1 and _floating(x):
+            (dtype,) = floats
+            if _dtype_name(dtype) != _dtype_name(x.dtype):
+                extra.append(f"dtype={dtype}" if lib[0] == "torch" else f"dtype={dtype!r}")
+        devices = {str(array_api_compat.device(p)) for p in params}
+        if lib[0] == "torch" and len(devices) == 1 and devices != {"cpu"}:
+            extra.append(f"device={next(iter(devices))!r}")
+        convert = lib[3].format(", ".join([name, *extra]))
+        return (f"{name} is {what} but the model's parameters are {lib[2]}; convert it "
+                f"first: {name} = {convert}", False)
+    if _is_dtype(x, "complex floating") and not any(
+            _is_dtype(p, "complex floating") for p in params):
+        have = ", ".join(sorted({str(p.dtype) for p in params}))
+        return (f"{name} has complex dtype {x.dtype} but the model's parameters are real "
+                f"({have}): complex inputs are not supported unless the model maps them to "
+                f"real values itself; pass a real floating {name} (for example its real and "
+                "imaginary parts as separate features)", True)
+    if _floating(x) and _about_types(exc):
+        dtypes = {str(p.dtype) for p in params if _floating(p)}
+        if dtypes and _dtype_name(x.dtype) not in {_dtype_name(d) for d in dtypes}:
+            have = ", ".join(sorted(dtypes))
+            if len(dtypes) > 1:
+                fix = "to one of them"
+            elif mine is not None and mine[0] == "torch":
+                fix = f"to the model's dtype: {name} = {name}.to({have})"
+            elif mine is not None and mine[0] in ("NumPy", "JAX", "CuPy"):
+                fix = f"to the model's dtype: {name} = {name}.astype({_dtype_name(have)!r})"
+            else:
+                fix = "to the model's dtype"
+            return (f"{name} has dtype {x.dtype} but the model's parameters have dtype "
+                    f"{have}; convert {name} {fix}", True)
+    return None
+
+
+class ModelInputError(TypeError):
+    """A provider's failure on its input, explained by :func:`input_problem` (the model's
+    own exception is the ``__cause__``); :func:`explain_failure` explains it anew under the
+    caller's argument name instead of quoting it."""
+
+
+def explain_failure(exc: BaseException, model: Any, name: str, x: Any,
+                    x1: Any = None) -> None:
     """Raise a clear error from a provider failure ``exc`` on input ``name`` when its cause is
-    visible (a dtype differing from every floating parameter's; an ``x2`` shaped unlike
-    ``x1``); return otherwise (the caller re-raises ``exc``)."""
+    visible (:func:`input_problem`; with ``x1`` given, an ``x`` shaped unlike ``x1``);
+    return otherwise (the caller re-raises ``exc``)."""
+    if isinstance(exc, ModelInputError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # the model's own error, explained again under this name
     cause = f"{type(exc).__name__}: {exc}"
-    if _floating(x):
-        dtypes = {p.dtype for _, p in _named_parameters(model) if _floating(p)}
-        if dtypes and x.dtype not in dtypes:
-            have = ", ".join(sorted(str(d) for d in dtypes))
-            raise TypeError(f"{name} has dtype {x.dtype} but the model's parameters have "
-                            f"dtype {have}; convert {name} to the model's dtype (the model "
-                            f"raised {cause})") from exc
-    if name == "x2" and tuple(x.shape[1:]) != tuple(x1.shape[1:]):
-        raise ValueError(f"x2 has per-sample shape {tuple(x.shape[1:])} but x1 has "
-                         f"{tuple(x1.shape[1:])}, and the model failed on x2 (it raised "
+    problem = input_problem(model, name, x, exc)
+    if problem is not None:
+        message, with_cause = problem
+        if with_cause:
+            message += f" (the model raised {cause})"
+        raise ModelInputError(message) from exc
+    if x1 is not None and x is not x1 and tuple(x.shape[1:]) != tuple(x1.shape[1:]):
+        raise ValueError(f"{name} has per-sample shape {tuple(x.shape[1:])} but x1 has "
+                         f"{tuple(x1.shape[1:])}, and the model failed on {name} (it raised "
                          f"{cause}); pass inputs of one per-sample shape") from exc
 
 
@@ -277,7 +396,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
             try:
                 j = provider.jacobian(model, x, **kwargs)
             except Exception as exc:
-                _explain(exc, model, name, x_full, x1)
+                explain_failure(exc, model, name, x_full, x1)
                 raise
             if not isinstance(j, Jacobian):
                 raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
@@ -322,7 +441,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                                       pseudo=pseudo, params=params, max_memory=budget,
                                       dtype=dtype, batch_size=batch_size)
             except Exception as exc:
-                _explain(exc, model, "x2", x2, x1)
+                explain_failure(exc, model, "x2", x2, x1)
                 raise
         if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
             box, probe = [probe], None  # _streamed drops the probe after its first row block
@@ -364,7 +483,7 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
         except Exception:  # gram() reports a bad dtype
             pass
     g = min_budget(shapes, num_outputs=o, n1=n1, n2=n2, mode=mode, layerwise=layerwise,
-                   itemsize=item)
+                   itemsize=item, symmetric=not cross)
     m = max(useful_tile(n1), useful_tile(n2))
     factors = per_sample * (n1 + (n2 if cross else 0))
     need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))
@@ -434,7 +553,7 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
     x2 : array, shape (N2, ...), optional
         Second inputs; ``None`` means ``x1`` against itself (symmetric: tiles on and above the
         diagonal only, the result is exactly symmetric: ``K[n, m, o, p] == K[m, n, p, o]``
-        bit for bit).
+        bit for bit on any machine, as one triangle of each diagonal tile is mirrored).
     mode : {"full", "trace", "diagonal"}
         ``full`` (N1, N2, O, O); ``trace`` (N1, N2), :math:`\sum_o \Theta[:, :, o, o]`;
         ``diagonal`` (N1, N2, O).

@@ -111,11 +111,12 @@ concatenated, which transiently needs a second output-sized buffer.  With ``J2=N
 tiles on and above the diagonal are computed and mirrored, and a tile on the diagonal is
 computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
 GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
-than panels on large full-mode tiles).  The panels' own squares are exactly symmetric from a
-GEMM ``X X^T`` (dense, kron1, materialise: an entry and its mirror sum the same products in the
-same order); the "positions" contraction sums over s and t in different orders, so squares with
-a "positions" block are averaged with their transpose (exact: ``fl(x + y) = fl(y + x)``,
-halving is exact).  A self-kernel is thus exactly symmetric, bit for bit.
+than panels on large full-mode tiles).  The square of each piece on the diagonal keeps its
+upper triangle and mirrors it below (:meth:`~ntkcore.modes.Mode.mirror`, ``MIRROR_TILES`` of
+working memory): no BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round
+its triangles differently) and the "positions" and "pairs" routes sum ``(n, m)`` and
+``(m, n)`` in different orders, so a self-kernel is exactly symmetric, bit for bit, by
+construction, whichever machine computed it.
 
 Everything is pure array API (matmul, reshape, permute_dims, vecdot, sum).
 """
@@ -180,6 +181,11 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 #: most flops decides): a token or convolution layer's panels stay wide at small N.
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
+
+#: Tiles of working memory that mirroring a diagonal tile of a self-kernel takes besides the
+#: tile (:meth:`ntkcore.modes.Mode.mirror`): the mirrored copy and its boolean mask, one byte
+#: an element (at most half a tile, for 2-byte floats).
+MIRROR_TILES = 1.5
 
 #: The smallest useful tile holds ``min(N, MIN_TILE_SAMPLES)`` samples a side (rows of J1,
 #: columns of J2).  A budget that cannot hold it raises ``ValueError`` stating the budget that
@@ -315,33 +321,38 @@ def useful_tile(n: int) -> int:
 
 
 def _min_elements(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, layerwise: bool,
-                  forced: str | None) -> int:
+                  forced: str | None, symmetric: bool) -> int:
     """Working elements of the smallest useful tile, ``min(n1, MIN_TILE_SAMPLES)`` x
     ``min(n2, MIN_TILE_SAMPLES)``, with each block's leanest strategy."""
     r, c = useful_tile(n1), useful_tile(n2)
-    acc = _acc_factor(layerwise, len(pairs))
+    acc = _acc_factor(layerwise, len(pairs), symmetric)
     mem = max(min(_cost(s, p, mode, o, r, c)[0] for s in p.strategies(forced)) for p in pairs)
-    return mem + r * c * _q(mode, o) * acc
+    return mem + math.ceil(r * c * _q(mode, o) * acc)
 
 
 def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2: int,
                mode: str = "full", layerwise: bool = False, itemsize: int = 8,
-               shapes2: tuple[_BlockShape, ...] | None = None) -> int:
+               shapes2: tuple[_BlockShape, ...] | None = None,
+               symmetric: bool = False) -> int:
     """Smallest ``max_memory`` (bytes) for which :func:`gram` plans a useful tile.
 
     ``shapes`` (and ``shapes2`` for J2, default the same) from :func:`block_shapes`;
-    ``itemsize`` of the compute dtype.  Used by :func:`ntkcore.ntk` to check a budget before
-    any factor is computed.
+    ``itemsize`` of the compute dtype; ``symmetric``: a self-kernel (``J2=None``), whose
+    diagonal tiles are mirrored (:data:`MIRROR_TILES`).  Used by :func:`ntkcore.ntk` to check
+    a budget before any factor is computed.
     """
     pairs = [_Pair(str(i), a, b, a.kron) for i, (a, b) in enumerate(
         zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
-    return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None) * itemsize
+    return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None,
+                         symmetric) * itemsize
 
 
-def _acc_factor(layerwise: bool, nblocks: int) -> int:
+def _acc_factor(layerwise: bool, nblocks: int, symmetric: bool) -> float:
     """Tiles held by the accumulator: running sum, new block tile and their sum (one block or
-    layerwise: just the block's tile)."""
-    return 1 if layerwise or nblocks == 1 else 3
+    layerwise: just the block's tile); a self-kernel's diagonal tile also has its mirrored
+    copy (:data:`MIRROR_TILES`) while the block tiles are gone."""
+    held = 1 if layerwise or nblocks == 1 else 3
+    return max(held, 1 + MIRROR_TILES) if symmetric else held
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -403,11 +414,11 @@ class GramPlan:
 
 
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
-          r: int, c: int, acc: int, chunk: int | None = None) -> int:
+          r: int, c: int, acc: float, chunk: int | None = None) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
     return max(_cost(s, p, mode, o, r, c, chunk)[0]
                for s, p in zip(strategies, pairs, strict=True)) \
-        + r * c * _q(mode, o) * acc
+        + math.ceil(r * c * _q(mode, o) * acc)
 
 
 def _flops(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
@@ -450,7 +461,7 @@ def _symmetric_flops(strategy: str, pair: _Pair, mode: str, o: int, n: int, r: i
 
 
 def _choose(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, fits_elems: float,
-            acc: int, forced: str | None, panel_rows: int) -> tuple[list[str], list[int]]:
+            acc: float, forced: str | None, panel_rows: int) -> tuple[list[str], list[int]]:
     """Per block the strategy with the fewest flops at the largest tile that fits, and that
     tile.  ``panel_rows`` > 0: a symmetric kernel whose diagonal tiles are split into the row
     panels of at least ``panel_rows`` GEMM rows that the strategy would get alone
@@ -503,7 +514,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     alone (a "positions" block's panels are S times taller GEMMs); each plan gets the panels
     its dominant block allows (:func:`_panel_span`), and the one with fewer flops is kept.
     """
-    acc = _acc_factor(layerwise, len(pairs))
+    acc = _acc_factor(layerwise, len(pairs), symmetric)
     elems = budget / itemsize
     args = (pairs, mode, o, n1, n2, symmetric, layerwise, budget, itemsize, gpu, writable, acc)
     plan = _finish(*_choose(pairs, mode, o, n1, n2, elems, acc, forced, 0), *args)
@@ -517,7 +528,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
 
 def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, o: int,
             n1: int, n2: int, symmetric: bool, layerwise: bool, budget: int, itemsize: int,
-            gpu: bool, writable: bool, acc: int) -> GramPlan:
+            gpu: bool, writable: bool, acc: float) -> GramPlan:
     """The plan of the chosen strategies: one tile grid for all blocks, panels, flops."""
     elems = budget / itemsize
     panels = 1
@@ -559,7 +570,7 @@ def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, 
 
 
 def _pair_chunk(chosen: list[str], pairs: list[_Pair], mode: str, o: int, r: int, c: int,
-                acc: int, elems: float) -> int:
+                acc: float, elems: float) -> int:
     """The largest chunk of matching pairs, up to ``PAIRS_MAX_CHUNK`` (and no more than a
     tile has), that every "pairs" block fits in the budget with (0: no such block)."""
     sel = [p for s, p in zip(chosen, pairs, strict=True) if s == "pairs"]
@@ -998,7 +1009,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
                                                       for p in pairs), 0, j2 is None, 0,
                         budget, 0.0, 0.0)
     else:
-        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * item
+        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy, j2 is None) * item
         if budget < need:
             raise BudgetTooSmallError(
                 f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
@@ -1037,7 +1048,8 @@ def gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False
         N2 samples with the same block structure as ``J1`` (names, kinds, parameter shapes;
         Kronecker blocks may have a different number of positions).  ``None``: ``J1`` against
         itself; only tiles on and above the diagonal are computed, the rest is mirrored, and
-        the result is exactly symmetric (``K[n, m, o, p] == K[m, n, p, o]`` bit for bit).
+        the result is exactly symmetric (``K[n, m, o, p] == K[m, n, p, o]`` bit for bit, on
+        any machine: one triangle of each diagonal tile is mirrored, whatever the BLAS).
     mode : {"full", "trace", "diagonal"}
         ``full``: :math:`\Theta[n,m,o,p] = \sum_k J_1[n,o,k] J_2[m,p,k]`, shape (N1, N2, O, O).
         ``trace``: :math:`\sum_o \Theta[n,m,o,o]` (a sum over outputs), shape (N1, N2).
@@ -1146,38 +1158,35 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     writable = _writable(xp, st.dtype, st.device)
     out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
     tiles: dict[tuple[int, int], Array] = {}
-    # Self-products by GEMM (dense, kron1, materialise: X X^T) come out symmetric bit for bit
-    # (each entry and its mirror sum the same products in the same order); the "positions"
-    # and "pairs" contractions sum over s and t in different orders for (n, m) and (m, n), so
-    # their diagonal tiles are averaged with their transpose (exact: fl(x + y) = fl(y + x),
-    # halving is exact; test_self_kernel_exactly_symmetric checks every backend).
-    unsym = [s in ("positions", "pairs") for s in plan.strategies]
     route = _Route(st.backend, plan.pair_chunk)
 
     def flush(accs: list[Array | None], k: int, piece: tuple[slice, slice, int],
-              b: int | None, sym: bool, parts: list[Array]) -> None:
+              b: int | None, same: bool, parts: list[Array]) -> None:
         """Write piece ``k``'s tile (taken from ``accs``, GEMM layout) for block ``b`` (None:
-        all blocks), its mirror and, ``sym``, the exact symmetrisation of its square; without
-        item assignment (JAX) append the tile to ``parts`` instead."""
+        all blocks) and its mirror below the diagonal; ``same``: the piece lies on the
+        diagonal of a self-kernel, and its square is written as :meth:`Mode.mirror` of the
+        computed one (one triangle mirrored: exactly symmetric whatever the products'
+        rounding).  Without item assignment (JAX) append the tile to ``parts`` instead."""
         t, accs[k] = accs[k], None
         if mode == "full":  # (r, O, c, O) -> (r, c, O, O)
             t = xp.permute_dims(t, (0, 2, 1, 3))
-        if not writable:
-            parts.append((t + mode.transpose(xp, t)) * 0.5 if sym else t)
+        if not writable:  # a diagonal tile is one piece here
+            parts.append(mode.mirror(xp, t) if same else t)
             return
         rows, cols, mirror = piece
         lead: tuple[int, ...] = () if b is None else (b,)
-        out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
+        if same:  # the square [rows, rows] is the piece's first ``mirror`` columns
+            square = mode.mirror(xp, t[:, :mirror, ...])
+            out[(*lead, rows, rows, ...)] = square  # type: ignore[index]
+            del square
+            right = slice(cols.start + mirror, cols.stop)
+            if mirror < cols.stop - cols.start:
+                out[(*lead, rows, right, ...)] = t[:, mirror:, ...]  # type: ignore[index]
+        else:
+            out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
         if mirror < cols.stop - cols.start:
             below = (*lead, slice(cols.start + mirror, cols.stop), rows, ...)
             out[below] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
-        if sym:
-            del t  # free the tile (budgeted) before the pass over the square
-            sq = out[(*lead, rows, rows, ...)]  # type: ignore[index]
-            avg = sq + mode.transpose(xp, sq)
-            del sq
-            avg *= 0.5  # a fresh array of this function
-            out[(*lead, rows, rows, ...)] = avg  # type: ignore[index]
 
     todo = grid.schedule()
     panels = plan.panels if writable else 1
@@ -1198,12 +1207,11 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
                     else:
                         accs[k] += t  # this loop's own array (a block tile computed above)
                     del t  # free the block tile before the next one is allocated
-                    if layerwise:  # (without item assignment all symmetrised, as summed)
-                        flush(accs, k, pieces[k], b,
-                              same and (unsym[b] if writable else any(unsym)), parts)
+                    if layerwise:
+                        flush(accs, k, pieces[k], b, same, parts)
             if not layerwise:
                 for k, piece in enumerate(pieces):
-                    flush(accs, k, piece, None, same and any(unsym), parts)
+                    flush(accs, k, piece, None, same, parts)
             if not writable:
                 tiles[(i, j)] = xp.stack(parts, axis=0) if layerwise else parts[0]
             step()

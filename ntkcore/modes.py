@@ -13,7 +13,8 @@ mode       shape                 entries
 
 A :class:`Mode` is the validated mode string (it compares, hashes and prints as the string),
 returned by :func:`check_mode` at each public entry; it knows its trailing shape, how to
-transpose a kernel (:math:`\Theta_{21}[m,n,p,o] = \Theta_{12}[n,m,o,p]`) and the matrix view
+transpose a kernel (:math:`\Theta_{21}[m,n,p,o] = \Theta_{12}[n,m,o,p]`), mirror one triangle
+of a self-kernel's tile (:meth:`Mode.mirror`) and the matrix view
 of a full kernel, (N1 O, N2 O) with row index ``n * O + o``.  To add a mode, add it here and
 teach :mod:`ntkcore.gram`'s tiles to produce it.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import array_api_compat
 
 from ._typing import Array
 
@@ -51,6 +54,31 @@ class Mode(str):
         """``k`` (lead..., N2, N1, tail) as (lead..., N1, N2, tail) (a view where ``xp`` has
         views)."""
         return xp.permute_dims(k, self.swap(lead))
+
+    def mirror(self, xp: Any, k: Array, lead: int = 0) -> Array:
+        r"""The square kernel ``k`` (lead..., N, N, tail) made exactly symmetric by
+        construction: entries on and above the diagonal of the matrix view (row
+        ``n * O + o``, column ``m * O + p``) are kept, those below are the transpose of their
+        mirror image above, :math:`K[m,n,p,o] := K[n,m,o,p]` for :math:`(n,o) < (m,p)`.
+
+        This is how a self-kernel is symmetric bit for bit on any machine: no BLAS promises
+        that a product ``X @ X.T`` comes out symmetric (MKL, OpenBLAS and cuBLAS may round
+        its two triangles differently), and a contraction over positions sums ``(n, m)`` and
+        ``(m, n)`` in different orders.  One ``where`` over the tile: a memory-bound pass of
+        :math:`N^2 q` elements (``q`` = 1, O or O^2) beside a contraction of at least
+        :math:`2 N^2 q` flops per parameter.
+        """
+        n = k.shape[lead]
+        o = k.shape[lead + 2] if self == "full" else 1
+        # position of entry (n, o) in the matrix view, broadcast as rows and as columns
+        pos = xp.arange(n * o, device=array_api_compat.device(k))
+        if self == "full":
+            keep = xp.reshape(pos, (n, 1, o, 1)) <= xp.reshape(pos, (1, n, 1, o))
+        else:
+            keep = pos[:, None] <= pos[None, :]
+            if self == "diagonal":
+                keep = keep[:, :, None]
+        return xp.where(keep, k, self.transpose(xp, k, lead))
 
     def matrix(self, xp: Any, k: Array) -> Array:
         """The kernel as a matrix: trace mode as is (N1, N2); full mode

@@ -68,6 +68,7 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
 @pytest.mark.parametrize("max_memory", [None, 12_000, 40_000])
 def test_ntk_modes_symmetric_and_cross(mode, max_memory):

@@ -63,6 +63,7 @@ def _close(backend, k, ref, n):
         np.abs(ref))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["trace", "diagonal", "full"])
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("budget", [None, "chunked"])
@@ -100,6 +101,7 @@ def test_pairs_route_matches_dense(monkeypatch, backend, rng, mode, cross, budge
         np.testing.assert_array_equal(kn, kn.transpose(SWAP[mode]))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["trace", "diagonal", "full"])
 def test_pairs_route_in_row_panels(monkeypatch, backend, rng, mode):
     """A diagonal tile split into row panels: the route computes the tile once (as a
