@@ -180,6 +180,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ntkcore._api import ModelInputError, explain_failure, input_problem
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.support import capabilities
 
@@ -466,7 +467,12 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     with (_hooked({path: u.module for path, u in units.items()}, record),
           uses if uses is not None else contextlib.nullcontext(),
           _hooked_recurrent(rec or {})):
-        return _check_output(model(x))
+        try:
+            out = model(x)
+        except Exception as exc:  # a NumPy-typed dtype, complex x, ...: say so, naming x
+            explain_failure(exc, model, "x", x)
+            raise
+        return _check_output(out)
 
 
 def _graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[int, int]]:
@@ -834,8 +840,13 @@ def _check_inputs(model: Any, **inputs: Any) -> None:
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     for name, x in inputs.items():
         if not isinstance(x, torch.Tensor):
+            problem = input_problem(model, name, x)  # an array of another library
+            if problem is not None:
+                raise ModelInputError(problem[0])
+            hint = (f"; convert it first: {name} = torch.as_tensor({name})"
+                    if hasattr(x, "__array__") or hasattr(x, "__dlpack__") else "")
             raise TypeError(f"{name} must be a torch.Tensor of shape (N, ...); got "
-                            f"{type(x).__name__}")
+                            f"{type(x).__name__}{hint}")
         if x.ndim < 1 or x.shape[0] < 1:
             raise ValueError(f"{name} must lead with a non-empty sample axis N; got shape "
                              f"{tuple(x.shape)}")
@@ -1238,7 +1249,9 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
-                         f"{tuple(out.shape)}")
+                         f"{tuple(out.shape)}: the first axis of x (shape {tuple(x.shape)}) "
+                         "is the sample axis; for a single sample add it: x.unsqueeze(0) "
+                         "(or x[None])")
     o = int(math.prod(out.shape[1:]))
     out2 = out.reshape(n, o)
 

@@ -187,6 +187,35 @@ def check_array(
         check_finite(xp, x, name)
 
 
+def kernel_layout_hint(x: Array, name: str) -> str:
+    """What to do with a kernel ``x`` of another layout than the (N, M) matrix a solver needs
+    (empty for a 2-d ``x``): a full-mode kernel (N, M, O, O) wants ``mode="trace"`` or its
+    (N O, M O) matrix view; an (L, N, M) layerwise or (N, M, O) diagonal-mode kernel wants
+    its layers summed or ``mode="trace"``."""
+    shape = tuple(x.shape)
+    if len(shape) == 4:
+        n, m, o, p = shape
+        return (f"; {name} looks like a full-mode kernel (N, M, O, O): compute it with "
+                f'mode="trace" (one (N, M) kernel shared by the outputs), or use its '
+                f"(N O, M O) matrix, xp.reshape(xp.permute_dims({name}, (0, 2, 1, 3)), "
+                f"({n * o}, {m * p})), with the targets (N, O) reshaped to (N O,)")
+    if len(shape) == 3:
+        return (f"; {name} looks like a layerwise kernel (L, N, M), whose sum over the "
+                f'first axis is the kernel, or a mode="diagonal" kernel (N, M, O): compute '
+                f'it with mode="trace"')
+    return ""
+
+
+def check_kernel(xp: Any, x: Array, name: str, what: str, *, finite: bool = True) -> None:
+    """:func:`check_array` for a kernel matrix ``x`` (2-d; ``what`` names its shape, e.g.
+    ``"(N, N)"``), whose error says what to do with another kernel layout
+    (:func:`kernel_layout_hint`)."""
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape {what}; got shape {tuple(x.shape)}"
+                         + kernel_layout_hint(x, name))
+    check_array(xp, x, name, (2,), what, finite=finite)
+
+
 def check_size(value: Any, name: str) -> int:
     """A positive Python int from ``value`` (an integer, not a bool)."""
     if isinstance(value, bool):

@@ -81,6 +81,7 @@ from ._validation import (
     check_array,
     check_scalar,
     check_symmetric,
+    kernel_layout_hint,
     namespace_of,
     promote,
 )
@@ -202,7 +203,8 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
         op = _DuckOperator(k)
     elif _is_array(k):
         if k.ndim != 2:
-            raise ValueError(f"{name} must have shape (N, N); got shape {tuple(k.shape)}")
+            raise ValueError(f"{name} must have shape (N, N); got shape {tuple(k.shape)}"
+                             + kernel_layout_hint(k, name))
         op = ArrayOperator(k)
     else:
         raise TypeError(
@@ -726,7 +728,7 @@ def cg_kernel_regression(
     if len(k_test_train.shape) != 2 or k_test_train.shape[1] != n:
         raise ValueError(
             f"k_test_train must have N={n} columns (one per training point); got shape "
-            f"{tuple(k_test_train.shape)}"
+            f"{tuple(k_test_train.shape)}" + kernel_layout_hint(k_test_train, "k_test_train")
         )
     if _is_array(k_test_train):
         check_array(array_api_compat.array_namespace(k_test_train), k_test_train,

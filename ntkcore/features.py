@@ -126,7 +126,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._api import _check_model_finite, _explain
+from ._api import _check_model_finite, explain_failure
 from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, check_size, namespace_of
@@ -401,7 +401,8 @@ def _merge(J: Jacobian, mode: str) -> Jacobian:
 def _check_samples(x: Any, name: str) -> tuple[Any, Any]:
     xp, backend = namespace_of(**{name: x})
     if x.ndim < 1 or x.shape[0] is None:
-        raise ValueError(f"{name} must lead with the sample axis N; got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must lead with the sample axis N; got shape {tuple(x.shape)} "
+                         f"(for a single sample add the sample axis: {name}[None])")
     if x.shape[0] == 0:
         raise ValueError(f"{name} has no samples (N = 0)")
     return xp, backend
@@ -438,7 +439,7 @@ def _source(model: Any, x: Any, name: str, mode: str, params: Any, check_finite:
         try:
             j = provider.jacobian(model, x[start:stop, ...], **kwargs)
         except Exception as exc:
-            _explain(exc, model, name, x, x)
+            explain_failure(exc, model, name, x, x)
             raise
         if not isinstance(j, Jacobian):
             raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, not an "

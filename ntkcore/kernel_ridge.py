@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ._estimator import NotFittedError, Regressor, _floating
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of, promote
+from ._validation import check_kernel, check_scalar, namespace_of, promote
 from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
@@ -111,7 +111,7 @@ class KernelRidge(Regressor):
 
     def _predict(self, k_test_train: Array) -> Array:
         xp, _ = namespace_of(k_test_train=k_test_train, dual_coef_=self.dual_coef_)
-        check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
+        check_kernel(xp, k_test_train, "k_test_train", "(M, N)")
         n = self.n_features_in_
         if k_test_train.shape[1] != n:
             raise ValueError(

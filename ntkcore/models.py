@@ -482,8 +482,10 @@ class MLP:
     def _check_input(self, x: Array) -> tuple[Any, Array]:
         xp, _ = namespace_of(x=x, weights=self.weights[0])
         if x.ndim != 2 or int(x.shape[1]) != self.widths[0]:
+            one = (x.ndim == 1 and int(x.shape[0]) == self.widths[0])
             raise ValueError(f"x must have shape (N, {self.widths[0]}); got shape "
-                             f"{tuple(x.shape)}")
+                             f"{tuple(x.shape)}" + ("; for a single sample add the sample "
+                                                    "axis: x[None]" if one else ""))
         check_floating(xp, x, "x")
         return xp, x
 

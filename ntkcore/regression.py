@@ -47,7 +47,14 @@ from typing import Any
 from array_api_compat import device
 
 from ._typing import Array
-from ._validation import check_array, check_scalar, check_symmetric, namespace_of, promote
+from ._validation import (
+    check_array,
+    check_kernel,
+    check_scalar,
+    check_symmetric,
+    namespace_of,
+    promote,
+)
 from .backend import Backend
 from .errors import JitterWarning, NotPositiveDefiniteError
 from .support import DIFFERENTIABLE, GENERATOR, TRIANGULAR_SOLVE, capabilities
@@ -161,7 +168,7 @@ def _check_regression_inputs(
     """Check the arrays (rank, dtype, finiteness, shapes; names in messages) and return them
     in the dtype they promote to (:func:`~ntkcore._validation.promote`), ``k_train``
     symmetrised within ``SYMMETRY_RTOL_EPS`` eps (ValueError beyond)."""
-    check_array(xp, k_train, "k_train", (2,), "(N, N)")
+    check_kernel(xp, k_train, "k_train", "(N, N)")
     n = k_train.shape[0]
     if k_train.shape[1] != n:
         raise ValueError(f"k_train must be square (N, N); got shape {tuple(k_train.shape)}")
@@ -170,7 +177,7 @@ def _check_regression_inputs(
         if y_train.shape[0] != n:
             raise ValueError(f"y_train has {y_train.shape[0]} rows but k_train is {n} x {n}")
     if k_test_train is not None:
-        check_array(xp, k_test_train, "k_test_train", (2,), "(M, N)")
+        check_kernel(xp, k_test_train, "k_test_train", "(M, N)")
         if k_test_train.shape[1] != n:
             raise ValueError(
                 f"k_test_train must have N={n} columns (one per training point); got shape "
@@ -478,7 +485,7 @@ def gp_inference(
     reg = check_scalar(reg, "reg", nonnegative=True)
     m = k_test_train.shape[0]
     if k_test_test is not None:
-        check_array(xp, k_test_test, "k_test_test", (2,), "(M, M)")
+        check_kernel(xp, k_test_test, "k_test_test", "(M, M)")
         if tuple(k_test_test.shape) != (m, m):
             raise ValueError(
                 f"k_test_test must have shape ({m}, {m}); got {tuple(k_test_test.shape)}"

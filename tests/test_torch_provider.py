@@ -140,7 +140,9 @@ def test_params_as_tensors_and_errors():
     assert jacobian(m, x).num_params == sum(p.numel() for p in m.parameters()) - 35
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         jacobian(lambda z: z, x)
-    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+    with pytest.raises(TypeError, match=r"x is a NumPy array but the model's parameters are "
+                                        r"torch tensors; convert it first: x = "
+                                        r"torch\.as_tensor\(x\)$"):
         jacobian(m, np.zeros((3, 5)))
 
 
