@@ -53,6 +53,10 @@ def compute(tasks: Sequence[Any], client: Any = None, progress: Any = None) -> l
 
     ``progress``: ``None``/``False`` (silent), ``True`` (Dask's progress bar) or a callable
     ``progress(done, total)`` called as each task finishes.
+
+    On a client, an error or interruption (``KeyboardInterrupt``) cancels the tasks that have
+    not finished before it propagates: those not yet started never run; a task already
+    running on a worker cannot be stopped and finishes in the background.
     """
     if not (progress in (None, False, True) or callable(progress)):
         raise TypeError(f"progress must be None, True or a callable(done, total); got "
@@ -66,12 +70,19 @@ def compute(tasks: Sequence[Any], client: Any = None, progress: Any = None) -> l
     if client is not None:
         client = get_client(client)
         futures = client.compute(tasks)
-        if progress is True:
-            distributed.progress(futures)
-        elif callable(progress):
-            for done, _ in enumerate(distributed.as_completed(futures), start=1):
-                progress(done, total)
-        return client.gather(futures)
+        try:
+            if progress is True:
+                distributed.progress(futures)
+            elif callable(progress):
+                for done, _ in enumerate(distributed.as_completed(futures), start=1):
+                    progress(done, total)
+            return client.gather(futures)
+        except BaseException:
+            # the caller gives up (a task failed, or an interruption): tasks not yet started
+            # must not run on after it returns (to_zarr's writer lock is released by then)
+            with contextlib.suppress(Exception):
+                client.cancel(futures)
+            raise
     keys, count = {t.key for t in tasks}, itertools.count(1)
 
     def post(key: Any, *_: Any) -> None:
