@@ -11,19 +11,27 @@ and checks itself, or any Zarr store, through the Zarr API)::
     <store>/done     uint8 (tile rows, tile columns[, 1, 1]); 1 once a tile is fully written
     attrs            {"ntkcore": {"format", "shape", "chunks", "dtype", "complete", "key",
                       "symmetric", "fingerprint", "version"}}
+    <store>/.ntkcore.lock   while a local store is being written: the writer's lock file
+                     (empty of meaning to Zarr; removed when the writer finishes, left unlocked
+                     by a writer that was killed, and then reused by the next one)
 
 Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk),
 flushes it (``fsync``), records its size and checksum, and only then sets its marker (its own
 chunk of ``done``).  The guarantees (one computation per store, never deleting what is not
-ntkcore's, never calling a torn store complete) are those of :func:`to_zarr`.
+ntkcore's, never calling a torn store complete, one writer at a time) are those of
+:func:`to_zarr`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import shutil
+import socket
+import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -42,9 +50,35 @@ from ..support import capabilities
 from . import _fingerprint as fp
 from ._cluster import compute
 
+try:  # POSIX: flock, one lock per open file description, released by the kernel on exit
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+try:  # Windows: a byte-range lock on the lock file, released by the system on exit
+    import msvcrt
+except ImportError:
+    msvcrt = None  # type: ignore[assignment]
+
 _ATTR = "ntkcore"
 _FORMAT = 2  # 1: no per-tile records and no fingerprint (ntkcore before issue 15)
 _OURS = ("done", "tiles", "kernel", "zarr.json")  # removed in this order by overwrite=True
+_LOCK_NAME = ".ntkcore.lock"  # a local store's writer lock (not one of _OURS: never cleared)
+
+
+class StoreLockedError(RuntimeError):
+    """Another writer is writing the kernel store: another process, on this machine or on one
+    that shares the file system (local and mounted directories), or another thread of this
+    process (any store).
+
+    Raised at once by :func:`to_zarr` and :func:`ntk_to_zarr`, before anything is read for a
+    resume or written.  ``store`` is the store's location; ``holder`` what the writer
+    recorded about itself (process id, host, start time) or ``None`` when unknown.
+    """
+
+    def __init__(self, message: str, store: Any, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.store = store
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -119,6 +153,187 @@ def _location(store: Any) -> Any:
     if path.startswith("file://"):
         return path[len("file://"):]
     return zarr.storage.FsspecStore.from_url(path) if "://" in path else path
+
+
+# ---------------------------------------------------------------------------------------------
+# one writer per store
+# ---------------------------------------------------------------------------------------------
+_held: set[tuple[Any, ...]] = set()  # stores written by this process now (any thread)
+_held_guard = threading.Lock()
+_MSVCRT_BYTE = 1 << 20  # Windows locks a byte far past the holder's note, which stays readable
+_OPEN = os.O_RDWR | getattr(os, "O_BINARY", 0)
+
+
+class _Busy(Exception):
+    """The OS lock is held by another open file (another process, or another open here)."""
+
+
+def _identity(loc: Any) -> tuple[Any, ...]:
+    """What makes two locations the same store within this process."""
+    if isinstance(loc, str):
+        return ("path", os.path.realpath(loc))
+    if isinstance(loc, zarr.storage.MemoryStore):
+        return ("memory", id(loc._store_dict))
+    if isinstance(loc, zarr.storage.FsspecStore):
+        return ("fsspec", str(loc.fs.protocol), loc.path)
+    return ("store", id(loc))
+
+
+def _os_lock(fd: int) -> str | None:
+    """Lock ``fd`` exclusively without waiting.  None once locked; raises :class:`_Busy` when
+    another open file holds the lock; otherwise the reason no lock is possible here."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise _Busy from exc
+            return f"the file system refused a lock ({exc.strerror or exc})"
+        return None
+    if msvcrt is not None:
+        os.lseek(fd, _MSVCRT_BYTE, os.SEEK_SET)
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EDEADLK):
+                raise _Busy from exc
+            return f"the file system refused a lock ({exc.strerror or exc})"
+        return None
+    return "this platform has neither fcntl nor msvcrt"
+
+
+def _os_unlock(fd: int) -> None:
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    elif msvcrt is not None:
+        os.lseek(fd, _MSVCRT_BYTE, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+
+def _holder(fd: int) -> str | None:
+    """What the lock's holder wrote about itself (None: not yet written, or unreadable)."""
+    with contextlib.suppress(OSError):
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 512).decode("utf-8", "replace").strip()
+        return text or None
+    return None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _locked_error(loc: Any, holder: str | None, who: str) -> StoreLockedError:
+    return StoreLockedError(
+        f"the store at {loc!r} is being written by {who}"
+        + (f" ({holder})" if holder else "")
+        + ": two writers of one store would mix their tiles. Wait for it to finish (then "
+        "call again: a resume keeps its tiles), or stop it, or write to another store",
+        loc, holder)
+
+
+def _lock_directory(loc: str) -> int | None:
+    """Take the writer lock of the local store ``loc`` (creating the directory); the lock
+    file's descriptor, or None (with a warning) where the file system cannot lock.
+
+    A holder unlinks the file before it unlocks it, so a writer that opened the file just
+    before and then locks it finds it unlinked (or replaced) and tries again.
+    """
+    os.makedirs(loc, exist_ok=True)
+    path = os.path.join(loc, _LOCK_NAME)
+    while True:
+        fd = os.open(path, _OPEN | os.O_CREAT, 0o644)
+        try:
+            why = _os_lock(fd)
+        except _Busy:
+            holder = _holder(fd)
+            os.close(fd)
+            raise _locked_error(loc, holder, "another process") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if why is not None:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            warnings.warn(f"cannot lock the store at {loc!r} ({why}): a second process "
+                          "writing it at the same time will not be detected", UserWarning,
+                          stacklevel=5)
+            return None
+        if _same_file(fd, path):
+            break
+        _os_unlock(fd)  # unlinked by the writer that held it: lock the file at path now
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode())
+    return fd
+
+
+def _unlock_directory(loc: str, fd: int) -> None:
+    """Remove the lock file and release the lock (POSIX: remove first, see
+    :func:`_lock_directory`; Windows cannot remove an open file: release first, and the
+    removal fails harmlessly while another writer has it open)."""
+    path = os.path.join(loc, _LOCK_NAME)
+    try:
+        if fcntl is not None and _same_file(fd, path):
+            os.remove(path)
+        _os_unlock(fd)
+    finally:
+        os.close(fd)
+    if fcntl is None:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _raise_if_locked(loc: Any) -> None:
+    """Raise :class:`StoreLockedError` if another writer holds ``loc`` now; touches nothing
+    (a store another writer is creating can look foreign for a moment)."""
+    with _held_guard:
+        if _identity(loc) in _held:
+            raise _locked_error(loc, None, "another thread of this process")
+    if not isinstance(loc, str) or (fcntl is None and msvcrt is None):
+        return
+    try:
+        fd = os.open(os.path.join(loc, _LOCK_NAME), _OPEN)
+    except OSError:  # no lock file (or no directory): nobody holds it
+        return
+    try:
+        if _os_lock(fd) is None:
+            _os_unlock(fd)
+    except _Busy:
+        raise _locked_error(loc, _holder(fd), "another process") from None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _writer_lock(loc: Any) -> Any:
+    """Hold the store ``loc`` for one writer for the duration of the block: across threads of
+    this process for every store, across processes (and machines sharing the file system)
+    for a local directory.  Released on return, error and interruption; a killed process's
+    lock is released by the operating system."""
+    ident = _identity(loc)
+    with _held_guard:
+        if ident in _held:
+            raise _locked_error(loc, None, "another thread of this process")
+        _held.add(ident)
+    try:
+        fd = _lock_directory(loc) if isinstance(loc, str) else None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                _unlock_directory(loc, fd)
+    finally:
+        with _held_guard:
+            _held.discard(ident)
 
 
 def _key(arr: Any, index: tuple[int, ...]) -> str:
@@ -262,7 +477,7 @@ def _existing_store(loc: Any) -> dict[str, Any] | None:
                              "replace it (even with overwrite=True): choose another path")
         return None
     else:
-        entries = sorted(os.listdir(loc))
+        entries = sorted(e for e in os.listdir(loc) if e != _LOCK_NAME)
     if not entries:
         return None
     try:
@@ -313,7 +528,7 @@ def _check_identity(loc: Any, old: dict[str, Any], meta: dict[str, Any],
                 f"resuming the store at {loc!r} because key={key!r} matches, but these "
                 f"differ from the run that started it: {'; '.join(labels)}. The key is your "
                 "promise that the kernel is the same; pass overwrite=True if it is not",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=5)
         return
     if differ:
         raise ValueError(
@@ -385,8 +600,8 @@ def to_zarr(
         ``MemoryStore`` or any other Zarr store, or an fsspec URL (``"memory://k.zarr"``,
         ``"s3://..."``).  A file, or a directory or store with other content, is refused
         (``ValueError``), with or without ``overwrite``.  Local directories are flushed
-        (``fsync``) and read by ntkcore itself; other stores go through the Zarr API (a
-        ``MemoryStore`` needs Dask workers in this process).
+        (``fsync``) and read by ntkcore itself, and locked for the call (see Notes); other
+        stores go through the Zarr API (a ``MemoryStore`` needs Dask workers in this process).
     resume : bool, default True
         If the store holds the same computation, compute only the tiles not marked done (and
         those whose chunk fails its check, see ``checksums``).  The same computation means
@@ -427,9 +642,36 @@ def to_zarr(
 
     Raises
     ------
+    StoreLockedError
+        Another writer is writing ``store`` now (see Notes); raised at once, before the store
+        is read for a resume or changed.  A subclass of ``RuntimeError``.
     ValueError
         ``store`` is not an ntkcore store; it holds another computation (the message names
         what differs); or it is incomplete and ``resume=False``.
+
+    Notes
+    -----
+    One writer at a time.  A local store (a path, ``file://`` URL or ``LocalStore``) is
+    locked for the whole call with an advisory lock of the operating system (``flock`` on
+    POSIX, ``msvcrt.locking`` on Windows) on the file ``.ntkcore.lock`` in the store
+    directory.  A second call for the same store, from any process on this machine, from a
+    machine that shares the file system (where it supports locks: NFS with its lock daemon,
+    Lustre mounted with ``flock``) or from another thread, raises :class:`StoreLockedError`
+    naming the store and the writer (process id, host, start time).  The lock is released
+    when the call returns, raises or is interrupted, and by the operating system when its
+    process dies; the file is removed on release (a killed writer leaves it, unlocked, for
+    the next writer to reuse).  Readers (:func:`zarr_status`, :func:`read_zarr`) take no
+    lock.  A file system that refuses locks gets a ``UserWarning`` and an unlocked write.
+
+    Other stores (a ``MemoryStore``, fsspec URLs such as ``memory://`` or ``s3://``, other
+    Zarr store objects) have no file to lock: a second writer in this process is refused (for
+    a memory store the only one possible), a writer in another process is not detected.
+    Running one writer at a time is then up to you; there is no warning, since it would come
+    with every write to such a store.
+
+    The lock is held by the calling process.  A call that fails or is interrupted cancels its
+    tile tasks that have not started; a tile task already running on a worker (one per worker
+    thread at most) finishes after the lock is released.
     """
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
@@ -444,6 +686,22 @@ def to_zarr(
             "dtype": str(kernel.dtype), "key": key, "complete": False,
             "symmetric": bool(symmetric), "version": __version__,
             "fingerprint": _fingerprint or {"dask graph": fp._text_digest(str(kernel.name))}}
+    try:  # refuse a file or a foreign directory before creating anything in it
+        _existing_store(loc)
+    except ValueError:
+        _raise_if_locked(loc)  # unless it is a store that another writer is creating now
+        raise
+    with _writer_lock(loc):  # one writer at a time; resume checks and writes all under it
+        return _write(kernel, loc, meta, resume=resume, overwrite=overwrite, key=key,
+                      client=client, progress=progress, compressors=compressors,
+                      checksums=checksums)
+
+
+def _write(kernel: da.Array, loc: Any, meta: dict[str, Any], *, resume: bool, overwrite: bool,
+           key: str | None, client: Any, progress: Any, compressors: Any, checksums: bool
+           ) -> ZarrStatus:
+    """The body of :func:`to_zarr`, run while holding the store's writer lock."""
+    chunks, grid = tuple(meta["chunks"]), tuple(len(c) for c in kernel.chunks)
     old = _existing_store(loc)
     if old is not None and not overwrite:
         done = _resume(loc, old, meta, key, resume, checksums)
@@ -510,6 +768,10 @@ def ntk_to_zarr(
     what each covers and what it does not), and a resume on a store whose fingerprint differs
     is refused, naming the differing parts.  A model of a provider ntkcore does not know has
     no fingerprint: a resume then needs an explicit ``key``.
+
+    Writes one store at a time: a second writer of the same store (another process, or
+    another thread) gets :class:`StoreLockedError` at once (see the Notes of :func:`to_zarr`
+    for what holds for stores other than local directories).
     """
     from ._ntk import ntk_dask
 
