@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import tempfile
 import zlib
 from pathlib import Path
@@ -45,12 +47,16 @@ nitpicky = False
 # Links to the libraries ntkcore works with.  Each project's own inventory is tried first; an
 # empty local one stands behind it, so that a build without network access (CI, the tests)
 # gets plain text instead of links rather than a warning that `-W` turns into a failure.
+# The file is new on every build (mkstemp: O_CREAT | O_EXCL, an unpredictable name), never a
+# fixed name in the shared temporary directory that another user's link could redirect.
 def _empty_inventory() -> str:
-    path = Path(tempfile.gettempdir()) / "ntkcore-docs-empty-objects.inv"
-    path.write_bytes(b"# Sphinx inventory version 2\n# Project: none\n# Version: 0\n"
-                     b"# The remainder of this file is compressed using zlib.\n"
-                     + zlib.compress(b""))
-    return str(path)
+    fd, path = tempfile.mkstemp(prefix="ntkcore-docs-empty-", suffix=".inv")
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"# Sphinx inventory version 2\n# Project: none\n# Version: 0\n"
+                b"# The remainder of this file is compressed using zlib.\n"
+                + zlib.compress(b""))
+    atexit.register(lambda: Path(path).unlink(missing_ok=True))
+    return path
 
 
 _EMPTY = _empty_inventory()

@@ -16,7 +16,10 @@ before and after training, and plots the layer shares and the accuracies.
 
     python examples/ntk_regression_digits.py            # all 1257 training images
     python examples/ntk_regression_digits.py --quick    # 500 images, narrower nets, fewer epochs
-    python examples/ntk_regression_digits.py --out /tmp/ntk_digits.png
+    python examples/ntk_regression_digits.py --out ntk_digits.png
+
+The plot goes to ``--out``, by default to ``ntk_regression_digits.png`` in a fresh private
+directory (printed at the end; never a fixed name in the shared temporary directory).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from torch import nn
 
 import ntkcore
 from ntkcore.cli.demo import demo_data, demo_model, describe, entk_regression, plot_shares
+from ntkcore.cli.output import OutputError, check_not_symlink, fresh_directory, write_new
 
 # The data, the networks, the layer labels, the eNTK regression and the share bars are those of
 # `python -m ntkcore demo` (ntkcore/cli/demo.py); this script adds training and the comparison.
@@ -90,7 +93,8 @@ def run_model(kind: str, data, args) -> dict:
     return res
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path | None) -> None:
+    """The layer shares and accuracies, to ``path`` (``None``: a fresh private directory)."""
     try:
         import matplotlib
 
@@ -118,8 +122,9 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_title("digits: eNTK regression vs trained network")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    if path is None:
+        path = fresh_directory("ntkcore-ntk-regression-digits-") / "ntk_regression_digits.png"
+    write_new(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     print(f"\nplot: {path}")
 
@@ -129,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="500 training images, width 128, 20 epochs")
     p.add_argument("--out", type=Path,
-                   default=Path(tempfile.gettempdir()) / "ntk_regression_digits.png",
-                   help="plot file (default: in the temporary directory)")
+                   help="plot file; an existing symbolic link there is refused (default: "
+                        "ntk_regression_digits.png in a fresh private directory, printed)")
     p.add_argument("--models", default="MLP,CNN", help="comma-separated: MLP, CNN")
     p.add_argument("--width", type=int, default=None, help="MLP width (CNN: width/16 channels)")
     p.add_argument("--epochs", type=int, default=None)
@@ -138,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ridge", type=float, default=1e-3, help="relative to mean(diag K)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.out is not None:
+        try:
+            args.out = check_not_symlink(args.out)
+        except OutputError as exc:
+            p.error(str(exc))
     kinds = [k.strip().upper() for k in args.models.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("MLP", "CNN")]
     if bad or not kinds:

@@ -15,7 +15,10 @@ predicted label differs).
 
     python examples/same_result_backends.py             # 1257 train / 540 test images
     python examples/same_result_backends.py --quick     # 250 / 150 images
-    python examples/same_result_backends.py --out /tmp/backends.png
+    python examples/same_result_backends.py --out backends.png
+
+The plot goes to ``--out``, by default to ``same_result_backends.png`` in a fresh private
+directory (printed at the end; never a fixed name in the shared temporary directory).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import argparse
 import importlib.util
 import itertools
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import ntkcore
+from ntkcore.cli.output import OutputError, check_not_symlink, fresh_directory, write_new
 from ntkcore.models import MLP
 
 TOLERANCE = 1e-9  # relative, on kernels and predictions
@@ -161,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="250 train / 150 test images")
     p.add_argument("--out", type=Path,
-                   default=Path(tempfile.gettempdir()) / "same_result_backends.png",
-                   help="plot file (default: in the temporary directory)")
+                   help="plot file; an existing symbolic link there is refused (default: "
+                        "same_result_backends.png in a fresh private directory, printed)")
     p.add_argument("--reg", type=float, default=1e-4, help="ridge, relative to mean(diag K)")
     args = p.parse_args(argv)
+    if args.out is not None:
+        try:
+            args.out = check_not_symlink(args.out)
+        except OutputError as exc:
+            p.error(str(exc))
 
     n_train, n_test = (250, 150) if args.quick else (None, None)
     x_tr, x_te, y_tr, y_te = load(n_train, n_test)
@@ -228,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * rows[0]['accuracy']:.1f}% for all")
         ax.legend(loc="lower right")
         fig.tight_layout()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.out, dpi=100)
+        out = args.out or (fresh_directory("ntkcore-same-result-backends-")
+                           / "same_result_backends.png")
+        write_new(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
-        print(f"plot: {args.out}")
+        print(f"plot: {out}")
     return 0 if ok else 1
 
 

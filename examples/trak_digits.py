@@ -50,11 +50,12 @@ image's top-k proponents (largest scores) that carry its label, against the shar
 label in the training set (about 10 %).
 
     python examples/trak_digits.py --quick          # < 20 s on one core
-    python examples/trak_digits.py --dims 64,256,1024,4096 --seeds 5 --out /tmp/trak
+    python examples/trak_digits.py --dims 64,256,1024,4096 --seeds 5 --out trak
 
 Everything it writes (``trak_digits.json`` with the measurements, ``trak_digits.png`` with the
-top proponents and opponents of a few test images) goes to ``--out`` (default: a folder in
-the temporary directory).
+top proponents and opponents of a few test images) goes to ``--out`` (default: a fresh
+private directory, printed at the end; never a fixed name in the shared temporary
+directory).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,6 +73,13 @@ from torch import nn
 
 import ntkcore
 from ntkcore.cli.demo import demo_data, demo_model
+from ntkcore.cli.output import (
+    OutputError,
+    check_not_symlink,
+    fresh_directory,
+    write_new,
+    write_text,
+)
 
 NUM_CLASSES = 10
 
@@ -239,7 +246,7 @@ def plot(d: dict, scores: torch.Tensor, path: Path, k: int = 5, shown: int = 4) 
     fig.suptitle(f"TRAK scores: test image, top {k} proponents (+), top {k} opponents (-)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    write_new(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
     plt.close(fig)
     print(f"plot: {path}")
 
@@ -248,9 +255,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="300 train / 100 test images, MLP width 64, dims 16,64,256, 3 seeds")
-    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "trak_digits",
-                   help="folder for trak_digits.json and trak_digits.png (default: in the "
-                        "temporary directory)")
+    p.add_argument("--out", type=Path,
+                   help="folder for trak_digits.json and trak_digits.png; an existing "
+                        "symbolic link there is refused (default: a fresh private directory, "
+                        "printed)")
     p.add_argument("--model", choices=("mlp", "cnn"), default="mlp")
     p.add_argument("--n-train", type=int, default=None, help="training images (default all)")
     p.add_argument("--n-test", type=int, default=None, help="test images (default all)")
@@ -269,6 +277,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=10, help="proponents of the sanity check")
     p.add_argument("--seed", type=int, default=0, help="data split, initialisation, training")
     args = p.parse_args(argv)
+    if args.out is not None:
+        try:
+            args.out = check_not_symlink(args.out)
+        except OutputError as exc:
+            p.error(str(exc))
     quick = args.quick
     defaults = {"n_train": 300 if quick else None, "n_test": 100 if quick else None,
                 "n_exact": 150 if quick else 500, "m_exact": 50 if quick else 100,
@@ -319,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(subset), dim {dim} ensemble {top:.2f} (all {n}); bottom-{k}: {bottom_exact:.2f}, "
           f"{bottom:.2f}; chance {chance:.2f}")
 
+    if args.out is None:
+        args.out = fresh_directory("ntkcore-trak-digits-")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"args": {k_: (str(v) if isinstance(v, Path) else v) for k_, v in
                        vars(args).items()},
@@ -327,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
               "label_share": {"exact_top": top_exact, "exact_bottom": bottom_exact,
                               "projected_top": top, "projected_bottom": bottom,
                               "chance": chance}}
-    (args.out / "trak_digits.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    write_text(args.out / "trak_digits.json", json.dumps(result, indent=1))
     plot(d, full[dim], args.out / "trak_digits.png")
     print(f"results: {args.out / 'trak_digits.json'} ({time.perf_counter() - t0:.1f} s in all)")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -236,20 +237,155 @@ def test_demo_cuda_unavailable(capsys):
     assert "CUDA" in capsys.readouterr().err
 
 
-def test_default_plot_is_outside_the_repo():
+VICTIM = b"not yours to overwrite\n"
+TINY_DEMO = ["demo", "--n-train", "20", "--n-test", "10", "--width", "8", "--no-progress"]
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """``tmp_path`` as the temporary directory of this process (``tempfile.gettempdir()``),
+    holding a symbolic link at the demo's old fixed plot name to a victim file."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "victim.png").write_bytes(VICTIM)
+    (tmp_path / "ntkcore-demo.png").symlink_to(tmp_path / "victim.png")
+    return tmp_path
+
+
+def test_demo_default_plot_is_a_fresh_private_directory(private_tmp, capsys):
+    """Without --out the plot goes to ntkcore-demo.png in a new mode-0700 directory of the
+    temporary directory, printed in the report, a different one on each run; the link
+    planted at the old fixed name $TMPDIR/ntkcore-demo.png is not followed (CWE-377)."""
+    plots = []
+    for _ in range(2):
+        assert cli.main(TINY_DEMO) == 0
+        printed = [line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+                   if line.strip().startswith("plot ")]
+        assert len(printed) == 1
+        plots.append(Path(printed[0]))
+    for plot in plots:
+        assert plot.name == "ntkcore-demo.png" and plot.parent.parent == private_tmp
+        assert plot.parent.name.startswith("ntkcore-demo-")
+        assert plot.parent.stat().st_mode & 0o777 == 0o700
+        assert not plot.is_symlink() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert sorted(p.name for p in plot.parent.iterdir()) == ["ntkcore-demo.png"]
+    assert plots[0] != plots[1]  # two runs never share a file
     root = Path(__file__).resolve().parent.parent
-    assert root not in cli.DEFAULT_PLOT.resolve().parents
+    assert root not in plots[0].resolve().parents
+    assert (private_tmp / "ntkcore-demo.png").is_symlink()
+    assert (private_tmp / "victim.png").read_bytes() == VICTIM
 
 
-@pytest.mark.parametrize("module, extra", [("sklearn.datasets", "bench"), ("torch", "torch")])
-def test_missing_package_names_the_extra_for_a_wheel_install(module, extra, monkeypatch,
-                                                             capsys):
-    """After `pip install ntkcore` there is no source tree: the message names the extra as a
-    wheel user installs it, not `pip install -e ".[bench]"`."""
-    monkeypatch.setitem(sys.modules, module, None)  # the import fails as if not installed
+def test_demo_out_symlink_is_refused(private_tmp, capsys):
+    """An --out that is a symbolic link is refused at once (exit 1, before any work); its
+    target is untouched."""
+    link = private_tmp / "ntkcore-demo.png"
+    assert cli.main([*TINY_DEMO, "--out", str(link)]) == 1
+    captured = capsys.readouterr()
+    assert "is a symbolic link" in captured.err and str(link) in captured.err
+    assert "accuracy" not in captured.out
+    assert (private_tmp / "victim.png").read_bytes() == VICTIM
+    with pytest.raises(OSError, match="is a symbolic link"):
+        cli.run_demo(n_train=20, n_test=10, width=8, out=link, progress=False, verbose=False)
+
+
+def test_write_new_never_follows_a_link_planted_during_the_write(tmp_path):
+    """The file is written beside the target and renamed over it: a link planted at the
+    target after the check is replaced, not followed; a failed write leaves nothing."""
+    import os
+
+    from ntkcore.cli.output import write_new, write_text
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(VICTIM)
+    target = tmp_path / "sub" / "out.txt"
+
+    def race(tmp):
+        Path(tmp).write_text("mine", encoding="utf-8")
+        target.symlink_to(victim)  # another user's link, planted mid-write
+
+    assert write_new(target, race) == target
+    assert not target.is_symlink() and target.read_text(encoding="utf-8") == "mine"
+    assert victim.read_bytes() == VICTIM
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # as open(path, "w") would give
+    write_text(target, "again")
+    assert target.read_text(encoding="utf-8") == "again"
+
+    def fail(tmp):
+        Path(tmp).write_text("half", encoding="utf-8")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_new(target, fail)
+    assert target.read_text(encoding="utf-8") == "again"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.txt"]  # no leftovers
+    with pytest.raises(OSError, match="is a directory"):
+        write_new(tmp_path / "sub", lambda tmp: None)
+    (tmp_path / "link").symlink_to(victim)
+    with pytest.raises(OSError, match=r"is a symbolic link \(to .*victim\)"):
+        write_text(tmp_path / "link", "x")
+    assert victim.read_bytes() == VICTIM
+
+
+@pytest.mark.parametrize("missing, hint", [
+    ("sklearn.datasets", 'pip install "ntkcore[bench]"'),
+    ("torch", 'pip install torch "ntkcore[bench]"'),
+])
+def test_missing_package_hint_installs_everything_the_demo_needs(missing, hint, monkeypatch,
+                                                                 capsys):
+    """After `pip install ntkcore` there is no source tree: the message names one command, as
+    a wheel user types it (not `pip install -e ".[bench]"`), that installs all the demo
+    imports: the bench extra (scikit-learn, matplotlib, tqdm, ...) and torch when torch is
+    missing (not otherwise: the hint must not replace an installed torch build)."""
+    monkeypatch.setitem(sys.modules, missing, None)  # the import fails as if not installed
     assert cli.main(["demo", "--no-plot", "--no-progress", "--n-train", "20"]) == 1
     err = capsys.readouterr().err
-    assert f'pip install "ntkcore[{extra}]"' in err and "-e" not in err.split("needs", 1)[1]
+    package = {"sklearn.datasets": "scikit-learn", "torch": "torch"}[missing]
+    assert f"needs {package} (" in err
+    assert err.rstrip().endswith(f"install everything the demo needs with: {hint}"), err
+    assert "-e" not in err.split("needs", 1)[1]
+
+
+def test_bench_extra_holds_what_the_demo_imports():
+    """The hint's extra really holds the demo's imports (all but torch), per pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!~ \[]", req, maxsplit=1)[0] for req in extras["bench"]}
+    assert {"scikit-learn", "matplotlib", "tqdm"} <= names
+    assert "torch" not in names  # hence "torch" in the hint when it is missing
+
+
+def test_matplotlib_missing_prints_the_hint(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main([*TINY_DEMO, "--out", str(tmp_path / "p.png")]) == 0
+    err = capsys.readouterr().err
+    assert 'matplotlib not installed: no plot; pip install "ntkcore[bench]" installs it' in err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_info_blas_columns_stay_apart(monkeypatch, capsys):
+    """A long version (threadpoolctl reports scipy-openblas as 0.3.31.188.0) no longer runs
+    into the thread count: library, version, threads and path are columns two spaces apart
+    at least, aligned across the pools."""
+    pools = [{"library": "openblas", "version": "0.3.31.188.0", "threads": 2,
+              "path": "/lib/libscipy_openblas64_.so"},
+             {"library": "openmp", "version": None, "threads": 1, "path": "/lib/libgomp.so.1"},
+             {"library": "mkl", "version": "2024.2", "threads": 16, "path": "/lib/libmkl.so"}]
+    monkeypatch.setattr(cli, "_blas_facts", lambda: pools)
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.split("BLAS thread pools (threadpoolctl)\n", 1)[1]
+    lines = lines.splitlines()[:3]
+    cells = [re.split(r"\s{2,}", line.strip()) for line in lines]
+    assert cells == [["openblas", "0.3.31.188.0", "2 threads", "/lib/libscipy_openblas64_.so"],
+                     ["openmp", "-", "1 thread", "/lib/libgomp.so.1"],
+                     ["mkl", "2024.2", "16 threads", "/lib/libmkl.so"]]
+    for i in (1, 2, 3):  # aligned: each column starts at one offset on every line
+        assert len({line.index(c[i]) for line, c in zip(lines, cells, strict=True)}) == 1, lines
 
 
 def test_info_free_memory_is_the_backends_figure(monkeypatch, capsys):

@@ -1,7 +1,10 @@
 """Every script in examples/ runs in its quick mode (``--quick``) in a fresh process.
 
 Each runs with a temporary directory as working directory and as ``TMPDIR``, so default plot
-paths and any scratch files land there, never in the repository.  For the two eNTK regression
+paths and any scratch files land there, never in the repository.  The names the scripts once
+wrote to in the temporary directory hold symbolic links to a victim file or folder during
+each run: the victims must come out untouched (CWE-377), the outputs land in fresh private
+directories whose paths the scripts print.  For the two eNTK regression
 examples the printed numbers are checked too, and for trak_digits.py the measurements it
 writes (check_trak_quick); test_trak_scores_primal_equals_kernel_form checks its formulas.
 """
@@ -36,6 +39,57 @@ def run_example(path: Path, tmp_path: Path, *extra: str) -> subprocess.Completed
                           env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
+#: The fixed names in the temporary directory the scripts wrote to before issue 29.
+OLD_NAMES = {"ntk_regression_digits.py": "ntk_regression_digits.png",
+             "same_result_backends.py": "same_result_backends.png",
+             "trak_digits.py": "trak_digits"}
+VICTIM = b"not yours to overwrite\n"
+
+
+def plant_links(tmp_path: Path) -> dict[Path, Path]:
+    """A symbolic link at each old fixed name in ``tmp_path`` (the run's TMPDIR), to a victim
+    file (a folder holding one, for the folder name); ``{link: victim file}``."""
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    links = {}
+    for name in OLD_NAMES.values():
+        target = victims / name
+        if target.suffix:
+            target.write_bytes(VICTIM)
+            victim = target
+        else:  # a folder: the script would write trak_digits.json / .png into it
+            target.mkdir()
+            victim = target / "trak_digits.json"
+            victim.write_bytes(VICTIM)
+        (tmp_path / name).symlink_to(target)
+        links[tmp_path / name] = victim
+    return links
+
+
+def check_victims(links: dict[Path, Path]) -> None:
+    """The links are still links, the victims hold what they held, and nothing was added
+    beside them (a script that followed the folder link would have left its plot there)."""
+    for link, victim in links.items():
+        assert link.is_symlink(), link
+        assert victim.read_bytes() == VICTIM, victim
+        assert sorted(p.name for p in victim.parent.iterdir()) == (
+            sorted(OLD_NAMES.values()) if victim.parent.name == "victims"
+            else [victim.name]), victim.parent
+
+
+def printed_output(stdout: str, label: str, tmp_path: Path) -> Path:
+    """The path a script printed after ``label:``, checked to be a fresh private directory
+    (mode 0700) of the run's TMPDIR."""
+    found = re.findall(rf"^{label}: (\S+)", stdout, re.M)
+    assert found, stdout[-2000:]
+    path = Path(found[-1])
+    fresh = path.parent
+    assert fresh.parent == tmp_path and fresh.name.startswith("ntkcore-"), path
+    assert fresh.stat().st_mode & 0o777 == 0o700, oct(fresh.stat().st_mode)
+    assert path.is_file() and not path.is_symlink(), path
+    return path
+
+
 def test_examples_exist():
     names = {p.name for p in EXAMPLES}
     assert {"ntk_regression_digits.py", "same_result_backends.py"} <= names
@@ -47,27 +101,33 @@ def test_example_runs_quick(path, tmp_path):
     for mod in ("torch", "sklearn", *NEEDS.get(path.name, ())):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{path.name} needs {mod}")
+    links = plant_links(tmp_path)
     r = run_example(path, tmp_path)
     assert r.returncode == 0, f"{path.name} --quick failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    check_victims(links)
 
     if path.name == "ntk_regression_digits.py":
         accs = [float(a) for a in re.findall(r"test accuracy\s+([\d.]+)%", r.stdout)]
         assert len(accs) == 6, r.stdout  # 3 classifiers x 2 models
         assert min(accs) > 85.0, r.stdout  # chance is 10%; the eNTK alone is far above it
-        assert (tmp_path / "ntk_regression_digits.png").is_file()
+        png = printed_output(r.stdout, "plot", tmp_path)
+        assert png.name == "ntk_regression_digits.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if path.name == "trak_digits.py":
-        check_trak_quick(tmp_path)
+        check_trak_quick(printed_output(r.stdout, "results", tmp_path).parent)
     if path.name == "same_result_backends.py":
         # the script itself exits 1 unless every implementation matches NumPy to 1e-9
         assert "within the tolerance" in r.stdout, r.stdout
         assert re.search(r"torch nn\.Module\s+torch\.Tensor", r.stdout), r.stdout
-        assert (tmp_path / "same_result_backends.png").is_file()
+        png = printed_output(r.stdout, "plot", tmp_path)
+        assert png.name == "same_result_backends.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def check_trak_quick(tmp_path: Path) -> None:
-    """trak_digits.py --quick: it writes only into its --out folder, the rank correlation of
-    projected with exact scores grows with dim, and top proponents share the test label more
-    often than chance.
+def check_trak_quick(out: Path) -> None:
+    """trak_digits.py --quick: it writes only into its output folder ``out``, the rank
+    correlation of projected with exact scores grows with dim, and top proponents share the
+    test label more often than chance.
 
     Rank correlations (Spearman, per test image) are paired by seed and test image across
     consecutive dims.  Every seed's mean must grow, and the pooled paired differences must
@@ -76,7 +136,6 @@ def check_trak_quick(tmp_path: Path) -> None:
     label check is against the binomial null: under random labels the share of the top-k of m
     test images that carry the test label has mean ``chance`` and standard error
     ``sqrt(chance (1 - chance) / (k m))``; the share must exceed it by 4 of those."""
-    out = tmp_path / "trak_digits"
     assert sorted(p.name for p in out.iterdir()) == ["trak_digits.json", "trak_digits.png"]
     res = json.loads((out / "trak_digits.json").read_text(encoding="utf-8"))
     rows = [r for r in res["rows"] if r["seed"] != "ensemble"]
@@ -194,3 +253,22 @@ def test_examples_accept_documented_flags(tmp_path):
         assert proc.returncode == 0, err[-2000:]
         missing = [f for f in flags if f not in out]
         assert not missing, f"{path.name} --help lacks {missing}"
+
+
+def test_symlink_at_out_is_refused_before_any_work(tmp_path):
+    """An existing symbolic link given as ``--out`` is a usage error (exit 2, the message
+    says so) before the script computes anything; the link's target is untouched."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sklearn") is None:
+        pytest.skip("needs torch and scikit-learn")
+    links = plant_links(tmp_path)
+    env = dict(os.environ, MPLBACKEND="Agg", TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    procs = {name: subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / name), "--quick", "--out",
+         str(tmp_path / old)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for name, old in OLD_NAMES.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 2, (name, out[-2000:], err[-2000:])
+        assert "is a symbolic link" in err and "does not write through a link" in err, err
+        assert "digits:" not in out, out  # refused before loading anything
+    check_victims(links)

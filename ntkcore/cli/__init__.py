@@ -31,7 +31,17 @@ from typing import Any
 
 from ntkcore.support import support_markdown
 
-from .demo import DEFAULT_PLOT, CLIError, DemoResult, demo_data, demo_model, fmt_bytes, run_demo
+from .demo import (
+    DEFAULT_PLOT,
+    PLOT_NAME,
+    CLIError,
+    DemoResult,
+    demo_data,
+    demo_model,
+    fmt_bytes,
+    run_demo,
+)
+from .output import OutputError
 
 __all__ = ["DEFAULT_PLOT", "DemoResult", "demo_data", "demo_model", "main", "run_demo",
            "support_markdown"]
@@ -127,6 +137,18 @@ def collect_info() -> dict[str, Any]:
     }
 
 
+def _blas_lines(pools: list[dict[str, Any]]) -> list[str]:
+    """One line per BLAS / OpenMP pool in aligned columns: library, version, threads, path
+    (columns as wide as their widest entry, two spaces apart: a long version such as
+    ``0.3.31.188.0`` never runs into the thread count)."""
+    rows = [(p["library"] or "?", p["version"] or "-",
+             f"{p['threads']} thread{'' if p['threads'] == 1 else 's'}", p["path"] or "")
+            for p in pools]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths, strict=True))
+            + f"  {r[3]}".rstrip() for r in rows]
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     info = collect_info()
     if args.json:
@@ -150,9 +172,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     blas = info["blas"]  # the pools, or why they are unknown
     if isinstance(blas, str) or not blas:
         print(f"  {blas or 'none found'}")
-    for p in [] if isinstance(blas, str) else blas:
-        print(f"  {p['library'] or '?':<9} {p['version'] or '':<10} {p['threads']} threads  "
-              f"{p['path']}")
+    else:
+        print("\n".join(_blas_lines(blas)))
     if info["env"]:
         print("\nenvironment\n" + "\n".join(f"  {k}={v}" for k, v in info["env"].items()))
     return 0
@@ -164,7 +185,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     res = run_demo(model=args.model, n_train=args.n_train, n_test=args.n_test, width=args.width,
                    ridge=args.ridge, dtype=args.dtype, device=args.device,
                    max_memory=args.max_memory, seed=args.seed,
-                   out=None if args.no_plot else args.out,
+                   out=None if args.no_plot else DEFAULT_PLOT if args.out is None else args.out,
                    progress=not (args.json or args.no_progress), verbose=not args.json)
     if args.json:
         print(json.dumps(res.__dict__, indent=2))
@@ -267,8 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SIZE", help="working-memory budget of the kernel computation, "
                                         "e.g. 200MB (default: a quarter of the free memory)")
     d.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
-    d.add_argument("--out", type=Path, default=DEFAULT_PLOT, metavar="PNG",
-                   help=f"plot file (default: {DEFAULT_PLOT})")
+    d.add_argument("--out", type=Path, metavar="PNG",
+                   help=f"plot file; an existing symbolic link there is refused (default: "
+                        f"{PLOT_NAME} in a fresh private directory under the temporary "
+                        f"directory, printed at the end)")
     d.add_argument("--no-plot", action="store_true", help="do not write a plot")
     d.add_argument("--no-progress", action="store_true", help="no progress display")
     d.add_argument("--json", action="store_true",
@@ -308,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return {"info": _cmd_info, "demo": _cmd_demo, "support": _cmd_support}[args.command](args)
-    except (CLIError, BudgetTooSmallError) as exc:  # the budget error states the one that works
+    # the budget error states the budget that works; OutputError an --out it will not write to
+    except (CLIError, OutputError, BudgetTooSmallError) as exc:
         print(f"{PROG} {argv[0] if argv else ''}: error: {exc}".replace("  ", " "),
               file=sys.stderr)
         return 1

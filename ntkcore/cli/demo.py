@@ -15,29 +15,53 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PLOT", "CLIError", "DemoResult", "EntkFit", "demo_data", "demo_model",
-           "describe", "entk_regression", "plot_shares", "run_demo"]
+from .output import check_not_symlink, fresh_directory, write_new
 
-DEFAULT_PLOT = Path(tempfile.gettempdir()) / "ntkcore-demo.png"
+__all__ = ["DEFAULT_PLOT", "PLOT_NAME", "CLIError", "DemoResult", "EntkFit", "demo_data",
+           "demo_model", "describe", "entk_regression", "install_hint", "plot_shares",
+           "run_demo"]
+
+#: ``out`` of :func:`run_demo` (and what ``ntkcore demo`` does without ``--out``): write the
+#: plot as :data:`PLOT_NAME` into a fresh private directory (``tempfile.mkdtemp``), never to a
+#: fixed name in the shared temporary directory (see :mod:`ntkcore.cli.output`).
+DEFAULT_PLOT = "auto"
+PLOT_NAME = "ntkcore-demo.png"
 
 
 class CLIError(Exception):
     """A failure the command line reports as ``ntkcore <cmd>: error: ...`` with exit code 1."""
 
 
-def _require(module: str, purpose: str, extra: str) -> Any:
-    """Import ``module`` or raise a :class:`CLIError` naming the extra that installs it."""
+#: Distribution names of the modules the demo imports, where they differ.
+_DISTRIBUTIONS = {"sklearn": "scikit-learn"}
+
+
+def install_hint() -> str:
+    """One command that installs everything the demo needs, as a user of the wheel types it.
+
+    The ``bench`` extra holds scikit-learn (the digits), matplotlib (the plot), tqdm (the
+    progress bar), threadpoolctl and psutil, but not torch, which the user installs in the
+    build they want (the README pins the CPU wheel); torch is named only when it is missing,
+    so that following the hint never replaces an installed torch.
+    """
+    torch = "" if importlib.util.find_spec("torch") is not None else "torch "
+    return f'pip install {torch}"ntkcore[bench]"'
+
+
+def _require(module: str, purpose: str) -> Any:
+    """Import ``module`` or raise a :class:`CLIError` naming what is missing and the one
+    command that installs all the demo needs (:func:`install_hint`)."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise CLIError(f"{purpose} needs {module.split('.')[0]} ({exc}); install it with "
-                       f"pip install \"ntkcore[{extra}]\"") from None
+        top = module.split(".")[0]
+        raise CLIError(f"{purpose} needs {_DISTRIBUTIONS.get(top, top)} ({exc}); install "
+                       f"everything the demo needs with: {install_hint()}") from None
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -119,8 +143,8 @@ def demo_data(n_train: int | None = None, seed: int = 0,
     y_train, y_test : ndarray of int, shape (N,) and (M,)
         ``n_train`` / ``n_test`` (if given) keep only the first training / test images.
     """
-    datasets = _require("sklearn.datasets", "the digits demo", "bench")
-    model_selection = _require("sklearn.model_selection", "the digits demo", "bench")
+    datasets = _require("sklearn.datasets", "the digits demo")
+    model_selection = _require("sklearn.model_selection", "the digits demo")
     x, y = datasets.load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
         x / 16.0, y, test_size=0.3, random_state=seed, stratify=y)
@@ -135,7 +159,7 @@ def demo_model(kind: str = "mlp", *, width: int = 256, seed: int = 0, channels: 
     stride 2, pad 1) - ReLU - Linear(2c*4*4 -> 10) with c = ``channels`` (Kronecker blocks
     with S = 64 and S = 16 weight-sharing positions for the convolutions).
     """
-    torch = _require("torch", "the demo", "torch")
+    torch = _require("torch", "the demo")
     nn = torch.nn
     if kind not in ("mlp", "cnn"):
         raise ValueError(f"model must be 'mlp' or 'cnn'; got {kind!r}")
@@ -290,8 +314,12 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
         Working-memory budget passed to :func:`ntkcore.ntk` (e.g. ``"200MB"``).
     seed : int
         Seed of the split and of the network's initialisation.
-    out : path or None
-        Where to write the PNG (``None``: no plot).
+    out : path, "auto" or None
+        Where to write the PNG: a path (an existing symbolic link there is refused; the file
+        is written to a new temporary file beside it and renamed into place), ``"auto"``
+        (:data:`DEFAULT_PLOT`: ``ntkcore-demo.png`` in a fresh private directory made by
+        ``tempfile.mkdtemp(prefix="ntkcore-demo-")``; the report prints the path) or
+        ``None`` (no plot).
     progress, verbose : bool
         Progress on stderr; report on stdout.
 
@@ -300,9 +328,11 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
     DemoResult
     """
     t_start = time.perf_counter()
-    if out is not None and Path(out).suffix.lower() != ".png":
-        raise CLIError(f"--out must name a .png file; got {str(out)!r}")
-    torch = _require("torch", "the demo", "torch")
+    if out is not None and out != DEFAULT_PLOT:
+        if Path(out).suffix.lower() != ".png":
+            raise CLIError(f"--out must name a .png file; got {str(out)!r}")
+        out = check_not_symlink(out)  # before the work: refused at once
+    torch = _require("torch", "the demo")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -329,7 +359,7 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
         predictions=[int(p) for p in fit.pred])
     t = time.perf_counter()
     if out is not None:
-        r.plot = _demo_plot(Path(out).expanduser(), fit, y_train, y_test, r)
+        r.plot = _demo_plot(out, fit, y_train, y_test, r)
     times["plot"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
     r.peak_rss = _peak_rss()
@@ -383,19 +413,22 @@ def plot_shares(ax: Any, labels: list[str], series: dict[str, list[float]]) -> N
         ax.legend(list(series))
 
 
-def _demo_plot(path: Path, fit: EntkFit, y_train: Any, y_test: Any, r: DemoResult) -> str | None:
+def _demo_plot(out: str | Path, fit: EntkFit, y_train: Any, y_test: Any,
+               r: DemoResult) -> str | None:
+    """Write the plot to ``out`` (a path, or :data:`DEFAULT_PLOT`); its path, or ``None``
+    without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
     except ImportError:
-        print("  (matplotlib not installed: no plot; pip install matplotlib)", file=sys.stderr)
+        print(f"  (matplotlib not installed: no plot; {install_hint()} installs it)",
+              file=sys.stderr)
         return None
     import numpy as np
     from sklearn.metrics import ConfusionMatrixDisplay
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     order = np.argsort(y_train, kind="stable")
     k = fit.k_train.double().cpu().numpy()[np.ix_(order, order)]
     d = np.sqrt(np.diag(k))
@@ -412,6 +445,8 @@ def _demo_plot(path: Path, fit: EntkFit, y_train: Any, y_test: Any, r: DemoResul
     fig.suptitle(f"ntkcore demo: eNTK kernel regression of an untrained {r.model.upper()} "
                  f"({r.num_params:,} parameters) on digits")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if out == DEFAULT_PLOT:
+        out = fresh_directory("ntkcore-demo-") / PLOT_NAME
+    path = write_new(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return str(path)
