@@ -231,3 +231,102 @@ def test_seng_draws_from_a_generator_once() -> None:
     g3 = torch.Generator().manual_seed(11)
     torch.randint(2**63 - 1, (1,), generator=g3)   # the one draw made at construction
     assert torch.equal(after, torch.randint(2**62, (1,), generator=g3))
+
+
+# -- what one seed promises where (docs/reliability.md, "Seeds") ------------------------------
+def _to_numpy(a) -> np.ndarray:
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    if type(a).__module__.startswith("array_api_strict"):
+        return np.asarray(a._array)
+    return np.asarray(a)
+
+
+def _draws(name: str, seed: int = 11, *, floats: bool = True) -> dict[str, np.ndarray]:
+    """Every kind of draw ntkcore makes, from one seed on backend ``name``: a Gaussian
+    sketch's matrix (drawn in float64), uniform rows with and without replacement, a sparse
+    sign sketch's rows and signs, and ``MLP.random``'s weights in float64 and float32.
+    ``floats=False``: the integer draws only."""
+    if name == "numpy":
+        xp = np
+    elif name == "array_api_strict":
+        import array_api_strict as xp
+    elif name == "torch":
+        import torch as xp
+    else:
+        import jax.numpy as xp
+    like = xp.zeros((1,), dtype=xp.float64)
+    out = {
+        "uniform": sk.uniform(40, 6, seed=seed, like=like).indices,
+        "uniform, no replacement": sk.uniform(40, 6, seed=seed, like=like,
+                                              replace=False).indices,
+    }
+    sparse = sk.sparse_sign(40, 6, nnz=2, seed=seed, like=like)
+    out["sparse sign rows"], out["sparse sign signs"] = sparse.rows, sparse.signs
+    if floats:
+        out["gaussian"] = sk.gaussian(40, 6, seed=seed, like=like).omega
+        for dtype in ("float64", "float32"):
+            net = MLP.random((4, 6, 3), xp=xp, seed=seed, dtype=getattr(xp, dtype))
+            for i, w in enumerate(net.weights):
+                out[f"MLP.random {dtype} W{i}"] = w
+    return {k: _to_numpy(v) for k, v in out.items()}
+
+
+@pytest.mark.exactness
+def test_host_backends_draw_the_same_bits():
+    """NumPy and array_api_strict (every namespace served by the generic backend) draw from
+    one NumPy PCG64 on the host, in float64, and convert: the same seed gives the same bits
+    in both, and float32 draws are the float64 draws rounded."""
+    pytest.importorskip("array_api_strict")
+    a, b = _draws("numpy"), _draws("array_api_strict")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), key
+    for i in range(2):
+        w64, w32 = a[f"MLP.random float64 W{i}"], a[f"MLP.random float32 W{i}"]
+        assert w32.tobytes() == w64.astype(np.float32).tobytes()
+    assert not np.array_equal(a["gaussian"], _draws("numpy", seed=12)["gaussian"])
+
+
+#: a CPU without AVX2 or FMA, as the libraries see one, and one thread
+_PORTABLE_CPU = {"ATEN_CPU_CAPABILITY": "default", "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2",
+                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_draws_do_not_depend_on_the_cpu_kernels(tmp_path):
+    """The same seed gives the same bits on every x86 CPU for the draws that are integer
+    arithmetic (NumPy's generator, every backend's integer draws) or scalar code (torch's
+    float64 normals): drawn again in a process that sees a CPU without AVX2 or FMA (ATen's
+    default kernels, XLA limited to SSE4.2) and one thread.  Not promised, so not compared:
+    torch's float32 normals and JAX's floating draws (their vectorised or compiled
+    transforms round differently there; docs/reliability.md)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = ["numpy"] + [n for n in ("torch", "jax") if importlib.util.find_spec(n)]
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys, numpy as np\n"
+        "if 'jax' in sys.argv[2:]:\n"
+        "    import jax; jax.config.update('jax_enable_x64', True)\n"
+        "from tests.test_seeds import _draws\n"
+        "out = {}\n"
+        "for name in sys.argv[2:]:\n"
+        "    for k, v in _draws(name, floats=name != 'jax').items():\n"
+        "        if not (name == 'torch' and 'float32' in k):\n"
+        "            out[name + ': ' + k] = v\n"
+        "np.savez(sys.argv[1], **out)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d.npz"), *names],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, **_PORTABLE_CPU})
+    assert r.returncode == 0, r.stderr[-3000:]
+    there = dict(np.load(tmp_path / "d.npz"))
+    here = {f"{name}: {k}": v for name in names
+            for k, v in _draws(name, floats=name != "jax").items()
+            if not (name == "torch" and "float32" in k)}
+    assert there.keys() == here.keys()
+    for key in here:
+        assert here[key].tobytes() == there[key].tobytes(), key
