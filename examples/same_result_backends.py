@@ -1,4 +1,4 @@
-"""One eNTK kernel regression, many array libraries: the same numbers everywhere.
+"""One eNTK kernel regression, many array libraries: one result, to rounding.
 
 The same fully-connected ReLU network (64-128-128-10, float64, fixed weights) is written five
 ways, and each computes the trace eNTK of scikit-learn's digits and a Cholesky kernel
@@ -10,8 +10,20 @@ regression with ntkcore:
 * a JAX ``(apply_fn, params)`` pair through the JAX provider (dense layers found in the jaxpr).
 
 Every result comes back in its own library, and every one agrees with the NumPy MLP to float64
-rounding (the script exits with status 1 if any relative difference exceeds 1e-9, or if any
-predicted label differs).
+rounding, not bit for bit: each library sums in its own order (BLAS, SIMD width, threads, XLA's
+fusions), so the last digits differ between libraries and between machines.  The script checks
+each difference against a bound derived from the dtype, the size and the conditioning
+(docs/reliability.md), never against what one machine printed, and exits with status 1 if one
+exceeds it:
+
+* kernels: an entry sums ``n = O P`` products plus, to first order, the fan-ins and fan-outs of
+  the layers (the Jacobian's own rounding); two computations differ by at most
+  ``2 gamma_n max|K|``, ``gamma_n = n u / (1 - n u)``, ``u = eps / 2``, in any order;
+* predictions: ``K_* (K + reg I)^{-1} Y`` moves by the solve's error plus the kernel's,
+  amplified by ``cond = cond(K + reg I)``: ``(2 cond eps + cond 2 gamma_n) ||pred||`` in
+  Frobenius norm, to first order;
+* labels: a predicted label may differ only on a test image whose two highest predictions are
+  closer than twice that bound (a close call; there are usually none).
 
     python examples/same_result_backends.py             # 1257 train / 540 test images
     python examples/same_result_backends.py --quick     # 250 / 150 images
@@ -40,8 +52,8 @@ import ntkcore
 from ntkcore.cli.output import OutputError, check_not_symlink, fresh_directory, write_new
 from ntkcore.models import MLP
 
-TOLERANCE = 1e-9  # relative, on kernels and predictions
 WIDTHS = (64, 128, 128, 10)
+EPS = float(np.finfo(np.float64).eps)
 
 
 def load(n_train: int | None, n_test: int | None) -> tuple[np.ndarray, ...]:
@@ -157,7 +169,26 @@ def to_numpy(a: Any) -> np.ndarray:
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b| (kernels: the scale of the bound is max |K|)."""
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def rel_norm(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b||, Frobenius (predictions: the bound is normwise)."""
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def bounds(k: np.ndarray, reg: float) -> tuple[float, float]:
+    """The derived bounds (module docstring): (kernel, relative to max |K|; predictions,
+    relative in Frobenius norm), for two float64 computations of this network's eNTK and of
+    the regression with ridge ``reg``."""
+    params = sum(d_out * (d_in + 1) for d_in, d_out in itertools.pairwise(WIDTHS))
+    n = WIDTHS[-1] * params + 2 * sum(WIDTHS)  # O P products + fan-ins and fan-outs
+    nu = n * EPS / 2
+    kernel = 2 * nu / (1 - nu)
+    w = np.linalg.eigvalsh(k)
+    cond = (w[-1] + reg) / (max(w[0], 0.0) + reg)
+    return kernel, 2 * cond * EPS + cond * kernel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,22 +226,30 @@ def main(argv: list[str] | None = None) -> int:
         k, ks, pred = to_numpy(k), to_numpy(ks), to_numpy(pred)
         if ref is None:
             ref = (k, ks, pred)
+            kernel_tol, pred_tol = bounds(k, reg)
+            top2 = np.sort(pred, axis=1)[:, -2:]
+            close = top2[:, 1] - top2[:, 0] <= 2 * pred_tol * np.linalg.norm(pred)
+        differ = pred.argmax(1) != ref[2].argmax(1)
         rows.append({
             "name": name, "type": kind, "seconds": seconds,
-            "kernel": max(rel(k, ref[0]), rel(ks, ref[1])), "pred": rel(pred, ref[2]),
-            "labels": int(np.sum(pred.argmax(1) != ref[2].argmax(1))),
+            "kernel": max(rel(k, ref[0]), rel(ks, ref[1])), "pred": rel_norm(pred, ref[2]),
+            "labels": int(np.sum(differ)), "unexplained": int(np.sum(differ & ~close)),
             "accuracy": float(np.mean(pred.argmax(1) == y_te)),
         })
+    for r in rows:  # the share of its bound each difference uses
+        r["used"] = max(r["kernel"] / kernel_tol, r["pred"] / pred_tol)
 
+    print(f"bounds (module docstring): kernels {kernel_tol:.1e} of max|K|, predictions "
+          f"{pred_tol:.1e} relative; {int(np.sum(close))} close calls among the test images")
     print(f"\n{'implementation':<24} {'result type':<28} {'time':>7}  {'kernel rel.diff':>15}"
           f"  {'pred rel.diff':>13}  {'labels differ':>13}  accuracy")
     for r in rows:
         print(f"{r['name']:<24} {r['type']:<28} {r['seconds']:6.2f}s  {r['kernel']:15.1e}"
               f"  {r['pred']:13.1e}  {r['labels']:13d}  {100 * r['accuracy']:.2f}%")
-    worst = max(max(r["kernel"], r["pred"]) for r in rows)
-    ok = worst <= TOLERANCE and all(r["labels"] == 0 for r in rows)
-    print(f"\nlargest relative difference from the NumPy MLP: {worst:.1e} "
-          f"({'within' if ok else 'ABOVE'} the tolerance {TOLERANCE:g})")
+    worst = max(r["used"] for r in rows)
+    ok = worst <= 1.0 and all(r["unexplained"] == 0 for r in rows)
+    print(f"\nlargest difference from the NumPy MLP: {worst:.1e} of its bound "
+          f"({'within' if ok else 'ABOVE'} the tolerance derived from eps, size and cond)")
 
     try:
         import matplotlib
@@ -221,19 +260,20 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib is not installed: no plot")
     else:
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-        floor = 1e-18
-        vals = [max(r["kernel"], r["pred"], floor) for r in rows]
+        floor = 1e-12
+        vals = [max(r["used"], floor) for r in rows]
         ax.barh([r["name"] for r in rows], vals, color="tab:blue")
         for i, r in enumerate(rows):
-            if max(r["kernel"], r["pred"]) == 0.0:
-                ax.text(floor * 3, i, "identical" if i else "reference", va="center")
-        ax.axvline(TOLERANCE, color="tab:red", ls="--", label=f"tolerance {TOLERANCE:g}")
+            if r["used"] == 0.0:
+                ax.text(floor * 3, i, "equal on this run" if i else "reference", va="center")
+        ax.axvline(1.0, color="tab:red", ls="--", label="the derived bound")
         ax.set_xscale("log")
-        ax.set_xlim(floor, 1)
+        ax.set_xlim(floor, 10)
         ax.invert_yaxis()
-        ax.set_xlabel("largest relative difference from the NumPy MLP (kernels, predictions)")
-        ax.set_title(f"same eNTK regression, {len(rows)} implementations: test accuracy "
-                     f"{100 * rows[0]['accuracy']:.1f}% for all")
+        ax.set_xlabel("difference from the NumPy MLP / its rounding bound (kernels, predictions)")
+        accs = sorted({f"{100 * r['accuracy']:.1f}%" for r in rows})
+        acc = f"{accs[0]} for all" if len(accs) == 1 else f"{accs[0]} to {accs[-1]}"
+        ax.set_title(f"same eNTK regression, {len(rows)} implementations: test accuracy {acc}")
         ax.legend(loc="lower right")
         fig.tight_layout()
         out = args.out or (fresh_directory("ntkcore-same-result-backends-")
