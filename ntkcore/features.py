@@ -101,7 +101,9 @@ of a network at standard initialisation whatever its parameter count (the last l
 small layers that carry much of the kernel; blocks whose equal share exceeds their width are
 exact and return their surplus.  ``probe=x_probe`` weights by each block's share of the
 kernel trace on that batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
-:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space.  With
+:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space on one
+machine (the weights are floating-point sums: on another BLAS or CPU a share within rounding of
+a split boundary can move by a column).  With
 ``kronecker="grid"`` a Kronecker block's :math:`q_b` is laid out on a grid with
 :math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)`
 columns (equal sampling fractions of both factors, as :func:`ntkcore.sketch.split_kronecker`) and
@@ -111,8 +113,12 @@ else with a sparse sign; Kronecker factors are always Gaussian (small: d x q).
 
 Seeds: block b draws from ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
 ``spawn_seed(seed, b, 2)`` (factors A / G), the convention of
-:func:`ntkcore.sketch.sketch_jacobian`.  The same seed gives the same projection on the same
-backend (different backends draw from different generators).
+:func:`ntkcore.sketch.sketch_jacobian`.  The same seed gives the same projection, bit for bit,
+on the same backend and kind of device with the same library versions, with the exceptions
+the module docstring of :mod:`ntkcore.sketch` names: NumPy and ``array_api_strict`` share it,
+torch, JAX and CuPy each draw another one, and torch's CPU and CUDA projections differ.  The
+features themselves are products with the projection, so on another BLAS, CPU or thread count
+they agree to rounding only.
 
 Pure array API: nothing here imports a framework.
 """
@@ -507,7 +513,7 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
         Projection of dense blocks; Kronecker blocks always use Gaussian factor sketches.
     seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key
         The projection's seed (not None).  The same ``(model, dim, method, seed, mode,
-        probe)`` gives the same projection for every ``x`` on one backend, so
+        probe)`` gives the same projection for every ``x`` on one backend and device, so
         ``features(model, x1) @ features(model, x2).T`` estimates ``ntk(model, x1, x2)``.  A
         generator is drawn from once per call (different calls: different projections; draw
         an integer once with :func:`ntkcore.backend.seed_from` to reuse it).

@@ -349,8 +349,11 @@ class MLP:
         seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
             Seed of the backend's generator (``get_backend(xp).generator(seed, device)``; a
             generator or key is drawn from once, :func:`ntkcore.backend.seed_from`);
-            draws are ``W_1, b_1, W_2, b_2, ...``.  The same seed gives the same network on
-            the same backend, not across backends (their generators differ).
+            draws are ``W_1, b_1, W_2, b_2, ...``, in ``dtype``.  The same seed gives the
+            same network, bit for bit, on the same backend, device and dtype: NumPy and
+            ``array_api_strict`` share one generator (float32 weights are the float64 ones
+            rounded), other backends draw other numbers, and torch's float32 draws on a CPU
+            without AVX2 differ in the last bits (docs/reliability.md, "Seeds").
         device : optional
             Device for the parameters (default: the namespace's default device).
         dtype : optional

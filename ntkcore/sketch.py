@@ -42,8 +42,13 @@ Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``
     :math:`O(q\, n\, k)` flops and :math:`O(q \cdot \text{chunk})` extra memory.
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
-the same ``seed`` gives the same sketch on the same backend; different backends draw from
-different generators.
+the same ``seed`` gives the same sketch, bit for bit, on the same backend and kind of device
+with the same library versions; a few floating-point draws also depend on the CPU's
+instruction set (JAX's Gaussians; docs/reliability.md, "Seeds", lists which draws are the
+same bits on every CPU).  Sketches draw in float64 wherever the namespace has it.  NumPy and
+the namespaces of the generic backend (``array_api_strict``, ...) share one host generator and
+draw the same bits; torch (whose CPU and CUDA generators differ), JAX and CuPy each draw other
+numbers, so one seed gives unrelated sketches there, not equal ones to rounding.
 
 **Seeds.**  A ``seed`` (here, in :class:`SketchSpec`, ``MLP.random`` and ``cg_solve``'s
 Nystrom preconditioner) is ``None`` (fresh entropy), a non-negative integer, or the caller's
