@@ -287,8 +287,17 @@ def test_parameters_layout_and_roundtrip(rng):
     assert flat.shape == (net.num_params,) == (4 * 4 + 2 * 5,)
     assert flat[1 * 4 + 3] == bs[0][1] and flat[2 * 4 + 1] == ws[0][2, 1]
     twin = net.with_parameters(flat)
+    for a, b in zip([*twin.weights, *twin.biases], [*ws, *bs], strict=True):
+        np.testing.assert_array_equal(a, b)  # the same values: views of flat, no arithmetic
     x = rng.standard_normal((2, 3))
-    np.testing.assert_array_equal(twin(x), net(x))
+    # The same forward on the same values, but twin's weights are strided views: a BLAS may
+    # sum their products in another order.  First order, for this ReLU net (tests/tolerances):
+    # layer 1 errs by 2 gamma_3 c1 |x||W1|^T and layer 2 adds 2 gamma_4 c2 |z1||W2|^T, with
+    # |z1| <= m1 = c1 |x||W1|^T + |b1|.
+    (c1, c2), _ = _scales(widths, "ntk", 1.0, 1.0)
+    m1 = c1 * np.abs(x) @ np.abs(ws[0]).T + np.abs(bs[0])
+    bound = kernel_tol(np.float64, 4, computations=2) * 2 * c2 * (m1 @ np.abs(ws[1]).T)
+    assert np.all(np.abs(twin(x) - net(x)) <= bound)
     assert net.block_sizes == (16, 10) and net.widths == widths
 
 
