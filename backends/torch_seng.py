@@ -261,7 +261,8 @@ class SENG(torch.optim.Optimizer):
     refresh steps the forward and backward must run after the previous ``step()`` (the hooks
     capture only while a refresh is due and autograd is enabled); the last forward before
     ``step()`` is the one used.  ``state_dict()`` stores the step counter, momentum buffers
-    and the current curvature factors, so a loaded optimizer continues exactly.
+    and the current curvature factors, so a loaded optimizer continues exactly where the saved
+    one was (bit for bit on the same machine and thread count; elsewhere to rounding).
 
     A Linear / Conv layer is a Kronecker block only where its input and output carry the
     sample axis (a probe forward on p != N samples on the first refresh of each input shape
