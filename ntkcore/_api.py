@@ -483,7 +483,7 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
         except Exception:  # gram() reports a bad dtype
             pass
     g = min_budget(shapes, num_outputs=o, n1=n1, n2=n2, mode=mode, layerwise=layerwise,
-                   itemsize=item, symmetric=not cross)
+                   itemsize=item)
     m = max(useful_tile(n1), useful_tile(n2))
     factors = per_sample * (n1 + (n2 if cross else 0))
     need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))

@@ -112,8 +112,8 @@ tiles on and above the diagonal are computed and mirrored, and a tile on the dia
 computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
 GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
 than panels on large full-mode tiles).  The square of each piece on the diagonal keeps its
-upper triangle and mirrors it below (:meth:`~ntkcore.modes.Mode.mirror`, ``MIRROR_TILES`` of
-working memory): no BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round
+upper triangle and mirrors it below, in blocks of ``MIRROR_BLOCK`` samples (:func:`_write_mirrored`;
+without item assignment :meth:`~ntkcore.modes.Mode.mirror`): no BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round
 its triangles differently) and the "positions" and "pairs" routes sum ``(n, m)`` and
 ``(m, n)`` in different orders, so a self-kernel is exactly symmetric, bit for bit, by
 construction, whichever machine computed it.
@@ -182,10 +182,10 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
-#: Tiles of working memory that mirroring a diagonal tile of a self-kernel takes besides the
-#: tile (:meth:`ntkcore.modes.Mode.mirror`): the mirrored copy and its boolean mask, one byte
-#: an element (at most half a tile, for 2-byte floats).
-MIRROR_TILES = 1.5
+#: Samples a side of the blocks in which a diagonal tile of a self-kernel is written mirrored
+#: (:func:`_write_mirrored`): transposed copies of this size stay in cache.  Full mode takes
+#: ``MIRROR_BLOCK // O`` samples (blocks of about this many rows of the matrix view).
+MIRROR_BLOCK = 256
 
 #: The smallest useful tile holds ``min(N, MIN_TILE_SAMPLES)`` samples a side (rows of J1,
 #: columns of J2).  A budget that cannot hold it raises ``ValueError`` stating the budget that
@@ -321,38 +321,33 @@ def useful_tile(n: int) -> int:
 
 
 def _min_elements(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, layerwise: bool,
-                  forced: str | None, symmetric: bool) -> int:
+                  forced: str | None) -> int:
     """Working elements of the smallest useful tile, ``min(n1, MIN_TILE_SAMPLES)`` x
     ``min(n2, MIN_TILE_SAMPLES)``, with each block's leanest strategy."""
     r, c = useful_tile(n1), useful_tile(n2)
-    acc = _acc_factor(layerwise, len(pairs), symmetric)
+    acc = _acc_factor(layerwise, len(pairs))
     mem = max(min(_cost(s, p, mode, o, r, c)[0] for s in p.strategies(forced)) for p in pairs)
-    return mem + math.ceil(r * c * _q(mode, o) * acc)
+    return mem + r * c * _q(mode, o) * acc
 
 
 def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2: int,
                mode: str = "full", layerwise: bool = False, itemsize: int = 8,
-               shapes2: tuple[_BlockShape, ...] | None = None,
-               symmetric: bool = False) -> int:
+               shapes2: tuple[_BlockShape, ...] | None = None) -> int:
     """Smallest ``max_memory`` (bytes) for which :func:`gram` plans a useful tile.
 
     ``shapes`` (and ``shapes2`` for J2, default the same) from :func:`block_shapes`;
-    ``itemsize`` of the compute dtype; ``symmetric``: a self-kernel (``J2=None``), whose
-    diagonal tiles are mirrored (:data:`MIRROR_TILES`).  Used by :func:`ntkcore.ntk` to check
-    a budget before any factor is computed.
+    ``itemsize`` of the compute dtype.  Used by :func:`ntkcore.ntk` to check a budget before
+    any factor is computed.
     """
     pairs = [_Pair(str(i), a, b, a.kron) for i, (a, b) in enumerate(
         zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
-    return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None,
-                         symmetric) * itemsize
+    return _min_elements(pairs, mode, num_outputs, n1, n2, layerwise, None) * itemsize
 
 
-def _acc_factor(layerwise: bool, nblocks: int, symmetric: bool) -> float:
+def _acc_factor(layerwise: bool, nblocks: int) -> int:
     """Tiles held by the accumulator: running sum, new block tile and their sum (one block or
-    layerwise: just the block's tile); a self-kernel's diagonal tile also has its mirrored
-    copy (:data:`MIRROR_TILES`) while the block tiles are gone."""
-    held = 1 if layerwise or nblocks == 1 else 3
-    return max(held, 1 + MIRROR_TILES) if symmetric else held
+    layerwise: just the block's tile)."""
+    return 1 if layerwise or nblocks == 1 else 3
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -414,11 +409,11 @@ class GramPlan:
 
 
 def _work(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
-          r: int, c: int, acc: float, chunk: int | None = None) -> int:
+          r: int, c: int, acc: int, chunk: int | None = None) -> int:
     """Working elements of a tile: the largest block's working set plus the accumulator."""
     return max(_cost(s, p, mode, o, r, c, chunk)[0]
                for s, p in zip(strategies, pairs, strict=True)) \
-        + math.ceil(r * c * _q(mode, o) * acc)
+        + r * c * _q(mode, o) * acc
 
 
 def _flops(strategies: tuple[str, ...] | list[str], pairs: list[_Pair], mode: str, o: int,
@@ -461,7 +456,7 @@ def _symmetric_flops(strategy: str, pair: _Pair, mode: str, o: int, n: int, r: i
 
 
 def _choose(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, fits_elems: float,
-            acc: float, forced: str | None, panel_rows: int) -> tuple[list[str], list[int]]:
+            acc: int, forced: str | None, panel_rows: int) -> tuple[list[str], list[int]]:
     """Per block the strategy with the fewest flops at the largest tile that fits, and that
     tile.  ``panel_rows`` > 0: a symmetric kernel whose diagonal tiles are split into the row
     panels of at least ``panel_rows`` GEMM rows that the strategy would get alone
@@ -514,7 +509,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
     alone (a "positions" block's panels are S times taller GEMMs); each plan gets the panels
     its dominant block allows (:func:`_panel_span`), and the one with fewer flops is kept.
     """
-    acc = _acc_factor(layerwise, len(pairs), symmetric)
+    acc = _acc_factor(layerwise, len(pairs))
     elems = budget / itemsize
     args = (pairs, mode, o, n1, n2, symmetric, layerwise, budget, itemsize, gpu, writable, acc)
     plan = _finish(*_choose(pairs, mode, o, n1, n2, elems, acc, forced, 0), *args)
@@ -528,7 +523,7 @@ def _make_plan(pairs: list[_Pair], mode: str, o: int, n1: int, n2: int, symmetri
 
 def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, o: int,
             n1: int, n2: int, symmetric: bool, layerwise: bool, budget: int, itemsize: int,
-            gpu: bool, writable: bool, acc: float) -> GramPlan:
+            gpu: bool, writable: bool, acc: int) -> GramPlan:
     """The plan of the chosen strategies: one tile grid for all blocks, panels, flops."""
     elems = budget / itemsize
     panels = 1
@@ -570,7 +565,7 @@ def _finish(chosen: list[str], tiles: list[int], pairs: list[_Pair], mode: str, 
 
 
 def _pair_chunk(chosen: list[str], pairs: list[_Pair], mode: str, o: int, r: int, c: int,
-                acc: float, elems: float) -> int:
+                acc: int, elems: float) -> int:
     """The largest chunk of matching pairs, up to ``PAIRS_MAX_CHUNK`` (and no more than a
     tile has), that every "pairs" block fits in the budget with (0: no such block)."""
     sel = [p for s, p in zip(chosen, pairs, strict=True) if s == "pairs"]
@@ -1009,7 +1004,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
                                                       for p in pairs), 0, j2 is None, 0,
                         budget, 0.0, 0.0)
     else:
-        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy, j2 is None) * item
+        need = _min_elements(pairs, mode, o, n1, n2, layerwise, strategy) * item
         if budget < need:
             raise BudgetTooSmallError(
                 f"{budget.given} ({budget} bytes) is too small for the smallest useful tile of "
@@ -1149,6 +1144,30 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
     return _execute(st, layerwise, progress)
 
 
+def _write_mirrored(xp: Any, mode: Mode, out: Array, lead: tuple[int, ...], start: int,
+                    square: Array) -> None:
+    r"""Write the computed square tile ``square`` (r, r, tail) of a self-kernel at
+    ``out[lead..., start:start + r, start:start + r]``, exactly symmetric: its upper triangle
+    (in the matrix view, :meth:`Mode.mirror`) is kept and the lower one is its transpose.
+
+    Blocks of ``b`` = :data:`MIRROR_BLOCK` samples (``MIRROR_BLOCK // O`` in full mode): the
+    blocks on the diagonal through :meth:`Mode.mirror`, a block row right of the diagonal
+    copied as it is and, transposed, into the block column below.  Every entry is written
+    once (as many writes as a plain copy of the tile), the transposed copies are cache-sized,
+    and nothing tile-sized is allocated.
+    """
+    r = square.shape[0]
+    b = max(1, MIRROR_BLOCK // (square.shape[2] if mode == "full" else 1))
+    for i0 in range(0, r, b):
+        i1 = min(r, i0 + b)
+        here = slice(start + i0, start + i1)
+        out[(*lead, here, here, ...)] = mode.mirror(xp, square[i0:i1, i0:i1, ...])
+        if i1 < r:
+            right = square[i0:i1, i1:, ...]
+            out[(*lead, here, slice(start + i1, start + r), ...)] = right
+            out[(*lead, slice(start + i1, start + r), here, ...)] = mode.transpose(xp, right)
+
+
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
     xp, plan, mode = st.xp, st.plan, st.mode
     out_shape = (*((len(st.pairs),) if layerwise else ()), st.n1, st.n2, *mode.tail(st.o))
@@ -1176,9 +1195,7 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
         rows, cols, mirror = piece
         lead: tuple[int, ...] = () if b is None else (b,)
         if same:  # the square [rows, rows] is the piece's first ``mirror`` columns
-            square = mode.mirror(xp, t[:, :mirror, ...])
-            out[(*lead, rows, rows, ...)] = square  # type: ignore[index]
-            del square
+            _write_mirrored(xp, mode, out, lead, rows.start, t[:, :mirror, ...])
             right = slice(cols.start + mirror, cols.stop)
             if mirror < cols.stop - cols.start:
                 out[(*lead, rows, right, ...)] = t[:, mirror:, ...]  # type: ignore[index]

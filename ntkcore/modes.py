@@ -64,9 +64,10 @@ class Mode(str):
         This is how a self-kernel is symmetric bit for bit on any machine: no BLAS promises
         that a product ``X @ X.T`` comes out symmetric (MKL, OpenBLAS and cuBLAS may round
         its two triangles differently), and a contraction over positions sums ``(n, m)`` and
-        ``(m, n)`` in different orders.  One ``where`` over the tile: a memory-bound pass of
-        :math:`N^2 q` elements (``q`` = 1, O or O^2) beside a contraction of at least
-        :math:`2 N^2 q` flops per parameter.
+        ``(m, n)`` in different orders.  One ``where``, which allocates the result and a
+        boolean mask of ``k``'s size: :mod:`ntkcore.gram` applies it to cache-sized blocks on
+        the diagonal of a writable output, and to whole tiles only where arrays have no item
+        assignment (JAX).
         """
         n = k.shape[lead]
         o = k.shape[lead + 2] if self == "full" else 1

@@ -58,6 +58,25 @@ _share_cores_between_workers()
 PERTURB_ALL = os.environ.get("NTKCORE_TEST_PERTURB", "") == "1"
 
 
+#: Test modules whose numbers CI checks a second time under another kernel dispatch and
+#: perturbed products (``.ci/run``, ``-m numerics``): the contractions, solvers, sketches and
+#: Jacobian providers, each against its independent float64 reference.  Chosen to keep that
+#: pass to a few minutes on two cores; torch.compile (test_seng_training) cannot trace the
+#: perturbing mode, and the example, docs and packaging tests check no new numbers.
+NUMERICS_MODULES = frozenset({
+    "test_api", "test_cg", "test_exact_symmetry", "test_feature_regression", "test_features",
+    "test_gram", "test_gram_pairs", "test_jacobian", "test_kernel_ridge", "test_linop",
+    "test_modes", "test_regression", "test_seeds", "test_sketch", "test_solve",
+    "test_tiling", "test_torch_provider",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in NUMERICS_MODULES:
+            item.add_marker(pytest.mark.numerics)
+
+
 @pytest.fixture(autouse=True)
 def _products_of_another_blas(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests marked ``exactness`` (promises kept by construction: symmetric self-kernels,

@@ -4,13 +4,16 @@ No BLAS promises that ``X @ X.T`` comes out exactly symmetric, nor one summation
 on an AMD CPU, OpenBLAS builds, cuBLAS and Accelerate each round in their own way.  A promise
 of exactness (a symmetric self-kernel, a resumed store equal to an uninterrupted one) must
 therefore hold by construction, and the suite checks it under :func:`perturbed_products`: in
-that context every floating-point matrix product (``@``, ``matmul``, ``mm``, ``bmm``,
-``einsum``, ``tensordot``, ``linear``, ...) of torch and of array_api_strict returns its
-strictly lower triangle (row index > column index over the last two axes, also of a
-rectangular panel) moved one ulp up, non-zero entries only.  The perturbation is
-deterministic (the same product gives the same result), differentiable (it adds a
-constant) and far inside every tolerance of the suite (one ulp per entry), so a test fails
-under it only where it relied on the rounding of one BLAS.
+that context every floating-point self-product (``@``, ``matmul``, ``mm``, ``bmm``,
+``addmm``, ``tensordot``, ``linear``, ... whose two operands share memory, as ``X @ X.T``
+and ``X.mT @ X`` do) of torch and of array_api_strict returns its strictly lower triangle
+(row index > column index over the last two axes, also of a rectangular panel) moved one
+ulp up, non-zero entries only.  Products of two different arrays are left alone: every BLAS
+rounds them somehow, but none turns an exact product (a sum with one non-zero term) into an
+inexact one, which a blanket perturbation would.  The perturbation is deterministic (the
+same product gives the same result), differentiable (it adds a constant) and far inside
+every tolerance of the suite (one ulp per entry), so a test fails under it only where it
+relied on the rounding of one BLAS.
 
 NumPy's ``ndarray.__matmul__`` is a C slot that cannot be replaced, and JAX compiles its
 products, so those two run unperturbed (NumPy's ``x @ x.T`` calls SYRK, which is symmetric
@@ -45,8 +48,7 @@ def _torch_mode() -> Any:
     from torch.overrides import TorchFunctionMode
 
     products = {
-        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
-        torch.tensordot, torch.nn.functional.linear, torch.linalg.matmul,
+        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.tensordot, torch.nn.functional.linear, torch.linalg.matmul,
         torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.__matmul__,
         torch.Tensor.__rmatmul__,
     }
@@ -64,11 +66,24 @@ def _torch_mode() -> Any:
             delta = torch.where(mask, up - base, torch.zeros_like(base))
         return out + delta  # exact: base + (up - base) == up
 
+    def shared(x: Any, y: Any) -> bool:
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                and x.numel() > 0 and y.numel() > 0):
+            return False
+        try:
+            return bool(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr())
+        except (NotImplementedError, RuntimeError):  # torch.func's wrappers have no storage
+            return False
+
     class PerturbedProducts(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
-            return perturb(out) if func in products else out
+            first = 1 if func in (torch.addmm, torch.baddbmm) else 0  # (input, x, y)
+            if func in products and len(args) >= first + 2 and shared(args[first],
+                                                                       args[first + 1]):
+                return perturb(out)
+            return out
 
     return PerturbedProducts()
 
@@ -81,7 +96,9 @@ def _strict_patched() -> Iterator[None]:
     def wrap(fn: Any) -> Any:
         def product(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
-            if isinstance(out, Array):
+            x, y = args[0], args[1] if len(args) > 1 else None
+            if (isinstance(out, Array) and isinstance(x, Array) and isinstance(y, Array)
+                    and np.may_share_memory(x._array, y._array)):
                 return Array._new(perturb_numpy(out._array), device=out.device)
             return out
 

@@ -79,15 +79,20 @@ class _Conv(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
-@pytest.mark.parametrize("panels", [False, True])
-def test_torch_model_every_route(monkeypatch, tiny_tiles, mode, panels):
+@pytest.mark.parametrize(("panels", "mirror_block"), [(False, None), (True, None), (False, 4)])
+def test_torch_model_every_route(monkeypatch, tiny_tiles, mode, panels, mirror_block):
     """A torch model: whole, in row panels, tiled by a budget, streamed in sample blocks,
-    layerwise, and the ``positions`` and ``materialise`` routes of its convolution."""
+    layerwise, and the ``positions`` and ``materialise`` routes of its convolution; diagonal
+    tiles written in one mirrored block or in several (``MIRROR_BLOCK``)."""
+    import sys
+
     from ntkcore.backends.torch import jacobian
     from ntkcore.gram import _gram
 
     if panels:
         force_panels(monkeypatch)
+    if mirror_block is not None:  # blocks of 4 samples (1 in full mode, O = 3)
+        monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIRROR_BLOCK", mirror_block)
     torch.manual_seed(0)
     net = _Conv().double()
     x = torch.randn(12, 2, 8, dtype=torch.float64)
@@ -97,8 +102,15 @@ def test_torch_model_every_route(monkeypatch, tiny_tiles, mode, panels):
         kl = ntkcore.ntk(net, x, mode=mode, layerwise=True, max_memory=max_memory).numpy()
         assert_exactly_symmetric(kl, mode, layerwise=True)
     j = jacobian(net, x)
+    d = j.to_dense().numpy()
+    ref = np.einsum("nop,mqp->nmoq", d, d)
+    ref = {"full": ref, "trace": np.einsum("nmoo->nm", ref),
+           "diagonal": np.einsum("nmoo->nmo", ref)}[mode]
+    tol = kernel_tol(np.float64, d.shape[-1] * 4) * np.abs(ref).max()
     for strategy in ("positions", "materialise"):
-        assert_exactly_symmetric(_gram(j, mode=mode, strategy=strategy).numpy(), mode)
+        k = _gram(j, mode=mode, strategy=strategy).numpy()
+        assert_exactly_symmetric(k, mode)
+        np.testing.assert_allclose(k, ref, rtol=0, atol=tol)
     k32 = ntkcore.ntk(net.float(), x.float(), mode=mode).numpy()
     assert_exactly_symmetric(k32, mode)
 

@@ -518,7 +518,7 @@ def test_budget_below_a_useful_tile(monkeypatch, rng, mode, layerwise):
         # the same number from the shapes alone (what ntk() checks before any factor)
         shapes = gram_module.block_shapes(j1)
         assert gram_module.min_budget(shapes, num_outputs=2, n1=n1, n2=m2, mode=mode,
-                                      layerwise=layerwise, symmetric=n2 is None) == need
+                                      layerwise=layerwise) == need
 
 
 def test_inputs_not_mutated(rng):

@@ -26,6 +26,10 @@ CASES = (
     "gram_full_torch",
     "gram_conv_np",
     "gram_conv_torch",
+    "gram_sym_full_np",
+    "gram_sym_full_torch",
+    "gram_sym_trace_np",
+    "gram_sym_trace_torch",
     "mlp8x1000",
     "mlp784full",
     "cnn",
@@ -85,6 +89,16 @@ def build(case):
         j1 = kron_jac(conv, 256, 64, 27, 32, 10, 0)
         def f():
             return ntkcore.gram(j1, mode="trace")
+    elif case.startswith("gram_sym_"):
+        # self-kernels with few flops per entry, where mirroring a diagonal tile weighs most
+        conv = (lambda a: a) if case.endswith("np") else torch.from_numpy
+        if "_full_" in case:
+            j1 = kron_jac(conv, 512, 1, 64, 64, 10, 0)
+        else:
+            j1 = kron_jac(conv, 4096, 1, 32, 32, 1, 0)
+        mode = "full" if "_full_" in case else "trace"
+        def f():
+            return ntkcore.gram(j1, mode=mode)
     elif case == "mlp8x1000":
         layers = [torch.nn.Linear(64, 1000), torch.nn.Tanh()]
         for _ in range(7):
