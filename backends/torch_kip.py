@@ -101,6 +101,7 @@ from torch import nn
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.kernel_ridge import _KernelRidge
 from ntkcore.modes import Mode, check_mode
 from ntkcore.support import capabilities
 from ntkcore.tiling import bounds
@@ -604,7 +605,9 @@ def kip_loss(
         pred = ntkcore.kernel_regression(k_reg, ys, k_ts)
         _timed(timings, "solve_s", t0)
         return torch.mean((pred - yt) ** 2)
-    alpha = ntkcore.KernelRidge().fit(k_reg, ys).dual_coef_
+    # the ridge is in k_reg already: alpha=0.0; the plain class (ntkcore.KernelRidge's code
+    # without scikit-learn's bases), so that a KIP step never imports scikit-learn
+    alpha = _KernelRidge(alpha=0.0).fit(k_reg, ys).dual_coef_
     _timed(timings, "solve_s", t0)
     yt = yt.to(spec.out_dtype)
     return _FusedKipLoss.apply(spec, yt, alpha, *support)

@@ -5,7 +5,11 @@ same namespace, on the same device, in the same dtype.  See ``docs/`` for the ma
 architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the frameworks).
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import analysis, models, sketch
+from . import kernel_ridge as kernel_ridge  # declares KernelRidge's support entry
 from ._api import ntk, pseudo_ntk
 from ._version import __version__
 from .analysis import (
@@ -25,7 +29,6 @@ from .cg import (
 )
 from .errors import BudgetTooSmallError, JitterWarning, NotPositiveDefiniteError
 from .feature_regression import (
-    FeatureRidge,
     feature_gd_mse_predict,
     feature_gp_inference,
     feature_regression,
@@ -33,7 +36,6 @@ from .feature_regression import (
 from .features import choose_dim, feature_error, feature_variance, features
 from .gram import GramPlan, gram, plan_gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock
-from .kernel_ridge import KernelRidge
 from .operators import KernelOperator
 from .regression import (
     GPPosterior,
@@ -42,6 +44,28 @@ from .regression import (
     kernel_regression,
 )
 from .solve import natural_gradient, smw_solve
+
+if TYPE_CHECKING:
+    from .feature_regression import FeatureRidge
+    from .kernel_ridge import KernelRidge
+
+#: The scikit-learn estimators, built on first access (with scikit-learn's ``BaseEstimator``
+#: when it is installed; see :mod:`ntkcore._estimator`), so that ``import ntkcore`` does not
+#: import scikit-learn.
+_LAZY = {"KernelRidge": "kernel_ridge", "FeatureRidge": "feature_regression"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = cls
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "BudgetTooSmallError",

@@ -1,19 +1,31 @@
-r"""scikit-learn's estimator protocol without scikit-learn: the base of the regressors
-:class:`ntkcore.KernelRidge` (kernels) and :class:`ntkcore.FeatureRidge` (features).
+r"""scikit-learn's estimator protocol for the regressors :class:`ntkcore.KernelRidge`
+(kernels) and :class:`ntkcore.FeatureRidge` (features), without importing scikit-learn at
+``import ntkcore``.
 
-:class:`Regressor` implements ``get_params`` / ``set_params``, ``repr``, ``score`` (R²),
-``__sklearn_tags__`` (with ``input_tags.pairwise`` from the class attribute ``_pairwise``) and
-the ``NotFittedError`` check, so that ``clone``, pipelines, ``GridSearchCV`` and
-``cross_val_score`` accept its subclasses; scikit-learn is imported only by scikit-learn's own
-calls (``__sklearn_tags__``) and to raise its ``NotFittedError``.  The arrays stay in the
-caller's namespace: NumPy in, NumPy out; torch in, torch out.  Lists and other non-array inputs
-become NumPy arrays, and integer or boolean arrays the floating dtype of the other argument
-(``float64`` if neither floats), in their own namespace (a lazy NumPy import, for lists only).
+Each regressor is written once, as a plain class deriving from :class:`Regressor` (``fit``,
+``predict``, ``score`` (R²), ``__sklearn_tags__`` with ``input_tags.pairwise`` from the class
+attribute ``_pairwise``, the ``NotFittedError`` check).  The public class is built from it on
+first access (:func:`public_class`, called by the module-level ``__getattr__`` of
+:mod:`ntkcore` and of the defining module): with scikit-learn installed it is a real
+``RegressorMixin``/``BaseEstimator`` subclass (``get_params``, ``set_params``, ``repr``,
+``clone``, metadata routing and the HTML repr come from scikit-learn; ``score`` and the tags
+stay ntkcore's, since they keep the arrays in their namespace); without scikit-learn it
+derives from :class:`EstimatorProtocol`, which implements ``get_params`` / ``set_params`` /
+``repr`` the same way, so that the class works as before.  scikit-learn is thus imported when
+a program first touches ``ntkcore.KernelRidge`` or ``ntkcore.FeatureRidge``, never by
+``import ntkcore`` nor by the functional API (:func:`ntkcore.kernel_regression`, ...).
+
+The arrays stay in the caller's namespace: NumPy in, NumPy out; torch in, torch out.  Lists
+and other non-array inputs become NumPy arrays, and integer or boolean arrays the floating
+dtype of the other argument (``float64`` if neither floats), in their own namespace (a lazy
+NumPy import, for lists only).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+from collections.abc import MutableMapping
 from typing import Any
 
 import array_api_compat
@@ -22,7 +34,7 @@ from ._typing import Array
 from ._validation import namespace_of
 from .backend import host_array
 
-__all__ = ["NotFittedError", "Regressor"]
+__all__ = ["EstimatorProtocol", "NotFittedError", "Regressor", "public_class"]
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -50,42 +62,35 @@ def _floating(**arrays: Any) -> list[Any]:
 
 
 class Regressor:
-    """scikit-learn's regressor protocol; subclasses define ``__init__``, ``fit`` and
-    ``predict`` and set ``_pairwise`` (whether ``X`` is a kernel)."""
+    """What the regressors share on any base: ``score``, the tags, the fitted check.
+
+    Subclasses define ``__init__``, ``fit`` and ``predict`` and set ``_pairwise`` (whether
+    ``X`` is a kernel); :func:`public_class` adds the estimator base."""
 
     _pairwise = False
-
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """The constructor arguments, by name (scikit-learn's ``get_params``)."""
-        return {p: getattr(self, p) for p in inspect.signature(type(self)).parameters}
-
-    def set_params(self, **params: Any) -> Regressor:
-        """Set constructor arguments by name; checked at the next ``fit``."""
-        valid = self.get_params()
-        for key, value in params.items():
-            if key not in valid:
-                raise ValueError(f"Invalid parameter {key!r} for estimator {self}. Valid "
-                                 f"parameters are: {sorted(valid)!r}.")
-            setattr(self, key, value)
-        return self
-
-    def __repr__(self) -> str:
-        defaults = {p: v.default for p, v in inspect.signature(type(self)).parameters.items()}
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if v != defaults[k])
-        return f"{type(self).__name__}({args})"
-
-    _estimator_type = "regressor"  # scikit-learn < 1.6
 
     def _more_tags(self) -> dict[str, bool]:  # scikit-learn < 1.6
         return {"pairwise": self._pairwise, "multioutput": True}
 
     def __sklearn_tags__(self) -> Any:
-        """scikit-learn's tags: a multi-output regressor (``pairwise``: ``X`` is a kernel)."""
-        from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
+        """scikit-learn's tags: a multi-output regressor (``pairwise``: ``X`` is a kernel);
+        scikit-learn's own (``RegressorMixin``, ``BaseEstimator``) completed when they are
+        the bases."""
+        parent = getattr(super(), "__sklearn_tags__", None)
+        if parent is not None:
+            tags = parent()
+        else:
+            from sklearn.utils import Tags, TargetTags
 
-        return Tags(estimator_type="regressor", regressor_tags=RegressorTags(),
-                    target_tags=TargetTags(required=True, multi_output=True),
-                    input_tags=InputTags(pairwise=self._pairwise))
+            tags = Tags(estimator_type=None, target_tags=TargetTags(required=True))
+        from sklearn.utils import RegressorTags
+
+        tags.estimator_type = "regressor"
+        tags.regressor_tags = tags.regressor_tags or RegressorTags()
+        tags.target_tags.required = True
+        tags.target_tags.multi_output = True
+        tags.input_tags.pairwise = self._pairwise
+        return tags
 
     def _check_fitted(self, attribute: str, fit_call: str) -> None:
         """Raise ``NotFittedError`` (scikit-learn's when installed) unless ``fit`` has run."""
@@ -119,3 +124,56 @@ class Regressor:
 
     def predict(self, x: Array) -> Array:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
+
+
+class EstimatorProtocol:
+    """scikit-learn's ``BaseEstimator`` protocol (``get_params``, ``set_params``, ``repr``),
+    the base of the public classes when scikit-learn is not installed."""
+
+    _estimator_type = "regressor"  # scikit-learn < 1.6
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The constructor arguments, by name (scikit-learn's ``get_params``)."""
+        return {p: getattr(self, p) for p in inspect.signature(type(self)).parameters}
+
+    def set_params(self, **params: Any) -> EstimatorProtocol:
+        """Set constructor arguments by name; checked at the next ``fit``."""
+        valid = self.get_params()
+        for key, value in params.items():
+            if key not in valid:
+                raise ValueError(f"Invalid parameter {key!r} for estimator {self}. Valid "
+                                 f"parameters are: {sorted(valid)!r}.")
+            setattr(self, key, value)
+        return self
+
+    def __repr__(self) -> str:
+        defaults = {p: v.default for p, v in inspect.signature(type(self)).parameters.items()}
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items() if v != defaults[k])
+        return f"{type(self).__name__}({args})"
+
+
+def _estimator_bases() -> tuple[type, ...]:
+    """``(RegressorMixin, BaseEstimator)`` of scikit-learn, or ``(EstimatorProtocol,)``
+    without it (imports ``sklearn.base``: only when a public class is first built)."""
+    try:
+        from sklearn.base import BaseEstimator, RegressorMixin
+    except ImportError:
+        return (EstimatorProtocol,)
+    return (RegressorMixin, BaseEstimator)
+
+
+_BUILD = threading.Lock()
+
+
+def public_class(core: type, name: str, namespace: MutableMapping[str, Any]) -> type:
+    """The public estimator ``name`` built on ``core`` (see the module docstring), stored in
+    the defining module's ``namespace`` so that it is built once per process (under a lock:
+    two threads get the same class, which pickling needs)."""
+    with _BUILD:
+        cls = namespace.get(name)
+        if cls is None:
+            cls = type(name, (core, *_estimator_bases()), {
+                "__module__": namespace["__name__"], "__qualname__": name,
+                "__doc__": core.__doc__})
+            namespace[name] = cls
+        return cls

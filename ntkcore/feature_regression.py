@@ -48,12 +48,12 @@ behave as in :mod:`ntkcore.regression` (NaN results where eager code raises).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import array_api_compat
 from array_api_compat import device
 
-from ._estimator import Regressor, _floating
+from ._estimator import Regressor, _floating, public_class
 from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of, promote
 from .backend import Backend
@@ -384,24 +384,27 @@ def feature_gp_inference(
                        variance=xp.reshape(var, tuple(phi_test.shape[:-1])))
 
 
-@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
-class FeatureRidge(Regressor):
+@capabilities(name="FeatureRidge", fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
+class _FeatureRidge(Regressor):
     r"""Ridge regression on features as a scikit-learn estimator: kernel ridge for
     :math:`K = \Phi\Phi^\top` in primal form (:func:`feature_regression`).
 
     ``fit(phi_train, y)`` with features (N, D) (or full-mode (N, O, D) with ``y`` (N, O)),
     ``predict(phi_test)`` with (M, D) (or (M, O, D)).  On (N, D) features it equals
-    ``sklearn.linear_model.Ridge(alpha, fit_intercept=False)`` (whose ``alpha = 0`` is an
-    error or a warning; here least squares / the minimum-norm interpolant), solved by the
+    ``sklearn.linear_model.Ridge(alpha, fit_intercept=False)``, default ``alpha=1.0`` as
+    there (whose ``alpha = 0`` is an error or a warning; here least squares / the
+    minimum-norm interpolant), solved by the
     jitter policy of :mod:`ntkcore.regression` on the smaller of the two Gram matrices, in the
     input's namespace (differentiable under torch / JAX autograd).  The estimator protocol
-    (``get_params``, ``set_params``, ``score``, ``clone``, ``GridSearchCV``) is that of
-    :class:`KernelRidge`, with ``X`` the features (not pairwise).
+    (``get_params``, ``set_params``, ``score``, ``clone``, ``GridSearchCV``; a
+    ``RegressorMixin``/``BaseEstimator`` subclass when scikit-learn is installed, built on
+    first access) is that of :class:`KernelRidge`, with ``X`` the features (not pairwise).
 
     Parameters
     ----------
-    alpha : float, default 0.0
-        Ridge :math:`\lambda \ge 0`.
+    alpha : float, default 1.0
+        Ridge :math:`\lambda \ge 0` (scikit-learn's default; ``0.0``: least squares, or the
+        minimum-norm interpolant when D > N).
     jitter : "auto", float or None, default "auto"
 
     Attributes
@@ -418,11 +421,11 @@ class FeatureRidge(Regressor):
     --------
     >>> import numpy as np, ntkcore
     >>> phi = np.array([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]]); y = np.array([1.0, 4.0, 5.0])
-    >>> ntkcore.FeatureRidge().fit(phi, y).coef_  # least squares
+    >>> ntkcore.FeatureRidge(alpha=0.0).fit(phi, y).coef_  # least squares
     array([1., 2.])
     """
 
-    def __init__(self, alpha: float = 0.0, *, jitter: str | float | None = "auto") -> None:
+    def __init__(self, alpha: float = 1.0, *, jitter: str | float | None = "auto") -> None:
         self.alpha = alpha
         self.jitter = jitter
 
@@ -530,3 +533,16 @@ class FeatureRidge(Regressor):
         rows, coef = promote(xp, _rows(xp, phi, "phi_test", tail), self.coef_)
         beta = xp.reshape(coef, (-1, d))  # (K, D)
         return xp.reshape(rows @ xp.matrix_transpose(beta), (phi.shape[0], *y_tail))
+
+
+if TYPE_CHECKING:
+    FeatureRidge = _FeatureRidge
+else:
+    def __getattr__(name: str) -> Any:
+        """``FeatureRidge``, built on first access (:func:`ntkcore._estimator.public_class`)."""
+        if name == "FeatureRidge":
+            return public_class(_FeatureRidge, name, globals())
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), "FeatureRidge"})

@@ -1,17 +1,21 @@
 r"""Kernel ridge regression on precomputed kernels, as a scikit-learn estimator.
 
-:class:`KernelRidge` follows scikit-learn's estimator protocol (``get_params`` /
-``set_params``, ``score``, ``__sklearn_tags__`` with ``input_tags.pairwise``, fitted
-attributes ending in ``_``, ``NotFittedError``), so ``clone``, pipelines, ``GridSearchCV`` and
-``cross_val_score`` accept it, without importing scikit-learn: the protocol is implemented in
-:mod:`ntkcore._estimator` (shared with :class:`ntkcore.FeatureRidge`), which also says how
-lists and integer arrays are converted.  The arrays stay in the caller's namespace: NumPy in,
-NumPy out; torch in, torch out.
+:class:`KernelRidge` is a scikit-learn regressor (``RegressorMixin``, ``BaseEstimator`` when
+scikit-learn is installed; ``get_params`` / ``set_params``, ``score``, ``__sklearn_tags__``
+with ``input_tags.pairwise``, fitted attributes ending in ``_``, ``NotFittedError``), so
+``clone``, pipelines, ``GridSearchCV`` and ``cross_val_score`` accept it.  The class is built
+on first access of ``KernelRidge`` (this module's ``__getattr__``), so that ``import
+ntkcore`` does not import scikit-learn; without scikit-learn it implements the protocol
+itself.  How, and how lists and integer arrays are converted: :mod:`ntkcore._estimator`
+(shared with :class:`ntkcore.FeatureRidge`).  The arrays stay in the caller's namespace:
+NumPy in, NumPy out; torch in, torch out.
 """
 
 from __future__ import annotations
 
-from ._estimator import NotFittedError, Regressor, _floating
+from typing import TYPE_CHECKING, Any
+
+from ._estimator import NotFittedError, Regressor, _floating, public_class
 from ._typing import Array
 from ._validation import check_kernel, check_scalar, namespace_of, promote
 from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
@@ -20,8 +24,8 @@ from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 __all__ = ["KernelRidge", "NotFittedError"]
 
 
-@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
-class KernelRidge(Regressor):
+@capabilities(name="KernelRidge", fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
+class _KernelRidge(Regressor):
     r"""Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
 
     A scikit-learn regressor whose ``X`` is a kernel (``kernel="precomputed"`` in
@@ -30,9 +34,12 @@ class KernelRidge(Regressor):
 
     Parameters
     ----------
-    alpha : float, default 0.0
-        Ridge :math:`\lambda \ge 0` added to the diagonal of the training kernel
-        (scikit-learn's default is 1.0).
+    alpha : float, default 1.0
+        Ridge :math:`\lambda \ge 0` added to the diagonal of the training kernel (an
+        absolute value, as in scikit-learn, whose default it shares; an eNTK's diagonal can
+        be large or small, so choose it relative to ``mean(diag k_train)`` or by
+        ``GridSearchCV``).  ``0.0`` interpolates (with the jitter policy when ``k_train`` is
+        singular).
     jitter : "auto", float or None, default "auto"
         Jitter policy when the factorisation fails (see :mod:`ntkcore.regression`).
 
@@ -57,7 +64,7 @@ class KernelRidge(Regressor):
 
     _pairwise = True
 
-    def __init__(self, alpha: float = 0.0, *, jitter: str | float | None = "auto") -> None:
+    def __init__(self, alpha: float = 1.0, *, jitter: str | float | None = "auto") -> None:
         self.alpha = alpha
         self.jitter = jitter
 
@@ -121,3 +128,16 @@ class KernelRidge(Regressor):
             )
         k_test_train, dual = promote(xp, k_test_train, self.dual_coef_)
         return k_test_train @ dual
+
+
+if TYPE_CHECKING:
+    KernelRidge = _KernelRidge
+else:
+    def __getattr__(name: str) -> Any:
+        """``KernelRidge``, built on first access (:func:`ntkcore._estimator.public_class`)."""
+        if name == "KernelRidge":
+            return public_class(_KernelRidge, name, globals())
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), "KernelRidge"})

@@ -195,9 +195,82 @@ def test_not_fitted_error(monkeypatch):
     assert isinstance(info.value, ValueError) and isinstance(info.value, AttributeError)
 
 
-def test_sklearn_is_not_imported_by_ntkcore():
-    code = ("import sys, numpy as np, ntkcore\n"
-            "ntkcore.KernelRidge(alpha=1.0).fit(np.eye(3), np.ones(3)).predict(np.eye(3))\n"
-            "assert 'sklearn' not in sys.modules, 'sklearn imported'\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def _python(code: str) -> None:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_import_ntkcore_does_not_import_sklearn():
+    """`import ntkcore` and the functional API leave scikit-learn alone; the estimator classes
+    are built on first access, as real BaseEstimator / RegressorMixin subclasses, one class
+    per process whichever module they are reached through."""
+    _python("import sys, numpy as np, ntkcore\n"
+            "assert 'sklearn' not in sys.modules, 'import ntkcore imported sklearn'\n"
+            "ntkcore.kernel_regression(2 * np.eye(3), np.ones(3), np.eye(3), reg=0.1)\n"
+            "ntkcore.feature_regression(np.eye(3), np.ones(3), np.eye(3), reg=0.1)\n"
+            "assert {'KernelRidge', 'FeatureRidge'} <= set(dir(ntkcore))\n"
+            "assert 'sklearn' not in sys.modules, 'the functional API imported sklearn'\n"
+            "from sklearn.base import BaseEstimator, RegressorMixin\n"
+            "from ntkcore.kernel_ridge import KernelRidge\n"
+            "from ntkcore.feature_regression import FeatureRidge\n"
+            "assert ntkcore.KernelRidge is KernelRidge and ntkcore.FeatureRidge is FeatureRidge\n"
+            "for cls in (KernelRidge, FeatureRidge):\n"
+            "    assert issubclass(cls, BaseEstimator) and issubclass(cls, RegressorMixin)\n"
+            "    assert cls.__module__.startswith('ntkcore.') and cls.__qualname__ == "
+            "cls.__name__\n")
+
+
+def test_without_sklearn_the_estimators_work_as_before():
+    """With scikit-learn absent the classes implement the protocol themselves: fit, predict,
+    score, get_params / set_params, repr and the own NotFittedError, checked against NumPy."""
+    _python("import sys\n"
+            "sys.modules['sklearn'] = None  # the import fails as if not installed\n"
+            "import numpy as np, ntkcore\n"
+            "from ntkcore.kernel_ridge import NotFittedError\n"
+            "rng = np.random.default_rng(0)\n"
+            "x = rng.normal(size=(9, 3)); k = x @ x.T + np.eye(9); y = rng.normal(size=9)\n"
+            "est = ntkcore.KernelRidge()\n"
+            "assert est.get_params() == {'alpha': 1.0, 'jitter': 'auto'}\n"
+            "assert repr(est) == 'KernelRidge()'\n"
+            "assert repr(est.set_params(alpha=0.5)) == 'KernelRidge(alpha=0.5)'\n"
+            "try:\n"
+            "    est.predict(k)\n"
+            "except NotFittedError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('no NotFittedError')\n"
+            "pred = est.fit(k, y).predict(k[:4])\n"
+            "ref = k[:4] @ np.linalg.solve(k + 0.5 * np.eye(9), y)\n"
+            "assert np.allclose(pred, ref, rtol=1e-10, atol=1e-12), (pred, ref)\n"
+            "p = est.predict(k)\n"
+            "r2 = 1 - np.sum((y - p) ** 2) / np.sum((y - y.mean()) ** 2)\n"
+            "assert abs(est.score(k, y) - r2) < 1e-12\n"
+            "f = ntkcore.FeatureRidge().fit(x, y)\n"
+            "assert np.allclose(f.coef_, np.linalg.solve(x.T @ x + np.eye(3), x.T @ y))\n"
+            "for cls in (ntkcore.KernelRidge, ntkcore.FeatureRidge):\n"
+            "    assert not any(c.__module__.startswith('sklearn') for c in cls.__mro__)\n")
+
+
+@pytest.mark.parametrize("name", ["KernelRidge", "FeatureRidge"])
+def test_check_estimator_has_no_inheritance_warning(name):
+    """scikit-learn's check_estimator no longer warns that the class does not inherit from
+    BaseEstimator, and the default (alpha=1.0, scikit-learn's) fails only the documented
+    checks."""
+    import warnings
+
+    from sklearn.base import BaseEstimator, RegressorMixin
+    from sklearn.utils.estimator_checks import check_estimator
+
+    est = getattr(ntkcore, name)()
+    assert isinstance(est, BaseEstimator) and isinstance(est, RegressorMixin)
+    assert est.alpha == 1.0 == SkKernelRidge().alpha
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = check_estimator(est, on_fail=None)
+    assert not [w for w in caught if "does not inherit" in str(w.message)]
+    failed = {r["check_name"] for r in results if r["status"] == "failed"}
+    expected = set(EXPECTED_FAILED) if name == "KernelRidge" else {
+        "check_complex_data", "check_dtype_object", "check_estimators_empty_data_messages",
+        "check_fit2d_predict1d"}
+    assert failed == expected
