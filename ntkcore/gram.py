@@ -112,7 +112,7 @@ tiles on and above the diagonal are computed and mirrored, and a tile on the dia
 computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
 GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
 than panels on large full-mode tiles).  The square of each piece on the diagonal keeps its
-upper triangle and mirrors it below, in blocks of ``MIRROR_BLOCK`` samples (:func:`_write_mirrored`;
+upper triangle and mirrors it below, in strips of ``MIRROR_BLOCK`` samples (:func:`_mirror_in_place`;
 without item assignment :meth:`~ntkcore.modes.Mode.mirror`): no BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round
 its triangles differently) and the "positions" and "pairs" routes sum ``(n, m)`` and
 ``(m, n)`` in different orders, so a self-kernel is exactly symmetric, bit for bit, by
@@ -182,8 +182,8 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
-#: Samples a side of the blocks in which a diagonal tile of a self-kernel is written mirrored
-#: (:func:`_write_mirrored`): transposed copies of this size stay in cache.  Full mode takes
+#: Samples a side of the blocks in which a diagonal tile of a self-kernel is mirrored
+#: (:func:`_mirror_in_place`): transposed copies of this size stay in cache.  Full mode takes
 #: ``MIRROR_BLOCK // O`` samples (blocks of about this many rows of the matrix view).
 MIRROR_BLOCK = 256
 
@@ -1144,28 +1144,53 @@ def _gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = Fals
     return _execute(st, layerwise, progress)
 
 
-def _write_mirrored(xp: Any, mode: Mode, out: Array, lead: tuple[int, ...], start: int,
-                    square: Array) -> None:
-    r"""Write the computed square tile ``square`` (r, r, tail) of a self-kernel at
-    ``out[lead..., start:start + r, start:start + r]``, exactly symmetric: its upper triangle
-    (in the matrix view, :meth:`Mode.mirror`) is kept and the lower one is its transpose.
+def _mirror_in_place(xp: Any, mode: Mode, tile: Array, width: int) -> None:
+    r"""Make the square ``tile[:, :width]`` (over samples) of a tile on the diagonal of a
+    self-kernel exactly symmetric in place: its upper triangle in the matrix view (row
+    ``n O + o``, column ``m O + p``; :meth:`Mode.mirror`) is kept and the lower one is
+    overwritten with its transpose.
 
-    Blocks of ``b`` = :data:`MIRROR_BLOCK` samples (``MIRROR_BLOCK // O`` in full mode): the
-    blocks on the diagonal through :meth:`Mode.mirror`, a block row right of the diagonal
-    copied as it is and, transposed, into the block column below.  Every entry is written
-    once (as many writes as a plain copy of the tile), the transposed copies are cache-sized,
-    and nothing tile-sized is allocated.
+    ``tile`` comes in the layout of the products that made it: (r, c) in trace mode,
+    (r, c, O) in diagonal mode, (r, O, c, O) in full mode, whose matrix view (r O, c O) is a
+    reshape.  In strips of ``b`` = :data:`MIRROR_BLOCK` rows of that matrix (samples in
+    diagonal mode): the block on the diagonal through :meth:`Mode.mirror` (a small
+    temporary), the strip right of it copied, transposed, into the strip below.  Half the tile
+    is written, in cache-sized transposes, and nothing tile-sized is allocated.  ``square``
+    must be an array (or a view of one) that this module created: the tiles of
+    :func:`_execute` are.
     """
-    r = square.shape[0]
-    b = max(1, MIRROR_BLOCK // (square.shape[2] if mode == "full" else 1))
+    if mode == "full":
+        r, o, c = tile.shape[0], tile.shape[1], tile.shape[2]
+        try:  # the matrix view itself (no copy), where the tile's strides allow it
+            matrix = xp.reshape(tile, (r * o, c * o), copy=False)
+        except (ValueError, AttributeError, RuntimeError):  # a permuted tile: sample blocks
+            _mirror_samples(xp, tile[:, :, :width, :])
+            return
+        square, mode = matrix[:, :width * o], check_mode("trace")
+    else:
+        square = tile[:, :width, ...]
+    r, b = square.shape[0], MIRROR_BLOCK
     for i0 in range(0, r, b):
         i1 = min(r, i0 + b)
-        here = slice(start + i0, start + i1)
-        out[(*lead, here, here, ...)] = mode.mirror(xp, square[i0:i1, i0:i1, ...])
+        square[i0:i1, i0:i1, ...] = mode.mirror(xp, square[i0:i1, i0:i1, ...])
         if i1 < r:
-            right = square[i0:i1, i1:, ...]
-            out[(*lead, here, slice(start + i1, start + r), ...)] = right
-            out[(*lead, slice(start + i1, start + r), here, ...)] = mode.transpose(xp, right)
+            square[i1:, i0:i1, ...] = mode.transpose(xp, square[i0:i1, i1:, ...])
+
+
+def _mirror_samples(xp: Any, square: Array) -> None:
+    """:func:`_mirror_in_place` of a full-mode square (r, O, r, O) that is no reshape of its
+    matrix view (a tile the "positions" or "pairs" route permuted): strips of
+    ``MIRROR_BLOCK // O`` samples."""
+    r, o = square.shape[0], square.shape[1]
+    b = max(1, MIRROR_BLOCK // o)
+    trace = check_mode("trace")  # the mirror of a plain matrix
+    for i0 in range(0, r, b):
+        i1 = min(r, i0 + b)
+        nb = i1 - i0
+        block = xp.reshape(square[i0:i1, :, i0:i1, :], (nb * o, nb * o))  # a copy
+        square[i0:i1, :, i0:i1, :] = xp.reshape(trace.mirror(xp, block), (nb, o, nb, o))
+        if i1 < r:
+            square[i1:, :, i0:i1, :] = xp.permute_dims(square[i0:i1, :, i1:, :], (2, 3, 0, 1))
 
 
 def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
@@ -1175,7 +1200,10 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
         return xp.zeros(out_shape, dtype=st.dtype, device=st.device)
     grid = TileGrid(st.n1, st.n2, plan.tile_rows, plan.tile_cols, symmetric=plan.symmetric)
     writable = _writable(xp, st.dtype, st.device)
-    out = xp.zeros(out_shape, dtype=st.dtype, device=st.device) if writable else None
+    out = None  # allocated by the first tile written (or that tile, ``whole``)
+    # a single tile, of a trace kernel (its GEMM layout is the kernel's), is returned itself
+    whole = writable and mode == "trace" and grid.schedule() == [(0, 0)] and len(
+        grid.pieces(0, 0, plan.panels)) == 1
     tiles: dict[tuple[int, int], Array] = {}
     route = _Route(st.backend, plan.pair_chunk)
 
@@ -1187,20 +1215,22 @@ def _execute(st: _Setup, layerwise: bool, progress: Any) -> Array:
         computed one (one triangle mirrored: exactly symmetric whatever the products'
         rounding).  Without item assignment (JAX) append the tile to ``parts`` instead."""
         t, accs[k] = accs[k], None
+        rows, cols, mirror = piece
+        if same and writable:  # the square [rows, rows]: the piece's first ``mirror`` columns
+            _mirror_in_place(xp, mode, t, mirror)
         if mode == "full":  # (r, O, c, O) -> (r, c, O, O)
             t = xp.permute_dims(t, (0, 2, 1, 3))
         if not writable:  # a diagonal tile is one piece here
             parts.append(mode.mirror(xp, t) if same else t)
             return
-        rows, cols, mirror = piece
+        nonlocal out
+        if whole and b is None:  # the tile is the kernel, in its layout: no copy
+            out = t
+            return
+        if out is None:
+            out = xp.empty(out_shape, dtype=st.dtype, device=st.device)  # every entry is written
         lead: tuple[int, ...] = () if b is None else (b,)
-        if same:  # the square [rows, rows] is the piece's first ``mirror`` columns
-            _write_mirrored(xp, mode, out, lead, rows.start, t[:, :mirror, ...])
-            right = slice(cols.start + mirror, cols.stop)
-            if mirror < cols.stop - cols.start:
-                out[(*lead, rows, right, ...)] = t[:, mirror:, ...]  # type: ignore[index]
-        else:
-            out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
+        out[(*lead, rows, cols, ...)] = t  # type: ignore[index]
         if mirror < cols.stop - cols.start:
             below = (*lead, slice(cols.start + mirror, cols.stop), rows, ...)
             out[below] = mode.transpose(xp, t[:, mirror:, ...])  # type: ignore[index]
