@@ -381,7 +381,8 @@ def model_lock(model: nn.Module) -> threading.RLock:
 
     :func:`jacobian` (hence ``ntk``, ``pseudo_ntk``, ``gram`` and KIP) and SENG's
     ``torch.func`` pass hold it while they run the model, so concurrent ntkcore calls on one
-    model from several threads give the same results as sequential ones and leave the model
+    model from several threads give the results of sequential ones (to rounding: the BLAS
+    may split its sums across threads otherwise) and leave the model
     unchanged (parameter objects, ``requires_grad``, hooks, buffers, ``training``), also when
     a call raises or is interrupted.  Hold it yourself around your own forward, backward and
     optimizer step of the same model when ntkcore calls may run in other threads meanwhile:

@@ -43,6 +43,7 @@ from ._zarrop import ZarrMatrixOperator
 
 __all__ = [
     "DaskMatrixOperator",
+    "StoreLockedError",
     "ZarrMatrixOperator",
     "ZarrStatus",
     "cholesky_regression",
