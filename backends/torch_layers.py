@@ -458,7 +458,9 @@ def live_tap_axes(mod: Any, sizes: list[tuple[int, ...]]) -> list[torch.Tensor] 
     r"""The kernel taps of a zero-padded convolution ``mod`` that read the input, not only
     padding, at some output position of some call (input spatial sizes ``sizes``): one bool
     mask (k_i,) per spatial axis (a tap is live iff it is live along every axis), or None
-    when every tap is live (or the padding is not zeros).
+    when every tap is live (or the padding is not zeros).  For one call this is exactly its
+    live set; for several, the per-axis unions over the calls that read the input at all,
+    whose product may hold taps live in no single call (stored, they are zero columns).
 
     Along an axis of input length L, with stride s, dilation d, padding ``lo`` before, tap
     :math:`\kappa` reads input index :math:`l s + \kappa d - lo` at output position l, for
@@ -469,18 +471,21 @@ def live_tap_axes(mod: Any, sizes: list[tuple[int, ...]]) -> list[torch.Tensor] 
     """
     if mod.padding_mode != "zeros":
         return None
-    masks = []
-    for i, (k, d, st) in enumerate(zip(mod.kernel_size, mod.dilation, mod.stride,
-                                       strict=True)):
-        lo, hi = _conv_padding(mod, i)
-        live = [False] * k
-        for size in sizes:
+    geometry = list(zip(mod.kernel_size, mod.dilation, mod.stride, strict=True))
+    live = [[False] * k for k, _, _ in geometry]
+    for size in sizes:
+        call = []  # this call's live taps per axis: their product is its live set
+        for i, (k, d, st) in enumerate(geometry):
+            lo, hi = _conv_padding(mod, i)
             n_in = size[i]
             n_out = (n_in + lo + hi - d * (k - 1) - 1) // st + 1
-            for kap in range(k):
-                first = max(0, -((kap * d - lo) // st))  # the first l with l s + kap d >= lo
-                live[kap] |= first < n_out and first * st + kap * d - lo < n_in
-        masks.append(torch.tensor(live))
+            call.append([max(0, -((kap * d - lo) // st)) < n_out  # first l: l s + kap d >= lo
+                         and max(0, -((kap * d - lo) // st)) * st + kap * d - lo < n_in
+                         for kap in range(k)])
+        if all(any(axis) for axis in call):  # a call with a dead axis reads nothing
+            live = [[u or v for u, v in zip(lv, cv, strict=True)]
+                    for lv, cv in zip(live, call, strict=True)]
+    masks = [torch.tensor(lv) for lv in live]
     return None if all(bool(m.all()) for m in masks) else masks
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import array_api_compat
@@ -163,6 +163,22 @@ def _estimator_bases() -> tuple[type, ...]:
 
 
 _BUILD = threading.Lock()
+
+
+def lazy_module_attributes(core: type, name: str, namespace: MutableMapping[str, Any]
+                           ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The module-level ``__getattr__`` and ``__dir__`` of the module defining estimator
+    ``name`` on ``core``: the class is built on first access (:func:`public_class`)."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr == name:
+            return public_class(core, name, namespace)
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, name})
+
+    return __getattr__, __dir__
 
 
 def public_class(core: type, name: str, namespace: MutableMapping[str, Any]) -> type:

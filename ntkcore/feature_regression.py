@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import array_api_compat
 from array_api_compat import device
 
-from ._estimator import Regressor, _floating, public_class
+from ._estimator import Regressor, _floating, lazy_module_attributes
 from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of, promote
 from .backend import Backend
@@ -537,12 +537,5 @@ class _FeatureRidge(Regressor):
 
 if TYPE_CHECKING:
     FeatureRidge = _FeatureRidge
-else:
-    def __getattr__(name: str) -> Any:
-        """``FeatureRidge``, built on first access (:func:`ntkcore._estimator.public_class`)."""
-        if name == "FeatureRidge":
-            return public_class(_FeatureRidge, name, globals())
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), "FeatureRidge"})
+else:  # ``FeatureRidge``, built on first access
+    __getattr__, __dir__ = lazy_module_attributes(_FeatureRidge, "FeatureRidge", globals())

@@ -112,9 +112,10 @@ tiles on and above the diagonal are computed and mirrored, and a tile on the dia
 computed as up to ``SYMMETRIC_MAX_PANELS`` row panels: a SYRK-like (p+1)/(2p) of the work with
 GEMMs that stay wide (PyTorch has no SYRK; NumPy's, which it calls for ``x @ x.T``, was slower
 than panels on large full-mode tiles).  The square of each piece on the diagonal keeps its
-upper triangle and mirrors it below, in strips of ``MIRROR_BLOCK`` samples (:func:`_mirror_in_place`;
-without item assignment :meth:`~ntkcore.modes.Mode.mirror`): no BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round
-its triangles differently) and the "positions" and "pairs" routes sum ``(n, m)`` and
+upper triangle and mirrors it below, in strips of ``MIRROR_BLOCK`` samples
+(:func:`_mirror_in_place`; without item assignment :meth:`~ntkcore.modes.Mode.mirror`): no
+BLAS promises a symmetric ``X X^T`` (MKL, OpenBLAS and cuBLAS may round its triangles
+differently) and the "positions" and "pairs" routes sum ``(n, m)`` and
 ``(m, n)`` in different orders, so a self-kernel is exactly symmetric, bit for bit, by
 construction, whichever machine computed it.
 

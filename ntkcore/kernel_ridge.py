@@ -13,9 +13,9 @@ NumPy in, NumPy out; torch in, torch out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._estimator import NotFittedError, Regressor, _floating, public_class
+from ._estimator import NotFittedError, Regressor, _floating, lazy_module_attributes
 from ._typing import Array
 from ._validation import check_kernel, check_scalar, namespace_of, promote
 from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
@@ -132,12 +132,5 @@ class _KernelRidge(Regressor):
 
 if TYPE_CHECKING:
     KernelRidge = _KernelRidge
-else:
-    def __getattr__(name: str) -> Any:
-        """``KernelRidge``, built on first access (:func:`ntkcore._estimator.public_class`)."""
-        if name == "KernelRidge":
-            return public_class(_KernelRidge, name, globals())
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), "KernelRidge"})
+else:  # ``KernelRidge``, built on first access
+    __getattr__, __dir__ = lazy_module_attributes(_KernelRidge, "KernelRidge", globals())

@@ -18,8 +18,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# "ci" (the default): the same examples on every run, so that a submission's CI does not
+# depend on which examples chance draws; "explore": fresh random examples and more of them,
+# to hunt for new counterexamples (HYPOTHESIS_PROFILE=explore); "dev": a quick local run.
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=25, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "explore", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -221,6 +228,21 @@ def skip_unsupported(request: pytest.FixtureRequest, name: str) -> None:
     for entry in marker.args:
         if not supports(entry, lib):
             pytest.skip(f"ntkcore.support marks {entry} unsupported on {lib}")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    """A Dask client of one worker thread in this process (test_distributed.py has its own,
+    of worker processes)."""
+    import logging
+
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                       dashboard_address=None, silence_logs=logging.ERROR)
+    c = distributed.Client(cluster)
+    yield c
+    c.close()
+    cluster.close()
 
 
 @pytest.fixture(params=_cases())

@@ -48,7 +48,8 @@ def _torch_mode() -> Any:
     from torch.overrides import TorchFunctionMode
 
     products = {
-        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.tensordot, torch.nn.functional.linear, torch.linalg.matmul,
+        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.tensordot,
+        torch.nn.functional.linear, torch.linalg.matmul,
         torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.__matmul__,
         torch.Tensor.__rmatmul__,
     }

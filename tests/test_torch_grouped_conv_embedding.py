@@ -18,11 +18,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from torch import nn
 
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, ntk, smw_solve
 from ntkcore.analysis import layer_traces
-from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from ntkcore.features import feature_variance, features
 from ntkcore.gram import _gram
 from ntkcore.lowrank import low_rank
@@ -691,6 +691,23 @@ def _tap_reads(conv, sizes):
     return (reads > 0).flatten()
 
 
+def _stored_taps(conv, sizes):
+    """What ``live_taps`` promises for several calls: the product over the axes of the union,
+    over the calls, of each call's live taps projected on the axis (from :func:`_tap_reads`
+    of that call alone; a call that reads nothing adds nothing)."""
+    k = conv.kernel_size
+    union = [torch.zeros(ki, dtype=torch.bool) for ki in k]
+    for size in sizes:
+        r = _tap_reads(conv, [size]).reshape(k)
+        for i in range(len(k)):
+            union[i] |= r.any(dim=tuple(a for a in range(len(k)) if a != i)) if len(k) > 1 \
+                else r
+    out = union[0]
+    for u in union[1:]:
+        out = (out[..., None] & u).flatten()
+    return out
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize(("dim", "kernel", "stride", "dilation", "padding", "sizes"), [
     (2, 5, 1, 1, 2, [(1, 1)]),  # a 5 x 5 kernel on a 1 x 1 map: the centre tap alone
@@ -706,6 +723,8 @@ def _tap_reads(conv, sizes):
     (1, 7, 1, 1, 3, [(2,)]),
     (3, 3, 1, 1, 1, [(1, 2, 3)]),
     (2, 5, 2, 1, 4, [(1, 1)]),  # taps 0, 2, 4 per axis: live taps with gaps
+    # two calls, one reading nothing along its second axis: it adds no taps (was taps 1-3)
+    (2, (5, 1), (1, 2), 1, (2, 1), [(1, 2), (2, 1)]),
 ])
 def test_live_taps_match_the_convolution_backward(dim, kernel, stride, dilation, padding, sizes):
     from ntkcore.backends.torch_layers import live_taps
@@ -824,8 +843,12 @@ def test_live_taps_property(data):
             least = max(1, dilation[i] * (kernel[i] - 1) + 1 - pad)  # one output position
             size.append(data.draw(st.integers(least, least + 5)))
         sizes.append(tuple(size))
-    ref = _tap_reads(conv, sizes)
+    reads = _tap_reads(conv, sizes)
+    ref = _stored_taps(conv, sizes)
     got = live_taps(conv, sizes)
     assert (got is None) == bool(ref.all())
-    if got is not None:
-        assert torch.equal(got, ref)
+    got = torch.ones_like(ref) if got is None else got
+    assert torch.equal(got, ref)
+    assert bool((got | ~reads).all())  # no tap that reads the input is dropped
+    if len(sizes) == 1:
+        assert torch.equal(ref, reads)

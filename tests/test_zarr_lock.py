@@ -11,7 +11,6 @@ dense float64 reference (``MLP``) or with the array that was written.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import subprocess
 import sys
@@ -29,7 +28,6 @@ zarr = pytest.importorskip("zarr")
 
 import dask  # noqa: E402
 import dask.array as da  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
 
 import ntkcore.distributed as nd  # noqa: E402
 from ntkcore.distributed import _zarr  # noqa: E402
@@ -90,7 +88,7 @@ def start_writer(tmp_path):
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            out, err = proc.communicate()
+            _out, err = proc.communicate()
             pytest.fail(f"the writer did not reach its third tile (rc {proc.returncode}):\n"
                         f"{err.decode(errors='replace')}")
         time.sleep(0.01)
@@ -123,7 +121,7 @@ def test_second_process_is_refused_at_once_until_the_first_finishes(tmp_path, sy
         assert proc.poll() is None  # the first writer is still inside its write
     finally:
         go.touch()
-        out, err = proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode(errors="replace")
     assert not (store / LOCK).exists()  # removed when the writer finished
     # now the store can be resumed (it is complete: nothing is computed) and overwritten
@@ -139,7 +137,7 @@ def test_second_process_is_refused_at_once_until_the_first_finishes(tmp_path, sy
 
 
 def test_killed_writer_leaves_no_stale_lock(tmp_path, synchronous):
-    proc, store, go = start_writer(tmp_path)
+    proc, store, _go = start_writer(tmp_path)
     proc.kill()  # SIGKILL: no cleanup runs in the writer
     proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -282,16 +280,6 @@ def gated_write(*args, **kwargs):
 
 
 REAL_WRITE = _zarr._write_tile
-
-
-@pytest.fixture(scope="module")
-def client():
-    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                           dashboard_address=None, silence_logs=logging.ERROR)
-    c = Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
 
 
 def test_interrupted_write_releases_the_lock_and_cancels_its_tiles(client, tmp_path,

@@ -8,7 +8,6 @@ the one the worker runs).  Every kernel is compared with a dense float64 referen
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 
@@ -19,22 +18,11 @@ pytest.importorskip("dask")
 pytest.importorskip("distributed")
 zarr = pytest.importorskip("zarr")
 
-from distributed import Client, LocalCluster  # noqa: E402
 
 import ntkcore  # noqa: E402
 import ntkcore.distributed as nd  # noqa: E402
 from ntkcore.distributed import _zarr  # noqa: E402
 from ntkcore.models import MLP  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def client():
-    cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                           dashboard_address=None, silence_logs=logging.ERROR)
-    c = Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
 
 
 def dense_trace(net, x1, x2=None):
