@@ -172,7 +172,7 @@ def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
             kinds.append("kron+1" if bs.ones else "kron")
             continue
         o, pb = bs.num_outputs, bs.num_params
-        ok = o * o if mode == "full" else o
+        ok = mode.gemm_outputs(o)
         materialise = 2 * s * o * pb + 2 * m * ok * pb
         positions = 2 * m * s * t * (bs.d_in + o * bs.d_out)
         w_bytes = m * o * pb * itemsize
@@ -267,7 +267,7 @@ def _check(model: Any, inputs: dict[str, Any], mode: Any, layerwise: Any, pseudo
     """Validate the arguments of the public functions; the mode as a :class:`Mode`."""
     _check_inputs(model, **inputs)
     mode = check_mode(mode)
-    if pseudo and mode != "trace":
+    if pseudo and not mode.sums_outputs:
         raise ValueError(f"pseudo=True gives a single-output kernel: mode must be 'trace'; "
                          f"got {mode!r}")
     if not isinstance(layerwise, bool):
@@ -454,7 +454,7 @@ class _FusedKipLoss(torch.autograd.Function):
     def forward(ctx: Any, spec: _Spec, y_target: torch.Tensor, alpha: torch.Tensor,
                 *support: torch.Tensor) -> torch.Tensor:
         grad_alpha = bool(ctx.needs_input_grad[2])
-        mode, o = spec.mode, (spec.out_shape[-1] if spec.mode == "full" else 1)
+        mode, o = spec.mode, spec.mode.matrix_rows(spec.out_shape[-1])
         a = alpha.detach()
         rows_total = y_target.numel()
         g_alpha = torch.zeros_like(a)
@@ -587,7 +587,7 @@ def kip_loss(
         t0 = time.perf_counter()
         k_ss = kernel(x_support, checkpoint=False)
     ys, yt = y_support, y_target.detach()
-    if mode == "full":
+    if not mode.sums_outputs:  # full: the matrix view, rows (n, o)
         o = int(k_ss.shape[2])
         if ys.shape[1] != o:
             raise ValueError(f"mode='full' needs labels with O={o} columns; got {ys.shape[1]}")

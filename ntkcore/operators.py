@@ -120,12 +120,12 @@ class KernelOperator(LinearOperator):
         self.acc_dtype = dtype
         self.xp = self.J1.xp
         self.dtype = self.J1.dtype
-        self._q = self.J1.num_outputs if mode == "full" else 1
-        self.shape = (self.J1.num_samples * self._q,  # type: ignore[assignment]
-                      self._j2.num_samples * self._q)
+        self._rows = mode.matrix_rows(self.J1.num_outputs)  # matrix rows per sample
+        self.shape = (self.J1.num_samples * self._rows,  # type: ignore[assignment]
+                      self._j2.num_samples * self._rows)
         if block is None:
             item = itemsize(self.xp, _resolve_dtype(self.xp, dtype, self.dtype))
-            block = square_tile(TILE_BYTES, item * self._q * self._q)
+            block = square_tile(TILE_BYTES, item * self._rows * self._rows)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive integer; got {block!r}")
         self.block = block
@@ -161,14 +161,14 @@ class KernelOperator(LinearOperator):
         for b in self.J1.blocks:
             if isinstance(b, KroneckerBlock):
                 s = b.num_positions
-                per_pair = s * s * ((o * o if self.mode == "full" else o) * b.d_out + b.a_width)
+                per_pair = s * s * (self.mode.gemm_outputs(o) * b.d_out + b.a_width)
                 per_sample = 2.0 * s * b.d_in * b.d_out
             else:
-                per_pair = (o if self.mode == "full" else 1) * o * b.num_stored
+                per_pair = self.mode.gemm_outputs(o) * b.num_stored
                 per_sample = 2.0 * o * b.num_stored
             tiles += (n1 * n2 / (2.0 if self.symmetric else 1.0)) * per_pair
-            # one vjp + one jvp per output (trace) or per column (full)
-            factors += (n1 + n2) * per_sample * (o if self.mode == "trace" else 1)
+            # one vjp + one jvp per output (outputs summed: trace) or per column (full)
+            factors += (n1 + n2) * per_sample * (o if self.mode.sums_outputs else 1)
         return "factors" if factors < tiles else "tiles"
 
     def _check_v(self, v: Array) -> Any:
@@ -198,7 +198,7 @@ class KernelOperator(LinearOperator):
         return self.matmat(v[:, None])[:, 0]
 
     def _matmat_tiles(self, v: Array) -> Array:
-        xp, q = self.xp, self._q
+        xp, q = self.xp, self._rows
         dtype = self.acc_dtype if self.acc_dtype is not None else v.dtype
         grid = TileGrid(self.J1.num_samples, self._j2.num_samples, self.block,
                         symmetric=self.symmetric)
@@ -230,7 +230,7 @@ class KernelOperator(LinearOperator):
         cols = []
         for c in range(v.shape[1]):
             vc = xp.astype(v[:, c], cdtype)
-            if self.mode == "full":
+            if not self.mode.sums_outputs:  # full: the matrix view's columns
                 w = j2.vjp(xp.reshape(vc, (n2, o)))  # J2^T v, (P,)
                 cols.append(xp.reshape(j1.jvp(w), (-1,)))
             else:
@@ -246,12 +246,12 @@ class KernelOperator(LinearOperator):
     # -- pieces used by preconditioners ---------------------------------------------------
     def columns(self, idx: list[int], like: Array) -> Array:
         """Columns ``(K + lambda I)[:, idx]`` (N1, len(idx)) of a trace-mode operator."""
-        if self.mode != "trace":
+        if not self.mode.sums_outputs:
             return LinearOperator.columns(self, idx, like)
         xp = self.xp
         dev = array_api_compat.device(like)
         ind = xp.asarray(idx, dtype=xp.int64, device=dev)
-        t = gram(self.J1, self._j2.select(ind), mode="trace", max_memory=self.max_memory,
+        t = gram(self.J1, self._j2.select(ind), mode=self.mode, max_memory=self.max_memory,
                  dtype=like.dtype)
         self.tiles_computed += 1
         t = xp.astype(t, like.dtype)
@@ -268,13 +268,9 @@ class KernelOperator(LinearOperator):
         parts = []
         for s, e in bounds(self.J1.num_samples, bs):
             part = self.J1.select(slice(s, e))
-            if self.mode == "trace":
-                t = gram(part, mode="trace", max_memory=self.max_memory, dtype=like.dtype)
-                parts.append(xp.linalg.diagonal(t))
-            else:
-                t = gram(part, mode="diagonal", max_memory=self.max_memory, dtype=like.dtype)
-                d = xp.linalg.diagonal(xp.permute_dims(t, (2, 0, 1)))  # (O, b)
-                parts.append(xp.reshape(d.T, (-1,)))
+            t = gram(part, mode=self.mode.matrix_diagonal_mode, max_memory=self.max_memory,
+                     dtype=like.dtype)
+            parts.append(self.mode.matrix_diagonal(xp, t))
             self.tiles_computed += 1
         d = xp.astype(xp.concat(parts), like.dtype)
         return d + self.reg if self.reg else d

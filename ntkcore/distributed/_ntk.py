@@ -155,7 +155,7 @@ def _read_meta(provider: str, model: Any, x: Any, mode: Mode, dtype: Any
                ) -> tuple[int | None, np.dtype | None]:
     """(output count, tile dtype) read off the model without calling it; None where unknown
     (the output count matters only for "full" and "diagonal")."""
-    o = 1 if mode == "trace" else model.widths[-1] if provider == "mlp" else None
+    o = 1 if not mode.tail_axes else model.widths[-1] if provider == "mlp" else None
     if dtype is not None:
         return o, _np_dtype(dtype)
     try:

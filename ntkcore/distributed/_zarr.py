@@ -46,6 +46,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from .._version import __version__
+from ..modes import check_mode
 from ..support import capabilities
 from . import _fingerprint as fp
 from ._cluster import compute
@@ -778,10 +779,11 @@ def ntk_to_zarr(
     kernel = ntk_dask(model, x1, x2, **ntk_options)
     options = dict(ntk_options)
     mode, params = options.pop("mode", "trace"), options.pop("params", None)
+    matrix = not check_mode(mode).tail_axes  # a 2-D kernel: a symmetric matrix for x2=None
     fingerprint = fp.kernel_fingerprint(model, x1, x2, mode=mode, params=params,
                                         options=options)
     return to_zarr(kernel, store, resume=resume, overwrite=overwrite, key=key, client=client,
-                   progress=progress, symmetric=x2 is None and mode == "trace",
+                   progress=progress, symmetric=x2 is None and matrix,
                    checksums=checksums, _fingerprint=fingerprint)
 
 
