@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
@@ -366,9 +367,9 @@ def _requires_grad(x: Any) -> bool:
     return bool(getattr(x, "requires_grad", False))
 
 
-def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
-            params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
-            checkpoint: Any = "auto", check_finite: bool = True) -> Array:
+def _check_options(mode: Any, layerwise: Any, batch_size: Any, checkpoint: Any,
+                   check_finite: Any) -> Mode:
+    """Validate the options of :func:`ntk` / :func:`pseudo_ntk`; the mode as a :class:`Mode`."""
     mode = check_mode(mode)
     if checkpoint not in (True, False, "auto"):
         raise ValueError(f"checkpoint must be True, False or 'auto'; got {checkpoint!r}")
@@ -379,6 +380,67 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         raise ValueError(f"batch_size must be None or a positive integer; got {batch_size!r}")
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be True or False; got {check_finite!r}")
+    return mode
+
+
+@dataclass(frozen=True, eq=False)
+class _ProviderCall:
+    """``call(x)``: the provider's Jacobian of ``x``, samples of the input called ``name``
+    (``x_full``); a failure is explained by :func:`explain_failure`."""
+
+    provider: Any
+    model: Any
+    name: str
+    x_full: Any
+    x1: Any
+    options: dict[str, Any]
+
+    def __call__(self, x: Any) -> Jacobian:
+        try:
+            j = self.provider.jacobian(self.model, x, **self.options)
+        except Exception as exc:
+            explain_failure(exc, self.model, self.name, self.x_full, self.x1)
+            raise
+        if not isinstance(j, Jacobian):
+            raise TypeError(f"provider {self.provider.name!r} returned {type(j).__name__}, "
+                            "not an ntkcore.Jacobian")
+        return j
+
+
+def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
+    """Whether exactly one input requires grad (a support set); raise where
+    ``checkpoint=True`` cannot be honoured."""
+    one_grad = x2 is not None and _requires_grad(x1) != _requires_grad(x2)
+    if checkpoint is True and x2 is not None and _requires_grad(x1) and _requires_grad(x2):
+        raise ValueError("checkpoint=True needs exactly one of x1, x2 to require grad (the "
+                         "support set); both do")
+    if checkpoint is True and one_grad and "checkpointed_ntk" not in provider.capabilities:
+        raise ValueError(f"checkpoint=True is implemented for torch.nn.Module models; this "
+                         f"model uses the {provider.name!r} provider")
+    return one_grad
+
+
+def _probe(provider: Any, model: Any, call: _ProviderCall, x1: Any, pseudo: bool,
+           params: Any) -> tuple[tuple[Any, ...], Jacobian | None]:
+    """``(facts, probe)``: factor bytes per sample, block shapes, O and item size of the
+    model on ``x1``'s leading samples (remembered per model and input signature,
+    :data:`_PER_SAMPLE`), and the probe's Jacobian when it was computed now."""
+    key = _probe_key(provider.name, model, x1, pseudo, params)
+    cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
+    if cached is not None:
+        return cached, None
+    probe = call(x1[0:min(int(x1.shape[0]), PROBE_SAMPLES), ...])
+    cached = (probe.nbytes / probe.num_samples, block_shapes(probe), probe.num_outputs,
+              itemsize(probe.xp, probe.dtype))
+    if key is not None:
+        _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
+    return cached, probe
+
+
+def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
+            params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
+            checkpoint: Any = "auto", check_finite: bool = True) -> Array:
+    mode = _check_options(mode, layerwise, batch_size, checkpoint, check_finite)
     provider = find_provider(model)
     xp, backend = _check_inputs(x1, x2)
     if check_finite:
@@ -387,45 +449,13 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
             _check_finite_array(xp, x2, "x2")
         _check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
-    kwargs: dict[str, Any] = {"params": params}
-    if pseudo:
-        kwargs["pseudo"] = True
-
-    def named_call(name: str, x_full: Any) -> Callable[[Any], Jacobian]:
-        def call(x: Any) -> Jacobian:
-            try:
-                j = provider.jacobian(model, x, **kwargs)
-            except Exception as exc:
-                explain_failure(exc, model, name, x_full, x1)
-                raise
-            if not isinstance(j, Jacobian):
-                raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
-                                "not an ntkcore.Jacobian")
-            return j
-
-        return call
-
-    call = named_call("x1", x1)
-    call2 = call if x2 is None else named_call("x2", x2)
-
+    options: dict[str, Any] = {"params": params, **({"pseudo": True} if pseudo else {})}
+    call = _ProviderCall(provider, model, "x1", x1, x1, options)
+    call2 = call if x2 is None else _ProviderCall(provider, model, "x2", x2, x1, options)
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
-    one_grad = x2 is not None and _requires_grad(x1) != _requires_grad(x2)
-    if checkpoint is True and x2 is not None and _requires_grad(x1) and _requires_grad(x2):
-        raise ValueError("checkpoint=True needs exactly one of x1, x2 to require grad (the "
-                         "support set); both do")
-    if checkpoint is True and one_grad and "checkpointed_ntk" not in provider.capabilities:
-        raise ValueError(f"checkpoint=True is implemented for torch.nn.Module models; this "
-                         f"model uses the {provider.name!r} provider")
-    key = _probe_key(provider.name, model, x1, pseudo, params)
-    probe = None
-    cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
-    if cached is None:
-        probe = call(x1[0:min(n1, PROBE_SAMPLES), ...])
-        cached = (probe.nbytes / probe.num_samples, block_shapes(probe),
-                  probe.num_outputs, itemsize(probe.xp, probe.dtype))
-        if key is not None:
-            _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
+    one_grad = _check_checkpoint(checkpoint, x1, x2, provider)
+    cached, probe = _probe(provider, model, call, x1, pseudo, params)
     per_sample = cached[0]
     _check_budget(budget, cached, n1, n2, x2 is not None, mode, layerwise, dtype, xp)
     # The budget suffices; from here on, a planner that finds its share too small raises.

@@ -183,7 +183,7 @@ def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
     return x if x.dtype == dtype or x.ndim == 2 else xp.astype(x, dtype)
 
 
-def _take_a(xp: Any, block: KroneckerBlock, sl: slice, dtype: Any, ones: bool) -> Array:
+def _take_inputs(xp: Any, block: KroneckerBlock, sl: slice, dtype: Any, ones: bool) -> Array:
     """:func:`_take` of the factor a, its implicit ones column (``block.ones``) kept implicit
     only where the product passes ``ones`` on (both sides have it), else appended."""
     a = _take(xp, block.a, sl, dtype)
@@ -193,18 +193,18 @@ def _take_a(xp: Any, block: KroneckerBlock, sl: slice, dtype: Any, ones: bool) -
 def _factors(xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              ones: bool) -> tuple[Array, Array, Array, Array]:
     """``(a1, g1, a2, g2)`` of a Kronecker block on a tile (one pair of arrays if ``same``)."""
-    a1, g1 = _take_a(xp, pair.b1, rows, dtype, ones), _take(xp, pair.b1.g, rows, dtype)
+    a1, g1 = _take_inputs(xp, pair.b1, rows, dtype, ones), _take(xp, pair.b1.g, rows, dtype)
     if same:
         return a1, g1, a1, g1
-    return a1, g1, _take_a(xp, pair.b2, cols, dtype, ones), _take(xp, pair.b2.g, cols, dtype)
+    return a1, g1, _take_inputs(xp, pair.b2, cols, dtype, ones), _take(xp, pair.b2.g, cols, dtype)
 
 
 def _kron_sizes(pair: _Pair, o: int, r: int, c: int) -> tuple[int, int, int, int, int]:
     """``(S, T, a_width, d_out, factor-slice elements)`` of a Kronecker block on a tile."""
     b1, b2 = pair.b1, pair.b2
     s, t, dout = b1.num_positions, b2.num_positions, b1.d_out
-    aw = b1.a_width  # d_in, or 1 for an index factor (its products are comparisons)
-    return s, t, aw, dout, (r * s + c * t) * (aw + o * dout)
+    a_width = b1.a_width  # d_in, or 1 for an index factor (its products are comparisons)
+    return s, t, a_width, dout, (r * s + c * t) * (a_width + o * dout)
 
 
 # Tile products are ``x @ y.T``; a self-product ``x @ x.T`` is left as it is: NumPy detects it
@@ -253,10 +253,10 @@ class Kron1Route(Route):
 
     def cost(self, pair: _Pair, mode: Mode, o: int, r: int, c: int,
              chunk: int | None = None) -> tuple[int, int]:
-        _, _, aw, dout, inputs = _kron_sizes(pair, o, r, c)
+        _, _, a_width, dout, inputs = _kron_sizes(pair, o, r, c)
         q = mode.entries(o)
         mem = inputs * mode.input_copies + r * c * (1 + q)
-        return mem, 2 * r * c * (aw + mode.gemm_outputs(o) * dout) + r * c * q
+        return mem, 2 * r * c * (a_width + mode.gemm_outputs(o) * dout) + r * c * q
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
@@ -298,13 +298,13 @@ class PositionsRoute(Route):
 
     def cost(self, pair: _Pair, mode: Mode, o: int, r: int, c: int,
              chunk: int | None = None) -> tuple[int, int]:
-        s, t, aw, dout, inputs = _kron_sizes(pair, o, r, c)
+        s, t, a_width, dout, inputs = _kron_sizes(pair, o, r, c)
         rcst = r * c * s * t
         if mode.sums_outputs:
-            return inputs + 3 * rcst, 2 * rcst * (aw + o * dout + 1)
+            return inputs + 3 * rcst, 2 * rcst * (a_width + o * dout + 1)
         y = r * c * t * o * dout
         mem = inputs + 2 * rcst + 2 * y + c * t * o * dout
-        return mem, 2 * rcst * (aw + o * dout) + 2 * y * mode.partners(o)
+        return mem, 2 * rcst * (a_width + o * dout) + 2 * y * mode.partners(o)
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
@@ -339,16 +339,16 @@ class MaterialiseRoute(Route):
 
     def cost(self, pair: _Pair, mode: Mode, o: int, r: int, c: int,
              chunk: int | None = None) -> tuple[int, int]:
-        s, t, aw, _, inputs = _kron_sizes(pair, o, r, c)
+        s, t, a_width, _, inputs = _kron_sizes(pair, o, r, c)
         din = pair.b1.d_in
         p = din * pair.b1.d_out
         w = (r + c) * o * p
-        one_hot = (r * s + c * t) * din if aw != din else 0  # an index factor's one-hot rows
+        one_hot = (r * s + c * t) * din if a_width != din else 0  # an index factor's one-hot rows
         mem = inputs + one_hot + w * mode.input_copies
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * mode.gemm_outputs(o) * p
 
     def _weights(self, xp: Any, block: KroneckerBlock, rows: slice, dtype: Any) -> Array:
-        return flat_weights(xp, _take_a(xp, block, rows, dtype, False),
+        return flat_weights(xp, _take_inputs(xp, block, rows, dtype, False),
                             _take(xp, block.g, rows, dtype), block.one_hot)
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
@@ -415,7 +415,7 @@ class PairsRoute(Route):
              chunk: int | None = None) -> tuple[int, int]:
         s, t, _, dout, inputs = _kron_sizes(pair, o, r, c)
         q = mode.entries(o)
-        m = pair.density * r * c
+        m = (pair.density or 0.0) * r * c  # offered only where density is known
         if chunk is None:
             chunk = min(math.ceil(m), PAIRS_MIN_CHUNK)
         index = r * s + c * t
@@ -1006,7 +1006,8 @@ def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = 
     """The :class:`GramPlan` :func:`gram` follows for these arguments (nothing is computed).
 
     ``strategy`` forces a :class:`Route` (``"positions"``, ``"materialise"``, ``"pairs"``)
-    on every block it applies to (``None``: chosen by the cost model).  Other arguments as for :func:`gram`.
+    on every block it applies to (``None``: chosen by the cost model).  Other arguments as
+    for :func:`gram`.
     """
     return _setup(J1, J2, mode, layerwise, max_memory, dtype, strategy).plan
 

@@ -98,7 +98,7 @@ class Mode(str):
         """Where (n, m, tail) lies on or above the diagonal of the matrix view."""
         pos = xp.arange(n, device=device)
         keep = pos[:, None] <= pos[None, :]
-        return keep[(..., *((None,) * len(tail)))]
+        return keep[(...,) + (None,) * len(tail)]
 
     def mirror_tile(self, xp: Any, tile: Array, width: int, block: int) -> None:
         """Make the square ``tile[:, :width]`` (a diagonal tile of a self-kernel, GEMM layout)
@@ -136,7 +136,7 @@ class Mode(str):
 
     def broadcast(self, aa: Array) -> Array:
         """An (r, c) array of sample pairs, broadcast against a tile in GEMM layout."""
-        return aa[(..., *((None,) * len(self.tail_axes)))]
+        return aa[(...,) + (None,) * len(self.tail_axes)]
 
     # -- contraction pieces ----------------------------------------------------------------
     def dense(self, xp: Any, j1: Array, j2: Array, same: bool) -> Array:
