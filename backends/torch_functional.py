@@ -1,6 +1,6 @@
 r"""Parameters applied by functional calls: one home for finding them and for their blocks.
 
-A parameter that no structured module owns (``torch_layers.FORWARD``) is still structured when
+A parameter that no structured module owns (``torch_layers.rule_for``) is still structured when
 every use of it in the forward pass is one of the calls below, found by a
 ``torch.overrides.TorchFunctionMode`` (:class:`ParamUses`) that is active during the
 provider's hooked forward and its probe, and only when the model has such candidate
@@ -100,7 +100,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-from .torch_layers import Summed, _with_ones, cat, embedding_index
+from .torch_layers import NORMALISE, Summed, cat, embedding_index, with_ones
 
 __all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
            "structured_groups"]
@@ -114,46 +114,22 @@ _ADD = frozenset({torch.add, torch.Tensor.add})
 _CAT = frozenset({torch.cat, torch.concat, torch.concatenate})
 
 
-def _xhat_layer(args: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.layer_norm(x, args["normalized_shape"], None, None, args["eps"])
-
-
-def _xhat_rms(args: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.rms_norm(x, args["normalized_shape"], None, args["eps"])
-
-
-def _xhat_batch(args: dict) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    if args["training"] or args["running_mean"] is None or args["running_var"] is None:
-        return None  # batch statistics couple the samples
-    return lambda x: F.batch_norm(x, args["running_mean"], args["running_var"], None, None,
-                                  False, 0.0, args["eps"])
-
-
-def _xhat_group(args: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.group_norm(x, args["num_groups"], None, None, args["eps"])
-
-
-def _xhat_instance(args: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: F.instance_norm(x, args["running_mean"], args["running_var"], None, None,
-                                     args["use_input_stats"], 0.0, args["eps"])
-
-
 # norm function -> (parameter names with defaults, xhat builder, channels-first).  The weight
 # and bias are broadcast like the trailing normalized_shape (LayerNorm / RMSNorm) or along
 # axis 1 (channel norms on (N, C, *L)).
 _NORMS: dict[Any, tuple[tuple[tuple[str, Any], ...], Callable, bool]] = {
     F.layer_norm: ((("input", None), ("normalized_shape", None), ("weight", None),
-                    ("bias", None), ("eps", 1e-5)), _xhat_layer, False),
+                    ("bias", None), ("eps", 1e-5)), NORMALISE[F.layer_norm], False),
     F.rms_norm: ((("input", None), ("normalized_shape", None), ("weight", None),
-                  ("eps", None)), _xhat_rms, False),
+                  ("eps", None)), NORMALISE[F.rms_norm], False),
     F.batch_norm: ((("input", None), ("running_mean", None), ("running_var", None),
                     ("weight", None), ("bias", None), ("training", False), ("momentum", 0.1),
-                    ("eps", 1e-5)), _xhat_batch, True),
+                    ("eps", 1e-5)), NORMALISE[F.batch_norm], True),
     F.group_norm: ((("input", None), ("num_groups", None), ("weight", None), ("bias", None),
-                    ("eps", 1e-5)), _xhat_group, True),
+                    ("eps", 1e-5)), NORMALISE[F.group_norm], True),
     F.instance_norm: ((("input", None), ("running_mean", None), ("running_var", None),
                        ("weight", None), ("bias", None), ("use_input_stats", True),
-                       ("momentum", 0.1), ("eps", 1e-5)), _xhat_instance, True),
+                       ("momentum", 0.1), ("eps", 1e-5)), NORMALISE[F.instance_norm], True),
 }
 _LINEAR = (("input", None), ("weight", None), ("bias", None))
 _EMBEDDING = (("input", None), ("weight", None), ("padding_idx", None), ("max_norm", None),
@@ -663,8 +639,8 @@ def structured_groups(groups: dict[str, list[torch.Tensor]], calls: list[Call],
 
 
 def _grads_view(g: torch.Tensor, y: torch.Tensor, ax: int) -> torch.Tensor:
-    """g (N, S, O, d) of ``output_factor`` (no module: Linear layout, sample axis ``ax`` of y
-    moved to the front) as a view (N, O, *rest), rest = y's other axes in order."""
+    """g (N, S, O, d) of ``LayerRule.output_factor`` (no module: Linear layout, sample axis
+    ``ax`` of y moved to the front) as a view (N, O, *rest), rest = y's other axes in order."""
     rest = [s for i, s in enumerate(y.shape) if i != ax]
     return g.unflatten(1, rest[:-1]).movedim(-2, 1) if len(rest) > 1 else g[:, 0]
 
@@ -753,7 +729,7 @@ def _linear_block(params: list[torch.Tensor], mine: list, n: int, name: str,
         if not weight:
             x = g.new_ones((n, g.shape[1], 1))
         elif bias:
-            x = _with_ones(x)
+            x = with_ones(x)
         a_parts.append(x.to(g.dtype))
         g_parts.append(g.contiguous())  # (the provider's loop stores g output-major)
     return KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name)

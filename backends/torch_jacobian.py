@@ -1,167 +1,11 @@
 r"""The PyTorch Jacobian provider: a ``torch.nn.Module`` and inputs -> :class:`ntkcore.Jacobian`.
 
-What is structured
-------------------
-One forward pass with forward hooks records, for every *structured* module, its inputs and
-outputs; backward passes over all samples at once, one per output (batched into a single
-``torch.autograd.grad(..., is_grads_batched=True)`` call, or a loop of O calls for
-convolutional nets; a single pass for O = 1 and for the pseudo-NTK), give the gradients of
-every output with respect to those layer outputs.  No weight gradient is ever formed and there
-is no loop over samples.
-
-=====================  ===================================================================
-module                 block
-=====================  ===================================================================
-``nn.Linear``          :class:`~ntkcore.KroneckerBlock`; input (N, *mid, d_in) gives
-                       S = prod(mid) positions (S = 1 on (N, d_in), S = T on (N, T, d));
-                       the sample axis may be any non-feature axis (a sequence-first
-                       (T, N, d) input gives S = T too; see "The sample axis" below).
-``nn.Conv1d/2d/3d``    KroneckerBlock on unfolded patches: a (N, L, C_in*k), L the number of
-                       output positions; stride, dilation, padding (ints, ``'same'``,
-                       ``'valid'``) and every ``padding_mode``.  Its g (N, L, O, C_out) is a
-                       strided view of an (N, O, C_out, L) array (the layout of the
-                       per-sample weight gradient :math:`g^\top a` as one batched GEMM).
-                       ``groups > 1``: the G groups are put on the position axis
-                       (a (N, G*L, C_in/G*k), g zero outside the output channels of each
-                       group), which represents the (C_out, C_in/G*k) weight exactly; when that
-                       is larger than the per-sample gradient itself (many groups, e.g.
-                       depthwise), a DenseBlock is built from the same factors
-                       instead (no extra pass).
-``nn.Embedding``       KroneckerBlock with one-hot inputs and weight :math:`W^\top` (D, V)
-                       (so its parameters are the *transposed* table), stored as an index
-                       factor a (N, T) int64 (``one_hot = V``; the one-hot rows are never
-                       formed: the Gram compares indices, products gather rows);
-                       ``padding_idx`` rows get zero gradient as in torch (index -1).
-normalisation layers   ``nn.LayerNorm`` / ``nn.RMSNorm`` over any ``normalized_shape``,
-                       ``nn.BatchNorm1d/2d/3d`` in eval mode, ``nn.GroupNorm``,
-                       ``nn.InstanceNorm1d/2d/3d`` (with an elementwise affine): a DenseBlock
-                       (N, O, C [+ C]) assembled from the same hooks and output gradients,
-                       :math:`\sum_s g \odot \hat x` and :math:`\sum_s g` over the positions
-                       s the C parameters are broadcast over, :math:`\hat x` recomputed from
-                       the hooked input (no torch.func pass; why a DenseBlock and not a new
-                       block kind: ``torch_layers``).
-recurrent layers       ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` (3-D tensor input, no projection):
-                       one KroneckerBlock per layer, direction and matrix, positions = time
-                       steps: ``[W_ih | b_ih]`` with a = [x_t, 1], ``[W_hh | b_hh]`` with
-                       a = [h_{t-1}, 1], g the gradient w.r.t. the gate pre-activations
-                       (``torch_layers.recurrent_blocks``).  The hooked forward replaces
-                       the module's output by a step-by-step recomputation with its own
-                       parameters, so that these are on the graph; named after the first
-                       selected parameter of each (weight, bias) pair, e.g.
-                       ``gru.weight_ih_l0``, in the layout of a Linear.
-functional calls       parameters no hooked module owns, when every use of them is an
-                       ``F.linear`` (KroneckerBlock: ``nn.MultiheadAttention``'s ``in_proj``
-                       and ``out_proj``), an ``F.layer_norm`` / ``batch_norm`` (eval) /
-                       ``group_norm`` / ``instance_norm`` / ``rms_norm`` (subclasses with
-                       their own ``forward`` such as timm's ``LayerNorm2d``,
-                       ``BatchNormAct2d``), a product ``h * P`` or sum ``h + P`` (layer-scale
-                       ``gamma``, ``pos_embed``, a bias added by hand) or a piece of a
-                       ``torch.cat`` (``cls_token.expand(N, ...)``): recorded by a
-                       ``TorchFunctionMode`` during the same forward and probe (only when such
-                       parameters exist), blocks from the same output gradients
-                       (``torch_functional``: the rules and the guards).  Likewise an
-                       ``nn.Embedding`` looked up without a sample axis (a positional table
-                       ``pos(torch.arange(T))``) whose result is added to or multiplies the
-                       samples: an index-factor KroneckerBlock (:func:`_shared_tables`).
-anything else          :class:`~ntkcore.DenseBlock` from ``torch.func``: ``vmap`` over samples
-                       of ``jacrev`` with respect to those parameters only, in chunks of
-                       ``chunk_size`` samples (custom modules, bare ``nn.Parameter`` used in
-                       other ways, anything the functional calls do not cover).  Where
-                       ``torch.func`` cannot run the model (it raises for a recurrent layer
-                       that is not unrolled, e.g. on a ``PackedSequence``, for ``nn.PReLU``
-                       in torch 2.13, and for data-dependent control
-                       flow such as ``if x.isfinite().all():``), the
-                       same DenseBlocks come from plain autograd, one sample and one output
-                       at a time: exact, silent, N * O backward passes.  An error the model
-                       also raises on one sample is raised (with the ``torch.func`` error as
-                       its context); out-of-memory errors are not retried.
-=====================  ===================================================================
-
-A module called several times (tied weights) gets one block whose positions are the
-concatenation of all calls along S: :math:`\partial f/\partial W = \sum_{calls}\sum_s g a^\top`
-is exactly the Kronecker sum over the concatenated positions.  A structured module falls back to
-a DenseBlock when its weight is also used outside its own ``forward`` (the number of uses in the
-autograd graph differs from the number of hooked calls), when a parameter is registered in
-several modules, or when one of its calls has no sample axis (below).
-
-The sample axis
----------------
-A hooked call is a Kronecker factor only if its input and output carry the sample axis: slice n
-of the output along that axis must be computed from sample n alone, so that the output
-gradient g[n] taken there is :math:`\partial f(x_n)/\partial y_n`.  A length equal to N proves
-nothing: a positional table ``pos(torch.arange(T))`` or a fixed buffer (T, d) fed to a Linear
-has a first axis of length N whenever T == N, and a sequence-first (T, N, d) tensor
-(``nn.TransformerEncoderLayer`` with ``batch_first=False``, ``nn.MultiheadAttention``) leads
-with T.  So, after the real pass, the model runs once more on p != N samples (p = 1, or 2 when
-N = 1), the calls of each module are matched by order, and a call's sample axis is the one axis
-of both its input and its output whose length is N in the real pass and p in the probe, every
-other axis unchanged.  Then:
-
-* that axis is 0: the block is built as above;
-* it is another axis (Linear / Embedding / LayerNorm / RMSNorm on a sequence-first tensor;
-  never a normalised axis): the same block from views with that axis moved to the front,
-  a (N, S, d_in) and g (N, S, O, d_out);
-* there is none (the input is shared by all samples, or a sample axis merged with another, as
-  in a (N*T, d) reshape), the sample axis of a convolution or channel normalisation (BatchNorm,
-  GroupNorm, InstanceNorm) is not axis 0, the probe calls the module
-  a different number of times, or the probe itself fails: the module becomes a DenseBlock
-  (an ``nn.Embedding`` without a sample axis first gets the chance of a positional table,
-  :func:`_shared_tables`).
-
-The probe (:func:`_probe_sample_axes`, also used by the ``SENG`` optimizer for its Kronecker
-layers) costs one forward pass on p samples, and its answer does not depend on N, so every
-batch, and both sides of a cross kernel, get the same blocks.  What it does not check is that
-slice n of a layer output feeds only output n: samples that interact through batch statistics
-are refused (BatchNorm in training mode, Dropout), but a model that, say, applies a Linear to a
-table expanded to (N, T, d) and then feeds row 0 of the result to every sample would be taken
-at its word.
-
-The probe's answer is remembered per model and real pass (:func:`_real_pass_key`: x's shape,
-every hooked call's module and shapes, and the op types of the output's autograd graph), so
-repeated calls probe once; a model whose forward changes (say, a flag that moves the samples to
-another axis) shows a different graph or shapes and is probed again.  Models with functional
-parameter uses (``torch_functional``) or recurrent layers are probed on every call: their plans
-read the probe's records.
-
-Block order and parameter layout
---------------------------------
-Let ``names`` be the selected parameters in ``model.named_parameters()`` order (duplicates of
-tied parameters removed, as torch does).  The blocks cover every selected parameter exactly once
-and appear in the order of their first parameter in ``names``:
-
-* KroneckerBlock of a Linear/Conv module at path ``m``: parameters ``m.weight`` (if selected)
-  and ``m.bias`` (if selected).  The block's (d_out, d_in) matrix is
-  ``[weight.reshape(d_out, -1), bias[:, None]]`` (weight only: no ones column; bias only:
-  d_in = 1 with a = 1), flattened row-major, i.e. the bias is *interleaved* as the last column
-  of each row, not appended after the weight.
-* KroneckerBlock of an Embedding at ``m``: ``m.weight.T`` flattened row-major.
-* KroneckerBlock of a recurrent module at ``m`` named ``m.weight_ih_l0`` (or
-  ``m.bias_ih_l0`` when only the bias is selected): ``[weight_ih_l0, bias_ih_l0[:, None]]``
-  flattened row-major, as a Linear's; likewise ``hh`` and ``_reverse``.
-* DenseBlock named ``m`` (a module path): the selected parameters registered directly on
-  ``m``, each flattened row-major, concatenated in ``named_parameters`` order.  A parameter
-  registered on the root module gets its own DenseBlock named by the parameter name.
-
-:func:`to_block_order` and :func:`from_block_order` convert between per-parameter tensors and
-this flat block order (e.g. to compare with a ``torch.func.jacrev`` reference, or to turn a
-flat update into parameter-shaped tensors).
-
-Differentiability
------------------
-When ``x`` requires grad (e.g. KIP, where the data are trained), the factors are built without
-detaching and the output gradients with ``create_graph=True``, so the returned Jacobian is
-differentiable with respect to ``x``.  Otherwise every factor is detached.
-
-Thread safety
--------------
-Concurrent :func:`jacobian` calls (hence ``ntk``, ``pseudo_ntk``, ``gram``, KIP) on the same
-model from several threads are safe and give the same Jacobians as sequential calls: each call
-holds the model's re-entrant lock for all of its passes (:func:`model_lock` says what that
-covers, and when to hold it yourself), and its hooks record only the forward of the thread
-that installed them.  Calls on different model objects run in parallel (two model objects that
-share submodules are not serialised against each other).  ntkcore's own passes run with
-:func:`in_provider_pass` true in their thread, which hooks of others (the ``SENG`` optimizer)
-use to ignore them.
+:func:`jacobian` records one hooked forward, probes the sample axis of every call, takes the
+output gradients in backward passes over all samples at once and lets each layer's rule
+(``torch_layers``; ``torch_functional`` for functional calls) assemble its block; the rest
+are DenseBlocks from ``torch.func``.  Also the model's lock (:func:`model_lock`), the probe
+shared with ``SENG`` and the block-order conversions.  Design: docs/architecture.md, "The
+torch provider".
 """
 
 from __future__ import annotations
@@ -173,7 +17,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,21 +37,18 @@ from .torch_functional import (
 )
 from .torch_functional import sample_axes as functional_sample_axes
 from .torch_layers import (
-    CHANNELS_FIRST,
-    XHAT,
+    PLAIN,
+    RULES,
+    LayerRule,
     RecurrentPass,
     Summed,
-    affine_sums,
     cat,
     drop_zero_positions,
-    layer_block,
-    layer_type,
-    output_factor,
     recurrent_blocks,
     recurrent_forward,
     recurrent_pairs,
     recurrent_type,
-    sample_axis_ok,
+    rule_for,
 )
 
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
@@ -292,13 +133,6 @@ def _walk(model: nn.Module) -> _Walk:
     return _Walk(modules, named, owners, registrations)
 
 
-def _owner_map(model: nn.Module) -> tuple[dict[str, tuple[str, str]], dict[int, int]]:
-    """``name -> (module path, local name)`` for deduplicated names, and how many modules
-    register each parameter tensor (by id)."""
-    w = _walk(model)
-    return w.owners, w.registrations
-
-
 # --------------------------------------------------------------------------------------------
 # hooks
 # --------------------------------------------------------------------------------------------
@@ -313,6 +147,7 @@ class _Call:
 @dataclass
 class _Unit:
     module: nn.Module
+    rule: LayerRule
     names: list[str]  # selected params of this module, in order (weight before bias)
     has_weight: bool
     has_bias: bool
@@ -329,18 +164,19 @@ def _structured_units(walk: _Walk, selected: list[str]) -> dict[str, _Unit]:
     modules = walk.modules  # the owners' paths are named_modules() paths
     for mpath, names in by_module.items():
         mod = modules[mpath]
-        if layer_type(mod) is None or isinstance(mod, CALLED_BY_PARENT):  # see torch_layers.FORWARD
+        rule = rule_for(mod)
+        if rule is None or isinstance(mod, CALLED_BY_PARENT):
             continue
         if any(registrations[id(named[n])] > 1 for n in names):
             continue
         locals_ = {owners[n][1] for n in names}
         if not locals_ <= {"weight", "bias"}:
             continue
-        units[mpath] = _Unit(mod, names, "weight" in locals_, "bias" in locals_)
+        units[mpath] = _Unit(mod, rule, names, "weight" in locals_, "bias" in locals_)
     return units
 
 
-def _check_sample_coupling(model: nn.Module, dropout: bool = True,
+def check_sample_coupling(model: nn.Module, dropout: bool = True,
                            modules: dict[str, nn.Module] | None = None) -> None:
     """Raise ValueError naming the first module whose samples interact (BatchNorm with batch
     statistics) or that is random (Dropout in training mode, unless ``dropout`` is False);
@@ -416,7 +252,7 @@ def in_provider_pass() -> bool:
 
 
 @contextlib.contextmanager
-def _provider_pass(model: nn.Module) -> Iterator[None]:
+def provider_pass(model: nn.Module) -> Iterator[None]:
     """Hold ``model``'s lock and mark this thread's passes as ntkcore's own."""
     with model_lock(model):
         token = _PROVIDER_PASS.set(True)
@@ -442,10 +278,16 @@ def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
             return None
         return hook
 
-    handles = [m.register_forward_hook(hook_of(k), with_kwargs=True) for k, m in modules.items()]
+    with _forward_hooks([(m, hook_of(k)) for k, m in modules.items()]), torch.enable_grad():
+        yield
+
+
+@contextlib.contextmanager
+def _forward_hooks(pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
+    """Each (module, hook) registered as a forward hook (with kwargs) while in the block."""
+    handles = [m.register_forward_hook(h, with_kwargs=True) for m, h in pairs]
     try:
-        with torch.enable_grad():
-            yield
+        yield
     finally:
         for h in handles:
             h.remove()
@@ -476,7 +318,7 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return _check_output(out)
 
 
-def _graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[int, int]]:
+def graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[int, int]]:
     """Nodes reachable from ``out`` (a tensor or a list of tensors) and, per leaf tensor id,
     the number of graph edges into its gradient accumulator (= the number of times the forward
     used it)."""
@@ -559,13 +401,8 @@ def _hooked_recurrent(rec: dict[str, _RecUnit]) -> Iterator[None]:
             return new
         return hook
 
-    handles = [u.module.register_forward_hook(hook_of(u), with_kwargs=True)
-               for u in rec.values()]
-    try:
+    with _forward_hooks([(u.module, hook_of(u)) for u in rec.values()]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -583,13 +420,8 @@ def _recurrent_shapes(rec: dict[str, _RecUnit],
                 seen[path].append((tuple(inp.shape), tuple(out[0].shape)) if ok else None)
         return hook
 
-    handles = [u.module.register_forward_hook(hook_of(p), with_kwargs=True)
-               for p, u in rec.items()]
-    try:
+    with _forward_hooks([(u.module, hook_of(p)) for p, u in rec.items()]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _recurrent_axes(rec: dict[str, _RecUnit], seen: dict[str, list[Any]], n: int,
@@ -679,17 +511,25 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
                  used: dict[str, list[int]], uses: ParamUses | None = None,
                  rec: dict[str, _RecUnit] | None = None) -> dict[str, list[int]]:
     r"""``{path: [sample axis of each call in used[path]]}`` for the units where every used
-    call has one, from a probe forward on the first sample repeated p != N times (see "The
-    sample axis" in the module docstring); ``{}`` when the probe fails.
+    call has one, from a probe forward on the first sample repeated p != N times; ``{}`` when
+    the probe fails.
 
-    Why that is exact: with samples independent, slice n of the layer output along that axis
-    influences only f(x_n), so :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`
-    with both factors taken with the sample axis moved to the front.  ``uses``: a fresh
+    A call's factors need the sample axis in its input and output: a length equal to N
+    proves nothing (a positional table ``pos(torch.arange(T))`` when T == N; a
+    sequence-first (T, N, d) tensor leads with T).  A call's sample axis is the one axis of
+    both its input and output with length N in the real pass and p in the probe, every other
+    axis unchanged (:func:`probe_sample_axes`), and one its rule allows; the calls are
+    matched by order.  Why that is exact: with samples independent, slice n of the layer
+    output along that axis influences only f(x_n), so :math:`\partial f(x_n)/\partial W =
+    \sum_s g[n, s] a[n, s]^\top` with both factors taken with the sample axis moved to the
+    front.  Not checked: that slice n feeds only output n (samples coupled through batch
+    statistics or Dropout are refused by :func:`check_sample_coupling`; a model feeding row 0
+    of a layer's output to every sample would be taken at its word).  ``uses``: a fresh
     ``ParamUses`` that records the functional calls of the probe (``uses.done`` when it ran
     to the end).
     """
     n = int(x.shape[0])
-    p = _probe_size(n)
+    p = probe_size(n)
     first = x.detach()[:1]
     xp = torch.cat([first] * p) if p > 1 else first.clone()
     real = {path: [(tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls]
@@ -707,10 +547,10 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return out
 
     try:
-        axes = _probe_sample_axes(run, modules, real, used, n, p)
+        axes = probe_sample_axes(run, modules, real, used, n, p)
         axes.update(_recurrent_axes(rec, rseen, n, p))
         return axes
-    except _ProbeFailed:
+    except ProbeFailed:
         # A model that cannot run on p samples: no axis is proven, every unit goes dense; the
         # dense path runs the model sample by sample and raises the model's own error if any.
         return {}
@@ -747,18 +587,23 @@ def _remembered_sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, 
                             used: dict[str, list[int]], reachable: set[Any]
                             ) -> dict[str, list[int]]:
     """:func:`_sample_axes`, run once per model and real pass (:func:`_real_pass_key`)."""
+    axes = _remembered(model, _real_pass_key(x, units, used, reachable),
+                       lambda: _sample_axes(model, x, units, used))
+    return {path: list(ax) for path, ax in axes.items()}
+
+
+def _remembered(model: nn.Module, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """``compute()``, run once per model and ``key`` (:data:`_AXES`)."""
     try:
         memo = _AXES.setdefault(model, {})
     except TypeError:  # not weakly referenceable / hashable: probe every time
-        return _sample_axes(model, x, units, used)
-    key = _real_pass_key(x, units, used, reachable)
-    axes = memo.get(key)
-    if axes is None:
-        axes = _sample_axes(model, x, units, used)
+        return compute()
+    hit = memo.get(key)
+    if hit is None:
         if len(memo) >= _AXES_PER_MODEL:
             memo.clear()
-        memo[key] = axes
-    return {path: list(ax) for path, ax in axes.items()}
+        hit = memo[key] = compute()
+    return hit
 
 
 #: Models whose forward modified a recorded tensor in place (timm's ``BatchNormAct2d``: an
@@ -802,29 +647,24 @@ def _remembered_probe(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit]
                                           tuple(tuple(s.shape) for s in c.samples))
                                          for c in uses.calls),
            tuple((path, tuple(u.shapes)) for path, u in rec.items()))
-    try:
-        memo = _AXES.setdefault(model, {})
-    except TypeError:  # not weakly referenceable / hashable: probe every time
-        memo = {}
-    hit = memo.get(key)
-    if hit is None:
+
+    def compute() -> tuple[dict[str, list[int]], list[_ProbeCall]]:
         probe = None if uses is None else ParamUses(cands, tables=tabs)
         axes = _sample_axes(model, x, units, used, probe, rec)
-        calls = [] if probe is None or not probe.done else [
+        return axes, [] if probe is None or not probe.done else [
             _ProbeCall(torch.empty(c.y.shape, device="meta"),
                        [torch.empty(s.shape, device="meta") for s in c.samples])
             for c in probe.calls]
-        if len(memo) >= _AXES_PER_MODEL:
-            memo.clear()
-        hit = memo[key] = (axes, calls)
+
+    hit = _remembered(model, key, compute)
     return {path: list(ax) for path, ax in hit[0].items()}, hit[1]
 
 
-def _probe_size(n: int) -> int:
+def probe_size(n: int) -> int:
     return 2 if n == 1 else 1
 
 
-class _ProbeFailed(Exception):
+class ProbeFailed(Exception):
     """The probe forward raised (the original exception is the ``__cause__``)."""
 
 
@@ -853,7 +693,7 @@ def _check_inputs(model: Any, **inputs: Any) -> None:
                              f"{tuple(x.shape)}")
 
 
-def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
+def probe_sample_axes(run: Any, modules: dict[str, nn.Module],
                        real: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
                        used: dict[str, list[int]], n: int, p: int) -> dict[str, list[int]]:
     """The sample axes of the ``used[path]`` calls of ``modules[path]`` (shared with ``SENG``).
@@ -861,9 +701,9 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
     ``run()`` is a forward on p != n samples; ``real[path]`` the (input shape, output shape)
     of every tensor call of that module in the pass on n samples.  A call's sample axis is the
     one axis of its input *and* output with length n there and p in the probe, every other
-    axis unchanged (:func:`_tracking_axis`), that ``torch_layers.sample_axis_ok`` allows.
+    axis unchanged (:func:`_tracking_axis`), that the module's ``LayerRule.sample_axis_ok`` allows.
     Returns ``{path: [axis per used call]}`` where every used call has one and the probe called
-    the module as often; raises :class:`_ProbeFailed` from the model's error.  Autograd stays
+    the module as often; raises :class:`ProbeFailed` from the model's error.  Autograd stays
     on in the probe so that it takes the training code path (PyTorch's fused inference paths,
     e.g. ``nn.TransformerEncoderLayer``'s, skip the submodule calls).
     """
@@ -873,18 +713,19 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
                      lambda path, a, y: seen[path].append((tuple(a.shape), tuple(y.shape)))):
             run()
     except Exception as exc:
-        raise _ProbeFailed(str(exc)) from exc
+        raise ProbeFailed(str(exc)) from exc
     axes: dict[str, list[int]] = {}
     for path, idx in used.items():
         mod, calls, probes = modules[path], real[path], seen[path]
+        rule = rule_for(mod)
         if len(calls) != len(probes):
             continue
         found: list[int] = []
         for i in idx:
             a_ax = _tracking_axis(calls[i][0], probes[i][0], n, p)
             y_ax = _tracking_axis(calls[i][1], probes[i][1], n, p)
-            if a_ax is None or a_ax != y_ax or not sample_axis_ok(mod, a_ax,
-                                                                  len(calls[i][0])):
+            if (a_ax is None or a_ax != y_ax or rule is None
+                    or not rule.sample_axis_ok(mod, a_ax, len(calls[i][0]))):
                 break
             found.append(a_ax)
         else:
@@ -892,35 +733,74 @@ def _probe_sample_axes(run: Any, modules: dict[str, nn.Module],
     return axes
 
 
-def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Module],
-                  pseudo: bool, create_graph: bool, batched: bool,
-                  axes: list[int], reducers: list[Any] | None = None) -> list[Any]:
-    """Gradients of every output column of ``out2`` (N, O) with respect to each call output
-    ``ys[i]`` of ``mods[i]`` (samples on ``axes[i]``), as g (N, S, O, d_out) shaped by
-    :func:`torch_layers.output_factor` (O = 1 for the pseudo-NTK); or, where ``reducers[i]``
-    is a map g (N, S, L, d) -> (N, L, W) (``torch_layers.affine_sums``,
-    ``torch_functional.term_sums``), its results for all O outputs as a
-    ``torch_layers.Summed`` (N, O, W): applied to each pass's g while it is in cache, so
-    that g is never stored.
+@dataclass
+class _Target:
+    """A tensor ``y`` whose output gradients the backward passes take: shaped by
+    ``rule.output_factor`` (samples on ``axis`` of y, ``mod`` its module or None), and reduced
+    pass by pass by ``reduce`` (``LayerRule.reducer``, ``torch_functional.term_sums``) when
+    that is not None; ``functional``: a functional call's, stored (N, O, S, d)."""
+
+    y: torch.Tensor
+    axis: int = 0
+    mod: nn.Module | None = None
+    rule: LayerRule = PLAIN
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    functional: bool = False
+
+    def shape(self, gr: torch.Tensor, n: int, lead: int) -> torch.Tensor:
+        return self.rule.output_factor(self.mod, gr, n, lead, self.axis)
+
+    def done(self, g: torch.Tensor) -> Any:
+        """All O outputs' g, reduced if it has a map."""
+        return g if self.reduce is None else Summed(self.reduce(g))
+
+    @property
+    def storage(self) -> tuple[int, ...]:
+        """The permutation of g (N, S, O, d) into the storage of all O passes: (N, O, C, S)
+        channels-first, (N, O, S, d) functional, else (N, S, O, d)."""
+        return (0, 2, 3, 1) if self.rule.channels_first else (0, 2, 1, 3) if self.functional \
+            else (0, 1, 2, 3)
+
+    def buffer(self, g1: torch.Tensor, n: int, o: int) -> torch.Tensor:
+        """The array the O passes' g1 (one pass's factor or sums) are copied into."""
+        if self.reduce is not None:
+            return g1.new_empty((n, o, g1.shape[-1]))
+        perm, shape = self.storage, (n, g1.shape[1], o, g1.shape[-1])
+        return g1.new_empty([shape[i] for i in perm]).permute(*_inverse(perm))
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The O <= 2 passes' g1 concatenated in the storage of :meth:`buffer`."""
+        if self.reduce is not None:  # (N, 1, W) each
+            return torch.cat(parts, 1)
+        perm = self.storage
+        return torch.cat([g.permute(*perm) for g in parts],
+                         perm.index(2)).permute(*_inverse(perm))
+
+
+def _inverse(perm: tuple[int, ...]) -> list[int]:
+    return [perm.index(i) for i in range(len(perm))]
+
+
+def _output_grads(out2: torch.Tensor, targets: list[_Target], pseudo: bool,
+                  create_graph: bool, batched: bool) -> list[Any]:
+    """Gradients of every output column of ``out2`` (N, O) with respect to each target's y,
+    as g (N, S, O, d_out) (:meth:`_Target.shape`; O = 1 for the pseudo-NTK), or where the
+    target has a map, its results for all O outputs as a ``torch_layers.Summed`` (N, O, W):
+    applied to each pass's g while it is in cache, so that g is never stored.
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
     passes are one ``is_grads_batched`` pass, or (``batched`` False, or an op without a
     batching rule) a loop of O passes: into preallocated arrays, or for O <= 2 concatenated
-    once per layer at the end.  No weight gradient is formed.
+    once per target at the end.  No weight gradient is formed.
     """
     n, o = out2.shape
-    red = reducers if reducers is not None else [None] * len(ys)
-
-    def done(g: torch.Tensor, r: Any) -> Any:  # all O outputs' g, reduced if it has a map
-        return g if r is None else Summed(r(g))
-
+    ys = [t.y for t in targets]
     if pseudo or o == 1:
         cot = torch.full_like(out2, 1.0 / math.sqrt(o) if pseudo else 1.0)
         grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                     allow_unused=True, materialize_grads=True)
-        return [done(output_factor(m, gr[None], n, 1, ax), r)
-                for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
+        return [t.done(t.shape(gr[None], n, 1)) for gr, t in zip(grads, targets, strict=True)]
     eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
     cot = eye[:, None, :].expand(o, n, o)
     if batched:
@@ -930,52 +810,35 @@ def _output_grads(out2: torch.Tensor, ys: list[torch.Tensor], mods: list[nn.Modu
                 grads = torch.autograd.grad(out2, ys, cot, create_graph=create_graph,
                                             retain_graph=True, allow_unused=True,
                                             materialize_grads=True, is_grads_batched=True)
-            return [done(output_factor(m, gr, n, o, ax), r)
-                    for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
+            return [t.done(t.shape(gr, n, o)) for gr, t in zip(grads, targets, strict=True)]
         except RuntimeError:  # an op without a batching rule: one backward per output
             pass
-    # g (N, S, O, d), layouts as above; a functional call's in (N, O, S, d) storage: each
-    # output's gradient is one contiguous piece per sample, and torch_functional's sums over
-    # broadcast axes read it contiguously.  A reduced entry: (N, O, W).
     gs: list[Any] = []
     kept: list[list[torch.Tensor]] = []  # o <= 2: each pass's g, concatenated at the end
     for k in range(o):
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
-        g1s = [output_factor(m, gr[None], n, 1, ax) if r is None  # (N, S, 1, d) views
-               else r(output_factor(m, gr[None], n, 1, ax))  # (N, 1, W)
-               for gr, m, ax, r in zip(grads, mods, axes, red, strict=True)]
+        g1s = [t.shape(gr[None], n, 1) if t.reduce is None  # (N, S, 1, d) views
+               else t.reduce(t.shape(gr[None], n, 1))  # (N, 1, W)
+               for gr, t in zip(grads, targets, strict=True)]
         del grads
         if o <= 2:  # one concatenation a block costs less than O copies into a buffer (BERT)
             kept.append(g1s)
             continue
-        for i, (g1, m, r) in enumerate(zip(g1s, mods, red, strict=True)):
+        for i, (g1, t) in enumerate(zip(g1s, targets, strict=True)):
             if k == 0:  # many outputs: each pass copied into its slot while it is in cache
-                s, d = g1.shape[1], g1.shape[-1]
-                gs.append(g1.new_empty((n, o, d)) if r is not None else
-                          g1.new_empty((n, o, d, s)).permute(0, 3, 1, 2)
-                          if isinstance(m, CHANNELS_FIRST) else
-                          g1.new_empty((n, o, s, d)).transpose(1, 2) if m is None
-                          else g1.new_empty((n, s, o, d)))
-            if r is not None:
+                gs.append(t.buffer(g1, n, o))
+            if t.reduce is not None:
                 gs[i][:, k:k + 1].copy_(g1)
             else:
                 gs[i][:, :, k:k + 1].copy_(g1)
         del g1s
-    for i, (m, r) in enumerate(zip(mods, red, strict=True) if kept else ()):
-        parts = [p[i] for p in kept]
-        if r is not None:  # (N, 1, W) each
-            gs.append(torch.cat(parts, 1))
-        elif isinstance(m, CHANNELS_FIRST):  # storage (N, O, C, S)
-            gs.append(torch.cat([g.permute(0, 2, 3, 1) for g in parts], 1).permute(0, 3, 1, 2))
-        elif m is None:  # storage (N, O, S, d)
-            gs.append(torch.cat([g.transpose(1, 2) for g in parts], 1).transpose(1, 2))
-        else:
-            gs.append(torch.cat(parts, 2))
+    for i, t in enumerate(targets if kept else ()):
+        gs.append(t.join([p[i] for p in kept]))
         for p in kept:
             p[i] = None  # each pass's gradient goes once its block is assembled
-    return [g if r is None else Summed(g) for g, r in zip(gs, red, strict=True)]
+    return [g if t.reduce is None else Summed(g) for g, t in zip(gs, targets, strict=True)]
 
 
 def _front(a: torch.Tensor, ax: int, create_graph: bool) -> torch.Tensor:
@@ -990,8 +853,11 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
                   create_graph: bool) -> dict[str, DenseBlock]:
     """DenseBlocks of ``groups`` (block name, parameter names): ``vmap`` over chunks of samples
     of ``jacrev`` w.r.t. those parameters, or plain autograd (:func:`_dense_blocks_graph`)
-    with ``create_graph`` or where ``torch.func`` cannot run the model (a RuntimeError; see
-    the module docstring).  Out-of-memory errors are not retried."""
+    with ``create_graph`` or where ``torch.func`` cannot run the model (a RuntimeError: a
+    recurrent layer that is not unrolled, ``nn.PReLU`` in torch 2.13, data-dependent control
+    flow such as ``if x.isfinite().all():``).  An error the model also raises on one sample
+    is raised (with the ``torch.func`` error as its context); out-of-memory errors are not
+    retried."""
     from torch.func import functional_call, jacrev, vmap
 
     if create_graph:
@@ -1150,21 +1016,45 @@ def jacobian(
     Returns
     -------
     Jacobian
-        N samples, O outputs, blocks in parameter order (see the module docstring for how
-        blocks map to ``model.parameters()``): a KroneckerBlock
-        (a (N, S, d_in), g (N, S, O, d_out)) per Linear / Conv / Embedding module whose
-        calls all have a sample axis (found by a probe forward on p != N samples; see "The
-        sample axis" in the module docstring), a DenseBlock (N, O, P_b) for everything else.
-        Block names are module paths; the blocks do not depend on N.
+        N samples, O outputs: the block of each module with a layer rule
+        (``torch_layers.RULES``: Linear, Conv, Embedding, the affine norms; a KroneckerBlock
+        (a (N, S, d_in), g (N, S, O, d_out)) or a DenseBlock) whose calls all have a sample
+        axis (:func:`_sample_axes`), the blocks of unrolled recurrent layers and of
+        functional parameter uses (``torch_functional``), and a DenseBlock (N, O, P_b) for
+        everything else.  The blocks do not depend on N.
+
+    Notes
+    -----
+    Block order and parameter layout.  With ``names`` the selected parameters in
+    ``model.named_parameters()`` order, the blocks cover each exactly once, in the order of
+    their first parameter:
+
+    * a module with a rule, at path ``m``: ``m.weight`` and ``m.bias`` (those selected), as
+      the matrix ``[weight.reshape(d_out, -1), bias[:, None]]`` flattened row-major (the
+      bias *interleaved* as the last column; weight only: no column; bias only: d_in = 1);
+      an Embedding's ``m.weight.T``; a norm's DenseBlock ``[weight, bias]``;
+    * a recurrent module at ``m``: one block per (weight, bias) pair, named after its first
+      selected parameter (``m.weight_ih_l0``), laid out as a Linear's;
+    * a DenseBlock named ``m``: the selected parameters registered directly on module ``m``,
+      each flattened, in ``named_parameters`` order; a root parameter alone, named by it.
+
+    A module called several times (tied weights) gets one block, its calls concatenated
+    along the positions; a module whose weight is also used outside its own calls, or is
+    registered in several modules, or one of whose calls has no sample axis, gets a
+    DenseBlock.  :func:`to_block_order` and :func:`from_block_order` convert between
+    per-parameter tensors and this order.  ``torch.func`` cannot run some models (a
+    recurrent layer that is not unrolled, ``nn.PReLU`` in torch 2.13, data-dependent control
+    flow): their DenseBlocks come from plain autograd, one sample and output at a time.
+    Concurrent calls on one model are safe (:func:`model_lock`).
     """
     _check_inputs(model, x=x)
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    with _provider_pass(model):
+    with provider_pass(model):
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
-        _check_sample_coupling(model, modules=walk.modules)
+        check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
                                walk=walk)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
@@ -1211,145 +1101,227 @@ def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, li
     return follow | new
 
 
-def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
-                     chunk_size: int | None, create_graph: bool | None,
-                     backward: str, tables: frozenset[str] | None = None,
-                     walk: _Walk | None = None) -> Jacobian | frozenset[str]:
-    """:func:`jacobian` under the model's lock; with ``tables`` None (the first pass) it may
-    return the positional tables (:func:`_shared_tables`) to run it again with instead.
-    ``walk``: the model's :class:`_Walk`, taken under the lock."""
-    if walk is None:
-        walk = _walk(model)
-    named, owners, registrations = walk.named, walk.owners, walk.registrations
-    selected = _select_params(model, params, named)
-    if create_graph is None:
-        create_graph = bool(x.requires_grad)
-    n = int(x.shape[0])
+@dataclass
+class _Found:
+    """What may be structured, before the forward: the hooked modules ``units``, the
+    recurrent modules ``rec``, and the functional calls' recorder ``uses`` (a ``ParamUses``
+    over the parameters ``cands`` no module structures and the positional tables ``tabs`` of
+    the followed ``tables``; None when there are none)."""
 
+    units: dict[str, _Unit]
+    rec: dict[str, _RecUnit]
+    cands: list[torch.Tensor]
+    tables: frozenset[str]
+    tabs: list[torch.Tensor]
+    uses: ParamUses | None = None
+
+    def recorder(self, clone: bool) -> ParamUses | None:
+        """A fresh ``uses`` (recording copies with ``clone``)."""
+        self.uses = (ParamUses(self.cands, clone=clone, tables=self.tabs)
+                     if self.cands or self.tabs else None)
+        return self.uses
+
+
+@dataclass
+class _Plan:
+    """What the probe proved structured: per module path its used calls with their sample
+    axes (``kron``), the unrolled recurrent modules (``rkron``), the functional calls with
+    theirs (``fcalls``) and the block groups they structure (``fgroups``)."""
+
+    kron: dict[str, list[tuple[_Call, int]]] = field(default_factory=dict)
+    rkron: dict[str, _RecUnit] = field(default_factory=dict)
+    fcalls: list[tuple[Any, int]] = field(default_factory=list)
+    fgroups: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _Gradients:
+    """The output gradients of a :class:`_Plan`, by owner: per module path one per call
+    (``modules``), per recurrent path one :math:`g_{ih}` per pass (``recurrent``), one per
+    functional call (``functional``)."""
+
+    modules: dict[str, list[Any]]
+    recurrent: dict[str, list[torch.Tensor]]
+    functional: list[Any]
+
+
+def _find_units(model: nn.Module, walk: _Walk, selected: list[str],
+                tables: frozenset[str]) -> _Found:
+    """Step 1: the structured candidates among the ``selected`` parameters' owners."""
+    named, owners, registrations = walk.named, walk.owners, walk.registrations
     units = _structured_units(walk, selected)
     rec = _recurrent_units(walk, selected)
     # parameters no structured module owns: their functional calls (torch_functional)
     cands = [named[nm] for nm in selected
              if owners[nm][0] not in units and owners[nm][0] not in rec
              and registrations[id(named[nm])] == 1]
-    first = tables is None
-    if tables is None:
-        tables = _remembered_tables(model)[0]
     tabs = [named[nm] for p in tables if p in units for nm in units[p].names]
-    uses = ParamUses(cands, tables=tabs) if cands or tabs else None
+    return _Found(units, rec, cands, tables, tabs)
+
+
+def _record_forward(model: nn.Module, x: torch.Tensor, found: _Found) -> torch.Tensor:
+    """Step 2: the hooked forward, recording the calls of ``found``; again with copies when
+    the model modified a recorded tensor in place (and from the start once it did)."""
     cloned = _modifies_in_place(model)
-    if cloned:  # it did last time: record copies at once (the pass below would be wasted)
-        uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
-    out = _run_forward(model, x, units, clone=cloned, uses=uses, rec=rec)
+    out = _run_forward(model, x, found.units, clone=cloned, uses=found.recorder(cloned),
+                       rec=found.rec)
+    uses = found.uses
     if not cloned and (any(c.a._version != c.a_version or c.y._version != c.y_version
-                           for u in units.values() for c in u.calls)
+                           for u in found.units.values() for c in u.calls)
                        or (uses is not None and any(c.modified() for c in uses.calls))):
-        uses = ParamUses(cands, clone=True, tables=tabs) if cands or tabs else None
-        # something was modified in place
         _modifies_in_place(model, True)
-        out = _run_forward(model, x, units, clone=True, uses=uses, rec=rec)
+        out = _run_forward(model, x, found.units, clone=True, uses=found.recorder(True),
+                           rec=found.rec)
+    n = int(x.shape[0])
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
                          f"{tuple(out.shape)}: the first axis of x (shape {tuple(x.shape)}) "
                          "is the sample axis; for a single sample add it: x.unsqueeze(0) "
                          "(or x[None])")
-    o = int(math.prod(out.shape[1:]))
-    out2 = out.reshape(n, o)
+    return out
 
-    # Which hooked modules really are Kronecker: every use of the weight is a hooked call, and
-    # every such call has a sample axis in its input and output, found by a probe at another
-    # batch size (a length equal to N proves nothing; see _sample_axes).
-    kron: dict[str, list[tuple[_Call, int]]] = {}  # path -> (call, its sample axis)
-    rkron: dict[str, _RecUnit] = {}  # recurrent modules unrolled into Kronecker blocks
-    fcalls: list = []  # functional calls of the structured groups fgroups, with sample axes
-    fgroups: dict[str, list[torch.Tensor]] = {}
-    if (units or rec or uses is not None) and out.grad_fn is not None:
-        reachable, n_uses = _graph_uses(out)
-        used: dict[str, list[int]] = {}  # indices of the calls that reach the output
-        for path, unit in units.items():
-            idx = [i for i, c in enumerate(unit.calls)
-                   if c.y.grad_fn is not None and c.y.grad_fn in reachable]
-            if not idx:
-                continue  # falls back to dense (torch.func finds the true, possibly zero, use)
-            if any(n_uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
-                continue
-            used[path] = idx
-        rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
-        probe_calls: list[Any] = []
-        if uses is None and not rused:  # module calls only: the answer is remembered
-            axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
-        else:  # functional and recurrent calls: the probe's axes and records, remembered
-            axes, probe_calls = _remembered_probe(model, x, units, used, reachable, uses,
-                                                  cands, tabs, rused)
-        kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path], strict=True)]
-                for path, idx in used.items() if path in axes}
-        rkron = {p: u for p, u in rused.items() if p in axes}
-        if first and (more := _shared_tables(model, units, used, axes)) is not None:
-            return more
-        if uses is not None:
-            uses.bad.update(id(named[nm]) for p in tables if p in kron for nm in units[p].names)
-            fcalls, fgroups = _functional_plan(uses, probe_calls, reachable, n_uses, selected,
-                                               owners, named, n)
-            failed = (tables & used.keys()) - kron.keys() - fgroups.keys()
-            if failed:  # used otherwise: follow them no more
-                follow, seen = _remembered_tables(model)
-                _remember_tables(model, follow - failed, seen)
 
-    # Blocks in parameter order: a Kronecker module, or the parameters registered directly on
-    # one module (a root parameter alone).
+def _probe(model: nn.Module, x: torch.Tensor, walk: _Walk, selected: list[str],
+           found: _Found, out: torch.Tensor, first: bool) -> _Plan | frozenset[str]:
+    """Step 3: which candidates really are structured: every use of the weight is a
+    recorded call, and every such call has a sample axis in its input and output, found by
+    a probe at another batch size (:func:`_sample_axes`).  On the ``first`` pass it may
+    return the positional tables to follow instead (:func:`_shared_tables`)."""
+    units, rec, uses, tables = found.units, found.rec, found.uses, found.tables
+    named, owners = walk.named, walk.owners
+    plan = _Plan()
+    if not (units or rec or uses is not None) or out.grad_fn is None:
+        return plan
+    reachable, n_uses = graph_uses(out)
+    used: dict[str, list[int]] = {}  # indices of the calls that reach the output
+    for path, unit in units.items():
+        idx = [i for i, c in enumerate(unit.calls)
+               if c.y.grad_fn is not None and c.y.grad_fn in reachable]
+        if not idx:
+            continue  # falls back to dense (torch.func finds the true, possibly zero, use)
+        if any(n_uses.get(id(named[nm]), 0) != len(idx) for nm in unit.names):
+            continue
+        used[path] = idx
+    rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
+    probe_calls: list[Any] = []
+    if uses is None and not rused:  # module calls only: the answer is remembered
+        axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
+    else:  # functional and recurrent calls: the probe's axes and records, remembered
+        axes, probe_calls = _remembered_probe(model, x, units, used, reachable, uses,
+                                              found.cands, found.tabs, rused)
+    plan.kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path],
+                                                                   strict=True)]
+                 for path, idx in used.items() if path in axes}
+    plan.rkron = {p: u for p, u in rused.items() if p in axes}
+    if first and (more := _shared_tables(model, units, used, axes)) is not None:
+        return more
+    if uses is not None:
+        uses.bad.update(id(named[nm]) for p in tables if p in plan.kron
+                        for nm in units[p].names)
+        plan.fcalls, plan.fgroups = _functional_plan(uses, probe_calls, reachable, n_uses,
+                                                     selected, owners, named, int(x.shape[0]))
+        failed = (tables & used.keys()) - plan.kron.keys() - plan.fgroups.keys()
+        if failed:  # used otherwise: follow them no more
+            follow, seen = _remembered_tables(model)
+            _remember_tables(model, follow - failed, seen)
+    return plan
+
+
+def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[str, _Unit],
+               pseudo: bool, create_graph: bool, backward: str) -> _Gradients:
+    """Step 4: the output gradients of every structured call (:func:`_output_grads`): the
+    module calls', the recurrent gate pre-activations' (:math:`u = W_{ih} x + b_{ih}` of
+    every layer, direction and call) and the functional calls'."""
+    n, o = out2.shape
+    if backward == "auto":  # two passes gain nothing from vmap, whose per-op batching
+        # costs more than a second pass (BERT at O = 2: 10-40% slower batched)
+        slow = tuple(t for r in RULES.values() for t in r.unbatched)
+        batched = o > 2 and not any(isinstance(mod, slow) for mod in model.modules())
+    else:
+        batched = backward == "batched"
+    targets = []
+    for p, calls in plan.kron.items():
+        u = units[p]
+        targets += [_Target(c.y, ax, u.module, u.rule, u.rule.reducer(
+            u.module, _front(c.a, ax, create_graph), n, u.has_weight, u.has_bias))
+            for c, ax in calls]
+    targets += [_Target(r.u, 0, ru.module) for ru in plan.rkron.values()
+                for passes in ru.calls for r in passes]
+    targets += [_Target(c.y, ax, reduce=term_sums(c, ax, create_graph), functional=True)
+                for c, ax in plan.fcalls]
+    gs = iter(_output_grads(out2, targets, pseudo, create_graph, batched))
+    return _Gradients(
+        {p: [next(gs) for _ in calls] for p, calls in plan.kron.items()},
+        {p: [next(gs) for passes in ru.calls for _ in passes] for p, ru in plan.rkron.items()},
+        list(gs))
+
+
+def _assemble(plan: _Plan, units: dict[str, _Unit], grads: _Gradients,
+              owners: dict[str, tuple[str, str]], n: int,
+              create_graph: bool) -> dict[str, DenseBlock | KroneckerBlock]:
+    """Step 5: the structured blocks from the calls' inputs (sample axis in front, as the
+    gradients are) and their gradients, by the modules' rules."""
+    blocks: dict[str, DenseBlock | KroneckerBlock] = {}
+    if plan.fcalls:
+        blocks.update(functional_blocks(plan.fgroups, plan.fcalls, grads.functional, n,
+                                        create_graph))
+    for p, calls in plan.kron.items():
+        u = units[p]
+        blocks[p] = u.rule.block(u.module, [_front(c.a, ax, create_graph) for c, ax in calls],
+                                 grads.modules[p], n, p, u.has_weight, u.has_bias)
+    for p, ru in plan.rkron.items():
+        blocks.update(recurrent_blocks(ru.module, p, ru.calls, grads.recurrent[p],
+                                       [owners[nm][1] for nm in ru.names], n,
+                                       detach=not create_graph))
+    return blocks
+
+
+def _block_order(selected: list[str], owners: dict[str, tuple[str, str]],
+                 plan: _Plan) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+    """The block names in parameter order (a structured module, a recurrent pair, or the
+    parameters registered directly on one module; a root parameter alone), the dense groups
+    (block name -> parameter names) and the recurrent blocks' names by parameter."""
     order: dict[str, None] = {}
-    dense_groups: dict[str, list[str]] = {}
-    rnames = _recurrent_block_names(rkron)  # parameter name -> its recurrent block's name
+    dense: dict[str, list[str]] = {}
+    rnames = _recurrent_block_names(plan.rkron)  # parameter name -> its recurrent block
     for nm in selected:
         mpath = owners[nm][0]
-        bname = rnames.get(nm) or (mpath if mpath in kron or mpath else nm)
+        bname = rnames.get(nm) or (mpath if mpath in plan.kron or mpath else nm)
         order[bname] = None
-        if mpath not in kron and nm not in rnames and bname not in fgroups:
-            dense_groups.setdefault(bname, []).append(nm)
+        if mpath not in plan.kron and nm not in rnames and bname not in plan.fgroups:
+            dense.setdefault(bname, []).append(nm)
+    return list(order), dense, rnames
 
+
+def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
+                     chunk_size: int | None, create_graph: bool | None,
+                     backward: str, tables: frozenset[str] | None = None,
+                     walk: _Walk | None = None) -> Jacobian | frozenset[str]:
+    """:func:`jacobian` under the model's lock: find units, record, probe, gradients,
+    assemble, then the dense blocks.  With ``tables`` None (the first pass) it may return the
+    positional tables (:func:`_shared_tables`) to run it again with instead.  ``walk``: the
+    model's :class:`_Walk`, taken under the lock."""
+    if walk is None:
+        walk = _walk(model)
+    selected = _select_params(model, params, walk.named)
+    if create_graph is None:
+        create_graph = bool(x.requires_grad)
+    first = tables is None
+    found = _find_units(model, walk, selected,
+                        _remembered_tables(model)[0] if tables is None else tables)
+    out = _record_forward(model, x, found)
+    n, o = int(x.shape[0]), int(math.prod(out.shape[1:]))
+    plan = _probe(model, x, walk, selected, found, out, first)
+    if isinstance(plan, frozenset):
+        return plan
+    order, dense_groups, rnames = _block_order(selected, walk.owners, plan)
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
-    if kron or rkron or fcalls:
-        if backward == "auto":  # two passes gain nothing from vmap, whose per-op batching
-            # costs more than a second pass (BERT at O = 2: 10-40% slower batched)
-            batched = o > 2 and not any(isinstance(mod, nn.modules.conv._ConvNd)
-                                        for mod in model.modules())
-        else:
-            batched = backward == "batched"
-        flat = [(units[p].module, c, ax) for p, calls in kron.items() for c, ax in calls]
-        # recurrent: the gradients w.r.t. u = W_ih x_t + b_ih of every layer, direction, call
-        rflat = [(u.module, r.u) for u in rkron.values() for passes in u.calls for r in passes]
-        # normalisation layers and dense-rule functional calls: g reduced pass by pass
-        reducers = [affine_sums(units[p].module, _front(c.a, ax, create_graph), n,
-                                units[p].has_weight, units[p].has_bias)
-                    if layer_type(units[p].module) in XHAT else None
-                    for p, calls in kron.items() for c, ax in calls]
-        reducers += [None] * len(rflat) + [term_sums(c, ax, create_graph) for c, ax in fcalls]
-        # functional calls: Linear layout (no module), after the module calls
-        gs = _output_grads(out2, [c.y for _, c, _ in flat] + [y for _, y in rflat]
-                           + [c.y for c, _ in fcalls],
-                           [m for m, _, _ in flat] + [m for m, _ in rflat] + [None] * len(fcalls),
-                           pseudo, create_graph, batched,
-                           [ax for _, _, ax in flat] + [0] * len(rflat)
-                           + [ax for _, ax in fcalls], reducers)
-        if fcalls:
-            blocks.update(functional_blocks(fgroups, fcalls, gs[len(flat) + len(rflat):], n,
-                                            create_graph))
-        k = 0
-        for p, calls in kron.items():
-            unit = units[p]
-            # inputs with the sample axis moved to the front, as the output gradients are
-            blocks[p] = layer_block(unit.module, [_front(c.a, ax, create_graph)
-                                                  for c, ax in calls],
-                                    gs[k:k + len(calls)], n, p, weight=unit.has_weight,
-                                    bias=unit.has_bias)
-            k += len(calls)
-        for p, runit in rkron.items():
-            m = sum(len(passes) for passes in runit.calls)
-            blocks.update(recurrent_blocks(runit.module, p, runit.calls, gs[k:k + m],
-                                           [owners[nm][1] for nm in runit.names], n,
-                                           detach=not create_graph))
-            k += m
-    del out, out2, units, uses, fcalls, rec, rkron
+    if plan.kron or plan.rkron or plan.fcalls:
+        grads = _gradients(model, out.reshape(n, o), plan, found.units, pseudo, create_graph,
+                           backward)
+        blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
+        del grads
+    del out, found, plan  # the recorded calls go before the dense pass
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
@@ -1376,7 +1348,7 @@ def _functional_plan(uses: ParamUses, probe: list[Any], reachable: set[Any],
             bad.update(id(t.param) for t in c.terms)
     bad |= _unseen_lookup_uses(uses, reachable)
     calls = uses.calls
-    axes = functional_sample_axes(calls, probe, _tracking_axis, n, _probe_size(n))
+    axes = functional_sample_axes(calls, probe, _tracking_axis, n, probe_size(n))
     live = [(c, ax) for c, ax in zip(calls, axes, strict=True) if c.y.grad_fn in reachable]
     found = {id(t.param) for c in calls for t in c.terms} - bad
     groups: dict[str, list[torch.Tensor]] = {}
@@ -1420,7 +1392,7 @@ def _block_layout(model: nn.Module, jac: Jacobian,
     ``t.numel() / rows`` columns as ``t.reshape(rows, -1)`` (rows = 1 for a DenseBlock, d_out
     for a KroneckerBlock), or is the whole matrix transposed (``transposed``: an Embedding)."""
     selected = _select_params(model, params)
-    owners, _ = _owner_map(model)
+    owners = _walk(model).owners
     out = []
     covered: list[str] = []
     for b in jac.blocks:
@@ -1434,9 +1406,8 @@ def _block_layout(model: nn.Module, jac: Jacobian,
         if not names:
             raise ValueError(f"block {b.name!r} matches no selected parameter of the model")
         kron = isinstance(b, KroneckerBlock)
-        out.append((b, names, b.d_out if kron else 1,
-                    kron and not rnames
-                    and isinstance(model.get_submodule(b.name), nn.Embedding)))
+        rule = rule_for(model.get_submodule(b.name), False) if kron and not rnames else None
+        out.append((b, names, b.d_out if kron else 1, rule is not None and rule.transposed))
         covered += names
     if sorted(covered) != sorted(selected):
         raise ValueError("the Jacobian's blocks do not match the selected parameters")
@@ -1458,7 +1429,7 @@ def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.T
     Returns
     -------
     tensor (..., P)
-        In block order, with the layouts of the module docstring (bias interleaved as the last
+        In block order, with the layouts of :func:`jacobian` (bias interleaved as the last
         column of a Kronecker block's matrix, Embedding tables transposed).
     """
     named = dict(model.named_parameters())

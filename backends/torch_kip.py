@@ -99,6 +99,7 @@ import torch
 from torch import nn
 
 from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
+from ntkcore.backend import get_backend
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 from ntkcore.kernel_ridge import _KernelRidge
@@ -106,7 +107,6 @@ from ntkcore.modes import Mode, check_mode
 from ntkcore.support import capabilities
 from ntkcore.tiling import bounds
 
-from .torch import TorchBackend
 from .torch_jacobian import _check_inputs, jacobian
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
@@ -286,7 +286,7 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode
     t0 = time.perf_counter()
     xt = xt.detach()
     n, m = int(xt.shape[0]), int(xs.shape[0])
-    budget = resolve_budget(max_memory, TorchBackend(torch), xt.device)
+    budget = resolve_budget(max_memory, get_backend(_xp), xt.device)
     probe = _target_jacobian(model, xt[:min(n, PROBE_SAMPLES)], params, pseudo)
     js = jacobian(model, xs, params=params, pseudo=pseudo)
     out_dtype = dtype if dtype is not None else torch.promote_types(probe.dtype, js.dtype)

@@ -1,61 +1,10 @@
-r"""The torch layer types with structured per-sample gradients: one home per layer type.
+r"""The torch layer rules: one :class:`LayerRule` subclass per layer type, registered in
+:data:`RULES`, and the factor and block helpers they share.
 
-For ``nn.Linear``, ``nn.Conv1d/2d/3d``, ``nn.Embedding`` and the normalisation layers with an
-elementwise affine (:data:`XHAT`: ``nn.LayerNorm`` and ``nn.RMSNorm`` over any
-``normalized_shape``, ``nn.BatchNorm1d/2d/3d`` in eval mode, ``nn.GroupNorm``,
-``nn.InstanceNorm1d/2d/3d``): which classes qualify (:data:`FORWARD`), which axis may carry the
-samples, how a call's input unfolds into a (N, S, d_in [+ 1]), how its output gradients shape
-into g (N, S, O, d_out) and how the two form the layer's block, in the layouts of the
-provider's module docstring (bias as the last column of [W | b], patches in the weight's
-(C_in, k_1, ...) order, Embedding as :math:`W^\top`).  Clients: the provider
-(``torch_jacobian``) and ``SENG`` (``torch_seng``), which only find the calls and their
-gradients; KIP gets its blocks from the provider.
-
-Elementwise-affine parameters
------------------------------
-A normalisation layer computes :math:`y[n,s,c] = \gamma[c]\,\hat x[n,s,c] + \beta[c]`, where
-c runs over the parameter's entries (the channel of an (N, C, *L) input, or the flattened
-``normalized_shape`` of a LayerNorm) and s over the positions the parameter is broadcast over
-(the spatial positions, or the leading non-normalised axes).  With
-:math:`g[n,s,o,c] = \partial f_o(x_n)/\partial y[n,s,c]` (the same output gradients as a
-Kronecker block's), the per-sample Jacobian is
-
-.. math:: J_\gamma[n,o,c] = \sum_s g[n,s,o,c]\,\hat x[n,s,c], \qquad
-          J_\beta[n,o,c] = \sum_s g[n,s,o,c].
-
-A "per-position diagonal" block storing :math:`u[n,s,o,c] = g \hat x` (or g) would have the
-Gram :math:`\langle \sum_s u_n, \sum_s u_m\rangle`: the positions can always be summed
-first, and the summed (N, O, C) array *is* the DenseBlock, exact, S times smaller than u and
-costing :math:`N_1 N_2 O^k C` in the Gram (the least any representation can: the rows are
-arbitrary C-vectors).  So no new block kind: the block is a :class:`DenseBlock` (N, O, C
-[+ C]) assembled from the provider's hooks, O(N S O C) work and no ``torch.func`` pass (which
-ran the whole model once per sample chunk).  :math:`\hat x` is recomputed from the hooked
-input by the layer's own normalisation without its affine (:data:`XHAT`): running statistics
-for an eval-mode BatchNorm (a training-mode BatchNorm couples the samples and is refused by
-the provider), per-sample statistics for GroupNorm / InstanceNorm / LayerNorm / RMSNorm
-(running statistics for an eval-mode InstanceNorm with ``track_running_stats``).
-
-Functional uses
----------------
-Subclasses with their own ``forward`` (timm's ``LayerNorm2d``, ``BatchNormAct2d``), bare
-elementwise parameters multiplied or added in the graph (layer-scale ``gamma``, ``cls_token``,
-``pos_embed``, a bias added by hand) and ``nn.MultiheadAttention``'s ``in_proj`` / ``out_proj``
-are not hooked modules; their calls (``F.linear``, ``F.layer_norm`` / ``batch_norm`` /
-``group_norm`` / ``instance_norm`` / ``rms_norm``, ``h * P``, ``h + P``, ``torch.cat``) are
-found during the same forward pass by ``torch_functional`` and give the same blocks: a
-KroneckerBlock for ``F.linear``, and for the rest the DenseBlock above generalised to any
-broadcast, :math:`J_P = \sum_{\text{broadcast positions}} g \odot h` (h = :math:`\hat x`,
-the other factor of a product, or 1), with the same output gradients g.
-
-Embeddings and grouped convolutions
------------------------------------
-An ``nn.Embedding`` is a Kronecker block with the transposed table as its weight and one-hot
-inputs, stored as the index factor of :class:`~ntkcore.KroneckerBlock` (``one_hot = V``,
-``-1`` at ``padding_idx``): the one-hot rows are never formed (``ntkcore.jacobian`` holds their
-algebra).  A grouped convolution becomes one KroneckerBlock with the groups as positions, or
-the hook-built DenseBlock of its per-sample gradient when that is smaller: always so for a
-depthwise convolution, whose Gram is then also the cheapest (docs/concepts.md, "Grouped and
-depthwise convolutions", with the measurement).
+A rule says which axis of a call may carry the samples, how the call's input and output
+gradients become the factors a (N, S, d_in [+ 1]) and g (N, S, O, d_out), how these form the
+layer's block, and what the backward passes need.  The provider (``torch_jacobian``),
+``SENG`` (``torch_seng``) and KIP only look the rule up (:func:`rule_for`).
 """
 
 from __future__ import annotations
@@ -72,61 +21,293 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["CHANNELS_FIRST", "CONV", "FORWARD", "XHAT", "Summed", "affine_sums", "cat",
-           "drop_zero_positions", "embedding_index", "input_factor", "layer_block", "layer_type",
-           "output_factor", "sample_axis_ok"]
+__all__ = ["NORMALISE", "PLAIN", "RULES", "AffineRule", "ConvRule", "EmbeddingRule", "LayerRule",
+           "LinearRule", "Summed", "affine_sums", "cat", "drop_zero_positions",
+           "embedding_index", "rule_for", "with_ones"]
 
-CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+class LayerRule:
+    r"""How calls of one torch layer type become its block (the base says what to implement).
+
+    A subclass implements :meth:`block` and overrides what differs from these defaults; its
+    instance goes into :data:`RULES` under the module classes it covers.  The provider hooks
+    every call of such a module (input a, output y), finds its sample axis by a probe on
+    another batch size (:meth:`sample_axis_ok` says which axes may be it), takes the output
+    gradients :math:`g = \partial f_o(x_n) / \partial y_n` of every output o in O backward
+    passes over all samples, shapes each pass's gradient with :meth:`output_factor` (or
+    reduces it with :meth:`reducer`) and hands a call's inputs (samples in front) and gs to
+    :meth:`block`.  Several calls (tied weights) are concatenated along the positions S:
+    :math:`\partial f/\partial W = \sum_{calls}\sum_s g a^\top`.
+    """
+
+    #: the output is (N, C, *L): the samples only on axis 0, g stored as (N, O, C, S) (the
+    #: layout in which the per-sample weight gradient :math:`g^\top a` is one batched GEMM)
+    channels_first = False
+    #: the block's (d_out, d_in) matrix is the weight transposed (an Embedding's table)
+    transposed = False
+    #: module classes whose presence anywhere in the model makes the automatic backward a
+    #: loop of O passes (one batched pass is slower for them)
+    unbatched: tuple[type, ...] = ()
+
+    def sample_axis_ok(self, mod: nn.Module, axis: int, ndim: int) -> bool:
+        """Whether ``axis`` of a call's ``ndim``-axis input may be its sample axis."""
+        return axis == 0 or not self.channels_first
+
+    def out_width(self, mod: nn.Module, gr: torch.Tensor) -> int:
+        """d_out: the trailing entries of the output one position holds."""
+        return int(gr.shape[-1])
+
+    def output_factor(self, mod: nn.Module | None, gr: torch.Tensor, n: int, lead: int,
+                      axis: int = 0) -> torch.Tensor:
+        """The factor g (N, S, lead, d_out) from output gradients ``gr`` (lead, *y.shape), the
+        samples on ``axis`` of y (moved to the front).  Channels-first: a view of an (N, lead,
+        C, S) array.  At most one copy (none when ``lead == 1`` and the samples lead)."""
+        if self.channels_first:
+            g4 = gr.reshape(lead, n, gr.shape[2], -1).transpose(0, 1)  # (N, lead, C, S)
+            return (g4 if lead == 1 else g4.contiguous()).permute(0, 3, 1, 2)
+        if axis:
+            gr = gr.movedim(1 + axis, 1)
+        d = gr.shape[-1] if mod is None else self.out_width(mod, gr)
+        g4 = gr.reshape(lead, n, -1, d).permute(1, 2, 0, 3)  # (N, S, lead, d)
+        return g4 if lead == 1 else g4.contiguous()
+
+    def reducer(self, mod: nn.Module, a: torch.Tensor, n: int, weight: bool,
+                bias: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A map g (N, S, L, d_out) -> (N, L, W) that the provider applies to each backward
+        pass's g while it is in cache (the block then gets :class:`Summed`), or None: g is
+        kept.  ``a``: the call's input, samples in front."""
+        return None
+
+    def kronecker_update(self, mod: nn.Module) -> bool:
+        """Whether ``SENG`` may update this module as a KroneckerBlock of its weight and bias."""
+        return False
+
+    def block(self, mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: int,
+              name: str, weight: bool, bias: bool) -> DenseBlock | KroneckerBlock:
+        """The block of ``mod`` named ``name`` from its calls: ``inputs[i]`` call i's input
+        with the samples in front, ``gs[i]`` its g (:meth:`output_factor`) or
+        :class:`Summed` (:meth:`reducer`); ``weight`` / ``bias``: which of its parameters
+        (``weight``, ``bias``) are selected.  Layout: ``[weight.reshape(d_out, -1),
+        bias[:, None]]`` row-major for a KroneckerBlock, ``[weight.flatten(), bias]`` for a
+        DenseBlock."""
+        raise NotImplementedError
+
+
+#: the rule of what has none (functional calls, recurrent gate gradients): trailing d_out
+PLAIN = LayerRule()
+
+
+class LinearRule(LayerRule):
+    """``nn.Linear``: a KroneckerBlock; input (N, *mid, d_in) gives S = prod(mid) positions,
+    the samples on any axis but the feature axis (a sequence-first (T, N, d) input gives
+    S = T).  The bias's ones column stays implicit (``KroneckerBlock(ones=True)``)."""
+
+    def sample_axis_ok(self, mod: nn.Module, axis: int, ndim: int) -> bool:
+        return axis != ndim - 1
+
+    def kronecker_update(self, mod: nn.Module) -> bool:
+        return True
+
+    def block(self, mod, inputs, gs, n, name, weight, bias):
+        if not weight:  # bias only: the ones column is the whole input
+            a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
+        else:
+            a_parts = [a_c.reshape(n, -1, mod.in_features) for a_c in inputs]
+        return KroneckerBlock(cat(a_parts, 1).contiguous(), cat(gs, 1), name,
+                              ones=bias and weight)
+
+
+class ConvRule(LayerRule):
+    r"""``nn.Conv1d/2d/3d``: a KroneckerBlock on unfolded patches a (N, L, C_in k [+ 1]) in the
+    weight's (C_in, k_1, ...) order, L output positions; stride, dilation, padding (ints,
+    ``'same'``, ``'valid'``) and every ``padding_mode``.
+
+    ``groups > 1``: the G groups are put on the position axis (a (N, G L, C_in/G k), g zero
+    outside each group's output channels), which represents the (C_out, C_in/G k) weight
+    exactly; when that is larger than the per-sample gradient (many groups, e.g. depthwise),
+    the DenseBlock of the per-sample gradient instead (:func:`_grouped_conv_block`,
+    :func:`_grouped_conv_dense`; docs/concepts.md, "Grouped and depthwise convolutions").
+    """
+
+    channels_first = True
+    unbatched = (nn.modules.conv._ConvNd,)
+
+    def kronecker_update(self, mod: nn.Module) -> bool:
+        return mod.groups == 1
+
+    def block(self, mod, inputs, gs, n, name, weight, bias):
+        groups = mod.groups
+        dense = groups > 1 and weight and _dense_grouped(mod, gs, n)
+        if dense and _unfoldable(mod, gs):
+            return _grouped_conv_dense(mod, inputs, gs, n, name, bias)
+        ones = bias and weight and groups == 1
+        # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
+        # its patches are formed for those alone
+        taps = live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) if dense else None
+        if weight:
+            a_parts = [conv_patches(mod, a_c, ones, taps) for a_c in inputs]
+        else:  # bias only: the ones column is the whole input
+            a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
+        a, g = cat(a_parts, 1), cat(gs, 1)
+        if groups > 1:
+            return _grouped_conv_block(a, g, groups, name, weight, bias,
+                                       None if taps is None else _flat_taps(taps))
+        return KroneckerBlock(a.contiguous(), g, name)
+
+
+class EmbeddingRule(LayerRule):
+    r"""``nn.Embedding``: a KroneckerBlock with one-hot inputs and weight :math:`W^\top` (D, V)
+    (its parameter is the *transposed* table), stored as the index factor (N, T) int64 of
+    :class:`~ntkcore.KroneckerBlock` (``one_hot = V``; the one-hot rows are never formed),
+    ``-1`` at ``padding_idx``, whose row gets no gradient in torch."""
+
+    transposed = True
+
+    def block(self, mod, inputs, gs, n, name, weight, bias):
+        a = cat([embedding_index(a_c.reshape(n, -1), mod.padding_idx, mod.num_embeddings)
+                 for a_c in inputs], 1)
+        return KroneckerBlock(a.contiguous(), cat(gs, 1), name, one_hot=mod.num_embeddings)
+
+
+class AffineRule(LayerRule):
+    r"""A normalisation layer with an elementwise affine, :math:`y[n,s,c] = \gamma[c]\,\hat
+    x[n,s,c] + \beta[c]` (c the parameter's entries, s the positions it is broadcast over):
+
+    .. math:: J_\gamma[n,o,c] = \sum_s g[n,s,o,c]\,\hat x[n,s,c], \qquad
+              J_\beta[n,o,c] = \sum_s g[n,s,o,c].
+
+    The positions can always be summed first, and the summed (N, O, C) array *is* the
+    per-sample gradient: a :class:`DenseBlock` (N, O, C [+ C]), exact, S times smaller than
+    any per-position form and the cheapest Gram (its rows are arbitrary C-vectors), built from
+    the hooks in O(N S O C) work with no ``torch.func`` pass.  :math:`\hat x` is recomputed
+    from the call's input by :meth:`xhat` (:func:`affine_sums`), and g is reduced pass by
+    pass (:meth:`reducer`).  A subclass implements :meth:`xhat`."""
+
+    def xhat(self, mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """The normalised input :math:`\\hat x`: the module's normalisation without affine."""
+        raise NotImplementedError
+
+    def reducer(self, mod, a, n, weight, bias):
+        return affine_sums(self, mod, a, n, weight, bias)
+
+    def block(self, mod, inputs, gs, n, name, weight, bias):
+        if isinstance(gs[0], Summed):
+            return DenseBlock(functools.reduce(torch.add, (g.sums for g in gs)), name)
+        return DenseBlock(functools.reduce(torch.add, (
+            affine_sums(self, mod, a_c, n, weight, bias)(g_c)
+            for a_c, g_c in zip(inputs, gs, strict=True))), name)
+
+
+class _TrailingNormRule(AffineRule):
+    """Normalises the trailing ``normalized_shape`` axes: the samples on none of them."""
+
+    def sample_axis_ok(self, mod, axis, ndim):
+        return axis < ndim - len(mod.normalized_shape)
+
+    def out_width(self, mod, gr):
+        return math.prod(mod.normalized_shape)
+
+
+class LayerNormRule(_TrailingNormRule):
+    """``nn.LayerNorm`` over any ``normalized_shape``."""
+
+    def xhat(self, mod, a):
+        return NORMALISE[F.layer_norm]({"normalized_shape": mod.normalized_shape,
+                                        "eps": mod.eps})(a)
+
+
+class RMSNormRule(_TrailingNormRule):
+    """``nn.RMSNorm`` over any ``normalized_shape``."""
+
+    def xhat(self, mod, a):
+        return NORMALISE[F.rms_norm]({"normalized_shape": mod.normalized_shape,
+                                      "eps": mod.eps})(a)
+
+
+class BatchNormRule(AffineRule):
+    """``nn.BatchNorm1d/2d/3d`` in eval mode (running statistics; batch statistics couple the
+    samples and are refused by the provider)."""
+
+    channels_first = True
+
+    def xhat(self, mod, a):
+        return NORMALISE[F.batch_norm]({"training": False, "running_mean": mod.running_mean,
+                                        "running_var": mod.running_var, "eps": mod.eps})(a)
+
+
+class GroupNormRule(AffineRule):
+    """``nn.GroupNorm`` (per-sample statistics)."""
+
+    channels_first = True
+
+    def xhat(self, mod, a):
+        return NORMALISE[F.group_norm]({"num_groups": mod.num_groups, "eps": mod.eps})(a)
+
+
+class InstanceNormRule(AffineRule):
+    """``nn.InstanceNorm1d/2d/3d`` with an affine: per-sample statistics, or the running ones
+    in eval mode with ``track_running_stats`` (as torch's forward decides)."""
+
+    channels_first = True
+
+    def xhat(self, mod, a):
+        stats = not mod.training and mod.track_running_stats
+        return NORMALISE[F.instance_norm]({
+            "running_mean": mod.running_mean if stats else None,
+            "running_var": mod.running_var if stats else None,
+            "use_input_stats": not stats, "eps": mod.eps})(a)
+
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _IN = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-# layers on (N, C, *L) inputs: the samples on axis 0, the channel on axis 1
-CHANNELS_FIRST = (*CONV, *_BN, nn.GroupNorm, *_IN)
-# layers normalising the trailing normalized_shape axes
-_TRAILING = (nn.LayerNorm, nn.RMSNorm)
 
-
-def _xhat_instance_norm(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
-    stats = not mod.training and mod.track_running_stats  # as torch's forward decides
-    return F.instance_norm(a, mod.running_mean if stats else None,
-                           mod.running_var if stats else None, None, None,
-                           use_input_stats=not stats, momentum=0.0, eps=mod.eps)
-
-
-# The normalised input x-hat of an elementwise-affine layer, y = weight * x-hat + bias, from the
-# call's input (same shape): the module's own normalisation without its affine.  BatchNorm: eval
-# mode only (running statistics; the provider refuses batch statistics).
-XHAT: dict[type, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
-    nn.LayerNorm: lambda m, a: F.layer_norm(a, m.normalized_shape, None, None, m.eps),
-    nn.RMSNorm: lambda m, a: F.rms_norm(a, m.normalized_shape, None, m.eps),
-    nn.GroupNorm: lambda m, a: F.group_norm(a, m.num_groups, None, None, m.eps),
-    **dict.fromkeys(_BN, lambda m, a: F.batch_norm(a, m.running_mean, m.running_var, None, None,
-                                                   False, 0.0, m.eps)),
-    **dict.fromkeys(_IN, _xhat_instance_norm),
+#: module class -> its rule; a module is structured when it is an instance of a key and
+#: keeps that class's ``forward`` (a subclass may compute anything).  Adding a layer type:
+#: a rule class and one entry here.
+RULES: dict[type[nn.Module], LayerRule] = {
+    nn.Linear: LinearRule(),
+    **dict.fromkeys(_CONV, ConvRule()),
+    nn.Embedding: EmbeddingRule(),
+    nn.LayerNorm: LayerNormRule(),
+    nn.RMSNorm: RMSNormRule(),
+    **dict.fromkeys(_BN, BatchNormRule()),
+    nn.GroupNorm: GroupNormRule(),
+    **dict.fromkeys(_IN, InstanceNormRule()),
 }
-# Structured only when the class keeps torch's own forward (a subclass may compute anything).
-FORWARD = {c: c.forward for c in (nn.Linear, *CONV, nn.Embedding, *XHAT)}
 
 
-def layer_type(mod: nn.Module) -> type | None:
-    """The supported class ``mod`` is an instance of (a key of :data:`FORWARD`), or None: not
-    one of them, or a subclass overriding ``forward``."""
-    base = next((c for c in FORWARD if isinstance(mod, c)), None)
-    if base is None or type(mod).forward is not FORWARD[base]:
+def rule_for(mod: nn.Module, own_forward: bool = True) -> LayerRule | None:
+    """The rule of ``mod`` (:data:`RULES`), or None: no rule for its class, or (unless
+    ``own_forward`` is False) a subclass overriding ``forward``."""
+    base = next((c for c in RULES if isinstance(mod, c)), None)
+    if base is None or (own_forward and type(mod).forward is not base.forward):
         return None
-    return base
+    return RULES[base]
 
 
-def sample_axis_ok(mod: nn.Module, axis: int, ndim: int) -> bool:
-    """Whether ``axis`` of a call's ``ndim``-axis input may be its sample axis: not the
-    feature axis of a Linear, none of the normalised axes of a LayerNorm / RMSNorm, and 0 for
-    a convolution or channel normalisation ((N, C, *L) is its only batched layout)."""
-    if isinstance(mod, CHANNELS_FIRST):
-        return axis == 0
-    if isinstance(mod, _TRAILING):
-        return axis < ndim - len(mod.normalized_shape)
-    return not (isinstance(mod, nn.Linear) and axis == ndim - 1)
+# --------------------------------------------------------------------------------------------
+# normalisations without their affine: one home for the module rules and torch_functional
+# --------------------------------------------------------------------------------------------
+#: normalisation function -> builder of :math:`\hat x` from the call's arguments by name (the
+#: call without weight and bias), or None where the call couples the samples (batch statistics)
+NORMALISE: dict[Any, Callable[[dict], Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    F.layer_norm: lambda a: lambda x: F.layer_norm(x, a["normalized_shape"], None, None,
+                                                   a["eps"]),
+    F.rms_norm: lambda a: lambda x: F.rms_norm(x, a["normalized_shape"], None, a["eps"]),
+    F.batch_norm: lambda a: (  # eval mode only: batch statistics couple the samples
+        None if a["training"] or a["running_mean"] is None or a["running_var"] is None
+        else lambda x: F.batch_norm(x, a["running_mean"], a["running_var"], None, None, False,
+                                    0.0, a["eps"])),
+    F.group_norm: lambda a: lambda x: F.group_norm(x, a["num_groups"], None, None, a["eps"]),
+    F.instance_norm: lambda a: lambda x: F.instance_norm(
+        x, a["running_mean"], a["running_var"], None, None, a["use_input_stats"], 0.0, a["eps"]),
+}
 
 
+# --------------------------------------------------------------------------------------------
+# factors
+# --------------------------------------------------------------------------------------------
 def _conv_padding(mod: Any, i: int) -> tuple[int, int]:
     """The padding (before, after) of spatial axis ``i`` of a convolution's input."""
     if mod.padding == "same":  # torch pads the extra element on the right
@@ -181,28 +362,9 @@ def cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _with_ones(a: torch.Tensor) -> torch.Tensor:
+def with_ones(a: torch.Tensor) -> torch.Tensor:
+    """``a`` with a trailing ones column (a bias's input)."""
     return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
-
-
-def input_factor(mod: nn.Module, a: torch.Tensor, n: int, ones: bool,
-                 dtype: torch.dtype, taps: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The factor a (N, S, d_in [+ 1]) of one call of a Linear / Conv / Embedding ``mod``.
-
-    ``a`` is the call's input with the sample axis in front: (N, *mid, d_in) for a Linear
-    (S = prod(mid)), (N, C_in, *L) for a convolution (unfolded patches, S = L positions),
-    indices (N, *mid) for an Embedding: then the factor is the *index factor* (N, S) of
-    :class:`~ntkcore.KroneckerBlock` (``one_hot = num_embeddings``; one-hot rows never formed),
-    int64, ``-1`` at ``padding_idx`` (whose row gets no gradient in torch).
-    ``ones`` appends the bias's ones column (Linear / Conv); ``taps`` keeps a convolution's
-    live taps only (:func:`conv_patches`).
-    """
-    if isinstance(mod, nn.Linear):
-        a_c = a.reshape(n, -1, mod.in_features)
-        return _with_ones(a_c) if ones else a_c
-    if isinstance(mod, nn.Embedding):
-        return embedding_index(a.reshape(n, -1), mod.padding_idx, mod.num_embeddings)
-    return conv_patches(mod, a, ones, taps)
 
 
 def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch.Tensor:
@@ -212,69 +374,6 @@ def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch
     if padding_idx is None:
         return idx
     return torch.where(idx == padding_idx % v, -1, idx)
-
-
-def output_factor(mod: nn.Module, gr: torch.Tensor, n: int, lead: int,
-                  axis: int = 0) -> torch.Tensor:
-    """The factor g (N, S, lead, d_out) from output gradients ``gr`` (lead, *y.shape).
-
-    ``y`` is (N, *mid, d_out) for a Linear / Embedding, (N, *mid, *normalized_shape) for a
-    LayerNorm / RMSNorm (d_out = prod(normalized_shape)), with the samples on ``axis`` (moved
-    to the front here), and (N, C, *L) for a convolution or channel normalisation
-    (:data:`CHANNELS_FIRST`), whose g is a view of an (N, lead, C, S) array (the layout in
-    which the per-sample weight gradient ``g^T a`` is a plain batched GEMM).  At most one copy
-    (none when ``lead == 1`` and the sample axis leads).
-    """
-    if isinstance(mod, CHANNELS_FIRST):
-        g4 = gr.reshape(lead, n, gr.shape[2], -1).transpose(0, 1)  # (N, lead, C, S)
-        return (g4 if lead == 1 else g4.contiguous()).permute(0, 3, 1, 2)
-    if axis:
-        gr = gr.movedim(1 + axis, 1)
-    d = math.prod(mod.normalized_shape) if isinstance(mod, _TRAILING) else gr.shape[-1]
-    g4 = gr.reshape(lead, n, -1, d).permute(1, 2, 0, 3)  # (N, S, lead, d)
-    return g4 if lead == 1 else g4.contiguous()
-
-
-def layer_block(mod: nn.Module, inputs: list[torch.Tensor], gs: list[Any], n: int,
-                name: str, *, weight: bool = True,
-                bias: bool = True) -> DenseBlock | KroneckerBlock:
-    r"""The block of one layer from its calls: ``inputs[i]`` the input of call i with the
-    sample axis in front, ``gs[i]`` its g (N, S_i, O, d_out) (:func:`output_factor`), or for
-    a normalisation layer its :class:`Summed` when the provider reduced g pass by pass.
-
-    ``weight`` / ``bias``: which of the layer's parameters the block covers.  Several calls
-    (tied weights) are concatenated along S:
-    :math:`\partial f/\partial W = \sum_{calls}\sum_s g a^\top`.  A Linear / Conv / Embedding
-    gives a KroneckerBlock (a contiguous, g as given; a grouped convolution may give a
-    DenseBlock, see :func:`_grouped_conv_block`), a normalisation layer (:data:`XHAT`) a
-    DenseBlock (:func:`_affine_block`).
-    """
-    base = layer_type(mod)
-    if base in XHAT:
-        return _affine_block(mod, inputs, gs, n, name, weight, bias)
-    groups = getattr(mod, "groups", 1)
-    dense = groups > 1 and weight and _dense_grouped(mod, gs, n)
-    if dense and _unfoldable(mod, gs):
-        return _grouped_conv_dense(mod, inputs, gs, n, name, bias)
-    ones = bias and weight and groups == 1
-    # a Linear's ones column stays implicit (KroneckerBlock ones=True): its input is the
-    # factor as it is, no copy
-    implicit = ones and isinstance(mod, nn.Linear)
-    # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
-    # its patches are formed for those alone
-    taps = live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) if dense else None
-    if weight:
-        a_parts = [input_factor(mod, a_c, n, ones and not implicit, g_c.dtype, taps)
-                   for a_c, g_c in zip(inputs, gs, strict=True)]
-    else:  # bias only: the ones column is the whole input
-        a_parts = [g_c.new_ones((n, g_c.shape[1], 1)) for g_c in gs]
-    a, g = cat(a_parts, 1), cat(gs, 1)
-    if groups > 1:
-        return _grouped_conv_block(a, g, groups, name, weight, bias,
-                                   None if taps is None else _flat_taps(taps))
-    if isinstance(mod, nn.Embedding):  # index factor: one-hot rows of the table's V entries
-        return KroneckerBlock(a.contiguous(), g, name, one_hot=mod.num_embeddings)
-    return KroneckerBlock(a.contiguous(), g, name, ones=implicit)
 
 
 def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | KroneckerBlock:
@@ -323,10 +422,10 @@ class Summed:
     sums: torch.Tensor
 
 
-def affine_sums(mod: nn.Module, a_in: torch.Tensor, n: int, weight: bool,
+def affine_sums(rule: AffineRule, mod: nn.Module, a_in: torch.Tensor, n: int, weight: bool,
                 bias: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     r"""The map g (N, S, L, C) -> (N, L, C [+ C]) of one call of an elementwise-affine layer
-    ``mod`` (:data:`XHAT`) with input ``a_in`` (samples in front), for any number L of
+    ``mod`` (:class:`AffineRule`) with input ``a_in`` (samples in front), for any number L of
     outputs (one pass, or all O):
 
     .. math:: J_\gamma[n, l, c] = \sum_s g[n, s, l, c]\,\hat x[n, s, c], \qquad
@@ -334,12 +433,12 @@ def affine_sums(mod: nn.Module, a_in: torch.Tensor, n: int, weight: bool,
 
     in the layout [weight.flatten(), bias.flatten()].  :math:`\hat x` is computed once, here
     (differentiably when ``a_in`` is on a graph).  The products are taken in g's storage
-    layout, (N, L, C, S) for a channels-first layer (:func:`output_factor`), (N, S, L, C)
-    otherwise: a contiguous multiply-and-sum, 4x faster than an ``einsum`` that copies g.
+    layout, (N, L, C, S) for a channels-first layer, (N, S, L, C) otherwise: a contiguous
+    multiply-and-sum, 4x faster than an ``einsum`` that copies g.
     """
-    chan = isinstance(mod, CHANNELS_FIRST)
+    chan = rule.channels_first
     axis = -1 if chan else 1  # the positions
-    x = XHAT[layer_type(mod)](mod, a_in) if weight else None  # type: ignore[index]
+    x = rule.xhat(mod, a_in) if weight else None
 
     def reduce(g: torch.Tensor) -> torch.Tensor:
         gv = g.permute(0, 2, 3, 1) if chan else g
@@ -353,19 +452,6 @@ def affine_sums(mod: nn.Module, a_in: torch.Tensor, n: int, weight: bool,
         return cat(pieces, -1)
 
     return reduce
-
-
-def _affine_block(mod: nn.Module, inputs: list[torch.Tensor],
-                  gs: list[torch.Tensor] | list[Summed], n: int, name: str, weight: bool,
-                  bias: bool) -> DenseBlock:
-    r"""The DenseBlock (N, O, C [+ C]) of an elementwise-affine layer: the sum over its calls
-    (tied modules) of :func:`affine_sums` of each call's g, or of the calls' :class:`Summed`
-    when the provider reduced them pass by pass.  Cost O(N S O C): no torch.func pass."""
-    if isinstance(gs[0], Summed):
-        return DenseBlock(functools.reduce(torch.add, (g.sums for g in gs)), name)  # type: ignore[union-attr]
-    return DenseBlock(functools.reduce(torch.add, (
-        affine_sums(mod, a_c, n, weight, bias)(g_c)  # type: ignore[arg-type]
-        for a_c, g_c in zip(inputs, gs, strict=True))), name)
 
 
 def _dense_is_smaller(n: int, groups: int, s: int, o: int, cout: int, cg_in: int) -> bool:
@@ -417,7 +503,7 @@ def _grouped_conv_dense(mod: nn.Conv2d, inputs: list[torch.Tensor], gs: list[tor
     with P the unfolded input (``F.unfold``: (N, C_in k, S), channel-major) and
     :math:`\gamma(c)` the group of output channel c.  Per sample and group that is one GEMM
     (O C_out/G, S) @ (S, C_in/G k), batched over N G: g is read in its (N, O, C_out, S)
-    storage (:func:`output_factor`) and permuted once to (N, G, O C_out/G, S); the patches
+    storage (:meth:`LayerRule.output_factor`) and permuted once to (N, G, O C_out/G, S); the patches
     are read as they come out of ``unfold``.  Used where it was measured faster than the
     ``einsum`` of the (N, S, C_in k) patch factor (:data:`GROUPED_GEMM_MIN_POSITIONS`).
     """
@@ -518,7 +604,7 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         g6.diagonal(dim1=1, dim2=4).copy_(g.unflatten(-1, (groups, cg_out)).movedim(3, -1))
         gp = g6.reshape(n, groups * s, o, cout)
         if bias:
-            ap = _with_ones(ap)
+            ap = with_ones(ap)
         return KroneckerBlock(ap.contiguous(), gp, name)
     # Dense per-sample gradient: dW[n, o, c, :] = sum_s g[n, s, o, c] a[n, s, group(c), :].
     gg = g.reshape(n, s, o, groups, cg_out)
@@ -748,7 +834,7 @@ def recurrent_blocks(mod: nn.Module, path: str, calls: list[list[RecurrentPass]]
             if not weight:
                 a = a.new_ones((n, a.shape[1], 1))
             elif bias:
-                a = _with_ones(a)
+                a = with_ones(a)
             a_parts.append(a)
             g_parts.append(g)
         name = f"{path}.{wname if weight else bname}"

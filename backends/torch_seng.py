@@ -16,7 +16,8 @@ layers, see ``ntkcore.sketch.sketch_jacobian``).
 
 Per-sample gradients come from the ONE backward of the batch loss that the user runs anyway:
 
-* ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (groups = 1) with torch's own ``forward`` (a subclass
+* the layers whose rule allows it (``torch_layers.LayerRule.kronecker_update``: ``nn.Linear``
+  and ``nn.Conv1d/2d/3d`` with groups = 1) with torch's own ``forward`` (a subclass
   overriding it is a dense layer): forward hooks keep the layer input (unfolded into patches
   for convolutions, by ``torch_layers`` as in the provider) and a hook on the output keeps
   :math:`\partial L / \partial y`; with a mean-reduced loss that is
@@ -38,11 +39,11 @@ as they are.
 The sample axis
 ---------------
 A Linear / Conv layer is a Kronecker block only where its input and output carry the sample
-axis, decided as in the provider (see "The sample axis" in ``torch_jacobian``; ``_unit_plan``):
+axis, decided as in the provider (``torch_jacobian._sample_axes``; ``_unit_plan``):
 its weight (and bias) must be used only by the layer's hooked calls, counted in the autograd
 graph of the model output (not so for ``nn.MultiheadAttention.out_proj`` or a Linear tied to an
 Embedding), and each call's sample axis is found by the provider's probe
-(``torch_jacobian._probe_sample_axes``) on the first sample of every argument that leads with
+(``torch_jacobian.probe_sample_axes``) on the first sample of every argument that leads with
 N (autograd enabled, as ntkcore's own pass: invisible to these hooks, under the model's lock,
 on a forked RNG).  Axis 0: the Kronecker block above; another axis (sequence-first; Linear
 only): the same block with that axis moved to the front (exact: :math:`\sum_s g_{n,s}
@@ -86,15 +87,15 @@ from ntkcore.solve import SMWSolver
 from ntkcore.support import capabilities
 
 from .torch_jacobian import (
-    _check_sample_coupling,
-    _graph_uses,
-    _probe_sample_axes,
-    _probe_size,
-    _ProbeFailed,
-    _provider_pass,
+    ProbeFailed,
+    check_sample_coupling,
+    graph_uses,
     in_provider_pass,
+    probe_sample_axes,
+    probe_size,
+    provider_pass,
 )
-from .torch_layers import CONV, cat, layer_block, layer_type, output_factor
+from .torch_layers import cat, rule_for
 
 __all__ = ["SENG"]
 
@@ -393,8 +394,9 @@ class SENG(torch.optim.Optimizer):
         self.units: list[_Owner] = []
         covered: set[int] = set()
         for name, mod in inner.named_modules():
-            # Linear and groups=1 Conv layers with torch's own forward (torch_layers.FORWARD)
-            if layer_type(mod) not in (nn.Linear, *CONV) or getattr(mod, "groups", 1) != 1:
+            # the layers whose rule allows a Kronecker update (Linear, groups=1 Conv)
+            rule = rule_for(mod)
+            if rule is None or not rule.kronecker_update(mod):
                 continue
             params = [mod.weight] if mod.bias is None else [mod.weight, mod.bias]
             # (a weight shared with an earlier layer: updated once, there)
@@ -470,7 +472,7 @@ class SENG(torch.optim.Optimizer):
             self._coupling = self._random = None
             for dropout, attr in ((False, "_coupling"), (True, "_random")):
                 try:
-                    _check_sample_coupling(module, dropout=dropout)
+                    check_sample_coupling(module, dropout=dropout)
                 except ValueError as exc:
                     setattr(self, attr, str(exc))
                     break
@@ -515,7 +517,7 @@ class SENG(torch.optim.Optimizer):
         if plan is not None:
             return plan
         plan = {}
-        uses = _graph_uses(rec["outs"])[1] if rec["outs"] else {}
+        uses = graph_uses(rec["outs"])[1] if rec["outs"] else {}
         need: dict[str, list[int]] = {}
         for u in self.units:
             idx = used[u.name]
@@ -542,7 +544,7 @@ class SENG(torch.optim.Optimizer):
         if n is None:
             raise ValueError("SENG needs the model's first tensor argument to lead with the "
                              "sample axis (N, ...); the last forward had no tensor argument")
-        p = _probe_size(n)
+        p = probe_size(n)
 
         def cut(a: Any) -> Any:
             if isinstance(a, torch.Tensor) and a.ndim >= 1 and a.shape[0] == n:
@@ -559,10 +561,10 @@ class SENG(torch.optim.Optimizer):
         try:
             # ntkcore's own pass (SENG's hooks ignore it; the model's lock is held), on a
             # forked RNG so that the user's random stream (Dropout masks) is unchanged
-            with _provider_pass(inner), torch.random.fork_rng(devices=cuda):
-                axes = _probe_sample_axes(lambda: inner(*args, **kwargs), modules, shapes, need,
+            with provider_pass(inner), torch.random.fork_rng(devices=cuda):
+                axes = probe_sample_axes(lambda: inner(*args, **kwargs), modules, shapes, need,
                                           n, p)
-        except _ProbeFailed as exc:
+        except ProbeFailed as exc:
             raise ValueError(
                 f"SENG cannot determine the sample axis of the layers it factors: the model "
                 f"raised when run on {p} sample(s) (the first sample of each argument that "
@@ -582,9 +584,10 @@ class SENG(torch.optim.Optimizer):
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
         dt, scale = unit.params[0].dtype, self._sample_scale(n)
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        gs = [output_factor(unit.module, c["gy"].to(dt)[None] * scale, n, 1, ax)
+        rule = rule_for(unit.module)
+        gs = [rule.output_factor(unit.module, c["gy"].to(dt)[None] * scale, n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
-        block = layer_block(unit.module, xs, gs, n, unit.name, bias=len(unit.params) == 2)
+        block = rule.block(unit.module, xs, gs, n, unit.name, True, len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
         return block
 
@@ -619,7 +622,7 @@ class SENG(torch.optim.Optimizer):
 
         # functional_call swaps the module's parameters in place: hold the model's lock so that
         # no ntkcore call on this model (another thread) runs meanwhile
-        with _provider_pass(inner):
+        with provider_pass(inner):
             gy = rec["gy"].to(next(iter(fb.values())).dtype)  # (autocast: as _unit_block)
             per_sample = vmap(one, in_dims=(0, *batched))(gy, *args)
         n = rec["gy"].shape[0]
