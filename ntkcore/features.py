@@ -1,126 +1,11 @@
 r"""Projected eNTK features: :math:`\Phi` with :math:`\mathbb{E}[\Phi\Phi^\top] = \Theta`.
 
-For a per-sample Jacobian :math:`J[n] \in \mathbb{R}^{O\times P}` (blocks b, see
-:mod:`ntkcore.jacobian`) :func:`features` returns random projections of the per-sample
-gradients whose inner products are unbiased estimates of the empirical NTK, without forming a
-per-sample gradient of a Kronecker block.
-
-Modes
------
-``"full"``
-    :math:`\Phi[n, o] = \Omega\, J[n, o, :]^\top` with one random :math:`\Omega` (dim x P),
-    :math:`\mathbb{E}[\Omega^\top\Omega] = I`, so :math:`\mathbb{E}[\Phi[n,o]\cdot\Phi[m,p]]
-    = \Theta[n,m,o,p]`.  Shape (N, O, dim).
-``"trace"``
-    The output axis is sketched too: :math:`\Phi[n] = \sum_o \Omega_o J[n,o,:]^\top` with
-    independent :math:`\Omega_o` (:math:`\mathbb{E}[\Omega_o^\top\Omega_p] = \delta_{op} I`), so
-    :math:`\mathbb{E}[\Phi[n]\cdot\Phi[m]] = \sum_{o,p} J[n,o] \mathbb{E}[\Omega_o^\top\Omega_p]
-    J[m,p]^\top = \sum_o \Theta[n,m,o,o]`.  Equivalently :math:`[\Omega_1 \dots \Omega_O]` is one
-    projection of the flattened (O P) Jacobian: trace features are the full features of the
-    Jacobian whose outputs are merged into its parameter axis (one output; a Kronecker block's
-    ``g`` (N, S, O, d_out) becomes (N, S, 1, O d_out)), and the error model of one output
-    applies unchanged.  Shape (N, dim).
-``"pseudo"``
-    The same for the pseudo-NTK Jacobian of :math:`\sum_o f_o / \sqrt{O}` (one output, the
-    provider's one-backward-pass ``pseudo=True``): estimates :func:`ntkcore.pseudo_ntk`.
-    Shape (N, dim).
-
-Projections
------------
-Blocks are projected independently (so the total is unbiased and the variances add), block b
-onto :math:`q_b` of the ``dim`` columns.
-
-*Dense block* (:math:`x = J_b[n,o,:]`, ``n_b`` parameters): a Gaussian
-(:func:`ntkcore.sketch.gaussian`, :math:`G/\sqrt{q}`) or sparse-sign
-(:func:`ntkcore.sketch.sparse_sign`, one nonzero per column) projection, :math:`\phi = \Omega x`.
-For fixed :math:`x, y` with :math:`K = x\cdot y`:
-
-.. math:: \mathrm{Var}_\text{gauss}[\phi_x\cdot\phi_y] = \frac{K^2 + |x|^2|y|^2}{q}, \qquad
-          \mathrm{Var}_\text{sign}[\phi_x\cdot\phi_y] = \frac{K^2 + |x|^2|y|^2
-          - 2\sum_i x_i^2 y_i^2}{q} .
-
-*Kronecker block* (per-sample weight :math:`X = \sum_s g_s a_s^\top`, d_out x d_in): Gaussian
-factor sketches :math:`G_A` (q_A x d_in) and :math:`G_G` (q_G x d_out) with i.i.d. N(0, 1)
-rows :math:`\alpha_t, \gamma_r`, and the grid of features
-
-.. math:: \phi_{rt} = \frac{1}{\sqrt{q}}\, \gamma_r^\top X \alpha_t
-          = \frac{1}{\sqrt{q}} \sum_s (\gamma_r\cdot g_s)(\alpha_t\cdot a_s)
-
-for the first ``q`` pairs (r, t) of the q_G x q_A grid in row-major order (all full rows, then
-part of the last one): ``(G_G g) (x) (G_A a)`` summed over positions, one batched product
-``(N, O q_G, S) @ (N, S, q_A)``, cost :math:`O(S (d_\text{in} q_A + d_\text{out} q_G) + S q_A
-q_G)` per sample and output.  Every pair has :math:`\mathbb{E}[(\gamma^\top X\alpha)(\gamma^\top
-Y\alpha)] = \mathrm{tr}(X^\top Y) = K`, so any subset of pairs, scaled by :math:`1/q`, is
-unbiased; with the whole grid (:math:`q = q_A q_G`) this is exactly :math:`\Omega_G \otimes
-\Omega_A` of :func:`ntkcore.sketch.sketch_jacobian` (same seeds, same draws).  With
-:math:`T = \mathrm{tr}((X^\top Y)^2)`, :math:`F_A = \|X^\top Y\|_F^2`, :math:`F_G = \|X
-Y^\top\|_F^2`, :math:`N_{xy} = \|X\|_F^2 \|Y\|_F^2` (Isserlis' theorem for the Gaussian
-moments):
-
-.. math::
-
-    V_1 &= \mathrm{Var}[(\gamma^\top X\alpha)(\gamma^\top Y\alpha)]
-         = N_{xy} + K^2 + 2T + 2F_A + 2F_G, \\
-    c_G &= \mathrm{Cov}[\text{pairs sharing } \gamma] = T + F_G, \qquad
-    c_A = \mathrm{Cov}[\text{pairs sharing } \alpha] = T + F_A, \\
-    \mathrm{Var}[\phi_X\cdot\phi_Y] &= \frac{q V_1 + n_G c_G + n_A c_A}{q^2},
-
-(pairs sharing neither are independent) where :math:`n_G = \sum_r k_r(k_r-1)` and
-:math:`n_A = \sum_t l_t(l_t-1)` count the ordered pairs of grid cells in one row (:math:`k_r`
-cells in row r) and in one column (:math:`l_t` cells in column t).  For the whole grid this is
-
-.. math:: \frac{T + F_A}{q_A} + \frac{T + F_G}{q_G} + \frac{N_{xy} + K^2 + F_A + F_G}{q_A q_G} .
-
-``kronecker="pairs"`` (the default) uses q independent pairs instead, :math:`\phi_i =
-\gamma_i^\top X \alpha_i / \sqrt{q}` (2q factor rows, cost :math:`O(S q (d_\text{in} +
-d_\text{out}))` per sample and output): no two cells share a factor row, :math:`n_G = n_A = 0`
-and the variance is :math:`V_1 / q`, falling like 1/q where the grid's falls like
-:math:`1/q_A + 1/q_G`; on the diagonal (X = Y, :math:`c_G, c_A \ge 0`) never above the grid's
-at the same q (why it is the default: docs/features.md, "Grid or pairs").
-
-The variance of an entry of :math:`\Phi\Phi^\top` is the sum of its blocks' variances
-(:func:`feature_variance`); the expected squared Frobenius error over a batch is the sum of
-the entries' variances, and :func:`feature_error` reports its square root relative to the exact
-kernel's Frobenius norm; :func:`choose_dim` finds the smallest ``dim`` meeting a target.
-
-Small blocks are exact: a block whose share :math:`q_b` reaches its exact width (its
-parameter count, or d_in d_out of a Kronecker block, times O in trace mode) gets that many
-columns, its Jacobian itself (variance 0), and the rest of ``dim`` is split again over the
-other blocks (:func:`allocate_exact`).
-
-Splitting ``dim`` (:func:`allocate`, deterministic): block b gets :math:`q_b \ge 1` columns in
-proportion to a weight :math:`w_b`: :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least
-1), the remaining columns one at a time to the largest remainders (ties: the lower block
-index), excess ones taken back from the smallest remainders.  Default weights are equal (one
-per block): they depend on the model only, so the same ``(model, dim, method, seed, mode)``
-gives the same projection for every ``x`` (features of a training and a test set live in one
-space).  Equal weights, not block sizes: a layer's share of the eNTK trace,
-:math:`\sum_n \|a_n\|^2 \|g_n\|^2` for a dense layer, is of the same order for every layer
-of a network at standard initialisation whatever its parameter count (the last layer of a
-6 x 512 MLP holds 0.04 % of the parameters and 44 % of the trace), so block sizes starve the
-small layers that carry much of the kernel; blocks whose equal share exceeds their width are
-exact and return their surplus.  ``probe=x_probe`` weights by each block's share of the
-kernel trace on that batch, :math:`w_b = \sum_{n,o} \|J_b[n,o]\|^2` (near the variance-optimal
-:math:`q_b \propto \sqrt{\text{block variance}}`); the same probe gives the same space on one
-machine (the weights are floating-point sums: on another BLAS or CPU a share within rounding of
-a split boundary can move by a column).  With
-``kronecker="grid"`` a Kronecker block's :math:`q_b` is laid out on a grid with
-:math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q_b d_\text{in} / d_\text{out}}), 1, q_b)`
-columns (equal sampling fractions of both factors, as :func:`ntkcore.sketch.split_kronecker`) and
-:math:`q_G = \lceil q_b / q_A\rceil` rows.  ``method="auto"`` projects a dense block with a
-Gaussian when its matrix has at most :data:`AUTO_GAUSSIAN_ENTRIES` entries (:math:`q_b n_b`),
-else with a sparse sign; Kronecker factors are always Gaussian (small: d x q).
-
-Seeds: block b draws from ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
-``spawn_seed(seed, b, 2)`` (factors A / G), the convention of
-:func:`ntkcore.sketch.sketch_jacobian`.  The same seed gives the same projection, bit for bit,
-on the same backend and kind of device with the same library versions, with the exceptions
-the module docstring of :mod:`ntkcore.sketch` names: NumPy and ``array_api_strict`` share it,
-torch, JAX and CuPy each draw another one, and torch's CPU and CUDA projections differ.  The
-features themselves are products with the projection, so on another BLAS, CPU or thread count
-they agree to rounding only.
-
-Pure array API: nothing here imports a framework.
+:func:`features` projects every parameter block independently onto its share of ``dim``
+columns (:func:`allocate_exact`) by a :class:`Projection`: a sketch of :mod:`ntkcore.sketch`
+for dense blocks (``method``), a layout of Gaussian factor sketches for Kronecker blocks
+(``kronecker``), the Jacobian itself for small blocks.  :func:`feature_variance`,
+:func:`feature_error` and :func:`choose_dim` predict the error.  Math, seeds and design:
+docs/features.md.
 """
 
 from __future__ import annotations
@@ -142,20 +27,16 @@ from .errors import BudgetTooSmallError
 from .gram import gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_gram, flat_weights
 from .providers import find_provider
-from .sketch import _check_seed, gaussian, sparse_sign, spawn_seed
+from .sketch import SKETCHES, _check_seed, gaussian, spawn_seed, split_kronecker
 from .support import GENERATOR, capabilities
 from .tiling import progress_steps
 
 __all__ = ["AUTO_GAUSSIAN_ENTRIES", "FEATURE_MODES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
            "allocate_exact", "choose_dim", "feature_batches",
-           "feature_error", "feature_variance", "features", "kronecker_grid"]
+           "feature_error", "feature_variance", "features"]
 
 #: Feature modes (``ntk``'s "full" and "trace", and the pseudo-NTK).
 FEATURE_MODES = ("full", "trace", "pseudo")
-#: Projection methods of dense blocks (Kronecker factors are always Gaussian).
-METHODS = ("auto", "gaussian", "sparse_sign")
-#: Layouts of a Kronecker block's features: the q_G x q_A grid, or q independent pairs.
-KRONECKER_LAYOUTS = ("pairs", "grid")
 #: ``method="auto"``: a dense block whose Gaussian matrix has at most this many entries is
 #: projected with a Gaussian, a larger one with a sparse sign (no stored matrix).
 AUTO_GAUSSIAN_ENTRIES = 1 << 24
@@ -163,9 +44,13 @@ AUTO_GAUSSIAN_ENTRIES = 1 << 24
 
 # -- the rule that splits dim -------------------------------------------------------------
 def allocate(dim: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """Columns per block: ``dim`` split in proportion to ``weights``, each at least 1.
+    r"""Columns per block: ``dim`` split in proportion to ``weights``, each at least 1.
 
-    Largest remainders (module docstring): deterministic, ties to the lower index.
+    Block b gets :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least 1), the
+    remaining columns one at a time to the largest remainders (ties: the lower block index),
+    excess ones taken back from the smallest remainders: deterministic.  ``features`` weighs
+    blocks equally, or by their share of the kernel trace on a ``probe`` (docs/features.md,
+    "Splitting dim").
     """
     nb = len(weights)
     if dim < nb:
@@ -215,12 +100,6 @@ def allocate_exact(dim: int, weights: Sequence[float], widths: Sequence[int]
                 q[b] = qb
 
 
-def kronecker_grid(q: int, d_in: int, d_out: int) -> tuple[int, int]:
-    """``(q_A, q_G)``: the grid of a Kronecker block's ``q`` features (module docstring)."""
-    q_a = min(q, max(1, round(math.sqrt(q * d_in / d_out))))
-    return q_a, -(-q // q_a)
-
-
 def _grid_pairs(q: int, q_a: int) -> tuple[int, int]:
     """``(n_G, n_A)``: ordered pairs of distinct cells sharing a row / a column among the
     first ``q`` cells (row-major) of a grid with ``q_a`` columns."""
@@ -230,68 +109,190 @@ def _grid_pairs(q: int, q_a: int) -> tuple[int, int]:
     return n_g, n_a
 
 
+# -- projections of one block -----------------------------------------------------------------
 @dataclass(frozen=True)
-class _BlockPlan:
-    """How one block is projected: ``dim`` columns by ``method`` ("gaussian", "sparse_sign",
-    "grid", "pairs", or "exact": the block's Jacobian columns themselves); ``n`` parameters
-    (dense) or d_in (Kronecker), ``d_out`` and the factor sketch sizes (``q_a``, ``q_g``: the
-    grid, or ``dim`` each for pairs)."""
+class Projection:
+    """How one block is projected onto ``dim`` feature columns: ``n`` parameters (dense) or
+    d_in (Kronecker), ``d_out``, and factor sketch sizes ``q_a``, ``q_g`` (Kronecker).
 
-    name: str
-    dim: int
+    A variant draws its sketches (:meth:`sketches`, through :mod:`ntkcore.sketch`), applies
+    them (:meth:`apply`), states its memory (:meth:`nbytes`, :meth:`batch_numbers`) and its
+    variance (:meth:`variance`)."""
+
     method: str
+    dim: int
     n: int
     d_out: int = 0
     q_a: int = 0
     q_g: int = 0
 
+    def sketches(self, seed: int, b: int, like: Array) -> tuple[Any, ...]:
+        """The sketches of block ``b``, seeded ``spawn_seed(seed, b, k)``."""
+        return ()
+
+    def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
+        """Features of the block: (N, R, dim)."""
+        return block.to_dense()  # exact: (N, R, d_out d_in) or (N, R, P), the Jacobian
+
+    def nbytes(self) -> int:
+        """Bytes of the drawn sketches (float64 draws and one cast copy)."""
+        return 0
+
+    def batch_numbers(self, block: Any, r: int) -> int:
+        """Numbers per sample that :meth:`apply` allocates for a block of ``r`` outputs."""
+        return r * self.dim
+
     def variance(self, st: dict[str, Any]) -> Any:
-        """Variance of the block's estimate from the pair statistics ``st`` (arrays over
-        pairs, or their sums: the formulas are linear in them; module docstring); 0 for an
-        exact block."""
+        """Variance of the block's estimate of an entry from the pair statistics ``st``
+        (:func:`_pair_stats`: arrays over pairs, or their sums: every formula is linear in
+        them); 0 for an exact block."""
+        return 0 * st["kernel_sq"]
+
+
+@dataclass(frozen=True)
+class DenseProjection(Projection):
+    """A dense block's columns by the sketch kind ``method`` (:data:`ntkcore.sketch.SKETCHES`):
+    :math:`\\phi = \\Omega x`, with the sketch's variance formula."""
+
+    def sketches(self, seed: int, b: int, like: Array) -> tuple[Any, ...]:
+        return (SKETCHES[self.method].create(self.n, self.dim, spawn_seed(seed, b, 0)
+                                             ).bind(like),)
+
+    def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
+        return sketches[0].project(block)
+
+    def nbytes(self) -> int:
+        return SKETCHES[self.method].nbytes(self.n, self.dim)
+
+    def variance(self, st: dict[str, Any]) -> Any:
+        var = SKETCHES[self.method].variance(st, self.dim)
+        if var is None:
+            raise ValueError(f"the {self.method!r} projection has no variance formula")
+        return var
+
+
+@dataclass(frozen=True)
+class PairsLayout(Projection):
+    r"""A Kronecker block's ``dim`` features as independent pairs of Gaussian factor rows
+    :math:`\gamma_i, \alpha_i`: :math:`\phi_i = \gamma_i^\top X \alpha_i / \sqrt{q}` for the
+    per-sample weight :math:`X = \sum_s g_s a_s^\top` (2q factor rows, cost
+    :math:`O(S q (d_\text{in} + d_\text{out}))` per sample and output)."""
+
+    def __post_init__(self) -> None:
+        if not self.q_a:
+            object.__setattr__(self, "q_a", self.dim)
+            object.__setattr__(self, "q_g", self.dim)
+
+    def sketches(self, seed: int, b: int, like: Array) -> tuple[Any, ...]:
+        return (gaussian(self.n, self.q_a, seed=spawn_seed(seed, b, 1), like=like),
+                gaussian(self.d_out, self.q_g, seed=spawn_seed(seed, b, 2), like=like))
+
+    def _factors(self, block: Any, sketches: tuple[Any, ...]) -> tuple[Array, Array]:
+        """``(a_s, g_s)``: the projected factors (N, S, q_A) and (N, S, R, q_G)."""
+        dtype = block.g.dtype
+        return block.a_times(sketches[0].transposed(dtype)), \
+            block.g @ sketches[1].transposed(dtype)
+
+    def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
+        a_s, g_s = self._factors(block, sketches)  # cell i: (gamma_i . g_s)(alpha_i . a_s)
+        xp = array_api_compat.array_namespace(g_s)
+        return xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(self.dim)
+
+    def nbytes(self) -> int:
+        return 16 * (self.q_a * self.n + self.q_g * self.d_out)
+
+    def batch_numbers(self, block: Any, r: int) -> int:
+        """The projected factors a_s (S, q_A), g_s (S, R, q_G) and the products (S, R, q)."""
+        return block.num_positions * (self.q_a + 2 * r * self.q_g) + r * self.dim
+
+    def _pairs(self) -> tuple[int, int]:
+        return 0, 0
+
+    def variance(self, st: dict[str, Any]) -> Any:
+        r"""With :math:`K = \mathrm{tr}(X^\top Y)`, :math:`T = \mathrm{tr}((X^\top Y)^2)`,
+        :math:`F_A = \|X^\top Y\|_F^2`, :math:`F_G = \|X Y^\top\|_F^2`, :math:`N_{xy} =
+        \|X\|_F^2 \|Y\|_F^2` (Isserlis' theorem for the Gaussian moments) one cell has
+
+        .. math::
+
+            V_1 &= \mathrm{Var}[(\gamma^\top X\alpha)(\gamma^\top Y\alpha)]
+                 = N_{xy} + K^2 + 2T + 2F_A + 2F_G, \\
+            c_G &= \mathrm{Cov}[\text{cells sharing } \gamma] = T + F_G, \qquad
+            c_A = \mathrm{Cov}[\text{cells sharing } \alpha] = T + F_A,
+
+        and :math:`\mathrm{Var}[\phi_X\cdot\phi_Y] = (q V_1 + n_G c_G + n_A c_A) / q^2` with
+        :math:`n_G, n_A` the ordered pairs of cells sharing a row / a column (cells sharing
+        neither are independent): :math:`V_1 / q` for pairs, which share no factor row."""
         q = self.dim
-        if self.method == "exact":
-            return 0 * st["k2"]
-        if self.method in KRONECKER_LAYOUTS:
-            n_g, n_a = _grid_pairs(q, self.q_a) if self.method == "grid" else (0, 0)
-            v1 = st["nn"] + st["k2"] + 2 * (st["t"] + st["fa"] + st["fg"])
-            return (q * v1 + n_g * (st["t"] + st["fg"]) + n_a * (st["t"] + st["fa"])) / q**2
-        v = st["k2"] + st["nn"]
-        return (v - 2 * st["e4"] if self.method == "sparse_sign" else v) / q
+        n_g, n_a = self._pairs()
+        t, fa, fg = st["trace_sq"], st["frob_a"], st["frob_g"]
+        v1 = st["norm_product"] + st["kernel_sq"] + 2 * (t + fa + fg)
+        return (q * v1 + n_g * (t + fg) + n_a * (t + fa)) / q**2
+
+
+@dataclass(frozen=True)
+class GridLayout(PairsLayout):
+    r"""The first ``dim`` cells (row-major) of the :math:`q_G \times q_A` grid
+    :math:`\phi_{rt} = \gamma_r^\top X \alpha_t / \sqrt{q}` of Gaussian factor sketches,
+    :func:`ntkcore.sketch.split_kronecker` (``cells=True``) sizes: ``(G_G g) (x) (G_A a)``
+    summed over positions, one batched product, cost :math:`O(S (d_\text{in} q_A +
+    d_\text{out} q_G) + S q_A q_G)` per sample and output.  With the whole grid this is
+    :math:`\Omega_G \otimes \Omega_A` of :func:`ntkcore.sketch.sketch_jacobian` (same seeds,
+    same draws); its variance, :meth:`PairsLayout.variance` with the grid's shared rows and
+    columns, is then :math:`(T + F_A)/q_A + (T + F_G)/q_G + (N_{xy} + K^2 + F_A + F_G)/q`."""
+
+    def __post_init__(self) -> None:
+        if not self.q_a:
+            q_a, q_g = split_kronecker(self.dim, self.n, self.d_out, cells=True)
+            object.__setattr__(self, "q_a", q_a)
+            object.__setattr__(self, "q_g", q_g)
+
+    def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
+        a_s, g_s = self._factors(block, sketches)
+        w = flat_weights(array_api_compat.array_namespace(g_s), a_s, g_s)  # cell r q_A + t
+        if self.q_a * self.q_g != self.dim:
+            w = w[:, :, :self.dim]
+        scale = math.sqrt(self.q_a * self.q_g / self.dim)  # the 1/sqrt(q) of the grid
+        return w * scale if scale != 1.0 else w
+
+    def batch_numbers(self, block: Any, r: int) -> int:
+        """The projected factors and the grid's cells (R, q_A q_G)."""
+        return block.num_positions * (self.q_a + 2 * r * self.q_g) + r * self.q_a * self.q_g
+
+    def _pairs(self) -> tuple[int, int]:
+        return _grid_pairs(self.dim, self.q_a)
+
+
+#: Layouts of a Kronecker block's features by name (one line per layout).
+LAYOUTS: dict[str, type[Projection]] = {"pairs": PairsLayout, "grid": GridLayout}
+#: The built-in layouts (``kronecker=``) and dense projections (``method=``).
+KRONECKER_LAYOUTS = tuple(LAYOUTS)
+METHODS = ("auto", "gaussian", "sparse_sign")
+
+
+def _methods() -> tuple[str, ...]:
+    """``method`` choices: "auto" and the sketch kinds that are feature methods."""
+    return ("auto", *(k for k, cls in SKETCHES.items() if cls.feature_method))
 
 
 def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
-          kronecker: str = "pairs") -> list[_BlockPlan]:
+          kronecker: str = "pairs") -> list[Projection]:
     """The plan of the (output-merged) Jacobian ``J``; ``weights=None``: equal weights."""
     widths = list(J.block_sizes)
     qs = allocate_exact(dim, [1.0] * len(widths) if weights is None else weights, widths)
-    plans = []
+    plans: list[Projection] = []
     for block, q, width in zip(J.blocks, qs, widths, strict=True):
         if q == width:
-            plans.append(_BlockPlan(str(block.name), q, "exact", width))
+            plans.append(Projection("exact", q, width))
         elif isinstance(block, KroneckerBlock):
-            q_a, q_g = kronecker_grid(q, block.d_in, block.d_out) if kronecker == "grid" \
-                else (q, q)
-            plans.append(_BlockPlan(str(block.name), q, kronecker, block.d_in, block.d_out,
-                                    q_a, q_g))
+            plans.append(LAYOUTS[kronecker](kronecker, q, block.d_in, block.d_out))
         else:
             kind = method
             if kind == "auto":
                 kind = "gaussian" if q * block.num_params <= AUTO_GAUSSIAN_ENTRIES \
                     else "sparse_sign"
-            plans.append(_BlockPlan(str(block.name), q, kind, block.num_params))
+            plans.append(DenseProjection(kind, q, block.num_params))
     return plans
-
-
-def _batch_numbers(p: _BlockPlan, block: Any, r: int) -> int:
-    """Numbers per sample that :meth:`_FeatureMap.apply` allocates for one block of ``r``
-    outputs: the projected factors a_s (S, q_A) and g_s (S, R, q_G), and the grid's cells
-    (R, q_A q_G) or the pairs' products (S, R, q); the block's output (R, q) otherwise."""
-    if p.method == "grid":
-        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.q_a * p.q_g
-    if p.method == "pairs":
-        return block.num_positions * (p.q_a + 2 * r * p.q_g) + r * p.dim
-    return r * p.dim
 
 
 def _signature(J: Jacobian) -> tuple[Any, ...]:
@@ -302,82 +303,37 @@ def _signature(J: Jacobian) -> tuple[Any, ...]:
 
 class _FeatureMap:
     """The projections of a plan, drawn at the first :meth:`apply` on that Jacobian's
-    namespace and device (seeds by block, module docstring)."""
+    namespace and device; block b draws from ``spawn_seed(seed, b, 0)`` (dense) or
+    ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (factors A / G), the convention of
+    :func:`ntkcore.sketch.sketch_jacobian`."""
 
-    def __init__(self, plans: list[_BlockPlan], seed: int) -> None:
+    def __init__(self, plans: list[Projection], seed: int) -> None:
         self.plans, self.seed = plans, seed
-        self._sketches: list[Any] | None = None
-        self._cast: dict[tuple[int, str], Array] = {}
-
-    def _draw(self, J: Jacobian) -> list[Any]:
-        sketches: list[Any] = []
-        for b, (p, block) in enumerate(zip(self.plans, J.blocks, strict=True)):
-            like = block.arrays()[0]
-            if p.method == "exact":
-                sketches.append(None)
-            elif p.method in KRONECKER_LAYOUTS:
-                sketches.append((gaussian(p.n, p.q_a, seed=spawn_seed(self.seed, b, 1),
-                                          like=like),
-                                 gaussian(p.d_out, p.q_g, seed=spawn_seed(self.seed, b, 2),
-                                          like=like)))
-            else:
-                make = gaussian if p.method == "gaussian" else sparse_sign
-                sketches.append(make(p.n, p.dim, seed=spawn_seed(self.seed, b, 0), like=like))
-        return sketches
-
-    def _omega_t(self, sk: Any, dtype: Any) -> Array:
-        """:math:`\\Omega^\\top` (n, q) of a Gaussian sketch in ``dtype`` (cast once)."""
-        key = (id(sk), str(dtype))
-        if key not in self._cast:
-            xp = sk.namespace
-            self._cast[key] = xp.astype(sk.omega, dtype).T
-        return self._cast[key]
+        self._sketches: list[tuple[Any, ...]] | None = None
 
     def sketch_bytes(self) -> int:
         """Bytes of the drawn projections (float64 draws and one cast copy)."""
-        total = 0
-        for p in self.plans:
-            if p.method in KRONECKER_LAYOUTS:
-                total += 16 * (p.q_a * p.n + p.q_g * p.d_out)
-            elif p.method != "exact":
-                total += 16 * (p.dim * p.n if p.method == "gaussian" else p.n)
-        return total
+        return sum(p.nbytes() for p in self.plans)
 
     def apply(self, J: Jacobian) -> Array:
         """Features of the (output-merged) ``J``: (N, R, dim) for R outputs."""
         if self._sketches is None:
-            self._sketches = self._draw(J)
-        xp = J.xp
-        out = []
-        for p, sk, block in zip(self.plans, self._sketches, J.blocks, strict=True):
-            if p.method == "exact":  # (N, R, d_out d_in) or (N, R, P): the Jacobian itself
-                out.append(block.to_dense())
-            elif p.method in KRONECKER_LAYOUTS:
-                a_s = block.a_times(self._omega_t(sk[0], block.g.dtype))  # (N, S, q_A)
-                g_s = block.g @ self._omega_t(sk[1], block.g.dtype)  # (N, S, R, q_G)
-                if p.method == "pairs":  # cell i: (gamma_i . g_s)(alpha_i . a_s), summed
-                    out.append(xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(p.dim))
-                    continue
-                w = flat_weights(xp, a_s, g_s)  # (N, R, q_G q_A), cell (r, t) at r q_A + t
-                if p.q_a * p.q_g != p.dim:
-                    w = w[:, :, :p.dim]
-                scale = math.sqrt(p.q_a * p.q_g / p.dim)  # the 1/sqrt(q) of the grid
-                out.append(w * scale if scale != 1.0 else w)
-            elif p.method == "gaussian":
-                omega_t = self._omega_t(sk, block.jac.dtype)  # (P_b, q)
-                columns = getattr(block, "columns", None)
-                if columns is not None:  # the rows of the stored columns
-                    omega_t = xp.take(omega_t, columns, axis=0)
-                out.append(block.jac @ omega_t)
-            else:
-                out.append(sk.apply(block.to_dense(), axis=2))
-        return out[0] if len(out) == 1 else xp.concat(out, axis=2)
+            self._sketches = [p.sketches(self.seed, b, block.arrays()[0]) for b, (p, block)
+                              in enumerate(zip(self.plans, J.blocks, strict=True))]
+        out = [p.apply(block, sk) for p, sk, block
+               in zip(self.plans, self._sketches, J.blocks, strict=True)]
+        return out[0] if len(out) == 1 else J.xp.concat(out, axis=2)
 
 
 # -- Jacobians of a model, by sample range ---------------------------------------------------
 def _merge(J: Jacobian, mode: str) -> Jacobian:
-    """``J`` for ``mode``: as is ("full"), or with its outputs merged into the parameter axis
-    ("trace"; "pseudo" first contracts the outputs, module docstring)."""
+    r"""``J`` for ``mode``: as is ("full"), or with its outputs merged into the parameter axis
+    ("trace"; "pseudo" first contracts the outputs).
+
+    Trace features sketch the output axis too, :math:`\Phi[n] = \sum_o \Omega_o
+    J[n,o,:]^\top` with independent :math:`\Omega_o`, which is one projection of the
+    flattened (O P) Jacobian: the full features of one output (a Kronecker block's ``g``
+    (N, S, O, d_out) becomes (N, S, 1, O d_out)), with the error model of one output."""
     if mode == "full":
         return J
     if mode == "pseudo" and J.num_outputs > 1:
@@ -461,10 +417,10 @@ def _check_args(dim: Any, method: Any, mode: Any, kronecker: Any, seed: Any = 0
         hint = " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')" \
             if mode == "diagonal" else ""
         raise ValueError(f"mode must be one of {FEATURE_MODES}; got {mode!r}{hint}")
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    if not isinstance(kronecker, str) or kronecker not in KRONECKER_LAYOUTS:
-        raise ValueError(f"kronecker must be one of {KRONECKER_LAYOUTS}; got {kronecker!r}")
+    if not isinstance(method, str) or method not in _methods():
+        raise ValueError(f"method must be one of {_methods()}; got {method!r}")
+    if not isinstance(kronecker, str) or kronecker not in LAYOUTS:
+        raise ValueError(f"kronecker must be one of {tuple(LAYOUTS)}; got {kronecker!r}")
     if seed is None:
         raise TypeError("seed must be a non-negative integer or a generator, not None: "
                         "features of different calls share one projection only through one "
@@ -508,7 +464,7 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
         The model's inputs, leading with the sample axis.
     dim : int
         Feature columns in all, split over the parameter blocks (at least one each) by
-        :func:`allocate` (module docstring).
+        :func:`allocate_exact`.
     method : {"auto", "gaussian", "sparse_sign"}
         Projection of dense blocks; Kronecker blocks always use Gaussian factor sketches.
     seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key
@@ -577,7 +533,7 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     for name, flag in (("layerwise", layerwise), ("check_finite", check_finite)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False; got {flag!r}")
-    plans: list[_BlockPlan] = []
+    plans: list[Projection] = []
     parts = []
     for batch_plans, _, _, phi in feature_batches(
             model, x, dim=dim, method=method, seed=seed, mode=mode, params=params,
@@ -601,7 +557,7 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
                     max_memory: Any = None, progress: Any = None, probe: Any = None,
                     kronecker: str = "pairs", check_finite: bool = True,
                     reserve: Callable[[int, int], float] | None = None
-                    ) -> Iterator[tuple[list[_BlockPlan], int, int, Array]]:
+                    ) -> Iterator[tuple[list[Projection], int, int, Array]]:
     """The features of :func:`features` by sample batches, within ``max_memory``: yields
     ``(plans, start, stop, phi)`` with ``phi`` the features of samples ``start:stop``
     ((stop - start, dim) or (stop - start, O, dim)), so that a consumer (e.g. the streamed
@@ -623,8 +579,8 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
     per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
     item = itemsize(xp, first.dtype)
-    extra = item * sum(_batch_numbers(p, b, r) for p, b in zip(fmap.plans, first.blocks,
-                                                                strict=True)) + item * r * width
+    extra = item * sum(p.batch_numbers(b, r) for p, b in zip(fmap.plans, first.blocks,
+                                                             strict=True)) + item * r * width
     held = fmap.sketch_bytes() + (0.0 if reserve is None else float(reserve(width, item)))
     avail = budget - held
     need_one = CALL_OVERHEAD * per_sample + extra
@@ -660,7 +616,9 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
 # -- error model ----------------------------------------------------------------------------
 def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
     r"""Statistics of every pair u = (n, r), v = (m, p) of per-sample gradients of one block
-    (module docstring): K, K^2, N_xy, and T, F_A, F_G (Kronecker) or E4 (dense).
+    by name: ``kernel`` K, ``kernel_sq`` K^2, ``norm_product`` N_xy, and ``trace_sq`` T,
+    ``frob_a`` F_A, ``frob_g`` F_G (Kronecker, :meth:`PairsLayout.variance`) or
+    ``square_products`` :math:`\sum_i x_i^2 y_i^2` (dense).
 
     A Kronecker block takes the cheaper of two routes (``factored=None``; True/False force
     one): from the per-sample weights X (d_out x d_in; per pair O(d_in d_out min(d_in,
@@ -678,7 +636,8 @@ def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
         sq = x * x
         nrm = xp.sum(sq, axis=1)
         k = x @ x.T
-        return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "e4": sq @ sq.T}
+        return {"kernel": k, "kernel_sq": k * k, "norm_product": nrm[:, None] * nrm[None, :],
+                "square_products": sq @ sq.T}
     s, d_in, d_out = block.num_positions, block.d_in, block.d_out
     if factored is None:
         factored = s * s * (s + d_in + d_out) <= d_in * d_out * min(d_in, d_out)
@@ -704,8 +663,8 @@ def _pair_stats(block: Any, factored: bool | None = None) -> dict[str, Array]:
     k = flat @ flat.T
     nrm = xp.sum(flat * flat, axis=1)
     fa, fg = (f_outer, f_inner) if swap else (f_inner, f_outer)
-    return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "t": xp.stack(t_rows),
-            "fa": fa, "fg": fg}
+    return {"kernel": k, "kernel_sq": k * k, "norm_product": nrm[:, None] * nrm[None, :],
+            "trace_sq": xp.stack(t_rows), "frob_a": fa, "frob_g": fg}
 
 
 def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
@@ -732,12 +691,13 @@ def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
     fa = xp.sum((p[:, None, ...] @ gg) * (gg @ p[None, ...]), axis=(2, 3))
     fg = xp.sum((q[:, None, ...] @ ga) * (ga @ q[None, ...]), axis=(2, 3))
     nrm = xp.sum(p * q, axis=(1, 2))  # ||X_u||^2 = tr(P_u Q_u)
-    return {"k": k, "k2": k * k, "nn": nrm[:, None] * nrm[None, :], "t": t, "fa": fa, "fg": fg}
+    return {"kernel": k, "kernel_sq": k * k, "norm_product": nrm[:, None] * nrm[None, :],
+            "trace_sq": t, "frob_a": fa, "frob_g": fg}
 
 
 def _model_stats(model: Any, x: Any, dim: int, method: str, mode: str, params: Any,
                  probe: Any, kronecker: str
-                 ) -> tuple[Jacobian, list[_BlockPlan], list[dict[str, Array]]]:
+                 ) -> tuple[Jacobian, list[Projection], list[dict[str, Array]]]:
     call, n, _ = _source(model, x, "x", mode, params, True)
     J = call(0, n)
     plans = _plan(J, dim, method, _weights(probe, model, mode, params, True), kronecker)
@@ -748,7 +708,8 @@ def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: st
                      mode: str = "trace", params: Any = None, probe: Any = None,
                      kronecker: str = "pairs") -> Array:
     r"""Predicted variance of every entry of :math:`\Phi\Phi^\top` for ``features(model, x,
-    dim=dim, ...)`` (exact for the Gaussian and sparse-sign projections; module docstring).
+    dim=dim, ...)``: the sum of the blocks' :meth:`Projection.variance` (exact for the
+    Gaussian and sparse-sign projections and the Kronecker layouts).
 
     Parameters
     ----------
@@ -776,16 +737,16 @@ def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: st
     return xp.permute_dims(xp.reshape(var, (n, o, n, o)), (0, 2, 1, 3))
 
 
-def _relative_error(plans: list[_BlockPlan], sums: list[dict[str, float]], k2: float) -> float:
+def _relative_error(plans: list[Projection], sums: list[dict[str, float]], k2: float) -> float:
     return math.sqrt(sum(p.variance(s) for p, s in zip(plans, sums, strict=True)) / k2)
 
 
 def _sums(xp: Any, stats: list[dict[str, Array]]) -> tuple[list[dict[str, float]], float]:
     """Pair statistics summed over all pairs, and the squared Frobenius norm of the kernel."""
-    sums = [{k: float(xp.sum(v)) for k, v in st.items() if k != "k"} for st in stats]
-    total = stats[0]["k"]
+    sums = [{k: float(xp.sum(v)) for k, v in st.items() if k != "kernel"} for st in stats]
+    total = stats[0]["kernel"]
     for st in stats[1:]:
-        total = total + st["k"]
+        total = total + st["kernel"]
     return sums, float(xp.sum(total * total))
 
 

@@ -90,7 +90,6 @@ __all__ = ["GaussianSketch", "JacobianSketch", "RowSketch", "Sketch", "SketchSpe
            "SparseSignSketch", "gaussian", "leverage", "low_rank", "make_sketch",
            "sketch_jacobian", "sparse_sign", "spawn_seed", "split_budget", "uniform"]
 
-KINDS = ("uniform", "leverage", "gaussian", "sparse_sign")
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -168,6 +167,8 @@ class Sketch:
     """
 
     kind = "abstract"
+    #: Offered as a ``method`` of :func:`ntkcore.features` (a projection of dense blocks).
+    feature_method = False
 
     def __init__(self, n: int, q: int, seed: Any) -> None:
         self.n = n
@@ -175,6 +176,24 @@ class Sketch:
         self.seed = _check_seed(seed)
         self._xp: Any = None
         self._device: Any = None
+        self._cast: dict[str, Array] = {}
+
+    @classmethod
+    def create(cls, n: int, q: int, seed: Any, replace: bool = True) -> Sketch:
+        """An unbound sketch of this kind (how :data:`SKETCHES` builds it)."""
+        return cls(n, q, seed)
+
+    @classmethod
+    def nbytes(cls, n: int, q: int) -> int:
+        """Bytes of the draws of a (q, n) sketch and one cast copy (for memory budgets)."""
+        return 16 * q * n
+
+    @staticmethod
+    def variance(stats: dict[str, Any], q: int) -> Any:
+        r""":math:`\mathrm{Var}[(\Omega x)\cdot(\Omega y)]` from the pair statistics of
+        :func:`ntkcore.features.feature_variance` (``"kernel_sq"``, ``"norm_product"``,
+        ``"square_products"``); None: this kind has no variance formula."""
+        return None
 
     @property
     def bound(self) -> bool:
@@ -264,6 +283,21 @@ class Sketch:
         eye = xp.eye(self.n, dtype=dtype or _wide_float(xp, self._device), device=self._device)
         return self.apply(eye)
 
+    def transposed(self, dtype: Any) -> Array:
+        r""":math:`\Omega^\top` (n, q) in ``dtype``, formed once per dtype (a factor sketch of
+        :func:`ntkcore.features`' Kronecker layouts)."""
+        key = str(dtype)
+        if key not in self._cast:
+            self._cast[key] = self._transposed(dtype)
+        return self._cast[key]
+
+    def _transposed(self, dtype: Any) -> Array:
+        return self._xp.matrix_transpose(self.matrix(dtype))
+
+    def project(self, block: DenseBlock) -> Array:
+        r""":math:`J_b \Omega^\top`: the dense ``block`` (N, O, n) -> (N, O, q)."""
+        return self.apply(block.to_dense(), axis=2)
+
     def __repr__(self) -> str:
         return f"<{self.kind} sketch q={self.q} n={self.n} seed={self.seed}>"
 
@@ -281,6 +315,14 @@ class RowSketch(Sketch):
     probabilities : array, shape (n,), or None
         The sampling distribution :math:`p` (None for uniform).
     """
+
+    @classmethod
+    def create(cls, n: int, q: int, seed: Any, replace: bool = True) -> RowSketch:
+        return cls(n, q, seed, replace=replace, kind="uniform")
+
+    @classmethod
+    def nbytes(cls, n: int, q: int) -> int:
+        return 16 * q
 
     def __init__(self, n: int, q: int, seed: Any, *, replace: bool, kind: str) -> None:
         if not replace and q > n:
@@ -403,6 +445,24 @@ class GaussianSketch(Sketch):
     """:math:`\\Omega = G/\\sqrt{q}`, :math:`G_{ij} \\sim N(0, 1)` i.i.d.; stored densely (q, n)."""
 
     kind = "gaussian"
+    feature_method = True
+
+    @staticmethod
+    def variance(stats: dict[str, Any], q: int) -> Any:
+        r""":math:`\mathrm{Var}[\phi_x\cdot\phi_y] = (K^2 + |x|^2|y|^2) / q` for fixed
+        :math:`x, y` with :math:`K = x\cdot y`."""
+        return (stats["kernel_sq"] + stats["norm_product"]) / q
+
+    def _transposed(self, dtype: Any) -> Array:
+        return self._xp.astype(self._omega, dtype).T
+
+    def project(self, block: DenseBlock) -> Array:
+        """:meth:`Sketch.project` as one product with the rows of :math:`\\Omega^\\top` that
+        the block stores."""
+        omega_t = self.transposed(block.jac.dtype)  # (P_b, q)
+        if block.columns is not None:
+            omega_t = self._xp.take(omega_t, block.columns, axis=0)
+        return block.jac @ omega_t
 
     def _draw(self, xp: Any, gen: Any, wide: Any) -> None:
         self._omega = gen.normal((self.q, self.n), wide) / math.sqrt(self.q)
@@ -433,7 +493,19 @@ class SparseSignSketch(Sketch):
     """
 
     kind = "sparse_sign"
+    feature_method = True
     _CHUNK_ELEMENTS = 1 << 22  # one-hot tile size (q x chunk)
+
+    @classmethod
+    def nbytes(cls, n: int, q: int) -> int:
+        return 16 * n
+
+    @staticmethod
+    def variance(stats: dict[str, Any], q: int) -> Any:
+        r""":math:`\mathrm{Var}[\phi_x\cdot\phi_y] = (K^2 + |x|^2|y|^2 - 2\sum_i x_i^2
+        y_i^2) / q` (``nnz=1``: every entry is :math:`\pm 1/\sqrt{q}` times a one-hot
+        column, so the fourth moment is 1, not the Gaussian's 3)."""
+        return (stats["kernel_sq"] + stats["norm_product"] - 2 * stats["square_products"]) / q
 
     def __init__(self, n: int, q: int, seed: Any, nnz: int = 1) -> None:
         super().__init__(n, q, seed)
@@ -475,6 +547,29 @@ class SparseSignSketch(Sketch):
                 term = (tile * signs[k, start:stop][None, :]) @ part
                 out = term if out is None else out + term
         return out
+
+
+#: The sketch kinds by name (one line per kind); "leverage" is built from its operand's rows
+#: (:func:`leverage`), every other kind by ``cls.create(n, q, seed, replace)``.
+SKETCHES: dict[str, type[Sketch]] = {"uniform": RowSketch, "leverage": RowSketch,
+                                     "gaussian": GaussianSketch, "sparse_sign": SparseSignSketch}
+
+
+class _Kinds:
+    """The registered kinds, read from :data:`SKETCHES` at each use (``in``, iteration; shown
+    as a tuple)."""
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in SKETCHES
+
+    def __iter__(self) -> Any:
+        return iter(SKETCHES)
+
+    def __repr__(self) -> str:
+        return repr(tuple(SKETCHES))
+
+
+KINDS = _Kinds()
 
 
 # -- constructors ---------------------------------------------------------------------------
@@ -636,7 +731,7 @@ class SketchSpec:
     replace: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if self.kind not in SKETCHES:
             raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
         object.__setattr__(self, "q", check_size(self.q, "sketch size q"))
         object.__setattr__(self, "seed", _check_seed(self.seed))  # a generator: drawn now
@@ -662,11 +757,9 @@ def make_sketch(kind: str, operand: Array, q: int, *, seed: Any = None,
 def _oblivious_sketch(kind: str, n: int, q: int, seed: Any, replace: bool, like: Array,
                       what: str) -> Sketch:
     """A data-independent sketch of ``n`` rows (every kind but leverage)."""
-    if kind == "uniform":
-        return uniform(n, q, seed=seed, replace=replace, like=like)
-    if kind in ("gaussian", "sparse_sign"):
-        return (gaussian if kind == "gaussian" else sparse_sign)(n, q, seed=seed, like=like)
-    raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
+    if kind not in SKETCHES or kind == "leverage":
+        raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
+    return SKETCHES[kind].create(n, q, seed, replace).bind(like)
 
 
 # -- Jacobians -----------------------------------------------------------------------------
@@ -680,17 +773,26 @@ def split_budget(q: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(min(s, max(1, round(q * s / total))) for s in sizes)
 
 
-def split_kronecker(q_b: int, d_in: int, d_out: int) -> tuple[int, int]:
-    """``(q_A, q_G)`` for a Kronecker block: equal sampling fractions of d_in and d_out.
+def split_kronecker(q: int, d_in: int, d_out: int, *, cells: bool = False) -> tuple[int, int]:
+    r"""``(q_A, q_G)``: a Kronecker block's ``q`` rows as sketches of d_in and d_out rows.
 
-    :math:`f = \\sqrt{q_b / (d_{in} d_{out})}`, :math:`q_A = \\mathrm{clip}(\\mathrm{round}(f
-    d_{in}), 1, d_{in})`, :math:`q_G = \\mathrm{clip}(\\mathrm{round}(q_b / q_A), 1, d_{out})`, so
-    :math:`q_A q_G \\approx q_b`.  A factor with :math:`q = d` is left unsketched (exact).
+    Equal sampling fractions :math:`f = \sqrt{q / (d_\text{in} d_\text{out})}` of both
+    factors, so :math:`q_A \approx f d_\text{in} = \sqrt{q d_\text{in} / d_\text{out}}`.
+
+    ``cells=False`` (:func:`sketch_jacobian`): :math:`q_A = \mathrm{clip}(\mathrm{round}(f
+    d_\text{in}), 1, d_\text{in})`, :math:`q_G = \mathrm{clip}(\mathrm{round}(q / q_A), 1,
+    d_\text{out})`, so :math:`q_A q_G \approx q`; a factor with :math:`q = d` is left
+    unsketched (exact).  ``cells=True`` (the ``"grid"`` layout of :func:`ntkcore.features`):
+    a grid of at least ``q`` cells, :math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q
+    d_\text{in} / d_\text{out}}), 1, q)` columns and :math:`q_G = \lceil q / q_A \rceil`
+    rows.  (The two spellings of :math:`f d_\text{in}` round apart on a few half-integer
+    ties, e.g. q = 225, d_in = 11, d_out = 44; each caller keeps its own, bit for bit.)
     """
-    f = math.sqrt(q_b / (d_in * d_out))
-    q_a = min(d_in, max(1, round(f * d_in)))
-    q_g = min(d_out, max(1, round(q_b / q_a)))
-    return q_a, q_g
+    if cells:
+        q_a = min(q, max(1, round(math.sqrt(q * d_in / d_out))))
+        return q_a, -(-q // q_a)
+    q_a = min(d_in, max(1, round(math.sqrt(q / (d_in * d_out)) * d_in)))
+    return q_a, min(d_out, max(1, round(q / q_a)))
 
 
 class JacobianSketch:
@@ -786,7 +888,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
         raise TypeError(f"J must be an ntkcore.Jacobian; got {type(J).__name__}")
     q = check_size(q, "q")
     seed = _check_seed(seed)
-    if method not in KINDS:
+    if method not in SKETCHES:
         raise ValueError(f"method must be one of {KINDS}; got {method!r}")
     xp = J.xp
     sizes = J.block_sizes

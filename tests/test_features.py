@@ -19,8 +19,9 @@ import pytest
 
 import ntkcore
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
-from ntkcore.features import _BlockPlan, _grid_pairs, allocate, allocate_exact, kronecker_grid
+from ntkcore.features import GridLayout, _grid_pairs, allocate, allocate_exact
 from ntkcore.models import MLP
+from ntkcore.sketch import split_kronecker
 from tests.conftest import make_case
 from tests.tolerances import kernel_tol
 
@@ -117,18 +118,19 @@ def test_grid_pairs_count_cells_by_enumeration():
         rows = sum(1 for c, d in itertools.permutations(cells, 2) if c[0] == d[0])
         cols = sum(1 for c, d in itertools.permutations(cells, 2) if c[1] == d[1])
         assert _grid_pairs(q, q_a) == (rows, cols)
-    assert kronecker_grid(12, 8, 6) == (4, 3)
-    assert kronecker_grid(1, 8, 6) == (1, 1)
+    assert split_kronecker(12, 8, 6, cells=True) == (4, 3)
+    assert split_kronecker(1, 8, 6, cells=True) == (1, 1)
 
 
 def test_full_grid_variance_is_the_closed_form(rng):
     """The grid formula with q = q_A q_G equals (T+F_A)/q_A + (T+F_G)/q_G + (N+K^2+F_A+F_G)/q."""
-    st = dict(zip(("k2", "nn", "t", "fa", "fg"), rng.uniform(0.1, 3.0, 5), strict=True))
+    st = dict(zip(("kernel_sq", "norm_product", "trace_sq", "frob_a", "frob_g"),
+                  rng.uniform(0.1, 3.0, 5), strict=True))
     for q_a, q_g in [(1, 1), (3, 4), (5, 2)]:
         q = q_a * q_g
-        got = _BlockPlan("b", q, "grid", 8, 6, q_a, q_g).variance(st)
-        want = ((st["t"] + st["fa"]) / q_a + (st["t"] + st["fg"]) / q_g
-                + (st["nn"] + st["k2"] + st["fa"] + st["fg"]) / q)
+        got = GridLayout("grid", q, 8, 6, q_a, q_g).variance(st)
+        want = ((st["trace_sq"] + st["frob_a"]) / q_a + (st["trace_sq"] + st["frob_g"]) / q_g
+                + (st["norm_product"] + st["kernel_sq"] + st["frob_a"] + st["frob_g"]) / q)
         assert got == pytest.approx(want, rel=1e-13)
 
 
@@ -141,7 +143,8 @@ def test_pair_statistics_two_routes_agree(backend, rng, mode):
     a, g, jac = _factors(rng, n=3)
     block = _merge(_jacobian(backend, a, g, jac), mode).blocks[0]
     dense, factored = _pair_stats(block, factored=False), _pair_stats(block, factored=True)
-    assert set(dense) == set(factored) == {"k", "k2", "nn", "t", "fa", "fg"}
+    assert set(dense) == set(factored) == {"kernel", "kernel_sq", "norm_product", "trace_sq",
+                                           "frob_a", "frob_g"}
     ref = _dense_kernel(a, g, np.zeros_like(jac), "full")  # the Kronecker block alone
     ref = ref.transpose(0, 2, 1, 3).reshape(6, 6) if mode == "full" else \
         np.einsum("nmoo->nm", ref)
@@ -150,7 +153,7 @@ def test_pair_statistics_two_routes_agree(backend, rng, mode):
         scale = np.abs(want).max()
         np.testing.assert_allclose(backend.to_numpy(factored[key]), want, rtol=0,
                                    atol=kernel_tol("float64", 4 * 48, 4) * scale)
-    np.testing.assert_allclose(backend.to_numpy(dense["k"]), ref, rtol=0,
+    np.testing.assert_allclose(backend.to_numpy(dense["kernel"]), ref, rtol=0,
                                atol=kernel_tol("float64", 48, 2) * np.abs(ref).max())
 
 
@@ -301,7 +304,7 @@ def test_predicted_variance_matches_measured(rng, mode, method, kronecker, exact
         jac = 10 * jac
     J = _jacobian(make_case("numpy"), a, g, jac)
     exact = _dense_kernel(a, g, jac, mode)
-    # partial grids: kronecker_grid of the Kronecker block's share is not a product
+    # partial grids: split_kronecker(cells=True) of the Kronecker block's share is not a product
     dim = 30 if exact_dense else 13
     kw = dict(mode=mode, method=method, kronecker=kronecker,
               probe=J if exact_dense else None)
@@ -569,3 +572,67 @@ def test_differentiable_in_the_inputs_torch():
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda z: ntkcore.features(net, z, dim=16, seed=1).pow(2).sum(), (x,))
+
+
+# -- a projection added in one file with one registry line ------------------------------------
+def test_a_toy_projection_registered_in_one_line(rng, monkeypatch):
+    """A Rademacher projection (Omega = R / sqrt(q), R = +-1), defined here and registered with
+    one line, is a ``method`` of features, feature_variance, choose_dim and the sketches;
+    checked against float64 references computed from the toy's own Omega."""
+    from ntkcore.sketch import SKETCHES, Sketch, make_sketch, sketch_jacobian, spawn_seed
+
+    class Rademacher(Sketch):
+        kind = "rademacher"
+        feature_method = True
+
+        def _draw(self, xp, gen, wide):
+            self.omega = xp.astype(2 * gen.integers(0, 2, (self.q, self.n)) - 1, wide) \
+                / math.sqrt(self.q)
+
+        def _apply_rows(self, xp, flat, dtype):
+            return xp.astype(self.omega, dtype) @ flat
+
+        @staticmethod
+        def variance(stats, q):  # i.i.d. entries with E r^2 = E r^4 = 1
+            return (stats["kernel_sq"] + stats["norm_product"]
+                    - 2 * stats["square_products"]) / q
+
+    monkeypatch.setitem(SKETCHES, "rademacher", Rademacher)  # the one registry line
+
+    jac = rng.standard_normal((6, 2, 40))
+    J = Jacobian([DenseBlock(jac, "dense")])
+    q = 9
+    omega = np.asarray(Rademacher(40, q, spawn_seed(5, 0, 0)).bind(jac).omega)
+    assert set(np.unique(np.abs(omega) * math.sqrt(q))) == {1.0}
+    phi = ntkcore.features(J, dim=q, seed=5, mode="full", method="rademacher")
+    want = np.einsum("nop,qp->noq", jac, omega)
+    tol = kernel_tol("float64", 40, 2) * np.abs(jac).max() * np.abs(omega).max() * 40
+    np.testing.assert_allclose(phi, want, rtol=0, atol=tol)
+
+    # variance: (K^2 + |x|^2 |y|^2 - 2 sum x_i^2 y_i^2) / q over all rows (n, o), float64
+    x = jac.reshape(12, 40)
+    k = x @ x.T
+    ref = (k**2 + np.outer((x**2).sum(1), (x**2).sum(1)) - 2 * (x**2) @ (x**2).T) / q
+    var = ntkcore.feature_variance(J, dim=q, mode="full", method="rademacher")
+    np.testing.assert_allclose(var, ref.reshape(6, 2, 6, 2).transpose(0, 2, 1, 3), rtol=1e-12)
+    d = ntkcore.choose_dim(J, target=0.3, mode="full", method="rademacher")
+    assert ntkcore.feature_error(J, dim=d, mode="full", method="rademacher") <= 0.3
+    assert d == 1 or ntkcore.feature_error(J, dim=d - 1, mode="full",
+                                           method="rademacher") > 0.3
+
+    # the sketches: sketch_jacobian's dense block is J Omega^T, make_sketch (SMW) Omega U
+    js, sk = sketch_jacobian(J, q, method="rademacher", seed=5, return_sketch=True)
+    np.testing.assert_allclose(np.asarray(js.blocks[0].jac), want, rtol=0, atol=tol)
+    np.testing.assert_array_equal(np.asarray(sk.block_sketches[0].omega), omega)
+    u = rng.standard_normal((40, 3))
+    got = make_sketch("rademacher", u, q, seed=7).apply(u)
+    ref_u = np.asarray(Rademacher(40, q, 7).bind(u).omega) @ u
+    np.testing.assert_allclose(got, ref_u, rtol=0, atol=tol)
+
+    # unbiased: Phi Phi^T averaged over seeds is the kernel within Z standard errors
+    m = 400
+    mean = sum(_feature_kernel(np.asarray(ntkcore.features(J, dim=q, seed=s, mode="full",
+                                                          method="rademacher")), "full")
+               for s in range(m)) / m
+    exact = np.einsum("nok,mpk->nmop", jac, jac)
+    assert np.all(np.abs(mean - exact) <= Z * np.sqrt(var / m) + 1e-12 * np.abs(exact).max())
