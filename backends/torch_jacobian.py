@@ -41,13 +41,11 @@ from .torch_layers import (
     RULES,
     LayerRule,
     RecurrentPass,
+    RecurrentRule,
     Summed,
     cat,
     drop_zero_positions,
-    recurrent_blocks,
-    recurrent_forward,
-    recurrent_pairs,
-    recurrent_type,
+    recurrent_rule,
     rule_for,
 )
 
@@ -165,7 +163,7 @@ def _structured_units(walk: _Walk, selected: list[str]) -> dict[str, _Unit]:
     for mpath, names in by_module.items():
         mod = modules[mpath]
         rule = rule_for(mod)
-        if rule is None or isinstance(mod, CALLED_BY_PARENT):
+        if rule is None or isinstance(rule, RecurrentRule) or isinstance(mod, CALLED_BY_PARENT):
             continue
         if any(registrations[id(named[n])] > 1 for n in names):
             continue
@@ -346,19 +344,20 @@ def graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[i
 @dataclass
 class _RecUnit:
     module: nn.Module
+    rule: RecurrentRule
     names: list[str]  # its selected parameters, in order
     calls: list[list[RecurrentPass]] = field(default_factory=list)  # per call, per layer/dir
     shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     ok: bool = True  # False once a call could not be unrolled (e.g. a PackedSequence)
 
 
-#: The names torch's own recurrent modules give their parameters (``recurrent_pairs``): only
+#: The names torch's own recurrent modules give their parameters (``RecurrentRule.pairs``): only
 #: their owners are looked up (``get_submodule`` walks the path, per parameter and call).
 _RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh)_l\d+(_reverse)?")
 
 
 def _recurrent_units(walk: _Walk, selected: list[str]) -> dict[str, _RecUnit]:
-    """The recurrent modules (``torch_layers.recurrent_type``) owning selected parameters that
+    """The recurrent modules (``torch_layers.recurrent_rule``) owning selected parameters that
     no other module registers."""
     named, owners, registrations = walk.named, walk.owners, walk.registrations
     units: dict[str, _RecUnit] = {}
@@ -367,8 +366,8 @@ def _recurrent_units(walk: _Walk, selected: list[str]) -> dict[str, _RecUnit]:
         if mpath in units:
             units[mpath].names.append(nm)
         elif (mpath and _RNN_PARAM.fullmatch(owners[nm][1])
-              and recurrent_type(walk.modules[mpath]) is not None):
-            units[mpath] = _RecUnit(walk.modules[mpath], [nm])
+              and (rule := recurrent_rule(walk.modules[mpath])) is not None):
+            units[mpath] = _RecUnit(walk.modules[mpath], rule, [nm])
     return {p: u for p, u in units.items()
             if all(registrations[id(named[nm])] == 1 for nm in u.names)}
 
@@ -382,7 +381,7 @@ def _rnn_call(args: tuple, kwargs: dict) -> tuple[Any, Any]:
 @contextlib.contextmanager
 def _hooked_recurrent(rec: dict[str, _RecUnit]) -> Iterator[None]:
     """Forward hooks that replace the output of each call of a ``rec`` module made by this
-    thread with its step-by-step recomputation (``torch_layers.recurrent_forward``) and record
+    thread with its step-by-step recomputation (``RecurrentRule.forward``) and record
     the passes; a call on anything but a 3-D tensor is left alone and marks the unit not ok.
     The fused forward has run (and validated ``hx``) before the hook."""
     me = threading.get_ident()
@@ -395,7 +394,7 @@ def _hooked_recurrent(rec: dict[str, _RecUnit]) -> Iterator[None]:
             if not isinstance(inp, torch.Tensor) or inp.ndim != 3:
                 unit.ok = False
                 return None
-            new, passes = recurrent_forward(mod, inp, hx)
+            new, passes = unit.rule.forward(mod, inp, hx)
             unit.calls.append(passes)
             unit.shapes.append((tuple(inp.shape), tuple(new[0].shape)))
             return new
@@ -464,33 +463,17 @@ def _recurrent_used(rec: dict[str, _RecUnit], reachable: set[Any], uses: dict[in
 
 
 def _recurrent_block_names(rkron: dict[str, _RecUnit]) -> dict[str, str]:
-    """Parameter name -> block name for the unrolled modules: the blocks of
-    ``torch_layers.recurrent_blocks``, named after the first selected parameter of each
+    """Parameter name -> block name for the recurrent modules ``rkron``: the blocks of
+    ``RecurrentRule.blocks``, named after the first selected parameter of each
     (weight, bias) pair."""
     names: dict[str, str] = {}
     for path, unit in rkron.items():
         sel = set(unit.names)
-        for _, w, b in recurrent_pairs(unit.module):
+        for _, w, b in unit.rule.pairs(unit.module):
             pair = [f"{path}.{w}", f"{path}.{b}"]
             chosen = [q for q in pair if q in sel]
             names.update(dict.fromkeys(chosen, chosen[0]) if chosen else {})
     return names
-
-
-def _recurrent_layout_names(model: nn.Module, name: Any, selected: list[str],
-                            owners: dict[str, tuple[str, str]]) -> list[str]:
-    """The selected parameters of a recurrent block named ``name`` (its (weight, bias) pair),
-    or [] when ``name`` is no such block."""
-    if name not in selected or not owners[name][0]:
-        return []
-    mpath, local = owners[name]
-    mod = model.get_submodule(mpath)
-    if recurrent_type(mod) is None:
-        return []
-    for _, w, b in recurrent_pairs(mod):
-        if local in (w, b):
-            return [q for q in (f"{mpath}.{w}", f"{mpath}.{b}") if q in selected]
-    return []
 
 
 # --------------------------------------------------------------------------------------------
@@ -1270,7 +1253,7 @@ def _assemble(plan: _Plan, units: dict[str, _Unit], grads: _Gradients,
         blocks[p] = u.rule.block(u.module, [_front(c.a, ax, create_graph) for c, ax in calls],
                                  grads.modules[p], n, p, u.has_weight, u.has_bias)
     for p, ru in plan.rkron.items():
-        blocks.update(recurrent_blocks(ru.module, p, ru.calls, grads.recurrent[p],
+        blocks.update(ru.rule.blocks(ru.module, p, ru.calls, grads.recurrent[p],
                                        [owners[nm][1] for nm in ru.names], n,
                                        detach=not create_graph))
     return blocks
@@ -1392,11 +1375,13 @@ def _block_layout(model: nn.Module, jac: Jacobian,
     ``t.numel() / rows`` columns as ``t.reshape(rows, -1)`` (rows = 1 for a DenseBlock, d_out
     for a KroneckerBlock), or is the whole matrix transposed (``transposed``: an Embedding)."""
     selected = _select_params(model, params)
-    owners = _walk(model).owners
+    walk = _walk(model)
+    owners = walk.owners
+    recurrent = _recurrent_block_names(_recurrent_units(walk, selected))
     out = []
     covered: list[str] = []
     for b in jac.blocks:
-        rnames = _recurrent_layout_names(model, b.name, selected, owners)
+        rnames = [nm for nm in selected if recurrent.get(nm) == b.name]
         if rnames:
             names = rnames
         elif b.name in selected and owners[b.name][0] == "":

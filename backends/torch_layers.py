@@ -21,9 +21,11 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-__all__ = ["NORMALISE", "PLAIN", "RULES", "AffineRule", "ConvRule", "EmbeddingRule", "LayerRule",
-           "LinearRule", "Summed", "affine_sums", "cat", "drop_zero_positions",
-           "embedding_index", "rule_for", "with_ones"]
+__all__ = ["NORMALISE", "PLAIN", "RULES", "AffineRule", "BatchNormRule", "ConvRule",
+           "EmbeddingRule", "GRURule", "GroupNormRule", "InstanceNormRule", "LSTMRule",
+           "LayerNormRule", "LayerRule", "LinearRule", "RMSNormRule", "RNNRule", "RecurrentPass",
+           "RecurrentRule", "Summed", "affine_sums", "cat", "drop_zero_positions",
+           "embedding_index", "recurrent_forward", "recurrent_rule", "rule_for", "with_ones"]
 
 
 class LayerRule:
@@ -258,6 +260,237 @@ class InstanceNormRule(AffineRule):
             "use_input_stats": not stats, "eps": mod.eps})(a)
 
 
+# --------------------------------------------------------------------------------------------
+# recurrent layers: nn.RNN / nn.GRU / nn.LSTM unrolled over time (positions = time steps)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RecurrentPass:
+    """What one layer and direction of one call leaves for the blocks (batch-first tensors)."""
+
+    key: str  # "l0", "l0_reverse", ...
+    x: torch.Tensor  # (N, T, I): the layer's input
+    u: torch.Tensor  # (N, T, G H): W_ih x_t + b_ih, the gradient target
+    h_prev: list[torch.Tensor]  # T x (N, H): h_{t-1} in time order
+    r: list[torch.Tensor] | None  # T x (N, H): GRU reset gates in time order
+    views: dict[str, torch.Tensor]  # local parameter name -> the alias the pass used
+
+
+class RecurrentRule(LayerRule):
+    r"""A recurrent layer unrolled over time: the provider replaces the module's output by
+    :meth:`forward` and gets one KroneckerBlock per layer, direction and matrix from
+    :meth:`blocks`; a subclass implements :meth:`cell` (and :meth:`hh_grad` where
+    :math:`v_t` does not enter the cell where :math:`u_t` does).
+
+    Recurrent layers as time-unrolled Linear layers
+    -----------------------------------------------
+    Layer k, direction d of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` applies two weight matrices
+    at every time step t (torch's gate order; G = 1, 3, 4 gates of H units):
+
+    .. math:: u_t = W_{ih} x_t + b_{ih}, \qquad v_t = W_{hh} h_{t-1} + b_{hh}
+              \qquad (u_t, v_t \in \mathbb R^{G H},\ h_{-1} = h_0),
+
+    then the cell (:meth:`cell`): RNN :math:`h_t = \tanh(u_t + v_t)` (or ReLU); GRU
+    :math:`r, z = \sigma(u_{r,z} + v_{r,z})`, :math:`n = \tanh(u_n + r \odot v_n)`,
+    :math:`h_t = (1 - z) \odot n + z \odot h_{t-1}`; LSTM :math:`i, f, g, o = \sigma, \sigma,
+    \tanh, \sigma\,(u + v)`, :math:`c_t = f \odot c_{t-1} + i \odot g`,
+    :math:`h_t = o \odot \tanh(c_t)`.  With the positions s = t, :math:`[W_{ih} | b_{ih}]` is a
+    Kronecker block with
+
+    .. math:: a_{ih}[n, t] = [x_t, 1], \qquad g_{ih}[n, t, o] = \partial f_o(x_n) / \partial u_t,
+
+    and :math:`[W_{hh} | b_{hh}]` one with :math:`a_{hh}[n, t] = [h_{t-1}, 1]` and
+    :math:`g_{hh}[n, t, o] = \partial f_o / \partial v_t`.  The second needs no gradient pass of its
+    own: :math:`v_t` enters the cell exactly where :math:`u_t` does, except GRU's candidate gate,
+    which sees :math:`r_t \odot v_{n,t}` (:math:`b_{hn}` sits inside the product), so
+
+    .. math:: g_{hh} = g_{ih} \ \text{(RNN, LSTM; all gates of the GRU but n)}, \qquad
+              g_{hh, n} = r_t \odot g_{ih, n} \ \text{(GRU)}.
+
+    ``torch``'s fused op hides :math:`x_t` (above layer 0), :math:`h_{t-1}` and the gate
+    pre-activations from hooks, so the provider replaces the module's output in its hooked forward
+    by :meth:`forward`, which recomputes it step by step with the module's own
+    parameters (equal to the fused output up to rounding), computing all :math:`u_t` of a layer as
+    one tensor: the gradient of every output with respect to it is :math:`g_{ih}` for all t at once
+    (it is split by ``unbind``, whose backward stacks, so no per-step zero padding).
+    Structured: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, explicit or
+    default ``hx``, 3-D tensor input; not (a DenseBlock from the exact per-sample path):
+    ``proj_size > 0``, unbatched 2-D input, ``PackedSequence`` input, subclasses with their own
+    ``forward``.  Inter-layer dropout in training mode is random and refused by the provider.
+    """
+
+    #: torch's ``mode`` strings this cell computes
+    modes: tuple[str, ...] = ()
+    #: the cell carries a state c_t (LSTM)
+    cell_state = False
+
+    def accepts(self, mod: nn.Module) -> bool:
+        """Whether ``mod`` can be unrolled: no projection, a known cell."""
+        return mod.proj_size == 0 and mod.mode in self.modes
+
+    def cell(self, mod: nn.Module, u: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
+             c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                              torch.Tensor | None]:
+        """One time step in ATen's order of operations: (h_t, c_t or None, r_t or None) from
+        u_t, v_t, h_{t-1}, c_{t-1}."""
+        raise NotImplementedError
+
+    def hh_grad(self, g: torch.Tensor, rec: RecurrentPass, detach: bool) -> torch.Tensor:
+        r""":math:`g_{hh}` of one pass from its :math:`g_{ih}`."""
+        return g
+
+    def pairs(self, mod: nn.Module) -> list[tuple[str, str, str]]:
+        """(suffix, weight name, bias name) per layer, direction and matrix (ih before hh), in
+        torch's parameter order: ``("ih_l0", "weight_ih_l0", "bias_ih_l0")``, ..."""
+        dirs = ("", "_reverse") if mod.bidirectional else ("",)
+        return [(f"{kind}_l{k}{sfx}", f"weight_{kind}_l{k}{sfx}", f"bias_{kind}_l{k}{sfx}")
+                for k in range(mod.num_layers) for sfx in dirs for kind in ("ih", "hh")]
+
+    def _direction(self, mod: nn.Module, x: torch.Tensor, h: torch.Tensor,
+                   c: torch.Tensor | None, key: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor | None,
+                                                              RecurrentPass]:
+        """One layer and direction over x (N, T, I) from h_0 (N, H) (and c_0): its outputs
+        (N, T, H), h_T, c_T and the :class:`RecurrentPass`.  Each parameter enters through
+        one alias (``p.view(p.shape)``), so the provider can count the uses of the parameter
+        outside the module in the autograd graph (one edge per call)."""
+        views = {}
+        for kind in ("ih", "hh"):
+            for w in ("weight", "bias"):
+                p = getattr(mod, f"{w}_{kind}_{key}", None)
+                if p is not None:
+                    views[f"{w}_{kind}_{key}"] = p.view(p.shape)
+        get = views.get
+        u = F.linear(x, views[f"weight_ih_{key}"], get(f"bias_ih_{key}"))
+        if not u.requires_grad and torch.is_grad_enabled():
+            u.requires_grad_()  # (W_ih, b_ih frozen, x constant): g_hh still comes from g_ih
+        steps = u.unbind(1)
+        n_t = len(steps)
+        hs: list[torch.Tensor] = [h] * n_t
+        h_prev: list[torch.Tensor] = [h] * n_t
+        rs: list[torch.Tensor] | None = None
+        w_hh, b_hh = views[f"weight_hh_{key}"], get(f"bias_hh_{key}")
+        for t in (reversed(range(n_t)) if key.endswith("_reverse") else range(n_t)):
+            h_prev[t] = h
+            h, c, r = self.cell(mod, steps[t], F.linear(h, w_hh, b_hh), h, c)
+            hs[t] = h
+            if r is not None:
+                rs = rs or [h] * n_t
+                rs[t] = r
+        return torch.stack(hs, 1), h, c, RecurrentPass(key, x, u, h_prev, rs, views)
+
+    def forward(self, mod: nn.Module, inp: torch.Tensor,
+                hx: Any) -> tuple[tuple[torch.Tensor, Any], list[RecurrentPass]]:
+        """``mod(inp, hx)`` unrolled step by step (3-D ``inp``), as ``(output, h_n)`` (LSTM:
+        ``(output, (h_n, c_n))``), and the passes of every layer and direction.  The input
+        and ``hx`` are cloned first, so that later in-place changes by the model cannot alter
+        the recorded factors."""
+        bf, lstm = mod.batch_first, self.cell_state
+        x = (inp if bf else inp.transpose(0, 1)).clone()  # (N, T, I)
+        n, nd = x.shape[0], 2 if mod.bidirectional else 1
+        if hx is None:
+            zeros = x.new_zeros((mod.num_layers * nd, n, mod.hidden_size))
+            h0, c0 = zeros, (zeros if lstm else None)
+        else:
+            h0, c0 = (hx[0].clone(), hx[1].clone()) if lstm else (hx.clone(), None)
+        finals_h, finals_c, passes = [], [], []
+        for k in range(mod.num_layers):
+            outs = []
+            for d in range(nd):
+                i = k * nd + d
+                y, h_t, c_t, rec = self._direction(mod, x, h0[i], c0[i] if lstm else None,
+                                                   f"l{k}" + ("_reverse" if d else ""))
+                outs.append(y)
+                finals_h.append(h_t)
+                finals_c.append(c_t)
+                passes.append(rec)
+            x = cat(outs, -1)
+        out = x if bf else x.transpose(0, 1)
+        h_n = torch.stack(finals_h)
+        return (out, (h_n, torch.stack(finals_c)) if lstm else h_n), passes
+
+    def blocks(self, mod: nn.Module, path: str, calls: list[list[RecurrentPass]],
+               gs: list[torch.Tensor], names: list[str], n: int,
+               detach: bool) -> dict[str, KroneckerBlock]:
+        r"""The KroneckerBlocks of ``mod``, ``{block name: block}`` in parameter order.
+
+        ``calls[i]`` are the passes of call i (:meth:`forward`), ``gs`` the matching
+        :math:`g_{ih}` (N, T, O, G H), one per pass in the same order, ``names`` the selected
+        local parameter names.  One block per selected (weight, bias) pair, named
+        ``path.<first selected of the pair>``, layout ``[W | b]`` (the bias as the last column,
+        as a Linear's); the calls are concatenated along the positions.  ``detach`` drops the
+        graph of the a factors and of :math:`r_t`.
+        """
+        sel = set(names)
+        by_key: dict[str, list[tuple[RecurrentPass, torch.Tensor]]] = {}
+        flat = [rec for passes in calls for rec in passes]
+        for rec, g in zip(flat, gs, strict=True):
+            by_key.setdefault(rec.key, []).append((rec, g))
+        blocks: dict[str, KroneckerBlock] = {}
+        for suffix, wname, bname in self.pairs(mod):
+            weight, bias = wname in sel, bname in sel
+            if not (weight or bias):
+                continue
+            kind, key = suffix[:2], suffix[3:]
+            a_parts, g_parts = [], []
+            for rec, g in by_key[key]:
+                if kind == "hh":
+                    g = self.hh_grad(g, rec, detach)
+                a = rec.x if kind == "ih" else torch.stack(rec.h_prev, 1)
+                a = a.detach() if detach else a
+                if not weight:
+                    a = a.new_ones((n, a.shape[1], 1))
+                elif bias:
+                    a = with_ones(a)
+                a_parts.append(a)
+                g_parts.append(g)
+            name = f"{path}.{wname if weight else bname}"
+            blocks[name] = KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name)
+        return blocks
+
+
+class RNNRule(RecurrentRule):
+    r"""``nn.RNN``: :math:`h_t = \tanh(u_t + v_t)` (or ReLU)."""
+
+    modes = ("RNN_TANH", "RNN_RELU")
+
+    def cell(self, mod, u, v, h, c):
+        pre = u + v
+        return (torch.tanh(pre) if mod.mode == "RNN_TANH" else torch.relu(pre)), None, None
+
+
+class GRURule(RecurrentRule):
+    r"""``nn.GRU``: its candidate gate sees :math:`r_t \odot v_{n,t}`, so
+    :math:`g_{hh,n} = r_t \odot g_{ih,n}` (the other gates: :math:`g_{hh} = g_{ih}`)."""
+
+    modes = ("GRU",)
+
+    def cell(self, mod, u, v, h, c):
+        u_r, u_z, u_n = u.chunk(3, 1)
+        v_r, v_z, v_n = v.chunk(3, 1)
+        r = torch.sigmoid(u_r + v_r)
+        z = torch.sigmoid(u_z + v_z)
+        n = torch.tanh(u_n + r * v_n)
+        return (h - n) * z + n, None, r
+
+    def hh_grad(self, g, rec, detach):
+        r = torch.stack(rec.r, 1)
+        r = r.detach() if detach else r
+        hid = r.shape[-1]
+        return torch.cat([g[..., :2 * hid], g[..., 2 * hid:] * r[:, :, None, :]], -1)
+
+
+class LSTMRule(RecurrentRule):
+    """``nn.LSTM`` (no projection)."""
+
+    modes = ("LSTM",)
+    cell_state = True
+
+    def cell(self, mod, u, v, h, c):
+        i, f, g, o = (v + u).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c, None
+
+
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _IN = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -274,6 +507,9 @@ RULES: dict[type[nn.Module], LayerRule] = {
     **dict.fromkeys(_BN, BatchNormRule()),
     nn.GroupNorm: GroupNormRule(),
     **dict.fromkeys(_IN, InstanceNormRule()),
+    nn.RNN: RNNRule(),
+    nn.GRU: GRURule(),
+    nn.LSTM: LSTMRule(),
 }
 
 
@@ -284,6 +520,19 @@ def rule_for(mod: nn.Module, own_forward: bool = True) -> LayerRule | None:
     if base is None or (own_forward and type(mod).forward is not base.forward):
         return None
     return RULES[base]
+
+
+def recurrent_rule(mod: nn.Module) -> RecurrentRule | None:
+    """The rule of a recurrent ``mod`` that can be unrolled (:meth:`RecurrentRule.accepts`),
+    or None."""
+    rule = rule_for(mod)
+    return rule if isinstance(rule, RecurrentRule) and rule.accepts(mod) else None
+
+
+def recurrent_forward(mod: nn.Module, inp: torch.Tensor,
+                      hx: Any) -> tuple[tuple[torch.Tensor, Any], list[RecurrentPass]]:
+    """:meth:`RecurrentRule.forward` of ``mod``'s rule."""
+    return RULES[type(mod)].forward(mod, inp, hx)  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,205 +887,3 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     if bias:
         torch.sum(g, dim=1, out=out[..., width:])
     return DenseBlock(out, name, columns, size)
-
-
-# --------------------------------------------------------------------------------------------
-# recurrent layers: nn.RNN / nn.GRU / nn.LSTM unrolled over time (positions = time steps)
-# --------------------------------------------------------------------------------------------
-
-RECURRENT = {c: c.forward for c in (nn.RNN, nn.GRU, nn.LSTM)}
-_GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
-
-
-def recurrent_type(mod: nn.Module) -> type | None:
-    """The class of a recurrent ``mod`` that can be unrolled (a key of :data:`RECURRENT`,
-    torch's own ``forward``, no projection, a known cell), or None."""
-    base = next((c for c in RECURRENT if isinstance(mod, c)), None)
-    if (base is None or type(mod).forward is not RECURRENT[base] or mod.proj_size > 0
-            or mod.mode not in _GATES):
-        return None
-    return base
-
-
-def recurrent_pairs(mod: nn.Module) -> list[tuple[str, str, str]]:
-    """(suffix, weight name, bias name) per layer, direction and matrix (ih before hh), in
-    torch's parameter order: ``("ih_l0", "weight_ih_l0", "bias_ih_l0")``, ..."""
-    dirs = ("", "_reverse") if mod.bidirectional else ("",)
-    return [(f"{kind}_l{k}{sfx}", f"weight_{kind}_l{k}{sfx}", f"bias_{kind}_l{k}{sfx}")
-            for k in range(mod.num_layers) for sfx in dirs for kind in ("ih", "hh")]
-
-
-@dataclass
-class RecurrentPass:
-    """What one layer and direction of one call leaves for the blocks (batch-first tensors)."""
-
-    key: str  # "l0", "l0_reverse", ...
-    x: torch.Tensor  # (N, T, I): the layer's input
-    u: torch.Tensor  # (N, T, G H): W_ih x_t + b_ih, the gradient target
-    h_prev: list[torch.Tensor]  # T x (N, H): h_{t-1} in time order
-    r: list[torch.Tensor] | None  # T x (N, H): GRU reset gates in time order
-    views: dict[str, torch.Tensor]  # local parameter name -> the alias the pass used
-
-
-def _cell(mode: str, u: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-          c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
-                                           torch.Tensor | None]:
-    """One time step (the formulas of :func:`recurrent_blocks`, in ATen's order of operations):
-    (h_t, c_t or None, GRU's r_t or None) from u_t, v_t, h_{t-1}, c_{t-1}."""
-    if mode == "GRU":
-        u_r, u_z, u_n = u.chunk(3, 1)
-        v_r, v_z, v_n = v.chunk(3, 1)
-        r = torch.sigmoid(u_r + v_r)
-        z = torch.sigmoid(u_z + v_z)
-        n = torch.tanh(u_n + r * v_n)
-        return (h - n) * z + n, None, r
-    if mode == "LSTM":
-        i, f, g, o = (v + u).chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c, None
-    pre = u + v
-    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None
-
-
-def _direction(mod: nn.Module, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
-               key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                  RecurrentPass]:
-    """One layer and direction over x (N, T, I) from h_0 (N, H) (and c_0): its outputs
-    (N, T, H), h_T, c_T and the :class:`RecurrentPass`.  Each parameter enters through one
-    alias (``p.view(p.shape)``), so the provider can count the uses of the parameter outside
-    the module in the autograd graph (one edge per call)."""
-    views = {}
-    for kind in ("ih", "hh"):
-        for w in ("weight", "bias"):
-            p = getattr(mod, f"{w}_{kind}_{key}", None)
-            if p is not None:
-                views[f"{w}_{kind}_{key}"] = p.view(p.shape)
-    get = views.get
-    u = F.linear(x, views[f"weight_ih_{key}"], get(f"bias_ih_{key}"))
-    if not u.requires_grad and torch.is_grad_enabled():
-        u.requires_grad_()  # (W_ih, b_ih frozen, x constant): g_hh still comes from g_ih
-    steps = u.unbind(1)
-    n_t = len(steps)
-    hs: list[torch.Tensor] = [h] * n_t
-    h_prev: list[torch.Tensor] = [h] * n_t
-    rs: list[torch.Tensor] = [h] * n_t
-    w_hh, b_hh = views[f"weight_hh_{key}"], get(f"bias_hh_{key}")
-    for t in (reversed(range(n_t)) if key.endswith("_reverse") else range(n_t)):
-        h_prev[t] = h
-        h, c, r = _cell(mod.mode, steps[t], F.linear(h, w_hh, b_hh), h, c)
-        hs[t] = h
-        if r is not None:
-            rs[t] = r
-    return (torch.stack(hs, 1), h, c,
-            RecurrentPass(key, x, u, h_prev, rs if mod.mode == "GRU" else None, views))
-
-
-def recurrent_forward(mod: nn.Module, inp: torch.Tensor,
-                      hx: Any) -> tuple[tuple[torch.Tensor, Any], list[RecurrentPass]]:
-    """``mod(inp, hx)`` unrolled step by step (3-D ``inp``; see :func:`recurrent_blocks`), as
-    ``(output, h_n)`` (LSTM: ``(output, (h_n, c_n))``), and the passes of every layer and
-    direction.  The input and ``hx`` are cloned first, so that later in-place changes by the
-    model cannot alter the recorded factors."""
-    bf = mod.batch_first
-    x = (inp if bf else inp.transpose(0, 1)).clone()  # (N, T, I)
-    n, nd = x.shape[0], 2 if mod.bidirectional else 1
-    lstm = mod.mode == "LSTM"
-    if hx is None:
-        zeros = x.new_zeros((mod.num_layers * nd, n, mod.hidden_size))
-        h0, c0 = zeros, (zeros if lstm else None)
-    else:
-        h0, c0 = (hx[0].clone(), hx[1].clone()) if lstm else (hx.clone(), None)
-    finals_h, finals_c, passes = [], [], []
-    for k in range(mod.num_layers):
-        outs = []
-        for d in range(nd):
-            i = k * nd + d
-            y, h_t, c_t, rec = _direction(mod, x, h0[i], c0[i] if lstm else None,
-                                          f"l{k}" + ("_reverse" if d else ""))
-            outs.append(y)
-            finals_h.append(h_t)
-            finals_c.append(c_t)
-            passes.append(rec)
-        x = cat(outs, -1)
-    out = x if bf else x.transpose(0, 1)
-    h_n = torch.stack(finals_h)
-    return (out, (h_n, torch.stack(finals_c)) if lstm else h_n), passes
-
-
-def recurrent_blocks(mod: nn.Module, path: str, calls: list[list[RecurrentPass]],
-                     gs: list[torch.Tensor], names: list[str], n: int,
-                     detach: bool) -> dict[str, KroneckerBlock]:
-    r"""The KroneckerBlocks of a recurrent module, ``{block name: block}`` in parameter order.
-
-    ``calls[i]`` are the passes of call i (:func:`recurrent_forward`), ``gs`` the matching
-    :math:`g_{ih}` (N, T, O, G H), one per pass in the same order, ``names`` the selected local
-    parameter names.  One block per selected (weight, bias) pair, named ``path.<first
-    selected of the pair>``, layout ``[W | b]`` (the bias as the last column, as a Linear's);
-    the calls are concatenated along the positions.  :math:`g_{hh}` from :math:`g_{ih}` as
-    below; ``detach`` drops the graph of the a factors and of :math:`r_t`.
-
-    Recurrent layers as time-unrolled Linear layers
-    -----------------------------------------------
-    Layer k, direction d of an ``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` applies two weight matrices
-    at every time step t (torch's gate order; G = 1, 3, 4 gates of H units):
-
-    .. math:: u_t = W_{ih} x_t + b_{ih}, \qquad v_t = W_{hh} h_{t-1} + b_{hh}
-              \qquad (u_t, v_t \in \mathbb R^{G H},\ h_{-1} = h_0),
-
-    then the cell (:func:`_cell`): RNN :math:`h_t = \tanh(u_t + v_t)` (or ReLU); GRU
-    :math:`r, z = \sigma(u_{r,z} + v_{r,z})`, :math:`n = \tanh(u_n + r \odot v_n)`,
-    :math:`h_t = (1 - z) \odot n + z \odot h_{t-1}`; LSTM :math:`i, f, g, o = \sigma, \sigma,
-    \tanh, \sigma\,(u + v)`, :math:`c_t = f \odot c_{t-1} + i \odot g`,
-    :math:`h_t = o \odot \tanh(c_t)`.  With the positions s = t, :math:`[W_{ih} | b_{ih}]` is a
-    Kronecker block with
-
-    .. math:: a_{ih}[n, t] = [x_t, 1], \qquad g_{ih}[n, t, o] = \partial f_o(x_n) / \partial u_t,
-
-    and :math:`[W_{hh} | b_{hh}]` one with :math:`a_{hh}[n, t] = [h_{t-1}, 1]` and
-    :math:`g_{hh}[n, t, o] = \partial f_o / \partial v_t`.  The second needs no gradient pass of its
-    own: :math:`v_t` enters the cell exactly where :math:`u_t` does, except GRU's candidate gate,
-    which sees :math:`r_t \odot v_{n,t}` (:math:`b_{hn}` sits inside the product), so
-
-    .. math:: g_{hh} = g_{ih} \ \text{(RNN, LSTM; all gates of the GRU but n)}, \qquad
-              g_{hh, n} = r_t \odot g_{ih, n} \ \text{(GRU)}.
-
-    ``torch``'s fused op hides :math:`x_t` (above layer 0), :math:`h_{t-1}` and the gate
-    pre-activations from hooks, so the provider replaces the module's output in its hooked forward
-    by :func:`recurrent_forward`, which recomputes it step by step with the module's own
-    parameters (equal to the fused output up to rounding), computing all :math:`u_t` of a layer as
-    one tensor: the gradient of every output with respect to it is :math:`g_{ih}` for all t at once
-    (it is split by ``unbind``, whose backward stacks, so no per-step zero padding).
-    Structured: any ``num_layers``, ``bidirectional``, ``bias``, ``batch_first``, explicit or
-    default ``hx``, 3-D tensor input; not (a DenseBlock from the exact per-sample path):
-    ``proj_size > 0``, unbatched 2-D input, ``PackedSequence`` input, subclasses with their own
-    ``forward``.  Inter-layer dropout in training mode is random and refused by the provider.
-    """
-    sel = set(names)
-    by_key: dict[str, list[tuple[RecurrentPass, torch.Tensor]]] = {}
-    flat = [rec for passes in calls for rec in passes]
-    for rec, g in zip(flat, gs, strict=True):
-        by_key.setdefault(rec.key, []).append((rec, g))
-    blocks: dict[str, KroneckerBlock] = {}
-    for suffix, wname, bname in recurrent_pairs(mod):
-        weight, bias = wname in sel, bname in sel
-        if not (weight or bias):
-            continue
-        kind, key = suffix[:2], suffix[3:]
-        a_parts, g_parts = [], []
-        for rec, g in by_key[key]:
-            if kind == "hh" and rec.r is not None:  # GRU: g_hh,n = r_t * g_ih,n
-                r = torch.stack(rec.r, 1)
-                r = r.detach() if detach else r
-                hid = r.shape[-1]
-                g = torch.cat([g[..., :2 * hid], g[..., 2 * hid:] * r[:, :, None, :]], -1)
-            a = rec.x if kind == "ih" else torch.stack(rec.h_prev, 1)
-            a = a.detach() if detach else a
-            if not weight:
-                a = a.new_ones((n, a.shape[1], 1))
-            elif bias:
-                a = with_ones(a)
-            a_parts.append(a)
-            g_parts.append(g)
-        name = f"{path}.{wname if weight else bname}"
-        blocks[name] = KroneckerBlock(cat(a_parts, 1).contiguous(), cat(g_parts, 1), name)
-    return blocks

@@ -1,69 +1,6 @@
-r"""SENG: the sketchy empirical natural gradient optimizer for PyTorch.
-
-For every layer (block) :math:`b` SENG moves along the damped empirical natural gradient
-
-.. math::
-
-    (\lambda I + \tfrac{1}{N} U_b U_b^\top)\, d_b = g_b ,\qquad
-    d_b = \frac{1}{\lambda}\bigl(g_b - U_b c_b\bigr),\qquad
-    (\lambda I + \tfrac{1}{N} U_b^\top U_b)\, c_b = \tfrac{1}{N} U_b^\top g_b ,
-
-where the columns of :math:`U_b` (P_b x N) are the per-sample loss gradients of the batch and
-:math:`g_b` the (mean) gradient plus weight decay.  The N x N system is assembled in float64 and
-factored by Cholesky (``ntkcore.solve.SMWSolver``); with ``sketch`` its Gram and right-hand side
-use a row sketch of the P_b dimension (:math:`\Omega_A \otimes \Omega_G` for Kronecker
-layers, see ``ntkcore.sketch.sketch_jacobian``).
-
-Per-sample gradients come from the ONE backward of the batch loss that the user runs anyway:
-
-* the layers whose rule allows it (``torch_layers.LayerRule.kronecker_update``: ``nn.Linear``
-  and ``nn.Conv1d/2d/3d`` with groups = 1) with torch's own ``forward`` (a subclass
-  overriding it is a dense layer): forward hooks keep the layer input (unfolded into patches
-  for convolutions, by ``torch_layers`` as in the provider) and a hook on the output keeps
-  :math:`\partial L / \partial y`; with a mean-reduced loss that is
-  :math:`\tfrac{1}{N}\partial \ell_n / \partial y_n`, so the per-sample gradient is the
-  Kronecker block with ``a`` = inputs (plus a ones column for the bias) and
-  ``g = N * dL/dy``.  It is never materialised.  This needs the layer's input and output to
-  carry the sample axis (see "The sample axis" below);
-* every other trainable parameter (norm layers, embeddings, grouped convolutions, ...), and
-  the Linear / Conv layers that fail that test, get dense per-sample gradients from
-  ``torch.func``: the output gradient :math:`\partial \ell_n / \partial f(x_n)` is captured at
-  the model output and pulled back per sample with ``vmap(vjp)``.  This needs a model whose
-  samples do not interact (no BatchNorm in training mode), whose forward is deterministic (no
-  Dropout in training mode) and which returns one tensor (N, ...); ``step()`` raises otherwise.
-
-Every tensor argument of the model that carries the samples must lead with the sample axis N
-(the leading length of its first tensor argument); other arguments (masks, tables) are passed
-as they are.
-
-The sample axis
----------------
-A Linear / Conv layer is a Kronecker block only where its input and output carry the sample
-axis, decided as in the provider (``torch_jacobian._sample_axes``; ``_unit_plan``):
-its weight (and bias) must be used only by the layer's hooked calls, counted in the autograd
-graph of the model output (not so for ``nn.MultiheadAttention.out_proj`` or a Linear tied to an
-Embedding), and each call's sample axis is found by the provider's probe
-(``torch_jacobian.probe_sample_axes``) on the first sample of every argument that leads with
-N (autograd enabled, as ntkcore's own pass: invisible to these hooks, under the model's lock,
-on a forked RNG).  Axis 0: the Kronecker block above; another axis (sequence-first; Linear
-only): the same block with that axis moved to the front (exact: :math:`\sum_s g_{n,s}
-a_{n,s}^\top` over the other positions).  Otherwise (no sample axis, a convolution whose sample
-axis is not axis 0, a weight used elsewhere, calls that never reach the loss) the layer's
-per-sample gradients come from the ``torch.func`` pass (exact, slower), in the same [W | b]
-layout.  A model that raises when run on p samples raises a ``ValueError`` at the refresh,
-before anything changes.  The answer depends on shapes, not values: it is cached per shape
-signature (argument shapes and dtypes, the input / output shapes of every hooked call; at most
-64), so the probe runs on the first refresh of each new signature only.  Samples that interact
-through batch statistics are refused (see ``step()``).
-
-The curvature (the factors and the small Cholesky factor) is refreshed every ``update_freq``
-steps from the batch of that step; in between, only the cheap products
-:math:`U_b^\top g_b` and :math:`U_b c_b` are recomputed for the new gradient.
-
-Distributed (``torch.distributed``, e.g. with ``DistributedDataParallel``): the gradient is
-averaged across workers (by DDP), every worker solves with its own samples, and the directions
-are averaged with one ``all_reduce`` (the block-diagonal-over-workers variant of the SENG
-paper).
+r"""SENG, the sketchy empirical natural gradient optimizer for PyTorch (:class:`SENG`), with
+its per-sample factors from the one backward of the batch loss: the layer rules of
+``torch_layers`` where they allow a Kronecker update, ``torch.func`` for the rest.
 """
 
 from __future__ import annotations
@@ -254,6 +191,36 @@ class SENG(torch.optim.Optimizer):
 
     Notes
     -----
+    For every layer (block) :math:`b` SENG moves along the damped empirical natural gradient
+
+    .. math::
+
+        (\lambda I + \tfrac{1}{N} U_b U_b^\top)\, d_b = g_b ,\qquad
+        d_b = \frac{1}{\lambda}\bigl(g_b - U_b c_b\bigr),\qquad
+        (\lambda I + \tfrac{1}{N} U_b^\top U_b)\, c_b = \tfrac{1}{N} U_b^\top g_b ,
+
+    where the columns of :math:`U_b` (P_b x N) are the per-sample loss gradients of the batch
+    and :math:`g_b` the (mean) gradient plus weight decay.  The N x N system is assembled in
+    float64 and factored by Cholesky (``ntkcore.solve.SMWSolver``); with ``sketch`` its Gram
+    and right-hand side use a row sketch of the P_b dimension (:math:`\Omega_A \otimes
+    \Omega_G` for Kronecker layers, ``ntkcore.sketch.sketch_jacobian``).  The curvature is
+    refreshed every ``update_freq`` steps from the batch of that step; in between, only
+    :math:`U_b^\top g_b` and :math:`U_b c_b` are recomputed.  Distributed
+    (``torch.distributed``, e.g. DDP): every worker solves with its own samples and the
+    directions are averaged with one ``all_reduce`` (the block-diagonal-over-workers variant
+    of the SENG paper).
+
+    Per-sample gradients: a layer whose rule allows it
+    (``torch_layers.LayerRule.kronecker_update``: ``nn.Linear``, ``nn.Conv1d/2d/3d`` with
+    groups = 1; torch's own ``forward``) keeps its input and :math:`\partial L/\partial y`
+    from hooks; with a mean-reduced loss that is :math:`\tfrac{1}{N}\partial \ell_n /
+    \partial y_n`, so the per-sample gradient is the KroneckerBlock with ``a`` = inputs (plus
+    a ones column for the bias) and ``g = N * dL/dy``, never materialised.  Every other
+    trainable parameter gets dense per-sample gradients from ``torch.func``:
+    :math:`\partial \ell_n / \partial f(x_n)` is captured at the model output and pulled
+    back per sample with ``vmap(vjp)``.  Every tensor argument of the model that carries the
+    samples must lead with the sample axis N.
+
     Usage is that of any optimizer: ``opt.zero_grad(); loss = crit(model(x), y);
     loss.backward(); opt.step()``, also with ``scaler.step(opt)`` of a ``GradScaler``, under
     ``torch.autocast`` (the captured factors are cast to the parameters' dtype), after
@@ -265,11 +232,15 @@ class SENG(torch.optim.Optimizer):
     and the current curvature factors, so a loaded optimizer continues exactly where the saved
     one was (bit for bit on the same machine and thread count; elsewhere to rounding).
 
-    A Linear / Conv layer is a Kronecker block only where its input and output carry the
-    sample axis (a probe forward on p != N samples on the first refresh of each input shape
-    signature; "The sample axis" in the module docstring); a layer with a shared input
-    (positional table, buffer) or a weight used outside its own ``forward`` gets exact
-    per-sample gradients from ``torch.func`` instead.
+    A Linear / Conv layer is a Kronecker block only where its weight (and bias) is used only
+    by its hooked calls (counted in the autograd graph) and each call's input and output
+    carry the sample axis, found by the provider's probe (``torch_jacobian.probe_sample_axes``,
+    on the first sample of every argument that leads with N, as ntkcore's own pass) on the
+    first refresh of each shape signature (at most 64 cached); on another axis
+    (sequence-first, Linear only) the block is taken with that axis moved to the front.  A
+    layer with a shared input (positional table, buffer) or a weight used outside its own
+    ``forward`` gets exact per-sample gradients from ``torch.func`` instead, in the same
+    [W | b] layout.
 
     What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
     buffer or step counter changes):
@@ -499,8 +470,7 @@ class SENG(torch.optim.Optimizer):
     # -- the sample axis of each hooked call ------------------------------------------------
     def _unit_plan(self, rec: dict[str, Any]) -> dict[str, list[int] | str]:
         """For every unit: the sample axis of each of its used calls (Kronecker), or why it
-        has none (``torch.func``); see "The sample axis" in the module docstring.  Cached per
-        shape signature."""
+        has none (``torch.func``; :class:`SENG`'s notes).  Cached per shape signature."""
         def sig(a: Any) -> Any:
             return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
 
