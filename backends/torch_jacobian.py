@@ -265,13 +265,10 @@ def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
     """Forward hooks calling ``record(key, input, output)`` for each call of ``modules[key]``
     with tensor input and output made by this thread (another thread's forward of the same
     module is not our pass); its return value replaces the output.  Runs with autograd on."""
-    me = threading.get_ident()
-
     def hook_of(key: str) -> Any:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
             a = args[0] if args else kwargs.get("input")
-            if (threading.get_ident() == me and isinstance(out, torch.Tensor)
-                    and isinstance(a, torch.Tensor)):
+            if isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor):
                 return record(key, a, out)
             return None
         return hook
@@ -282,8 +279,14 @@ def _hooked(modules: dict[str, nn.Module], record: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _forward_hooks(pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
-    """Each (module, hook) registered as a forward hook (with kwargs) while in the block."""
-    handles = [m.register_forward_hook(h, with_kwargs=True) for m, h in pairs]
+    """Each (module, hook) registered as a forward hook (with kwargs) while in the block,
+    called for the calls made by this thread only."""
+    me = threading.get_ident()
+
+    def mine(h: Any) -> Any:
+        return lambda *call: h(*call) if threading.get_ident() == me else None
+
+    handles = [m.register_forward_hook(mine(h), with_kwargs=True) for m, h in pairs]
     try:
         yield
     finally:
@@ -384,12 +387,8 @@ def _hooked_recurrent(rec: dict[str, _RecUnit]) -> Iterator[None]:
     thread with its step-by-step recomputation (``RecurrentRule.forward``) and record
     the passes; a call on anything but a 3-D tensor is left alone and marks the unit not ok.
     The fused forward has run (and validated ``hx``) before the hook."""
-    me = threading.get_ident()
-
     def hook_of(unit: _RecUnit) -> Any:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            if threading.get_ident() != me:
-                return None
             inp, hx = _rnn_call(args, kwargs)
             if not isinstance(inp, torch.Tensor) or inp.ndim != 3:
                 unit.ok = False
@@ -409,14 +408,11 @@ def _recurrent_shapes(rec: dict[str, _RecUnit],
                       seen: dict[str, list[Any]]) -> Iterator[None]:
     """Forward hooks appending (input shape, output shape) of each call of a ``rec`` module
     made by this thread to ``seen[path]`` (None for a call on a non-tensor), for the probe."""
-    me = threading.get_ident()
-
     def hook_of(path: str) -> Any:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            if threading.get_ident() == me:
-                inp, _ = _rnn_call(args, kwargs)
-                ok = isinstance(inp, torch.Tensor) and isinstance(out[0], torch.Tensor)
-                seen[path].append((tuple(inp.shape), tuple(out[0].shape)) if ok else None)
+            inp, _ = _rnn_call(args, kwargs)
+            ok = isinstance(inp, torch.Tensor) and isinstance(out[0], torch.Tensor)
+            seen[path].append((tuple(inp.shape), tuple(out[0].shape)) if ok else None)
         return hook
 
     with _forward_hooks([(u.module, hook_of(p)) for p, u in rec.items()]):

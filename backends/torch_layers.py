@@ -3,8 +3,9 @@ r"""The torch layer rules: one :class:`LayerRule` subclass per layer type, regis
 
 A rule says which axis of a call may carry the samples, how the call's input and output
 gradients become the factors a (N, S, d_in [+ 1]) and g (N, S, O, d_out), how these form the
-layer's block, and what the backward passes need.  The provider (``torch_jacobian``),
-``SENG`` (``torch_seng``) and KIP only look the rule up (:func:`rule_for`).
+layer's block, and what the backward passes need.  The provider (``torch_jacobian``) and
+``SENG`` (``torch_seng``) only look the rule up (:func:`rule_for`); KIP gets its blocks from
+the provider.
 """
 
 from __future__ import annotations
