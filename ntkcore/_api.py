@@ -60,10 +60,10 @@ Pure array API: nothing here imports a framework.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
@@ -383,28 +383,19 @@ def _check_options(mode: Any, layerwise: Any, batch_size: Any, checkpoint: Any,
     return mode
 
 
-@dataclass(frozen=True, eq=False)
-class _ProviderCall:
-    """``call(x)``: the provider's Jacobian of ``x``, samples of the input called ``name``
-    (``x_full``); a failure is explained by :func:`explain_failure`."""
-
-    provider: Any
-    model: Any
-    name: str
-    x_full: Any
-    x1: Any
-    options: dict[str, Any]
-
-    def __call__(self, x: Any) -> Jacobian:
-        try:
-            j = self.provider.jacobian(self.model, x, **self.options)
-        except Exception as exc:
-            explain_failure(exc, self.model, self.name, self.x_full, self.x1)
-            raise
-        if not isinstance(j, Jacobian):
-            raise TypeError(f"provider {self.provider.name!r} returned {type(j).__name__}, "
-                            "not an ntkcore.Jacobian")
-        return j
+def _provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
+                   options: dict[str, Any], x: Any) -> Jacobian:
+    """The provider's Jacobian of ``x``, samples of the input called ``name`` (``x_full``);
+    a failure is explained by :func:`explain_failure`."""
+    try:
+        j = provider.jacobian(model, x, **options)
+    except Exception as exc:
+        explain_failure(exc, model, name, x_full, x1)
+        raise
+    if not isinstance(j, Jacobian):
+        raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
+                        "not an ntkcore.Jacobian")
+    return j
 
 
 def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
@@ -420,7 +411,7 @@ def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
     return one_grad
 
 
-def _probe(provider: Any, model: Any, call: _ProviderCall, x1: Any, pseudo: bool,
+def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, pseudo: bool,
            params: Any) -> tuple[tuple[Any, ...], Jacobian | None]:
     """``(facts, probe)``: factor bytes per sample, block shapes, O and item size of the
     model on ``x1``'s leading samples (remembered per model and input signature,
@@ -450,8 +441,9 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         _check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
     options: dict[str, Any] = {"params": params, **({"pseudo": True} if pseudo else {})}
-    call = _ProviderCall(provider, model, "x1", x1, x1, options)
-    call2 = call if x2 is None else _ProviderCall(provider, model, "x2", x2, x1, options)
+    call = functools.partial(_provider_call, provider, model, "x1", x1, x1, options)
+    call2 = call if x2 is None else functools.partial(_provider_call, provider, model, "x2",
+                                                      x2, x1, options)
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
     one_grad = _check_checkpoint(checkpoint, x1, x2, provider)

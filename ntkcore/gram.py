@@ -400,9 +400,7 @@ class PairsRoute(Route):
     :math:`2 O d_{out} + 2q + 8` a pair.  The tile is chosen with a chunk of
     ``min(m, PAIRS_MIN_CHUNK)`` pairs; the plan then takes the largest chunk up to
     ``PAIRS_MAX_CHUNK`` the budget holds.  Only this route's passes are weighted by
-    ``ELEMENT_FLOPS``: charging the positions route's Hadamard product the same way sent
-    convnext_atto's ``stages.1`` ``fc2`` blocks (N = 256, trace) to materialise, 0.65 s
-    against 0.43 s.
+    ``ELEMENT_FLOPS`` (why: docs/architecture.md, "The Gram engine").
     """
 
     name = "pairs"

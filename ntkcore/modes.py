@@ -40,6 +40,7 @@ class Mode(str):
     """
 
     __slots__ = ()
+    name: ClassVar[str]  # the mode string, set by each subclass
     #: Positions of the trailing axes after a transpose (:meth:`swap`); their count is the
     #: number of output axes.
     tail_axes: ClassVar[tuple[int, ...]] = ()
@@ -105,26 +106,15 @@ class Mode(str):
         exactly symmetric in place, in strips of ``block`` rows (:func:`_mirror_strips`)."""
         _mirror_strips(xp, self, tile[:, :width, ...], block)
 
-    def matrix_rows(self, o: int) -> int:
-        """Rows per sample of the matrix view (:meth:`matrix`)."""
+    def _no_matrix(self, *args: Any) -> Any:
         raise ValueError(f"a {self!r} kernel has no matrix view")
 
-    def matrix(self, xp: Any, k: Array) -> Array:
-        """The kernel as a matrix (N1 q, N2 q), rows ``n * q + o``."""
-        raise ValueError(f"a {self!r} kernel has no matrix view")
-
-    def unmatrix(self, xp: Any, kf: Array, o: int) -> Array:
-        """Inverse of :meth:`matrix`."""
-        raise ValueError(f"a {self!r} kernel has no matrix view")
-
-    #: The mode whose self-kernel holds, on its (n, n) entries, the diagonal of this mode's
-    #: matrix view (:meth:`matrix_diagonal`).
+    #: The matrix view (N1 q, N2 q), rows ``n * q + o`` (``matrix(xp, k)``), its inverse
+    #: (``unmatrix(xp, kf, o)``), ``q`` (``matrix_rows(o)``) and its diagonal
+    #: (``matrix_diagonal(xp, k)``, from a self-kernel in :attr:`matrix_diagonal_mode`);
+    #: ValueError for a mode without one.
+    matrix = unmatrix = matrix_rows = matrix_diagonal = _no_matrix
     matrix_diagonal_mode: ClassVar[str] = ""
-
-    def matrix_diagonal(self, xp: Any, k: Array) -> Array:
-        """The diagonal of the matrix view from a self-kernel ``k`` in
-        :attr:`matrix_diagonal_mode`."""
-        raise ValueError(f"a {self!r} kernel has no matrix view")
 
     def kernel_layout(self, xp: Any, t: Array) -> Array:
         """A tile in GEMM layout as (r, c, tail)."""
@@ -183,7 +173,7 @@ def _mirror_strips(xp: Any, mode: Mode, square: Array, b: int) -> None:
 
 def register_mode(cls: type[Mode]) -> type[Mode]:
     """Class decorator: make ``cls(cls.name)`` a mode :func:`check_mode` accepts."""
-    _REGISTRY[cls.name] = cls(cls.name)  # type: ignore[attr-defined]
+    _REGISTRY[cls.name] = cls(cls.name)
     return cls
 
 
