@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ntkcore
+from ntkcore import _api as api
 from ntkcore import modes
 from ntkcore.gram import Route, _gram, _take, _take_inputs, plan_gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock, flat_weights
@@ -117,14 +118,17 @@ def test_toy_mode_in_gram(summed, strategy):
         ntkcore.gram(j1, mode="Summed")
 
 
-def test_toy_mode_in_ntk(summed):
+def test_toy_mode_in_ntk(monkeypatch, summed):
     mlp = MLP.random([4, 6, 3], xp=xp, seed=0, dtype=xp.float64)
     x = np.random.default_rng(1).standard_normal((9, 4))
     j = mlp.jacobian(x) if hasattr(mlp, "jacobian") else ntkcore.jacobian(mlp, x)
     ref = _reference(j, j, "summed")
     np.testing.assert_allclose(ntkcore.ntk(mlp, x, mode="summed"), ref, rtol=1e-12)
-    np.testing.assert_allclose(ntkcore.ntk(mlp, x, mode="summed", batch_size=4), ref,
-                               rtol=1e-12)  # the streamed path assembles tiles by the mode
+    streamed, real = [], api._streamed
+    monkeypatch.setattr(api, "_streamed", lambda *a: streamed.append(1) or real(*a))
+    np.testing.assert_allclose(ntkcore.ntk(mlp, x, mode="summed", max_memory=3000), ref,
+                               rtol=1e-12)  # factors beyond the budget: row blocks, assembled
+    assert streamed  # by the mode's transpose
 
 
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
