@@ -833,15 +833,15 @@ def _cached_plan(pb: _Problem, budget: Budget) -> GramPlan:
     memory situation share a plan; an explicit ``max_memory`` is used as given.  The module
     constants that steer the plan (and the routes on offer) are part of the key.
     """
-    pb = replace(pb, budget=_round_budget(budget) if budget.default else int(budget))
+    plan_budget = _round_budget(budget) if budget.default else int(budget)
     key = (tuple(_pair_key(p) for p in pb.pairs), pb.mode, pb.o, pb.n1, pb.n2, pb.symmetric,
-           pb.layerwise, pb.budget, pb.itemsize, pb.forced, pb.gpu, pb.writable,
+           pb.layerwise, plan_budget, pb.itemsize, pb.forced, pb.gpu, pb.writable,
            SYMMETRIC_SPLIT_FLOPS_PER_ENTRY, tuple(SYMMETRIC_MIN_TILE.items()),
            tuple(SYMMETRIC_PANEL_ROWS.items()), SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS,
            PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK, tuple(ROUTES.values()))
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        plan = _make_plan(pb)
+        plan = _make_plan(replace(pb, budget=plan_budget))
         if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = plan
