@@ -10,39 +10,10 @@ kernels.  Full-mode features (N, O, D) stand for the (N O, N O) matrix view of a
 ``phi.reshape(N * O, D)``, with targets ``y`` (N, O) or (N, O, K) taken as
 ``y.reshape(N * O, ...)``, and predictions come back as (M, O) or (M, O, K).
 
-Math
-----
-With R rows of features (R = N, or N O in full mode), the push-through identity
-:math:`\Phi^\top(\Phi\Phi^\top + \lambda I_R)^{-1} = (\Phi^\top\Phi + \lambda I_D)^{-1}\Phi^\top`
-gives the kernel ridge predictions as a linear model on the features:
-
-.. math::
-
-    K_*(K + \lambda I)^{-1} y = \Phi_*\beta, \qquad
-    \beta = (\Phi^\top\Phi + \lambda I_D)^{-1}\Phi^\top y .
-
-Each function solves on the smaller side: the **primal** system (D x D,
-:math:`G = \Phi^\top\Phi`, O(R D^2 + D^3)) when D < R, the **dual** one (R x R,
-:math:`K = \Phi\Phi^\top`, O(R^2 D + R^3), exactly the kernel path) otherwise, so the cost is
-O(R D min(R, D)) and the memory O(min(R, D)^2) beyond the features.  Both factorise with
-:func:`ntkcore.regression.cholesky_with_jitter` (same jitter policy, :class:`JitterWarning`,
-:class:`NotPositiveDefiniteError`; the matrix is named ``phi_train^T phi_train`` or
-``phi_train phi_train^T`` in messages) and give the weights :math:`\beta` (D, K), the dual side
-as :math:`\beta = \Phi^\top(K + \lambda I)^{-1}y`.
-
-``reg = 0``: with D < R the primal :math:`G` is non-singular when :math:`\Phi` has full column
-rank, and the predictions are least squares, :math:`\Phi_*\Phi^{+}y` (the kernel path, whose
-:math:`K` has rank D < R, needs jitter there: it approximates the same limit); a column-rank
-deficient :math:`\Phi` gets the jitter policy on :math:`G`.  With D >= R, :math:`G` would be
-singular (rank <= R < D): it is never formed, the dual :math:`K` is factorised as the kernel
-path does (jitter only if :math:`\Phi` has rank < R).
-
-Differentiability (torch autograd, ``jax.grad``): as the kernel path, exact first derivatives
-with respect to ``phi_train``, ``y_train`` and ``phi_test``; the ridge solve through one
-refinement step (:func:`ntkcore.regression._ridge_solve`), gradient flow through ``eigh``
-(eigenvalues of the side's Gram matrix must be distinct), GP inference through the Cholesky
-factor.  Under ``jax.jit`` the side is chosen from the shapes, and the value-dependent checks
-behave as in :mod:`ntkcore.regression` (NaN results where eager code raises).
+Each function solves on the smaller side (:func:`_gram`): the primal D x D system
+:math:`(\Phi^\top\Phi + \lambda I)\beta = \Phi^\top y` when D < R rows, else the dual R x R
+one of the kernel path, at O(R D min(R, D)).  Math, ``reg = 0``, costs and differentiability:
+docs/features.md, "Regression on features".
 """
 
 from __future__ import annotations
@@ -60,11 +31,11 @@ from .backend import Backend
 from .errors import NotPositiveDefiniteError
 from .regression import (
     GPPosterior,
-    _check_times,
-    _flow_factor,
-    _jitter_cap,
-    _ridge_solve,
+    check_times,
     cholesky_with_jitter,
+    flow_factor,
+    jitter_cap,
+    ridge_solve,
 )
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
@@ -123,11 +94,11 @@ def _gram(xp: Any, phi: Array) -> tuple[bool, Array]:
 def _ridge_weights(xp: Any, backend: Backend, phi: Array, y: Array, reg: float,
                    jitter: str | float | None) -> tuple[Array, Any]:
     """``(beta, eps)``: ``(Phi^T Phi + (reg + eps) I)^{-1} Phi^T y`` (D, K), solved on the
-    smaller side (differentiable through the refinement step of ``_ridge_solve``), and the
+    smaller side (differentiable through the refinement step of ``ridge_solve``), and the
     jitter ``eps``."""
     primal, a = _gram(xp, phi)
-    _, sol, eps = _ridge_solve(xp, backend, a, phi.T @ y if primal else y, reg, jitter,
-                               _GRAM_NAMES[primal])
+    _, sol, eps = ridge_solve(xp, backend, a, phi.T @ y if primal else y, reg, jitter,
+                              _GRAM_NAMES[primal])
     return (sol if primal else phi.T @ sol), eps
 
 
@@ -138,27 +109,27 @@ def _ridge_weights(xp: Any, backend: Backend, phi: Array, y: Array, reg: float,
 PRIMAL_COPIES = 5
 
 
-def _stream_moments(model: Any, x: Array | None, y: Array, kw: dict[str, Any]
-                    ) -> tuple[Any, Backend, Array, Array, tuple[int, ...]]:
+def _stream_moments(model: Any, x: Array | None, y: Array, spec: Any, max_memory: Any,
+                    progress: Any) -> tuple[Any, Backend, Array, Array, tuple[int, ...]]:
     r"""``(xp, backend, G, c, tail)``: :math:`G = \sum_b \Phi_b^\top\Phi_b` (dim, dim) and
     :math:`c = \sum_b \Phi_b^\top y_b` (dim, K) over the sample batches ``b`` of
     :func:`ntkcore.features.feature_batches` (its budget less the dim x dim matrices of
     :data:`PRIMAL_COPIES` and two (dim, K) ones), and the features' ``shape[1:]``; the (N, dim)
     features are never held together."""
-    from .features import feature_batches  # features imports this package's modules
+    from .features import batches  # features imports this package's modules
 
     n = int(x.shape[0]) if getattr(x, "ndim", 0) >= 1 else \
         getattr(model, "num_samples", 0) if x is None else 0  # model: a Jacobian
     if getattr(y, "ndim", 0) < 1 or int(y.shape[0]) != n:
         raise ValueError(f"y must have one row per sample of x ({n}); got shape "
                          f"{tuple(getattr(y, 'shape', ()))}")
-    cols = math.prod(y.shape[1 + (kw.get("mode") == "full"):])
+    cols = math.prod(y.shape[1 + (spec.mode == "full"):])
 
     def reserve(dim: int, item: int) -> float:
         return item * (PRIMAL_COPIES * dim * dim + 2 * dim * cols)
 
     g = c = None
-    for _, start, stop, phi in feature_batches(model, x, reserve=reserve, **kw):
+    for _, start, stop, phi in batches(spec, model, x, max_memory, progress, reserve):
         xp, backend = namespace_of(features=phi, y_train=y)
         rows, yb = promote(xp, _rows(xp, phi, "features"), _targets(xp, y[start:stop, ...], phi))
         gb, cb = rows.T @ rows, rows.T @ yb
@@ -180,8 +151,9 @@ def feature_regression(
     :math:`\Phi_*(\Phi^\top\Phi + \lambda I)^{-1}\Phi^\top y`.
 
     Equal to ``kernel_regression(phi_train @ phi_train.T, y_train, phi_test @ phi_train.T,
-    reg=reg)`` (push-through identity, see the module docstring) at O(R D min(R, D)) instead
-    of O(R^2 D + R^3), R the number of feature rows.
+    reg=reg)`` by the push-through identity :math:`\Phi^\top(\Phi\Phi^\top + \lambda I_R)^{-1}
+    = (\Phi^\top\Phi + \lambda I_D)^{-1}\Phi^\top`, at O(R D min(R, D)) instead of
+    O(R^2 D + R^3), R the number of feature rows.
 
     Parameters
     ----------
@@ -211,7 +183,7 @@ def feature_regression(
         The side's Gram matrix (+ reg I) not positive definite even with the jitter.
     """
     reg = check_scalar(reg, "reg", nonnegative=True)
-    _jitter_cap(jitter)
+    jitter_cap(jitter)
     xp, backend, phi, y, phi_s, shape = _inputs(phi_train, y_train, phi_test)
     beta, _ = _ridge_weights(xp, backend, phi, y, reg, jitter)
     return xp.reshape(phi_s @ beta, shape)
@@ -276,12 +248,12 @@ def feature_gd_mse_predict(
     xp, backend, phi, y, phi_s, shape = _inputs(phi_train, y_train, phi_test)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
-    t_arr, ts = _check_times(xp, backend, t, phi)
+    t_arr, ts = check_times(xp, backend, t, phi)
     primal, a = _gram(xp, phi)
     w, v = xp.linalg.eigh(a)
     w = xp.where(w < 0, xp.zeros_like(w), w) + reg  # a Gram matrix: w < 0 is rounding
     tiny = 1e3 * float(xp.finfo(phi.dtype).eps) * xp.max(w)
-    fac = _flow_factor(xp, w, ts, lr, tiny)  # (T, n)
+    fac = flow_factor(xp, w, ts, lr, tiny)  # (T, n)
     c = v @ (fac[:, :, None] * (v.T @ (phi.T @ y if primal else y))[None, ...])  # (T, n, K)
     out = xp.reshape(phi_s @ (c if primal else phi.T @ c), (ts.shape[0], *shape))
     return out[0, ...] if t_arr.ndim == 0 else out
@@ -351,7 +323,7 @@ def feature_gp_inference(
         (+ reg I) not positive definite even with the jitter.
     """
     reg = check_scalar(reg, "reg", nonnegative=True)
-    _jitter_cap(jitter)
+    jitter_cap(jitter)
     xp, backend, phi, y, phi_s, shape = _inputs(phi_train, y_train, phi_test)
     (rows, cols), d = y.shape, phi.shape[1]
     primal, a = _gram(xp, phi)
@@ -445,7 +417,7 @@ class _FeatureRidge(Regressor):
                              "is None")
         phi, y = _floating(phi_train=phi_train, y_train=y)
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
-        _jitter_cap(self.jitter)
+        jitter_cap(self.jitter)
         xp, backend = namespace_of(phi_train=phi, y_train=y)
         rows, targets = promote(xp, _rows(xp, phi, "phi_train"), _targets(xp, y, phi))
         beta, eps = _ridge_weights(xp, backend, rows, targets, alpha, self.jitter)
@@ -453,7 +425,7 @@ class _FeatureRidge(Regressor):
         self.jitter_ = eps
         self.n_features_in_ = int(phi.shape[-1])
         self._shapes = (tuple(phi.shape[1:]), tuple(y.shape[1:]))
-        self.__dict__.pop("_features_kw", None)  # no model arguments: fit_model's are void
+        self.__dict__.pop("_features_spec", None)  # no model arguments: fit_model's are void
         return self
 
     def fit_model(self, model: Any, x: Array | None, y: Array, *, dim: int, seed: Any = 0,
@@ -487,26 +459,30 @@ class _FeatureRidge(Regressor):
             As :func:`ntkcore.features` and :meth:`fit`.
         """
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
-        _jitter_cap(self.jitter)
-        kw = dict(dim=dim, seed=seed, mode=mode, **features_kw)
-        xp, backend, g, c, tail = _stream_moments(model, x, y, {**kw, "max_memory": max_memory})
-        _, beta, eps = _ridge_solve(xp, backend, g, c, alpha, self.jitter, _GRAM_NAMES[1])
+        jitter_cap(self.jitter)
+        from .features import FeatureSpec
+
+        progress = features_kw.pop("progress", None)
+        spec = FeatureSpec(dim=dim, seed=seed, mode=mode, **features_kw)
+        xp, backend, g, c, tail = _stream_moments(model, x, y, spec, max_memory, progress)
+        _, beta, eps = ridge_solve(xp, backend, g, c, alpha, self.jitter, _GRAM_NAMES[1])
         self.coef_ = xp.matrix_transpose(beta) if y.ndim == len(tail) + 1 else beta[:, 0]
         self.jitter_ = eps
         self.n_features_in_ = int(tail[-1])
         self._shapes = (tail, tuple(y.shape[1:]))
-        self._features_kw = kw
+        self._features_spec = (spec, progress)
         return self
 
     def predict_model(self, model: Any, x: Array | None, *, max_memory: Any = None) -> Array:
         """Predictions on ``features(model, x, ...)`` with the arguments of
         :meth:`fit_model` (the same projection), streamed over sample batches within
         ``max_memory`` (the (M, dim) features are never held together)."""
-        self._check_fitted("_features_kw", "fit_model(model, x, y, dim=...)")
-        from .features import feature_batches
+        self._check_fitted("_features_spec", "fit_model(model, x, y, dim=...)")
+        from .features import batches
 
-        parts = [self.predict(phi) for _, _, _, phi in feature_batches(
-            model, x, max_memory=max_memory, **self._features_kw)]
+        spec, progress = self._features_spec
+        parts = [self.predict(phi) for _, _, _, phi in batches(spec, model, x, max_memory,
+                                                               progress)]
         xp = array_api_compat.array_namespace(parts[0])
         return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 

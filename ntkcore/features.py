@@ -265,14 +265,16 @@ class GridLayout(PairsLayout):
 
 #: Layouts of a Kronecker block's features by name (one line per layout).
 LAYOUTS: dict[str, type[Projection]] = {"pairs": PairsLayout, "grid": GridLayout}
-#: The built-in layouts (``kronecker=``) and dense projections (``method=``).
-KRONECKER_LAYOUTS = tuple(LAYOUTS)
-METHODS = ("auto", "gaussian", "sparse_sign")
 
 
 def _methods() -> tuple[str, ...]:
     """``method`` choices: "auto" and the sketch kinds that are feature methods."""
     return ("auto", *(k for k, cls in SKETCHES.items() if cls.feature_method))
+
+
+#: The built-in layouts (``kronecker=``) and dense projections (``method=``); the choices are
+#: read from :data:`LAYOUTS` and :data:`ntkcore.sketch.SKETCHES` at each call.
+KRONECKER_LAYOUTS, METHODS = tuple(LAYOUTS), _methods()
 
 
 def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
@@ -411,33 +413,60 @@ def _source(model: Any, x: Any, name: str, mode: str, params: Any, check_finite:
     return call, int(x.shape[0]), backend
 
 
-def _check_args(dim: Any, method: Any, mode: Any, kronecker: Any, seed: Any = 0
-                ) -> tuple[int, int]:
-    if not isinstance(mode, str) or mode not in FEATURE_MODES:
-        hint = " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')" \
-            if mode == "diagonal" else ""
-        raise ValueError(f"mode must be one of {FEATURE_MODES}; got {mode!r}{hint}")
-    if not isinstance(method, str) or method not in _methods():
-        raise ValueError(f"method must be one of {_methods()}; got {method!r}")
-    if not isinstance(kronecker, str) or kronecker not in LAYOUTS:
-        raise ValueError(f"kronecker must be one of {tuple(LAYOUTS)}; got {kronecker!r}")
-    if seed is None:
-        raise TypeError("seed must be a non-negative integer or a generator, not None: "
-                        "features of different calls share one projection only through one "
-                        "seed")
-    return check_size(dim, "dim"), _check_seed(seed)
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The arguments that fix a projection, checked once (a generator ``seed`` is drawn once,
+    here): shared by :func:`features`, :func:`feature_batches`, :func:`feature_variance`,
+    :func:`feature_error`, :func:`choose_dim` and :class:`ntkcore.FeatureRidge`'s
+    ``fit_model``/``predict_model``."""
+
+    dim: int
+    method: str = "auto"
+    seed: Any = 0
+    mode: str = "trace"
+    params: Any = None
+    probe: Any = None
+    kronecker: str = "pairs"
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        mode, method, kronecker = self.mode, self.method, self.kronecker
+        if not isinstance(self.check_finite, bool):
+            raise TypeError(f"check_finite must be True or False; got {self.check_finite!r}")
+        if not isinstance(mode, str) or mode not in FEATURE_MODES:
+            hint = " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')" \
+                if mode == "diagonal" else ""
+            raise ValueError(f"mode must be one of {FEATURE_MODES}; got {mode!r}{hint}")
+        if not isinstance(method, str) or method not in _methods():
+            raise ValueError(f"method must be one of {_methods()}; got {method!r}")
+        if not isinstance(kronecker, str) or kronecker not in LAYOUTS:
+            raise ValueError(f"kronecker must be one of {tuple(LAYOUTS)}; got {kronecker!r}")
+        if self.seed is None:
+            raise TypeError("seed must be a non-negative integer or a generator, not None: "
+                            "features of different calls share one projection only through "
+                            "one seed")
+        object.__setattr__(self, "dim", check_size(self.dim, "dim"))
+        object.__setattr__(self, "seed", _check_seed(self.seed))
+
+    def source(self, model: Any, x: Any, name: str = "x"
+               ) -> tuple[Callable[[int, int], Jacobian], int, Any]:
+        """:func:`_source` with this mode, params and check_finite."""
+        return _source(model, x, name, self.mode, self.params, self.check_finite)
+
+    def plan(self, J: Jacobian, model: Any, dim: int | None = None) -> list[Projection]:
+        """:func:`_plan` of ``J`` for ``dim`` (default :attr:`dim`), weighted by the probe."""
+        return _plan(J, self.dim if dim is None else dim, self.method,
+                     _weights(self.probe, model, self), self.kronecker)
 
 
-def _weights(probe: Any, model: Any, mode: str, params: Any, check_finite: bool
-             ) -> list[float] | None:
+def _weights(probe: Any, model: Any, spec: FeatureSpec) -> list[float] | None:
     """Block weights from ``probe`` (each block's share of the kernel trace), or None."""
     if probe is None:
         return None
     is_jac = isinstance(model, Jacobian | DenseBlock | KroneckerBlock)
     if is_jac and not isinstance(probe, Jacobian | DenseBlock | KroneckerBlock):
         raise TypeError(f"probe must be a Jacobian when model is one; got {type(probe).__name__}")
-    call, n, _ = _source(probe if is_jac else model, None if is_jac else probe, "probe", mode,
-                         params, check_finite)
+    call, n, _ = spec.source(probe if is_jac else model, None if is_jac else probe, "probe")
     jp = call(0, n)
     kb = gram(jp, mode="trace", layerwise=True)  # (B, Np, Np)
     xp = jp.xp
@@ -530,15 +559,12 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     factors.  The variance of every entry of :math:`\Phi\Phi^\top` is
     :func:`feature_variance`; see ``docs/features.md``.
     """
-    for name, flag in (("layerwise", layerwise), ("check_finite", check_finite)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False; got {flag!r}")
+    if not isinstance(layerwise, bool):
+        raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
+    spec = FeatureSpec(dim, method, seed, mode, params, probe, kronecker, check_finite)
     plans: list[Projection] = []
     parts = []
-    for batch_plans, _, _, phi in feature_batches(
-            model, x, dim=dim, method=method, seed=seed, mode=mode, params=params,
-            max_memory=max_memory, progress=progress, probe=probe, kronecker=kronecker,
-            check_finite=check_finite):
+    for batch_plans, _, _, phi in batches(spec, model, x, max_memory, progress):
         plans = batch_plans
         parts.append(phi)
     xp = array_api_compat.array_namespace(parts[0])
@@ -568,13 +594,20 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
     and their features are charged, the consumer's per-batch products are not (they are
     O(dim) per sample, within the features' own charge).  Other arguments as :func:`features`.
     """
-    dim, seed = _check_args(dim, method, mode, kronecker, seed)
-    call, n, backend = _source(model, x, "x", mode, params, check_finite)
-    weights = _weights(probe, model, mode, params, check_finite)
+    yield from batches(FeatureSpec(dim, method, seed, mode, params, probe, kronecker,
+                                   check_finite), model, x, max_memory, progress, reserve)
+
+
+def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = None,
+            progress: Any = None, reserve: Callable[[int, int], float] | None = None
+            ) -> Iterator[tuple[list[Projection], int, int, Array]]:
+    """:func:`feature_batches` of a checked :class:`FeatureSpec`."""
+    call, n, backend = spec.source(model, x)
+    check_finite, mode = spec.check_finite, spec.mode
     first = call(0, min(n, PROBE_SAMPLES))
     xp, sig = first.xp, _signature(first)
     budget = resolve_budget(max_memory, backend, first.device)
-    fmap = _FeatureMap(_plan(first, dim, method, weights, kronecker), seed)
+    fmap = _FeatureMap(spec.plan(first, model), spec.seed)
     width = sum(p.dim for p in fmap.plans)
     per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
@@ -695,13 +728,11 @@ def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
             "trace_sq": t, "frob_a": fa, "frob_g": fg}
 
 
-def _model_stats(model: Any, x: Any, dim: int, method: str, mode: str, params: Any,
-                 probe: Any, kronecker: str
+def _model_stats(spec: FeatureSpec, model: Any, x: Any
                  ) -> tuple[Jacobian, list[Projection], list[dict[str, Array]]]:
-    call, n, _ = _source(model, x, "x", mode, params, True)
+    call, n, _ = spec.source(model, x)
     J = call(0, n)
-    plans = _plan(J, dim, method, _weights(probe, model, mode, params, True), kronecker)
-    return J, plans, [_pair_stats(b) for b in J.blocks]
+    return J, spec.plan(J, model), [_pair_stats(b) for b in J.blocks]
 
 
 def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: str = "auto",
@@ -725,8 +756,8 @@ def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: st
     array
         Shaped like the kernel: (N, N) for ``trace`` / ``pseudo``, (N, N, O, O) for ``full``.
     """
-    dim, _ = _check_args(dim, method, mode, kronecker)
-    J, plans, stats = _model_stats(model, x, dim, method, mode, params, probe, kronecker)
+    spec = FeatureSpec(dim, method, 0, mode, params, probe, kronecker)
+    J, plans, stats = _model_stats(spec, model, x)
     xp = J.xp
     var = plans[0].variance(stats[0])
     for p, st in zip(plans[1:], stats[1:], strict=True):
@@ -760,8 +791,8 @@ def feature_error(model: Any, x: Array | None = None, *, dim: int, method: str =
 
     Arguments as for :func:`feature_variance`.
     """
-    dim, _ = _check_args(dim, method, mode, kronecker)
-    J, plans, stats = _model_stats(model, x, dim, method, mode, params, probe, kronecker)
+    spec = FeatureSpec(dim, method, 0, mode, params, probe, kronecker)
+    J, plans, stats = _model_stats(spec, model, x)
     sums, k2 = _sums(J.xp, stats)
     if k2 <= 0.0:
         raise ValueError("the kernel of x is zero: a relative error is undefined")
@@ -794,10 +825,10 @@ def choose_dim(model: Any, x: Array | None = None, *, target: float, method: str
             not math.isfinite(target) or target <= 0:
         raise ValueError(f"target must be a positive finite relative error; got {target!r}")
     max_dim = check_size(max_dim, "max_dim")
-    _check_args(1, method, mode, kronecker)
-    call, n, _ = _source(model, x, "x", mode, params, True)
+    spec = FeatureSpec(1, method, 0, mode, params, probe, kronecker)
+    call, n, _ = spec.source(model, x)
     J = call(0, n)
-    weights = _weights(probe, model, mode, params, True)
+    weights = _weights(probe, model, spec)
     sums, k2 = _sums(J.xp, [_pair_stats(b) for b in J.blocks])
     if k2 <= 0.0:
         raise ValueError("the kernel of x is zero: a relative error is undefined")

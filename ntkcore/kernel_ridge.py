@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ._estimator import NotFittedError, Regressor, _floating, lazy_module_attributes
 from ._typing import Array
 from ._validation import check_kernel, check_scalar, namespace_of, promote
-from .regression import _check_regression_inputs, _jitter_cap, _ridge_solve
+from .regression import check_regression_inputs, jitter_cap, ridge_solve
 from .support import DIFFERENTIABLE, TRIANGULAR_SOLVE, capabilities
 
 __all__ = ["KernelRidge", "NotFittedError"]
@@ -93,10 +93,10 @@ class _KernelRidge(Regressor):
     def _fit(self, k_train: Array, y_train: Array) -> KernelRidge:
         """:meth:`fit` for floating arrays (:func:`ntkcore.kernel_regression` calls it)."""
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
-        _jitter_cap(self.jitter)
+        jitter_cap(self.jitter)
         xp, backend = namespace_of(k_train=k_train, y_train=y_train)
-        k_train, y_train, _ = _check_regression_inputs(xp, k_train, y_train, None, backend)
-        l, dual, eps = _ridge_solve(xp, backend, k_train, y_train, alpha, self.jitter)
+        k_train, y_train, _ = check_regression_inputs(xp, k_train, y_train, None, backend)
+        l, dual, eps = ridge_solve(xp, backend, k_train, y_train, alpha, self.jitter)
         self.chol_ = l
         self.dual_coef_ = dual
         self.jitter_ = eps

@@ -69,8 +69,11 @@ __all__ = [
 
 _JITTER_CAP = 1e-2
 
+# Shared with ntkcore.feature_regression and ntkcore.kernel_ridge (public names, not in
+# __all__): jitter_cap, ridge_solve, check_regression_inputs, check_times, flow_factor.
 
-def _jitter_cap(jitter: str | float | None) -> float | None:
+
+def jitter_cap(jitter: str | float | None) -> float | None:
     """Relative jitter cap from the user's ``jitter`` argument (``None``: never add jitter)."""
     if jitter is None or jitter is False:
         return None
@@ -119,7 +122,7 @@ def cholesky_with_jitter(
         l = backend.cholesky(k, shift=reg)
         if l is not None:
             return l, 0.0
-    cap = _jitter_cap(jitter)
+    cap = jitter_cap(jitter)
     # relative jitters 1e-10, 1e-9, ... up to the cap (and none first when traced)
     top = -11 if cap is None else math.floor(math.log10(cap) + 1e-12)
     rels = [0.0] * traced + [10.0 ** e for e in range(-10, top + 1)]
@@ -143,8 +146,8 @@ def cholesky_with_jitter(
     )
 
 
-def _ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
-                 jitter: str | float | None, name: str = "k_train") -> tuple[Array, Array, Any]:
+def ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
+                jitter: str | float | None, name: str = "k_train") -> tuple[Array, Array, Any]:
     """``(L, alpha, eps)``: the factor, ``(K + (reg + eps) I)^{-1} y`` and the jitter."""
     differentiate = backend.tracks_gradient(k, y)
     k0 = backend.stop_gradient(k) if differentiate else k
@@ -161,7 +164,7 @@ def _ridge_solve(xp: Any, backend: Backend, k: Array, y: Array, reg: float,
     return l, alpha, eps
 
 
-def _check_regression_inputs(
+def check_regression_inputs(
     xp: Any, k_train: Array, y_train: Array | None, k_test_train: Array | None,
     backend: Any = None,
 ) -> tuple[Array, Any, Any]:
@@ -258,14 +261,14 @@ def kernel_regression(
     if cg_options:
         raise TypeError(f"options {sorted(cg_options)} apply only to solver='cg'")
     reg = check_scalar(reg, "reg", nonnegative=True)
-    _jitter_cap(jitter)
+    jitter_cap(jitter)
     xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
-    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
-                                                              k_test_train, backend)
-    return k_test_train @ _ridge_solve(xp, backend, k_train, y_train, reg, jitter)[1]
+    k_train, y_train, k_test_train = check_regression_inputs(xp, k_train, y_train,
+                                                             k_test_train, backend)
+    return k_test_train @ ridge_solve(xp, backend, k_train, y_train, reg, jitter)[1]
 
 
-def _check_times(xp: Any, backend: Backend, t: float | Array, like: Array) -> tuple[Array, Array]:
+def check_times(xp: Any, backend: Backend, t: float | Array, like: Array) -> tuple[Array, Array]:
     """``(t_arr, ts)``: ``t`` in ``like``'s dtype and device, and as a 1-D array (T,)."""
     t_arr = xp.asarray(t, dtype=like.dtype, device=device(like))
     if t_arr.ndim > 1:
@@ -278,7 +281,7 @@ def _check_times(xp: Any, backend: Backend, t: float | Array, like: Array) -> tu
     return t_arr, ts
 
 
-def _flow_factor(xp: Any, w: Array, ts: Array, lr: float, tiny: Any) -> Array:
+def flow_factor(xp: Any, w: Array, ts: Array, lr: float, tiny: Any) -> Array:
     """``f[t, i] = (1 - exp(-lr w_i t)) / w_i`` (T, n) for eigenvalues ``w >= 0``, with the
     limits ``lr t`` for ``w_i <= tiny`` and, at ``t = inf``, ``1 / w_i`` (0 for
     ``w_i <= tiny``: the pseudo-inverse)."""
@@ -353,11 +356,11 @@ def gd_mse_predict(
         adds jitter for them.
     """
     xp, backend = namespace_of(k_train=k_train, y_train=y_train, k_test_train=k_test_train)
-    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
-                                                              k_test_train, backend)
+    k_train, y_train, k_test_train = check_regression_inputs(xp, k_train, y_train,
+                                                             k_test_train, backend)
     lr = check_scalar(learning_rate, "learning_rate", positive=True)
     reg = check_scalar(reg, "reg", nonnegative=True)
-    t_arr, ts = _check_times(xp, backend, t, k_train)
+    t_arr, ts = check_times(xp, backend, t, k_train)
     nan = float("nan")
     n = k_train.shape[0]
     kk = k_train + reg * xp.eye(n, dtype=k_train.dtype, device=device(k_train)) if reg else k_train
@@ -392,7 +395,7 @@ def gd_mse_predict(
         raise NotPositiveDefiniteError(
             "k_train (+ reg I) is singular, so t=inf (kernel regression) is undefined; use reg>0"
         )
-    phi = _flow_factor(xp, w, ts, lr, tiny)
+    phi = flow_factor(xp, w, ts, lr, tiny)
     vty = v.T @ y_train  # (N,) or (N, K)
     ksv = k_test_train @ v  # (M, N)
     if y_train.ndim == 1:
@@ -480,8 +483,8 @@ def gp_inference(
     xp, backend = namespace_of(
         k_train=k_train, y_train=y_train, k_test_train=k_test_train, k_test_test=k_test_test
     )
-    k_train, y_train, k_test_train = _check_regression_inputs(xp, k_train, y_train,
-                                                              k_test_train, backend)
+    k_train, y_train, k_test_train = check_regression_inputs(xp, k_train, y_train,
+                                                             k_test_train, backend)
     reg = check_scalar(reg, "reg", nonnegative=True)
     m = k_test_train.shape[0]
     if k_test_test is not None:

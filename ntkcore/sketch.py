@@ -9,37 +9,9 @@ i.e. a sketched Gram matrix is an unbiased estimate of the exact one.  Rows are 
 axis (``apply(X)`` maps ``X`` of shape (n, ...) to (q, ...)); for a per-sample Jacobian the rows
 are the parameter coordinates.
 
-Kinds (all with the same interface: ``.apply(X, axis=0)``, ``.matrix()``, ``.n``, ``.q``):
-
-``uniform(n, q)``
-    Row sampling with :math:`p_j = 1/n`.  With replacement a drawn row ``j`` is scaled by
-    :math:`1/\sqrt{q p_j} = \sqrt{n/q}`.  Without replacement the ``q`` rows are a uniformly
-    random subset and the scale is also :math:`\sqrt{n/q}`: each row is included with
-    probability :math:`q/n`, so :math:`\mathbb{E}[\Omega^\top\Omega] = (q/n)(n/q) I = I` exactly.
-``leverage(U, q)``
-    Row sampling with :math:`p_j \propto \|U_{j,:}\|^2`.  With replacement the scale is
-    :math:`1/\sqrt{q p_j}`.  Without replacement we use *randomized systematic
-    probability-proportional-to-size sampling*: inclusion probabilities
-    :math:`\pi_j = \min(1, c\, p_j)` with :math:`c` chosen so that :math:`\sum_j \pi_j = q`
-    (rows with :math:`\pi_j = 1` are taken with certainty), the rows are put in a random order,
-    a single :math:`u \sim U[0, 1)` is drawn and row ``j`` is taken when the cumulative sum of
-    :math:`\pi` crosses one of :math:`u, u+1, \dots, u+q-1` inside row ``j``'s interval.  Each row
-    is then included exactly with probability :math:`\pi_j` (at most once), and the
-    Horvitz-Thompson scale :math:`1/\sqrt{\pi_j}` makes :math:`\mathbb{E}[\Omega^\top\Omega]`
-    equal to the identity on every row with :math:`p_j > 0`.  (Rows with :math:`p_j = 0` are
-    zero rows of ``U``; they only fill up the ``q`` slots when fewer than ``q`` rows are
-    nonzero, and then carry scale 0.)  This is exactly unbiased for :math:`U^\top Y`, unlike
-    successive sampling with the naive scale.
-``gaussian(n, q)``
-    :math:`\Omega = G / \sqrt{q}` with i.i.d. standard normal :math:`G` (materialised, q x n).
-``sparse_sign(n, q, nnz=1)``
-    CountSketch-style: every column is the sum of ``nnz`` draws :math:`\pm 1/\sqrt{nnz}` in
-    rows drawn independently and uniformly, with independent random signs.  Colliding draws
-    add up (to 0 or :math:`\pm 2/\sqrt{nnz}`), so a diagonal entry of
-    :math:`\Omega^\top\Omega` is 1 only without collisions (always for ``nnz=1``); its mean,
-    and :math:`\mathbb{E}[\Omega^\top\Omega] = I`, hold either way.  Applied as one-hot
-    matrix products over column chunks (the standard has no scatter-add), so it costs
-    :math:`O(q\, n\, k)` flops and :math:`O(q \cdot \text{chunk})` extra memory.
+Kinds, one :class:`Sketch` subclass each in :data:`SKETCHES`: ``uniform`` and ``leverage``
+row sampling (:class:`RowSketch`), ``gaussian`` (:class:`GaussianSketch`), ``sparse_sign``
+(:class:`SparseSignSketch`); all share ``.apply(X, axis=0)``, ``.matrix()``, ``.n``, ``.q``.
 
 Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
 the same ``seed`` gives the same sketch, bit for bit, on the same backend and kind of device
@@ -303,7 +275,25 @@ class Sketch:
 
 
 class RowSketch(Sketch):
-    """Row sampling: row i of :math:`\\Omega` is :math:`e_{j_i}^\\top` times ``scale[i]``.
+    r"""Row sampling: row i of :math:`\Omega` is :math:`e_{j_i}^\top` times ``scale[i]``.
+
+    ``uniform``: :math:`p_j = 1/n`.  With replacement a drawn row ``j`` is scaled by
+    :math:`1/\sqrt{q p_j} = \sqrt{n/q}`; without, the ``q`` rows are a uniformly random
+    subset, each included with probability :math:`q/n`, and the same scale makes
+    :math:`\mathbb{E}[\Omega^\top\Omega] = (q/n)(n/q) I = I` exactly.
+
+    ``leverage``: :math:`p_j \propto \|U_{j,:}\|^2`.  With replacement the scale is
+    :math:`1/\sqrt{q p_j}`.  Without, *randomized systematic probability-proportional-to-size
+    sampling*: inclusion probabilities :math:`\pi_j = \min(1, c\, p_j)` with :math:`c` such
+    that :math:`\sum_j \pi_j = q` (rows with :math:`\pi_j = 1` are certain), the rows in a
+    random order, one :math:`u \sim U[0, 1)`, and row ``j`` taken when the cumulative sum of
+    :math:`\pi` crosses one of :math:`u, u+1, \dots, u+q-1` inside row ``j``'s interval: each
+    row is included exactly with probability :math:`\pi_j` (at most once), and the
+    Horvitz-Thompson scale :math:`1/\sqrt{\pi_j}` makes :math:`\mathbb{E}[\Omega^\top
+    \Omega]` the identity on every row with :math:`p_j > 0`: exactly unbiased for
+    :math:`U^\top Y`, unlike successive sampling with the naive scale.  (Rows with
+    :math:`p_j = 0`, zero rows of ``U``, only fill the ``q`` slots when fewer than ``q`` rows
+    are nonzero, with scale 0.)
 
     Attributes
     ----------
@@ -401,7 +391,7 @@ def _gather(xp: Any, x: Array, idx: Array, axis: int) -> Array:
 
 
 def _systematic_pps(xp: Any, gen: Any, p: Array, q: int) -> tuple[Array, Array]:
-    """Randomized systematic PPS sample of q distinct rows (see the module docstring).
+    """Randomized systematic PPS sample of q distinct rows (:class:`RowSketch`).
 
     Returns ``(indices, scale)`` with ``scale = 1/sqrt(pi)`` (0 on zero-probability rows).
     """
@@ -482,7 +472,15 @@ class GaussianSketch(Sketch):
 
 
 class SparseSignSketch(Sketch):
-    """CountSketch-style sparse sign sketch with ``nnz`` entries per column.
+    r"""CountSketch-style sparse sign sketch with ``nnz`` entries per column.
+
+    Every column is the sum of ``nnz`` draws :math:`\pm 1/\sqrt{nnz}` in rows drawn
+    independently and uniformly, with independent signs.  Colliding draws add up (to 0 or
+    :math:`\pm 2/\sqrt{nnz}`), so a diagonal entry of :math:`\Omega^\top\Omega` is 1 only
+    without collisions (always for ``nnz=1``); its mean, and :math:`\mathbb{E}[\Omega^\top
+    \Omega] = I`, hold either way.  Applied as one-hot matrix products over column chunks (the
+    standard has no scatter-add): :math:`O(q\, n\, k)` flops, :math:`O(q \cdot
+    \text{chunk})` extra memory.
 
     Attributes
     ----------
@@ -619,7 +617,7 @@ def leverage(U: Array, q: int, *, seed: Any = None, replace: bool = True) -> Row
         Generator seed (as in :func:`uniform`).
     replace : bool
         With replacement: scale :math:`1/\\sqrt{q p_j}`.  Without: randomized systematic PPS
-        sampling with Horvitz-Thompson scale :math:`1/\\sqrt{\\pi_j}` (module docstring).
+        sampling with Horvitz-Thompson scale :math:`1/\\sqrt{\\pi_j}` (:class:`RowSketch`).
 
     Returns
     -------
@@ -865,7 +863,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
         ``spawn_seed(seed, b, 0)`` (dense) or ``spawn_seed(seed, b, 1)`` /
         ``spawn_seed(seed, b, 2)`` (Kronecker factors a / g).
     replace : bool
-        Row sampling with or without replacement (see the module docstring).
+        Row sampling with or without replacement (:class:`RowSketch`).
     return_sketch : bool
         Also return the :class:`JacobianSketch` (to sketch parameter vectors consistently).
 

@@ -309,10 +309,10 @@ def test_predicted_variance_matches_measured(rng, mode, method, kronecker, exact
     kw = dict(mode=mode, method=method, kronecker=kronecker,
               probe=J if exact_dense else None)
     if exact_dense:
-        from ntkcore.features import _merge, _plan, _weights
+        from ntkcore.features import FeatureSpec, _merge
 
-        methods = [p.method for p in _plan(_merge(J, mode), dim, method,
-                                           _weights(J, J, mode, None, True), kronecker)]
+        spec = FeatureSpec(dim, method, mode=mode, probe=J, kronecker=kronecker)
+        methods = [p.method for p in spec.plan(_merge(J, mode), J)]
         assert methods == [kronecker, "exact"]
     var = np.asarray(ntkcore.feature_variance(J, dim=dim, **kw))
     m = 2000
