@@ -1,87 +1,7 @@
-r"""Parameters applied by functional calls: one home for finding them and for their blocks.
-
-A parameter that no structured module owns (``torch_layers.rule_for``) is still structured when
-every use of it in the forward pass is one of the calls below, found by a
-``torch.overrides.TorchFunctionMode`` (:class:`ParamUses`) that is active during the
-provider's hooked forward and its probe, and only when the model has such candidate
-parameters (a model made of structured modules runs without it: no per-call cost).
-An operand "is" a parameter P when it is P or a view of P (``t._base is P``: ``reshape``,
-``expand``, ``unsqueeze``, ``split``, ...), whose entries are a contiguous run of P's, possibly
-broadcast (stride 0).  g denotes the output gradients of the call's result y, taken with the
-same backward passes as the Kronecker blocks' (``torch_jacobian._output_grads``).
-
-==========================================  ================================================
-call (P = a parameter or a view of one)     block
-==========================================  ================================================
-``F.linear(x, W, b)``                       :class:`~ntkcore.KroneckerBlock` [W | b] with
-                                            a = [x, 1] and g, positions = the non-sample
-                                            axes of x; W, b may be the same row range of
-                                            larger parameters (``nn.MultiheadAttention``'s
-                                            ``in_proj_weight.split``): g is zero outside it.
-``F.layer_norm``, ``F.rms_norm``,           :math:`J_w = \sum_s g\,\hat x`,
-``F.batch_norm`` (eval, running stats),     :math:`J_b = \sum_s g` (DenseBlock), with
-``F.group_norm``, ``F.instance_norm``       :math:`\hat x` the call without weight and bias
-                                            (timm's ``LayerNorm2d``, ``BatchNormAct2d``).
-``h * P``, ``torch.mul``                    :math:`J_P = \sum_{\text{broadcast}} g \odot h`
-                                            (layer-scale ``gamma``)
-``h + P``, ``torch.add`` (alpha 1)          :math:`J_P = \sum_{\text{broadcast}} g`
-                                            (``pos_embed``, a bias added by hand)
-``torch.cat([..., P, ...])``                the slice of g at P's positions, summed over
-                                            P's broadcast axes (``cls_token.expand(N, ...)``)
-``h + R``, ``h * R``, R = ``F.embedding(i,  KroneckerBlock with index factor a[n, t] = i_t
-E)`` of a table E in ``tables``             (``one_hot`` = V), g summed over R's broadcast
-                                            axes (BERT's ``position_embeddings``;
-                                            :func:`_table_block`)
-==========================================  ================================================
-
-Dense rule.  Let y (the call's output, samples on axis k) depend on P only through
-:math:`y = h \odot D` (or :math:`h + D`, or D a slice of y) where :math:`D[i] = P[\pi(i)]` is
-P's entries laid out over y's axes, broadcast over the axes B where D has length 1 or stride
-0 (k must be one of them: a parameter is the same for all samples).  Then, per sample n and
-output o,
-
-.. math:: \frac{\partial f_o(x_n)}{\partial P_c} = \sum_{i \notin B} [\pi(i) = c]
-          \sum_{j \in B \setminus k} g[n, o, i, j]\; (h[n, i, j]),
-
-i.e. multiply (for a product), sum over the broadcast axes other than the sample axis, and
-flatten: P's entries in row-major order.  The norm layers are this rule with
-:math:`h = \hat x` for the weight and :math:`h = 1` for the bias.  Several calls (a parameter
-used twice) add up; the sum over positions is exact and minimal, see ``torch_layers``.
-
-Safety.  A parameter is structured only when (1) each of its operands in the forward pass is
-a recognised call's operand or the input of a view op whose result is again a view of it (an
-op whose outputs need no gradient, such as ``p.shape`` or ``p.detach()``, is not a use), (2)
-the number of autograd edges into its gradient accumulator reachable from the output equals
-the number of ops that took the parameter itself (a use the mode did not see, e.g. inside an
-``autograd.Function``, makes them differ), (3) every call's result and sample operands have
-the sample axis the provider's probe finds (:func:`sample_axes`), (4) the result and
-operands were not modified in place afterwards (else the pass reruns with clones), and (5)
-all selected parameters registered on its module are structured the same way (one
-Kronecker matrix [W | b], weight registered first, or all dense).  Otherwise the parameter
-keeps the exact ``torch.func`` path.
-
-Tables.  The provider passes as ``tables`` the ``nn.Embedding`` weights whose lookups its probe
-found without a sample axis (``pos(torch.arange(T))``); the mode then takes the result R of
-``F.embedding(i, E)`` (E itself, no ``max_norm`` or ``scale_grad_by_freq``) as E's operand,
-laid out as the rows :math:`E[i_t]`, and recognises R in ``h + R`` and ``h * R`` only (any
-other op on R, views included, is a use it does not recognise); the graph check (2) counts
-the edges into R's node against the recognised calls on R.  A table also used in any other
-recognised call (``F.linear(h, E)``, ``h + E``) keeps ``torch.func``.
-
-Not covered (they keep ``torch.func``): other ops (``-``, ``/``, ``addcmul``, ``matmul``,
-``F.embedding`` of a non-table parameter, in-place ops), a result with fewer than two axes
-(an (N,) output plus a bias), a Linear weight registered on the root module,
-``nn.MultiheadAttention`` with separate q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG``
-does not use this module (its non-Linear / Conv layers keep its own ``torch.func`` path).
-
-``nn.MultiheadAttention``.  ``F.multi_head_attention_forward`` is a Python function that
-dispatches to the mode as a whole; the mode runs a copy of its body with its
-``has_torch_function`` check off and the mode active, so that its ``F.linear`` calls are seen.
-Its ``out_proj`` (``NonDynamicallyQuantizableLinear``, never called as a module:
-:data:`CALLED_BY_PARENT`) is applied to a (T*B, E) reshape of the attention output whose row
-t*B + b the body views back as (t, b); the copy applies that ``F.linear`` to the (T, B, E)
-view instead (the same rows) and checks that the body's result is that view, so that its
-sample axis B is found like any other.
+r"""Parameters applied by functional calls, which no module with a layer rule owns: the
+``TorchFunctionMode`` that finds their uses (:class:`ParamUses`: what it recognises, and when
+a parameter is structured) and their blocks (:func:`functional_blocks`; the dense rule in
+:func:`term_sums`).
 """
 
 from __future__ import annotations
@@ -259,13 +179,83 @@ def _place(core: tuple[int, ...], ndim: int) -> tuple[int, ...] | None:
 
 
 class ParamUses(TorchFunctionMode):
-    """Records, during a forward pass, the calls that use the candidate parameters ``params``
-    (see the module docstring); ``bad`` collects the ids of parameters used otherwise,
+    r"""Records, during a forward pass, the calls that use the candidate parameters ``params``
+    (below); ``bad`` collects the ids of parameters used otherwise,
     ``direct[id(P)]`` the outputs of the ops that took P itself (for the graph check).
     ``clone``: hand the model a clone of each recognised result (a rerun after an in-place
     change).  ``probe``: a pass on other samples that only needs the calls' shapes.
     ``tables``: embedding tables whose lookups ``F.embedding(idx, P)`` are followed
-    (``gathers[id(y)]``: the result y then counts as P's operand, see :func:`_table_term`)."""
+    (``gathers[id(y)]``: the result y then counts as P's operand, see :func:`_table_term`).
+
+    A parameter that no structured module owns (``torch_layers.rule_for``) is still structured when
+    every use of it in the forward pass is one of the calls below, found by a
+    ``torch.overrides.TorchFunctionMode`` (:class:`ParamUses`) that is active during the
+    provider's hooked forward and its probe, and only when the model has such candidate
+    parameters (a model made of structured modules runs without it: no per-call cost).
+    An operand "is" a parameter P when it is P or a view of P (``t._base is P``: ``reshape``,
+    ``expand``, ``unsqueeze``, ``split``, ...), whose entries are a contiguous run of P's, possibly
+    broadcast (stride 0).  g denotes the output gradients of the call's result y, taken with the
+    same backward passes as the Kronecker blocks' (``torch_jacobian._output_grads``).
+
+    ==========================================  ================================================
+    call (P = a parameter or a view of one)     block
+    ==========================================  ================================================
+    ``F.linear(x, W, b)``                       :class:`~ntkcore.KroneckerBlock` [W | b] with
+                                                a = [x, 1] and g, positions = the non-sample
+                                                axes of x; W, b may be the same row range of
+                                                larger parameters (``nn.MultiheadAttention``'s
+                                                ``in_proj_weight.split``): g is zero outside it.
+    ``F.layer_norm``, ``F.rms_norm``,           :math:`J_w = \sum_s g\,\hat x`,
+    ``F.batch_norm`` (eval, running stats),     :math:`J_b = \sum_s g` (DenseBlock), with
+    ``F.group_norm``, ``F.instance_norm``       :math:`\hat x` the call without weight and bias
+                                                (timm's ``LayerNorm2d``, ``BatchNormAct2d``).
+    ``h * P``, ``torch.mul``                    :math:`J_P = \sum_{\text{broadcast}} g \odot h`
+                                                (layer-scale ``gamma``)
+    ``h + P``, ``torch.add`` (alpha 1)          :math:`J_P = \sum_{\text{broadcast}} g`
+                                                (``pos_embed``, a bias added by hand)
+    ``torch.cat([..., P, ...])``                the slice of g at P's positions, summed over
+                                                P's broadcast axes (``cls_token.expand(N, ...)``)
+    ``h + R``, ``h * R``, R = ``F.embedding(i,  KroneckerBlock with index factor a[n, t] = i_t
+    E)`` of a table E in ``tables``             (``one_hot`` = V), g summed over R's broadcast
+                                                axes (BERT's ``position_embeddings``;
+                                                :func:`_table_block`)
+    ==========================================  ================================================
+
+    Safety.  A parameter is structured only when (1) each of its operands in the forward pass is
+    a recognised call's operand or the input of a view op whose result is again a view of it (an
+    op whose outputs need no gradient, such as ``p.shape`` or ``p.detach()``, is not a use), (2)
+    the number of autograd edges into its gradient accumulator reachable from the output equals
+    the number of ops that took the parameter itself (a use the mode did not see, e.g. inside an
+    ``autograd.Function``, makes them differ), (3) every call's result and sample operands have
+    the sample axis the provider's probe finds (:func:`sample_axes`), (4) the result and
+    operands were not modified in place afterwards (else the pass reruns with clones), and (5)
+    all selected parameters registered on its module are structured the same way (one
+    Kronecker matrix [W | b], weight registered first, or all dense).  Otherwise the parameter
+    keeps the exact ``torch.func`` path.
+
+    Tables.  The provider passes as ``tables`` the ``nn.Embedding`` weights whose lookups its probe
+    found without a sample axis (``pos(torch.arange(T))``); the mode then takes the result R of
+    ``F.embedding(i, E)`` (E itself, no ``max_norm`` or ``scale_grad_by_freq``) as E's operand,
+    laid out as the rows :math:`E[i_t]`, and recognises R in ``h + R`` and ``h * R`` only (any
+    other op on R, views included, is a use it does not recognise); the graph check (2) counts
+    the edges into R's node against the recognised calls on R.  A table also used in any other
+    recognised call (``F.linear(h, E)``, ``h + E``) keeps ``torch.func``.
+
+    Not covered (they keep ``torch.func``): other ops (``-``, ``/``, ``addcmul``, ``matmul``,
+    ``F.embedding`` of a non-table parameter, in-place ops), a result with fewer than two axes
+    (an (N,) output plus a bias), a Linear weight registered on the root module,
+    ``nn.MultiheadAttention`` with separate q/k/v weights or ``bias_k`` / ``bias_v``.  ``SENG``
+    does not use this module (its non-Linear / Conv layers keep its own ``torch.func`` path).
+
+    ``nn.MultiheadAttention``.  ``F.multi_head_attention_forward`` is a Python function that
+    dispatches to the mode as a whole; the mode runs a copy of its body with its
+    ``has_torch_function`` check off and the mode active, so that its ``F.linear`` calls are seen.
+    Its ``out_proj`` (``NonDynamicallyQuantizableLinear``, never called as a module:
+    :data:`CALLED_BY_PARENT`) is applied to a (T*B, E) reshape of the attention output whose row
+    t*B + b the body views back as (t, b); the copy applies that ``F.linear`` to the (T, B, E)
+    view instead (the same rows) and checks that the body's result is that view, so that its
+    sample axis B is found like any other.
+    """
 
     def __init__(self, params: list[torch.Tensor], clone: bool = False,
                  tables: list[torch.Tensor] = ()):
@@ -354,7 +344,7 @@ class ParamUses(TorchFunctionMode):
 
     def _attention(self, args: tuple, kwargs: dict,
                    owned: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """``F.multi_head_attention_forward`` with its body visible (module docstring)."""
+        """``F.multi_head_attention_forward`` with its body visible (:class:`ParamUses`)."""
         query = args[0] if args else kwargs["query"]
         made: list[torch.Tensor] = []
         if query.dim() == 3:
@@ -652,7 +642,22 @@ def term_sums(c: Call, ax: int,
     its terms' :func:`_dense_term` sums concatenated along the last axis, in ``c.terms``
     order, (N, L, W).  The factor h (:math:`\hat x` for a norm) is formed once, here.  The
     provider applies it pass by pass and keeps only the sums (``torch_layers.Summed``);
-    None for any other call (its g is kept)."""
+    None for any other call (its g is kept).
+
+    Dense rule.  Let y (the call's output, samples on axis k) depend on P only through
+    :math:`y = h \odot D` (or :math:`h + D`, or D a slice of y) where :math:`D[i] = P[\pi(i)]` is
+    P's entries laid out over y's axes, broadcast over the axes B where D has length 1 or stride
+    0 (k must be one of them: a parameter is the same for all samples).  Then, per sample n and
+    output o,
+
+    .. math:: \frac{\partial f_o(x_n)}{\partial P_c} = \sum_{i \notin B} [\pi(i) = c]
+              \sum_{j \in B \setminus k} g[n, o, i, j]\; (h[n, i, j]),
+
+    i.e. multiply (for a product), sum over the broadcast axes other than the sample axis, and
+    flatten: P's entries in row-major order.  The norm layers are this rule with
+    :math:`h = \hat x` for the weight and :math:`h = 1` for the bias.  Several calls (a parameter
+    used twice) add up; the sum over positions is exact and minimal (``AffineRule``).
+    """
     if c.kind != "dense" or any(t.role == "rows" for t in c.terms):
         return None
     h = c.h if c.h is None or create_graph else c.h.detach()
@@ -694,7 +699,7 @@ def functional_blocks(groups: dict[str, list[torch.Tensor]], calls: list[tuple[C
     """The blocks of ``groups`` (block name -> its parameters, in block order) from the
     recognised ``calls`` (with their sample axes) and their output gradients ``gs`` (Linear
     layout, one per call).  A group whose parameters appear only as Linear terms is a
-    KroneckerBlock [W | b]; otherwise a DenseBlock (the module docstring's dense rule)."""
+    KroneckerBlock [W | b]; otherwise a DenseBlock (the dense rule of :func:`term_sums`)."""
     out: dict[str, DenseBlock | KroneckerBlock] = {}
     for name, params in groups.items():
         ids = {id(p) for p in params}

@@ -136,7 +136,7 @@ class ConvRule(LayerRule):
     unbatched = (nn.modules.conv._ConvNd,)
 
     def kronecker_update(self, mod: nn.Module) -> bool:
-        return mod.groups == 1
+        return bool(mod.groups == 1)
 
     def block(self, mod, inputs, gs, n, name, weight, bias):
         groups = mod.groups
@@ -326,7 +326,7 @@ class RecurrentRule(LayerRule):
 
     def accepts(self, mod: nn.Module) -> bool:
         """Whether ``mod`` can be unrolled: no projection, a known cell."""
-        return mod.proj_size == 0 and mod.mode in self.modes
+        return bool(mod.proj_size == 0 and mod.mode in self.modes)
 
     def cell(self, mod: nn.Module, u: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
              c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,

@@ -554,10 +554,12 @@ class SENG(torch.optim.Optimizer):
         # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
         dt, scale = unit.params[0].dtype, self._sample_scale(n)
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        rule = rule_for(unit.module)
-        gs = [rule.output_factor(unit.module, c["gy"].to(dt)[None] * scale, n, 1, ax)
+        mod = unit.module
+        rule = None if mod is None else rule_for(mod)
+        assert mod is not None and rule is not None  # a Kronecker unit (_build_units)
+        gs = [rule.output_factor(mod, c["gy"].to(dt)[None] * scale, n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
-        block = rule.block(unit.module, xs, gs, n, unit.name, True, len(unit.params) == 2)
+        block = rule.block(mod, xs, gs, n, unit.name, True, len(unit.params) == 2)
         assert isinstance(block, KroneckerBlock)  # Linear / groups=1 Conv
         return block
 
