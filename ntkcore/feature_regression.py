@@ -1,14 +1,8 @@
 r"""Regression on features: kernel ridge, NTK gradient flow and GP inference for the kernel
-:math:`K = \Phi\Phi^\top`, solved in the space of the D features (see docs/features.md).
-
-Features :math:`\Phi` (N, D), e.g. projected per-sample gradients whose products
-:math:`\Phi\Phi^\top` estimate the eNTK, stand for the training kernel
-:math:`K = \Phi\Phi^\top` and the test-train kernel :math:`K_* = \Phi_*\Phi^\top`; every
-function here equals its kernel-space counterpart of :mod:`ntkcore.regression` on those
-kernels.  Full-mode features (N, O, D) stand for the (N O, N O) matrix view of a full kernel
-(rows ``n * O + o``, as :meth:`ntkcore.modes.Mode.matrix`): their rows are
-``phi.reshape(N * O, D)``, with targets ``y`` (N, O) or (N, O, K) taken as
-``y.reshape(N * O, ...)``, and predictions come back as (M, O) or (M, O, K).
+:math:`K = \Phi\Phi^\top`, each equal to its counterpart of :mod:`ntkcore.regression` on
+:math:`K` and :math:`K_* = \Phi_*\Phi^\top`.  Full-mode features (N, O, D) are the rows
+``phi.reshape(N * O, D)`` of the (N O, N O) matrix view (:meth:`ntkcore.modes.Mode.matrix`),
+with targets ``y.reshape(N * O, ...)``.
 
 Each function solves on the smaller side (:func:`_gram`): the primal D x D system
 :math:`(\Phi^\top\Phi + \lambda I)\beta = \Phi^\top y` when D < R rows, else the dual R x R

@@ -46,11 +46,9 @@ AUTO_GAUSSIAN_ENTRIES = 1 << 24
 def allocate(dim: int, weights: Sequence[float]) -> tuple[int, ...]:
     r"""Columns per block: ``dim`` split in proportion to ``weights``, each at least 1.
 
-    Block b gets :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least 1), the
-    remaining columns one at a time to the largest remainders (ties: the lower block index),
-    excess ones taken back from the smallest remainders: deterministic.  ``features`` weighs
-    blocks equally, or by their share of the kernel trace on a ``probe`` (docs/features.md,
-    "Splitting dim").
+    Block b gets :math:`\lfloor \mathrm{dim}\, w_b / \sum w\rfloor` (at least 1), the rest
+    one at a time to the largest remainders (ties: the lower index), excess ones taken back
+    from the smallest: deterministic (docs/features.md, "Splitting dim").
     """
     nb = len(weights)
     if dim < nb:
@@ -165,10 +163,7 @@ class DenseProjection(Projection):
         return SKETCHES[self.method].nbytes(self.n, self.dim)
 
     def variance(self, st: dict[str, Any]) -> Any:
-        var = SKETCHES[self.method].variance(st, self.dim)
-        if var is None:
-            raise ValueError(f"the {self.method!r} projection has no variance formula")
-        return var
+        return SKETCHES[self.method].variance(st, self.dim)
 
 
 @dataclass(frozen=True)
@@ -179,9 +174,12 @@ class PairsLayout(Projection):
     :math:`O(S q (d_\text{in} + d_\text{out}))` per sample and output)."""
 
     def __post_init__(self) -> None:
-        if not self.q_a:
-            object.__setattr__(self, "q_a", self.dim)
-            object.__setattr__(self, "q_g", self.dim)
+        if not self.q_a:  # the rows of the factor sketches
+            object.__setattr__(self, "q_a", self._rows()[0])
+            object.__setattr__(self, "q_g", self._rows()[1])
+
+    def _rows(self) -> tuple[int, int]:
+        return self.dim, self.dim
 
     def sketches(self, seed: int, b: int, like: Array) -> tuple[Any, ...]:
         return (gaussian(self.n, self.q_a, seed=spawn_seed(seed, b, 1), like=like),
@@ -241,11 +239,8 @@ class GridLayout(PairsLayout):
     same draws); its variance, :meth:`PairsLayout.variance` with the grid's shared rows and
     columns, is then :math:`(T + F_A)/q_A + (T + F_G)/q_G + (N_{xy} + K^2 + F_A + F_G)/q`."""
 
-    def __post_init__(self) -> None:
-        if not self.q_a:
-            q_a, q_g = split_kronecker(self.dim, self.n, self.d_out, cells=True)
-            object.__setattr__(self, "q_a", q_a)
-            object.__setattr__(self, "q_g", q_g)
+    def _rows(self) -> tuple[int, int]:
+        return split_kronecker(self.dim, self.n, self.d_out, cells=True)
 
     def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
         a_s, g_s = self._factors(block, sketches)
@@ -303,39 +298,11 @@ def _signature(J: Jacobian) -> tuple[Any, ...]:
                  else (b.name, "kronecker", b.d_in, b.d_out) for b in J.blocks)
 
 
-class _FeatureMap:
-    """The projections of a plan, drawn at the first :meth:`apply` on that Jacobian's
-    namespace and device; block b draws from ``spawn_seed(seed, b, 0)`` (dense) or
-    ``spawn_seed(seed, b, 1)`` / ``spawn_seed(seed, b, 2)`` (factors A / G), the convention of
-    :func:`ntkcore.sketch.sketch_jacobian`."""
-
-    def __init__(self, plans: list[Projection], seed: int) -> None:
-        self.plans, self.seed = plans, seed
-        self._sketches: list[tuple[Any, ...]] | None = None
-
-    def sketch_bytes(self) -> int:
-        """Bytes of the drawn projections (float64 draws and one cast copy)."""
-        return sum(p.nbytes() for p in self.plans)
-
-    def apply(self, J: Jacobian) -> Array:
-        """Features of the (output-merged) ``J``: (N, R, dim) for R outputs."""
-        if self._sketches is None:
-            self._sketches = [p.sketches(self.seed, b, block.arrays()[0]) for b, (p, block)
-                              in enumerate(zip(self.plans, J.blocks, strict=True))]
-        out = [p.apply(block, sk) for p, sk, block
-               in zip(self.plans, self._sketches, J.blocks, strict=True)]
-        return out[0] if len(out) == 1 else J.xp.concat(out, axis=2)
-
-
 # -- Jacobians of a model, by sample range ---------------------------------------------------
 def _merge(J: Jacobian, mode: str) -> Jacobian:
     r"""``J`` for ``mode``: as is ("full"), or with its outputs merged into the parameter axis
-    ("trace"; "pseudo" first contracts the outputs).
-
-    Trace features sketch the output axis too, :math:`\Phi[n] = \sum_o \Omega_o
-    J[n,o,:]^\top` with independent :math:`\Omega_o`, which is one projection of the
-    flattened (O P) Jacobian: the full features of one output (a Kronecker block's ``g``
-    (N, S, O, d_out) becomes (N, S, 1, O d_out)), with the error model of one output."""
+    ("trace": independent :math:`\Omega_o` per output are one projection of the flattened
+    (O P) Jacobian; "pseudo" first contracts the outputs)."""
     if mode == "full":
         return J
     if mode == "pseudo" and J.num_outputs > 1:
@@ -372,10 +339,11 @@ def _check_samples(x: Any, name: str) -> tuple[Any, Any]:
     return xp, backend
 
 
-def _source(model: Any, x: Any, name: str, mode: str, params: Any, check_finite: bool
+def _source(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
             ) -> tuple[Callable[[int, int], Jacobian], int, Any]:
     """``(call, N, backend)``: ``call(start, stop)`` is the merged Jacobian of those samples
     of ``x`` (a model's inputs, or ``model`` itself when it is a Jacobian and ``x`` is None)."""
+    mode, params = spec.mode, spec.params
     if isinstance(model, DenseBlock | KroneckerBlock):
         model = Jacobian([model])
     if isinstance(model, Jacobian):
@@ -392,7 +360,7 @@ def _source(model: Any, x: Any, name: str, mode: str, params: Any, check_finite:
                         "sample axis")
     provider = find_provider(model)
     xp, backend = _check_samples(x, name)
-    if check_finite:
+    if spec.check_finite:
         _check_finite_array(xp, x, name)
         _check_model_finite(model)
     kwargs: dict[str, Any] = {"params": params}
@@ -448,11 +416,6 @@ class FeatureSpec:
         object.__setattr__(self, "dim", check_size(self.dim, "dim"))
         object.__setattr__(self, "seed", _check_seed(self.seed))
 
-    def source(self, model: Any, x: Any, name: str = "x"
-               ) -> tuple[Callable[[int, int], Jacobian], int, Any]:
-        """:func:`_source` with this mode, params and check_finite."""
-        return _source(model, x, name, self.mode, self.params, self.check_finite)
-
     def plan(self, J: Jacobian, model: Any, dim: int | None = None) -> list[Projection]:
         """:func:`_plan` of ``J`` for ``dim`` (default :attr:`dim`), weighted by the probe."""
         return _plan(J, self.dim if dim is None else dim, self.method,
@@ -466,7 +429,7 @@ def _weights(probe: Any, model: Any, spec: FeatureSpec) -> list[float] | None:
     is_jac = isinstance(model, Jacobian | DenseBlock | KroneckerBlock)
     if is_jac and not isinstance(probe, Jacobian | DenseBlock | KroneckerBlock):
         raise TypeError(f"probe must be a Jacobian when model is one; got {type(probe).__name__}")
-    call, n, _ = spec.source(probe if is_jac else model, None if is_jac else probe, "probe")
+    call, n, _ = _source(spec, probe if is_jac else model, None if is_jac else probe, "probe")
     jp = call(0, n)
     kb = gram(jp, mode="trace", layerwise=True)  # (B, Np, Np)
     xp = jp.xp
@@ -522,12 +485,9 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
         trace is measured to split ``dim`` (default: equal weights per block, independent of
         any data; small blocks exact).
     kronecker : {"pairs", "grid"}
-        Layout of a Kronecker block's ``q`` features: ``pairs`` (default), q independent
-        pairs :math:`\gamma_i \otimes \alpha_i` (2q factor rows, cost :math:`O(S q
-        (d_\text{in} + d_\text{out}))`, variance :math:`V_1 / q`); ``grid``, the cells of
-        :math:`\Omega_G \otimes \Omega_A` (q_A + q_G factor rows, fewer flops, variance
-        falling like :math:`1/q_A + 1/q_G`).  Module docstring; the choice of the default is
-        in docs/features.md ("Grid or pairs").
+        Layout of a Kronecker block's features (:data:`LAYOUTS`): :class:`PairsLayout`
+        (default, variance falling like 1/q) or :class:`GridLayout` (fewer flops, variance
+        falling like :math:`1/q_A + 1/q_G`); docs/features.md, "Grid or pairs".
     check_finite : bool, default True
         Check ``x``, the model's parameters and the features for NaN/Inf.
 
@@ -551,13 +511,6 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     BudgetTooSmallError
         ``max_memory`` cannot hold the projections and one sample (the message states the
         smallest budget that can).
-
-    Notes
-    -----
-    Cost per sample and output: :math:`O(S (d_\text{in} q_A + d_\text{out} q_G) + S q_A
-    q_G)` per Kronecker block, :math:`O(n_b q_b)` per dense block, after the provider's
-    factors.  The variance of every entry of :math:`\Phi\Phi^\top` is
-    :func:`feature_variance`; see ``docs/features.md``.
     """
     if not isinstance(layerwise, bool):
         raise TypeError(f"layerwise must be True or False; got {layerwise!r}")
@@ -602,19 +555,20 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
             progress: Any = None, reserve: Callable[[int, int], float] | None = None
             ) -> Iterator[tuple[list[Projection], int, int, Array]]:
     """:func:`feature_batches` of a checked :class:`FeatureSpec`."""
-    call, n, backend = spec.source(model, x)
+    call, n, backend = _source(spec, model, x)
     check_finite, mode = spec.check_finite, spec.mode
     first = call(0, min(n, PROBE_SAMPLES))
     xp, sig = first.xp, _signature(first)
     budget = resolve_budget(max_memory, backend, first.device)
-    fmap = _FeatureMap(spec.plan(first, model), spec.seed)
-    width = sum(p.dim for p in fmap.plans)
+    plans = spec.plan(first, model)
+    width = sum(p.dim for p in plans)
     per_sample = first.nbytes / first.num_samples
     r = first.num_outputs
     item = itemsize(xp, first.dtype)
-    extra = item * sum(p.batch_numbers(b, r) for p, b in zip(fmap.plans, first.blocks,
+    extra = item * sum(p.batch_numbers(b, r) for p, b in zip(plans, first.blocks,
                                                              strict=True)) + item * r * width
-    held = fmap.sketch_bytes() + (0.0 if reserve is None else float(reserve(width, item)))
+    held = sum(p.nbytes() for p in plans) + (0.0 if reserve is None else
+                                             float(reserve(width, item)))
     avail = budget - held
     need_one = CALL_OVERHEAD * per_sample + extra
     if avail < need_one:
@@ -628,18 +582,24 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
     batch = batch_samples(per_sample, avail, extra)
     n0 = first.num_samples
     stops = [*range(n0 + batch, n, batch), n] if n > n0 else []  # ends of the next batches
+    # block b draws from spawn_seed(seed, b, k), k = 0 (dense) or 1, 2 (factors A, G), as
+    # sketch_jacobian does, in the namespace and on the device of the first batch
+    sketches = [p.sketches(spec.seed, b, block.arrays()[0])
+                for b, (p, block) in enumerate(zip(plans, first.blocks, strict=True))]
     with progress_steps(progress, 1 + len(stops), "features") as step:
         j, start, stop = first, 0, first.num_samples
         for nxt in [*stops, None]:
             if _signature(j) != sig:
                 raise ValueError(f"the Jacobian of samples {start}:{stop} has blocks "
                                  f"{_signature(j)} but that of the first ones has {sig}")
-            phi = fmap.apply(j)
+            out = [p.apply(block, sk) for p, sk, block in zip(plans, sketches, j.blocks,
+                                                              strict=True)]
+            phi = out[0] if len(out) == 1 else xp.concat(out, axis=2)
             if check_finite and not all_finite(xp, phi):
                 raise ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
                                  "(a non-finite Jacobian: an overflow or a non-finite "
                                  "activation); pass check_finite=False to skip this check")
-            yield fmap.plans, start, stop, (phi if mode == "full" else phi[:, 0, :])
+            yield plans, start, stop, (phi if mode == "full" else phi[:, 0, :])
             step()
             if nxt is not None:
                 start, stop = stop, nxt
@@ -730,7 +690,7 @@ def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
 
 def _model_stats(spec: FeatureSpec, model: Any, x: Any
                  ) -> tuple[Jacobian, list[Projection], list[dict[str, Array]]]:
-    call, n, _ = spec.source(model, x)
+    call, n, _ = _source(spec, model, x)
     J = call(0, n)
     return J, spec.plan(J, model), [_pair_stats(b) for b in J.blocks]
 
@@ -826,7 +786,7 @@ def choose_dim(model: Any, x: Array | None = None, *, target: float, method: str
         raise ValueError(f"target must be a positive finite relative error; got {target!r}")
     max_dim = check_size(max_dim, "max_dim")
     spec = FeatureSpec(1, method, 0, mode, params, probe, kronecker)
-    call, n, _ = spec.source(model, x)
+    call, n, _ = _source(spec, model, x)
     J = call(0, n)
     weights = _weights(probe, model, spec)
     sums, k2 = _sums(J.xp, [_pair_stats(b) for b in J.blocks])

@@ -69,9 +69,6 @@ __all__ = [
 
 _JITTER_CAP = 1e-2
 
-# Shared with ntkcore.feature_regression and ntkcore.kernel_ridge (public names, not in
-# __all__): jitter_cap, ridge_solve, check_regression_inputs, check_times, flow_factor.
-
 
 def jitter_cap(jitter: str | float | None) -> float | None:
     """Relative jitter cap from the user's ``jitter`` argument (``None``: never add jitter)."""

@@ -13,14 +13,10 @@ Kinds, one :class:`Sketch` subclass each in :data:`SKETCHES`: ``uniform`` and ``
 row sampling (:class:`RowSketch`), ``gaussian`` (:class:`GaussianSketch`), ``sparse_sign``
 (:class:`SparseSignSketch`); all share ``.apply(X, axis=0)``, ``.matrix()``, ``.n``, ``.q``.
 
-Random numbers come only from the backend protocol (``backend.generator(seed, device)``), so
-the same ``seed`` gives the same sketch, bit for bit, on the same backend and kind of device
-with the same library versions; a few floating-point draws also depend on the CPU's
-instruction set (JAX's Gaussians; docs/reliability.md, "Seeds", lists which draws are the
-same bits on every CPU).  Sketches draw in float64 wherever the namespace has it.  NumPy and
-the namespaces of the generic backend (``array_api_strict``, ...) share one host generator and
-draw the same bits; torch (whose CPU and CUDA generators differ), JAX and CuPy each draw other
-numbers, so one seed gives unrelated sketches there, not equal ones to rounding.
+Random numbers come only from ``backend.generator(seed, device)``, in float64 wherever the
+namespace has it: one ``seed`` gives the same sketch, bit for bit, on one backend and kind of
+device with the same library versions (NumPy and ``array_api_strict`` share the host
+generator; torch, JAX and CuPy draw other numbers; docs/reliability.md, "Seeds").
 
 **Seeds.**  A ``seed`` (here, in :class:`SketchSpec`, ``MLP.random`` and ``cg_solve``'s
 Nystrom preconditioner) is ``None`` (fresh entropy), a non-negative integer, or the caller's
@@ -46,6 +42,7 @@ in :mod:`ntkcore.lowrank` and is re-exported here.
 from __future__ import annotations
 
 import math
+from collections.abc import KeysView
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,12 +157,12 @@ class Sketch:
         """Bytes of the draws of a (q, n) sketch and one cast copy (for memory budgets)."""
         return 16 * q * n
 
-    @staticmethod
-    def variance(stats: dict[str, Any], q: int) -> Any:
+    @classmethod
+    def variance(cls, stats: dict[str, Any], q: int) -> Any:
         r""":math:`\mathrm{Var}[(\Omega x)\cdot(\Omega y)]` from the pair statistics of
         :func:`ntkcore.features.feature_variance` (``"kernel_sq"``, ``"norm_product"``,
-        ``"square_products"``); None: this kind has no variance formula."""
-        return None
+        ``"square_products"``), where the kind has a formula."""
+        raise ValueError(f"the {cls.kind!r} sketch has no variance formula")
 
     @property
     def bound(self) -> bool:
@@ -244,9 +241,9 @@ class Sketch:
     def columns(self, idx: Array, dtype: Any) -> Array:
         """:math:`\\Omega e_i` for integer ``idx`` (...) -> (..., q) in ``dtype`` (a zero row
         where ``idx == -1``): the sketch of one-hot rows (an index factor) without forming
-        them.  Here from :meth:`matrix` (q, n); the kinds gather their own draws."""
-        return factor_times(self._xp, idx, self._xp.matrix_transpose(self.matrix(dtype)),
-                            self.n)
+        them: a gather of the rows of :meth:`transposed` (row sketches gather their draws)."""
+        self.bind(idx)
+        return factor_times(self._xp, idx, self.transposed(dtype), self.n)
 
     def matrix(self, dtype: Any = None) -> Array:
         """The dense (q, n) sketch matrix (for tests and small n)."""
@@ -465,11 +462,6 @@ class GaussianSketch(Sketch):
     def _apply_rows(self, xp: Any, flat: Array, dtype: Any) -> Array:
         return xp.astype(self._omega, dtype) @ flat
 
-    def columns(self, idx: Array, dtype: Any) -> Array:
-        """:meth:`Sketch.columns`: a gather of the columns of :math:`\\Omega`."""
-        self.bind(idx)
-        return factor_times(self._xp, idx, self._xp.astype(self._omega, dtype).T, self.n)
-
 
 class SparseSignSketch(Sketch):
     r"""CountSketch-style sparse sign sketch with ``nnz`` entries per column.
@@ -501,8 +493,7 @@ class SparseSignSketch(Sketch):
     @staticmethod
     def variance(stats: dict[str, Any], q: int) -> Any:
         r""":math:`\mathrm{Var}[\phi_x\cdot\phi_y] = (K^2 + |x|^2|y|^2 - 2\sum_i x_i^2
-        y_i^2) / q` (``nnz=1``: every entry is :math:`\pm 1/\sqrt{q}` times a one-hot
-        column, so the fourth moment is 1, not the Gaussian's 3)."""
+        y_i^2) / q` for ``nnz=1`` (entries :math:`\pm 1`: fourth moment 1, not 3)."""
         return (stats["kernel_sq"] + stats["norm_product"] - 2 * stats["square_products"]) / q
 
     def __init__(self, n: int, q: int, seed: Any, nnz: int = 1) -> None:
@@ -553,21 +544,12 @@ SKETCHES: dict[str, type[Sketch]] = {"uniform": RowSketch, "leverage": RowSketch
                                      "gaussian": GaussianSketch, "sparse_sign": SparseSignSketch}
 
 
-class _Kinds:
-    """The registered kinds, read from :data:`SKETCHES` at each use (``in``, iteration; shown
-    as a tuple)."""
-
-    def __contains__(self, kind: object) -> bool:
-        return kind in SKETCHES
-
-    def __iter__(self) -> Any:
-        return iter(SKETCHES)
-
+class _Kinds(KeysView):  # the kinds in SKETCHES at each use, shown as a tuple
     def __repr__(self) -> str:
-        return repr(tuple(SKETCHES))
+        return repr(tuple(self))
 
 
-KINDS = _Kinds()
+KINDS = _Kinds(SKETCHES)
 
 
 # -- constructors ---------------------------------------------------------------------------
@@ -749,15 +731,9 @@ def make_sketch(kind: str, operand: Array, q: int, *, seed: Any = None,
     """A sketch of ``kind`` for the rows (axis 0) of ``operand``, drawn on its device."""
     if kind == "leverage":
         return leverage(operand, q, seed=seed, replace=replace)
-    return _oblivious_sketch(kind, int(operand.shape[0]), q, seed, replace, operand, "sketch kind")
-
-
-def _oblivious_sketch(kind: str, n: int, q: int, seed: Any, replace: bool, like: Array,
-                      what: str) -> Sketch:
-    """A data-independent sketch of ``n`` rows (every kind but leverage)."""
-    if kind not in SKETCHES or kind == "leverage":
-        raise ValueError(f"{what} must be one of {KINDS}; got {kind!r}")
-    return SKETCHES[kind].create(n, q, seed, replace).bind(like)
+    if kind not in SKETCHES:
+        raise ValueError(f"sketch kind must be one of {KINDS}; got {kind!r}")
+    return SKETCHES[kind].create(int(operand.shape[0]), q, seed, replace).bind(operand)
 
 
 # -- Jacobians -----------------------------------------------------------------------------
@@ -772,20 +748,16 @@ def split_budget(q: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def split_kronecker(q: int, d_in: int, d_out: int, *, cells: bool = False) -> tuple[int, int]:
-    r"""``(q_A, q_G)``: a Kronecker block's ``q`` rows as sketches of d_in and d_out rows.
-
-    Equal sampling fractions :math:`f = \sqrt{q / (d_\text{in} d_\text{out})}` of both
-    factors, so :math:`q_A \approx f d_\text{in} = \sqrt{q d_\text{in} / d_\text{out}}`.
+    r"""``(q_A, q_G)``: a Kronecker block's ``q`` rows as sketches of d_in and d_out rows,
+    equal sampling fractions :math:`f = \sqrt{q / (d_\text{in} d_\text{out})}` of both.
 
     ``cells=False`` (:func:`sketch_jacobian`): :math:`q_A = \mathrm{clip}(\mathrm{round}(f
     d_\text{in}), 1, d_\text{in})`, :math:`q_G = \mathrm{clip}(\mathrm{round}(q / q_A), 1,
-    d_\text{out})`, so :math:`q_A q_G \approx q`; a factor with :math:`q = d` is left
-    unsketched (exact).  ``cells=True`` (the ``"grid"`` layout of :func:`ntkcore.features`):
-    a grid of at least ``q`` cells, :math:`q_A = \mathrm{clip}(\mathrm{round}(\sqrt{q
-    d_\text{in} / d_\text{out}}), 1, q)` columns and :math:`q_G = \lceil q / q_A \rceil`
-    rows.  (The two spellings of :math:`f d_\text{in}` round apart on a few half-integer
-    ties, e.g. q = 225, d_in = 11, d_out = 44; each caller keeps its own, bit for bit.)
-    """
+    d_\text{out})` (a factor with :math:`q = d` is left exact).  ``cells=True`` (the grid of
+    :func:`ntkcore.features`): at least ``q`` cells, :math:`q_A = \mathrm{clip}(\mathrm{round}
+    (\sqrt{q d_\text{in} / d_\text{out}}), 1, q)`, :math:`q_G = \lceil q / q_A \rceil` (the
+    two spellings of :math:`f d_\text{in}` round apart on rare ties, e.g. q = 225, d_in = 11,
+    d_out = 44: each caller keeps its own)."""
     if cells:
         q_a = min(q, max(1, round(math.sqrt(q * d_in / d_out))))
         return q_a, -(-q // q_a)
@@ -900,7 +872,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
         if method == "leverage":  # p_j ~ squared norm of column j of x, one pass over x
             w = column_norms_squared(xp.reshape(x, (-1, d)))
             return _leverage_from_weights(w, q_f, seed_f, replace, "the Jacobian")
-        return _oblivious_sketch(method, d, q_f, seed_f, replace, x, "method")
+        return SKETCHES[method].create(d, q_f, seed_f, replace).bind(x)
 
     def _index_factor_sketch(block: KroneckerBlock, q_f: int, b: int) -> Sketch | None:
         """:func:`factor` for an index factor a (N, S) of one-hot rows of width d_in: the
