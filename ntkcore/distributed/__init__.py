@@ -37,8 +37,8 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in CI
 from ._cluster import get_client
 from ._ntk import ntk_dask
 from ._solve import DaskMatrixOperator, cholesky_regression, to_local
-from ._zarr import ZarrStatus, ntk_to_zarr, read_zarr, to_zarr, zarr_status
 from ._zarr import StoreLockedError as StoreLockedError  # public; see to_zarr
+from ._zarr import ZarrStatus, ntk_to_zarr, read_zarr, to_zarr, zarr_status
 from ._zarrop import ZarrMatrixOperator
 
 __all__ = [

@@ -682,7 +682,6 @@ def to_zarr(
             raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
                              "to a regular grid before writing to Zarr")
     chunks = tuple(int(c[0]) for c in kernel.chunks)
-    grid = tuple(len(c) for c in kernel.chunks)
     meta = {"format": _FORMAT, "shape": [int(s) for s in kernel.shape], "chunks": list(chunks),
             "dtype": str(kernel.dtype), "key": key, "complete": False,
             "symmetric": bool(symmetric), "version": __version__,
