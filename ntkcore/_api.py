@@ -383,7 +383,7 @@ def _check_options(mode: Any, layerwise: Any, batch_size: Any, checkpoint: Any,
     return mode
 
 
-def _provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
+def provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
                    options: dict[str, Any], x: Any) -> Jacobian:
     """The provider's Jacobian of ``x``, samples of the input called ``name`` (``x_full``);
     a failure is explained by :func:`explain_failure`."""
@@ -441,8 +441,8 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         _check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
     options: dict[str, Any] = {"params": params, **({"pseudo": True} if pseudo else {})}
-    call = functools.partial(_provider_call, provider, model, "x1", x1, x1, options)
-    call2 = call if x2 is None else functools.partial(_provider_call, provider, model, "x2",
+    call = functools.partial(provider_call, provider, model, "x1", x1, x1, options)
+    call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
                                                       x2, x1, options)
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])

@@ -17,7 +17,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._api import _check_model_finite, explain_failure
+from ._api import _check_model_finite, provider_call
 from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, check_size, namespace_of
@@ -368,15 +368,8 @@ def _source(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
         kwargs["pseudo"] = True
 
     def call(start: int, stop: int) -> Jacobian:
-        try:
-            j = provider.jacobian(model, x[start:stop, ...], **kwargs)
-        except Exception as exc:
-            explain_failure(exc, model, name, x, x)
-            raise
-        if not isinstance(j, Jacobian):
-            raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, not an "
-                            "ntkcore.Jacobian")
-        return _merge(j, mode)
+        return _merge(provider_call(provider, model, name, x, x, kwargs, x[start:stop, ...]),
+                      mode)
 
     return call, int(x.shape[0]), backend
 
