@@ -149,9 +149,22 @@ class Route:
                     pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any, mode: Mode,
                     ctx: _Context) -> Iterator[Array]:
         """The block's tiles for the pieces (rows, cols, mirror) of the tile ``rows`` (one
-        piece, or the row panels of a diagonal tile), in order."""
+        piece, or the row panels of a diagonal tile, through :meth:`shared_panels` where the
+        route shares work between them), in order."""
+        if len(pieces) > 1:
+            shared = self.shared_panels(xp, pair, rows, pieces, dtype, mode, ctx)
+            if shared is not None:
+                yield from shared
+                return
         for prs, pcs, _ in pieces:
             yield self.tile(xp, pair, prs, pcs, same, dtype, mode, ctx)
+
+    def shared_panels(self, xp: Any, pair: _Pair, rows: slice,
+                      pieces: list[tuple[slice, slice, int]], dtype: Any, mode: Mode,
+                      ctx: _Context) -> Iterator[Array] | None:
+        """The row panels of the diagonal tile ``rows`` computed with work shared between them
+        (both sides of every panel lie within ``rows``); None: each panel on its own."""
+        return None
 
     def gemm_rows_per_sample(self, pair: _Pair) -> int:
         """GEMM rows a sample makes in this route's products (row panels are that wide)."""
@@ -356,12 +369,10 @@ class MaterialiseRoute(Route):
         w1 = self._weights(xp, pair.b1, rows, dtype)
         return mode.dense(xp, w1, w1 if same else self._weights(xp, pair.b2, cols, dtype), same)
 
-    def panel_tiles(self, xp: Any, pair: _Pair, rows: slice,
-                    pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any, mode: Mode,
-                    ctx: _Context) -> Iterator[Array]:
-        if len(pieces) == 1:
-            yield from super().panel_tiles(xp, pair, rows, pieces, same, dtype, mode, ctx)
-            return
+    def shared_panels(self, xp: Any, pair: _Pair, rows: slice,
+                      pieces: list[tuple[slice, slice, int]], dtype: Any, mode: Mode,
+                      ctx: _Context) -> Iterator[Array]:
+        """The per-sample weights formed once for the whole tile, sliced for each panel."""
         w, r0 = self._weights(xp, pair.b1, rows, dtype), rows.start
         for prs, pcs, _ in pieces:
             yield mode.dense(xp, w[prs.start - r0:prs.stop - r0, ...],
@@ -464,12 +475,10 @@ class PairsRoute(Route):
                            device=array_api_compat.device(g1))
         return mode.cells_to_tile(xp, out, r, c, o)
 
-    def panel_tiles(self, xp: Any, pair: _Pair, rows: slice,
-                    pieces: list[tuple[slice, slice, int]], same: bool, dtype: Any, mode: Mode,
-                    ctx: _Context) -> Iterator[Array]:
-        if len(pieces) == 1:
-            yield from super().panel_tiles(xp, pair, rows, pieces, same, dtype, mode, ctx)
-            return
+    def shared_panels(self, xp: Any, pair: _Pair, rows: slice,
+                      pieces: list[tuple[slice, slice, int]], dtype: Any, mode: Mode,
+                      ctx: _Context) -> Iterator[Array]:
+        """The whole diagonal tile as one self-tile (half its pairs), sliced per panel."""
         t, r0 = self.tile(xp, pair, rows, rows, True, dtype, mode, ctx), rows.start  # half
         for prs, pcs, _ in pieces:
             yield mode.tile_part(t, slice(prs.start - r0, prs.stop - r0),
