@@ -1,88 +1,7 @@
-r"""Differentiable eNTK for dataset distillation (KIP) with a memory-bounded backward pass.
-
-The setting
------------
-Kernel inducing points (KIP) treat a small *support* set :math:`X_s` (M samples, e.g. 100
-images) as trainable parameters: the empirical NTK of a fixed network between a large *target*
-set :math:`X_t` (N samples, e.g. 60,000) and the support set, :math:`K_{ts} = J_t J_s^\top`,
-feeds a kernel regression whose loss is back-propagated into :math:`X_s`.
-
-With plain autograd the backward of :math:`K_{ts}` keeps, for every target sample, what the
-contraction saved in the forward pass (target factors or per-sample weights): memory grows
-linearly in N (88 GB in float32 for a 1->64->64 conv net on 60,000 MNIST-sized images).
-
-Checkpointing at the level of Jacobian factors
-----------------------------------------------
-:func:`checkpointed_ntk` computes :math:`K_{ts}` with a custom autograd Function:
-
-* **support side, once, with a graph.**  The provider builds the support Jacobian with
-  ``create_graph=True``.  Kronecker blocks whose contraction is cheaper on per-sample weights
-  (weight sharing, see *Strategy* below) are materialised,
-  :math:`W_s[m, o] = \sum_t g_s[m,t,o]\, a_s[m,t]^\top` (M, O, d_out d_in), still on the graph.
-  These support arrays (dense blocks, kept Kronecker factors, materialised weights) are the
-  Function's inputs.
-* **forward.**  Targets are processed in chunks of C samples: the provider computes the
-  chunk's factors without a graph, the same blocks are materialised, :func:`ntkcore.gram`
-  contracts them with the (detached) support arrays, the chunk's rows of K are written and the
-  chunk's factors are dropped.  Nothing of the targets is saved for backward.
-* **backward.**  Given :math:`\bar K = \partial L / \partial K` (N, M, ...), each target chunk's
-  factors are *recomputed* without a graph and the gradient with respect to the support arrays
-  is accumulated,
-
-  .. math::
-
-      \frac{\partial L}{\partial F_s} \mathrel{+}= \Big(\frac{\partial K_{c}}{\partial F_s}
-      \Big)^{\!\top} \bar K_c ,
-
-  by running autograd through that chunk's :func:`~ntkcore.gram` alone (so every block kind
-  and every mode is exact).  For a dense layer in trace mode,
-  :math:`K_c = (G_c G_s^\top) \odot (A_c A_s^\top)` and these are the GEMMs
-  :math:`\bar A_s = (\bar K_c \odot G_c G_s^\top)^\top A_c`,
-  :math:`\bar G_s = (\bar K_c \odot A_c A_s^\top)^\top G_c`; for a materialised block
-  (trace) :math:`\bar W_s = \bar K_c^\top W_c`.  After the last chunk the accumulated
-  gradients are returned to autograd, which back-propagates *once* through the support
-  factors' graph into :math:`X_s`.
-
-Peak memory is the support side's graph plus one chunk's factors, whatever N is; the price is
-one more evaluation of the target factors in the backward pass.  The backward is
-first-order only (a double backward raises; use ``checkpoint=False`` for higher derivatives).
-
-The fused KIP loss
-------------------
-For the usual KIP loss :math:`L = \operatorname{mean}((K_{ts}\alpha - Y_t)^2)` with
-:math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s`, the backward of :math:`K_{ts}` only needs
-:math:`\bar K_{ts} = \frac{2}{NC}(K_{ts}\alpha - Y_t)\alpha^\top`, whose rows for a chunk are
-known as soon as that chunk's rows of :math:`K_{ts}` are, because :math:`\alpha` depends on the
-support set alone.  :func:`kip_loss` therefore makes a single pass over the targets: per chunk
-it forms the kernel rows, the residual, the support gradient (as in the backward above) and
-:math:`\bar\alpha \mathrel{+}= K_c^\top \frac{2}{NC} r_c`, then drops the chunk.  The backward
-pass only scales these by the incoming gradient and continues through the Cholesky solve and
-the support graph: the targets' factors are computed once instead of twice.
-
-Chunk size
-----------
-With the budget ``B`` (``max_memory``, default a quarter of the free memory) and a probe of 8
-target samples giving the factor bytes per sample ``f`` and the materialised-weight bytes per
-sample ``w``: :math:`C = \lfloor (B/2) / (3 f + 2 w) \rfloor` (``3 f``: factors, activations
-and output gradients of a provider call), at least 1; :func:`ntkcore.gram` gets ``B/4`` for
-each chunk's contraction.  ``batch_size`` overrides C.
-
-Strategy
---------
-A Kronecker block with weight sharing (S > 1 positions) is materialised when, per target
-sample against M support samples,
-:math:`2 S O P_b + 2 M O^k P_b < 2 M S T (d_{in} + O d_{out})` (``k = 2`` for ``full``, else
-1; ``T`` the support's positions), and the support's weights (M O P_b elements) take at most
-``B/4``.  Unlike :func:`ntkcore.gram`, which may materialise per tile, the support side's
-weights are computed once here, so only the target side's cost counts per sample.  Dense
-layers (S = T = 1) stay Kronecker.
-
-Model parameters
-----------------
-The provider keeps the graph to the model's parameters too, so gradients also reach
-``param.grad`` through the support side (as with ``checkpoint=False``).  They are not
-gradients of the loss with respect to the parameters (the target side is not tracked); KIP
-keeps the network fixed.
+r"""Differentiable eNTK for dataset distillation (KIP) whose backward pass needs memory
+independent of the number of targets: :func:`checkpointed_ntk` (target Jacobian factors
+recomputed chunk by chunk in the backward pass) and :func:`kip_loss` (the KIP loss in one pass
+over the target chunks).
 """
 
 from __future__ import annotations
@@ -156,7 +75,14 @@ def _target_jacobian(model: nn.Module, x: torch.Tensor, params: Any,
 
 def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
                    itemsize: int) -> _Layout:
-    """Kronecker blocks to materialise (see *Strategy* in the module docstring)."""
+    r"""Which Kronecker blocks to materialise into per-sample weights
+    :math:`W[m, o] = \sum_t g[m, t, o]\, a[m, t]^\top`, on both sides.
+
+    A block with S > 1 target positions is materialised when, per target sample against M
+    support samples (T positions), :math:`2 S O P_b + 2 M O^k P_b < 2 M S T (d_{in} + O
+    d_{out})` (k = 2 for ``full``, else 1) and the support's weights (M O P_b elements) fit in
+    ``budget / 4``.  Only the target side counts: the support's weights are formed once.
+    """
     if jt.names != js.names or [type(b) for b in jt] != [type(b) for b in js]:
         raise ValueError(f"the provider returned different blocks for the two inputs "
                          f"({jt.names} vs {js.names}); they must have the same structure")
@@ -282,7 +208,14 @@ def _prepare(model: nn.Module, xs: torch.Tensor, xt: torch.Tensor, *, mode: Mode
              layerwise: bool, pseudo: bool, params: Any, max_memory: Any, dtype: Any,
              batch_size: int | None,
              timings: dict[str, float] | None) -> tuple[_Spec, list[torch.Tensor]]:
-    """Support arrays (with their graph) and the chunk plan for targets ``xt``."""
+    r"""Support arrays (with their graph) and the chunk plan for targets ``xt``.
+
+    With the budget B and a probe of a few targets giving the factor bytes per sample f and
+    the materialised-weight bytes per sample w, the chunk has
+    :math:`C = \lfloor (B/2) / (3 f + 2 w) \rfloor \ge 1` targets (3 f: factors,
+    activations and output gradients of a provider call) unless ``batch_size`` says; each
+    chunk's :func:`ntkcore.gram` gets B/4.
+    """
     t0 = time.perf_counter()
     xt = xt.detach()
     n, m = int(xt.shape[0]), int(xs.shape[0])
@@ -327,7 +260,18 @@ def _first_order_only() -> None:
 # the checkpointed kernel
 # --------------------------------------------------------------------------------------------
 class _CheckpointedKernel(torch.autograd.Function):
-    """``K[n, m, ...] = gram(J_t, J_s)`` with targets recomputed in chunks in backward."""
+    r"""``K[n, m, ...] = gram(J_t, J_s)``, the target factors recomputed in the backward pass.
+
+    Inputs: the support arrays (dense blocks, Kronecker factors, materialised weights), built
+    once with their graph to :math:`X_s`.  Forward: per chunk of targets, factors without a
+    graph, contracted with the detached support arrays, then dropped.  Backward: per chunk
+    the factors are recomputed and autograd through that chunk's ``gram`` alone accumulates
+    :math:`\partial L/\partial F_s \mathrel{+}= (\partial K_c/\partial F_s)^\top \bar K_c`
+    (trace mode, dense layer: :math:`\bar A_s = (\bar K_c \odot G_c G_s^\top)^\top A_c`,
+    :math:`\bar G_s = (\bar K_c \odot A_c A_s^\top)^\top G_c`; materialised:
+    :math:`\bar W_s = \bar K_c^\top W_c`); autograd then goes once through the support
+    graph.  Peak memory: the support graph plus one chunk's factors.
+    """
 
     @staticmethod
     def forward(ctx: Any, spec: _Spec, *support: torch.Tensor) -> torch.Tensor:
@@ -370,8 +314,11 @@ def checkpointed_ntk(
 
     Exactly one of ``x1``, ``x2`` is the *support* set (``requires_grad=True``); the other is
     the *target* set, processed in chunks whose Jacobian factors are recomputed in the
-    backward pass instead of being kept (see the module docstring for the math).  The value
-    and the gradient are those of ``ntkcore.ntk(model, x1, x2, ...)`` up to rounding.
+    backward pass instead of being kept (:class:`_CheckpointedKernel`; plain autograd keeps
+    them for every target).  The value and the gradient are those of
+    ``ntkcore.ntk(model, x1, x2, ...)`` up to rounding.  Gradients also reach
+    ``param.grad`` through the support side; they are not the loss's parameter gradients
+    (the targets are not tracked).
 
     :func:`ntkcore.ntk` and :func:`ntkcore.pseudo_ntk` call this function themselves when one
     input requires grad and the other is large (``checkpoint="auto"``), or always with
@@ -400,7 +347,7 @@ def checkpointed_ntk(
     dtype : torch.dtype, optional
         Accumulation and result dtype (default: the factors').
     batch_size : int, optional
-        Target samples per chunk (default: from ``B``, see the module docstring).
+        Target samples per chunk (default: from ``B``, :func:`_prepare`).
     timings : dict, optional
         If given, wall-clock seconds are added per phase: ``support_s`` (support factors with
         their graph, probe, plan), ``target_factors_s`` (target factors, forward and
@@ -516,16 +463,13 @@ def kip_loss(
     includes its dependence on the support set).  Gradients flow to ``x_support`` and
     ``y_support`` when they require grad.
 
-    ``fused=True`` (default) makes **one** pass over the target chunks: the residual of a
-    chunk only needs :math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s`, which is known before
-    the targets are visited, so each chunk's contribution to the loss, to
-    :math:`\partial L/\partial\alpha = \frac{2}{NC} K_{ts}^\top (\hat Y_t - Y_t)` and to the
-    support factors' gradient (through :math:`\bar K_{ts} = \frac{2}{NC}(\hat Y_t - Y_t)
-    \alpha^\top`) is formed right away and the chunk's factors are dropped.  Memory is bounded
-    as for :func:`checkpointed_ntk` and the targets' factors are computed once instead of
-    twice.  ``fused=False`` computes the same loss from :func:`ntkcore.ntk` (with
-    ``checkpoint=True``: the targets' factors are recomputed in the backward pass) and
-    :func:`ntkcore.kernel_regression`; it is the reference the fused path is tested against.
+    ``fused=True`` (default) makes **one** pass over the target chunks
+    (:class:`_FusedKipLoss`): :math:`\alpha = (K_{ss} + \lambda I)^{-1} Y_s` is known before
+    the targets are visited, so each chunk's share of the loss, of :math:`\partial
+    L/\partial\alpha` and of the support gradient is formed at once and the targets' factors
+    are computed once, with the memory bound of :func:`checkpointed_ntk`.  ``fused=False``
+    computes the same loss from :func:`ntkcore.ntk` (``checkpoint=True``) and
+    :func:`ntkcore.kernel_regression`: the reference the fused path is tested against.
 
     Parameters
     ----------
