@@ -1,66 +1,6 @@
-r"""Preconditioned conjugate gradients for kernel systems that are only available as products.
-
-Solves
-
-.. math:: (K + \lambda I)\, X = Y, \qquad K \in \mathbb{R}^{N\times N}\ \text{SPD},\;
-          Y \in \mathbb{R}^{N\times k},
-
-touching :math:`K` only through products :math:`K V`.  :math:`K` may be
-
-* an in-memory array of any array-API namespace (numpy, torch, jax, cupy, array_api_strict),
-* a dask array (the products are computed by Dask; see :mod:`ntkcore.distributed`),
-* any *linear operator* (:class:`ntkcore.linop.LinearOperator`, which composes: ``K + c * I``)
-  or object with ``shape`` (N, N), ``dtype`` and ``matmat(V)`` (N, k) -> (N, k) or
-  ``matvec(v)`` (N,) -> (N,), for example
-  :class:`ntkcore.KernelOperator`, which recomputes kernel tiles from Jacobian factors and never
-  stores the N x N kernel.  Optional methods ``diagonal()`` -> (N,) and ``columns(idx)`` ->
-  (N, len(idx)) make the pivoted-Cholesky preconditioner cheap.
-
-The iterates live in the namespace, device and dtype of ``Y``.  Each of the k columns is an
-independent CG run (own step sizes); all k share each product :math:`K P`, so k right-hand
-sides cost one ``matmat`` per iteration.
-
-Preconditioned CG (per column), with :math:`A = K + \lambda I` and :math:`M^{-1} \approx A^{-1}`:
-
-.. math::
-
-    r_0 = y - A x_0,\; z_0 = M^{-1} r_0,\; p_0 = z_0;\qquad
-    \alpha_j = \frac{r_j^\top z_j}{p_j^\top A p_j},\;
-    x_{j+1} = x_j + \alpha_j p_j,\; r_{j+1} = r_j - \alpha_j A p_j,
-
-    z_{j+1} = M^{-1} r_{j+1},\; \beta_j = \frac{r_{j+1}^\top z_{j+1}}{r_j^\top z_j},\;
-    p_{j+1} = z_{j+1} + \beta_j p_j ,
-
-stopped when :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column.
-
-Input checks: see :func:`cg_solve` (an in-memory ``K`` is checked like the Cholesky path of
-:func:`ntkcore.kernel_regression`; a NaN/Inf in a product with an operator raises at once).
-
-Differentiation (torch autograd, eager ``jax.grad``): the iterations run outside autograd and
-the solution is differentiated implicitly, as :math:`X = A^{-1} Y` (the semantics of
-``jax.lax.custom_linear_solve``): the backward pass is one more CG solve with :math:`A` for the
-cotangent, whatever the number of forward iterations.  ``cg_solve`` is a host-driven loop and
-does not run under ``jax.jit``.
-
-Preconditioners
----------------
-``"nystrom"`` -- randomized Nystrom approximation of rank r (Frangella, Tropp & Udell, 2023):
-with an orthonormal Gaussian test matrix :math:`\Omega` (N, r), :math:`Y = K\Omega`, a
-stabilising shift :math:`\nu`, :math:`C C^\top = \Omega^\top (Y + \nu\Omega)`,
-:math:`B = (Y + \nu\Omega) C^{-\top} = U \Sigma V^\top` and
-:math:`\hat\Lambda = \max(\Sigma^2 - \nu, 0)`, the approximation is
-:math:`K \approx U \hat\Lambda U^\top` and
-
-.. math:: M^{-1} = (\hat\lambda_r + \mu)\, U (\hat\Lambda + \mu I)^{-1} U^\top + (I - U U^\top),
-
-with :math:`\mu = \lambda` (the ridge).  Building it costs one product with r columns.
-
-``"pivoted_cholesky"`` -- greedy pivoted (partial) Cholesky :math:`K \approx L L^\top`,
-L (N, r), pivoting on the largest remaining diagonal entry; :math:`M = L L^\top + s I` with
-:math:`s = \lambda` (or the largest remaining diagonal entry when :math:`\lambda = 0`), applied
-by the Woodbury identity :math:`M^{-1} R = (R - L (sI + L^\top L)^{-1} L^\top R)/s`.  It reads
-``diagonal()`` and r single columns of K.
-"""
+r"""Preconditioned conjugate gradients for :math:`(K + \lambda I) X = Y` with K used only through
+products (:func:`cg_solve`), its Nystrom and pivoted-Cholesky preconditioners, and the registry
+of operator adapters (:func:`register_operator_adapter`)."""
 
 from __future__ import annotations
 
@@ -289,7 +229,14 @@ def nystrom_preconditioner(
     k: Any, rank: int, *, reg: float = 0.0, seed: Any = 0, like: Array,
     name: str = "k",
 ) -> NystromPreconditioner:
-    """Build a :class:`NystromPreconditioner` of ``rank`` for ``k + reg I``.
+    r"""Build a :class:`NystromPreconditioner` of ``rank`` for ``k + reg I``.
+
+    Randomized Nystrom (Frangella, Tropp & Udell, 2023), one product with r columns: with an
+    orthonormal Gaussian :math:`\Omega` (N, r), :math:`Y = K\Omega`, a stabilising shift
+    :math:`\nu`, :math:`C C^\top = \Omega^\top (Y + \nu\Omega)`,
+    :math:`B = (Y + \nu\Omega) C^{-\top} = U \Sigma V^\top` and
+    :math:`\hat\Lambda = \max(\Sigma^2 - \nu, 0)`, :math:`K \approx U \hat\Lambda U^\top` and
+    :math:`M^{-1} = (\hat\lambda_r + \mu) U (\hat\Lambda + \mu I)^{-1} U^\top + (I - U U^\top)`.
 
     Parameters
     ----------
@@ -297,7 +244,7 @@ def nystrom_preconditioner(
     rank : int
         Sketch size r (``1 <= r <= N``).
     reg : float
-        The ridge :math:`\\mu` of the system being preconditioned.
+        The ridge :math:`\mu` of the system being preconditioned.
     seed : int, None, numpy.random.Generator, torch.Generator or JAX PRNG key
         Seed of the Gaussian test matrix (a generator or key is drawn from once:
         :func:`ntkcore.backend.seed_from`).
@@ -350,13 +297,17 @@ def pivoted_cholesky_preconditioner(
 ) -> PivotedCholeskyPreconditioner:
     """Build a :class:`PivotedCholeskyPreconditioner` of at most ``rank`` for ``k + reg I``.
 
+    Greedy partial Cholesky :math:`K \approx L L^\top` pivoting on the largest remaining
+    diagonal entry; it reads ``diagonal()`` and r single columns of K.
+
     Parameters
     ----------
     k : array, dask array or linear operator, shape (N, N)
     rank : int
         Maximum number of pivots r.
     reg : float
-        Ridge of the system; used as the shift ``s`` when positive.
+        Ridge of the system; the shift ``s`` when positive (else the largest remaining
+        diagonal entry).
     like : array
         Namespace/device/dtype of the result (the right-hand side).
     rel_tol : float
@@ -495,11 +446,19 @@ def cg_solve(
 ) -> tuple[Array, CGReport]:
     r"""Solve :math:`(K + \lambda I) X = Y` by preconditioned conjugate gradients.
 
+    The iterates live in ``y``'s namespace, device and dtype; each column is an independent CG
+    run sharing one product :math:`K P` per iteration.  Differentiable (torch autograd, eager
+    ``jax.grad``) implicitly, as :math:`X = A^{-1} Y`: the backward pass is one more CG solve for
+    the cotangent.  A host-driven loop: not under ``jax.jit``.
+
     Parameters
     ----------
     k : array (N, N), dask array (N, N) or linear operator
-        Symmetric positive semi-definite kernel, used only through products (see the module
-        docstring for the operator protocol).
+        Symmetric positive semi-definite kernel, used only through products: a
+        :class:`ntkcore.linop.LinearOperator` or an object with ``shape`` (N, N), ``dtype`` and
+        ``matmat(V)`` (N, k) -> (N, k) or ``matvec(v)``, e.g. :class:`ntkcore.KernelOperator`.
+        Optional ``diagonal()`` (N,) and ``columns(idx)`` (N, len(idx)) make the
+        pivoted-Cholesky preconditioner cheap.
     y : array, shape (N,) or (N, k)
         Right-hand side(s); the solution has the same shape, namespace, device and dtype.
     reg : float, default 0.0
@@ -621,8 +580,14 @@ def cg_solve(
 def _pcg(xp: Any, a: LinearOperator, precond: Any, tol: float, maxiter: int, name: str,
          pname: str, ymat: Array, xmat: Array | None = None, callback: Any = None,
          ) -> tuple[Array, bool, list[float]]:
-    """Preconditioned CG from ``xmat`` (zero if None) for the columns of ``ymat``:
-    ``(x, converged, largest recursive relative residual per iteration)``."""
+    r"""Preconditioned CG from ``xmat`` (zero if None) for the columns of ``ymat``:
+    ``(x, converged, largest recursive relative residual per iteration)``.
+
+    Per column, with :math:`M^{-1} \approx A^{-1}`: :math:`r_0 = y - A x_0`, :math:`z_0 = p_0 =
+    M^{-1} r_0`; :math:`\alpha_j = r_j^\top z_j / p_j^\top A p_j`, :math:`x_{j+1} = x_j +
+    \alpha_j p_j`, :math:`r_{j+1} = r_j - \alpha_j A p_j`, :math:`z_{j+1} = M^{-1} r_{j+1}`,
+    :math:`\beta_j = r_{j+1}^\top z_{j+1} / r_j^\top z_j`, :math:`p_{j+1} = z_{j+1} + \beta_j
+    p_j`, until :math:`\|r_j\| \le \mathrm{tol}\,\|y\|` for every column."""
     ynorm = xp.linalg.vector_norm(ymat, axis=0)  # (k,)
     ynorm_safe = xp.where(ynorm > 0, ynorm, xp.ones_like(ynorm))
     r = ymat if xmat is None else ymat - a.matmat(xmat)
