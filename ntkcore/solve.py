@@ -1,35 +1,5 @@
-r"""Sherman-Morrison-Woodbury solves and the empirical natural-gradient direction.
-
-Math
-----
-For :math:`U \in \mathbb{R}^{P\times\rho}` (``rho`` columns, e.g. per-sample gradients),
-:math:`\lambda > 0` and a scale :math:`s > 0`, SMW turns the P x P system into a
-:math:`\rho\times\rho` one:
-
-.. math::
-
-    (\lambda I + s\,U U^\top)\, d = g
-    \iff
-    d = \frac{1}{\lambda}\bigl(g - U b\bigr),\qquad
-    (\lambda I + s\,U^\top U)\, b = s\,U^\top g .
-
-:math:`C = \lambda I + s U^\top U` is symmetric positive definite: it is factored once by
-Cholesky (:math:`C = L L^\top`, backend ``cholesky`` / ``cho_solve``, never an inverse).  The
-Gram :math:`U^\top U` is the dominant cost (:math:`P\rho^2` multiply-adds when its symmetry is
-used); it is computed in U's dtype and the small system is assembled and factored in float64
-where the namespace has it.
-
-Sketched (SENG): with a sketch :math:`\Omega` (q x P, :math:`\mathbb{E}[\Omega^\top\Omega]=I`),
-:math:`\Xi = \Omega U`, :math:`\xi = \Omega g`,
-
-.. math:: (\lambda I + s\,\Xi^\top\Xi)\, b = s\,\Xi^\top \xi,\qquad d = (g - U b)/\lambda ,
-
-which costs :math:`q\rho^2` instead of :math:`P\rho^2` for the Gram.
-
-A :class:`~ntkcore.Jacobian` can stand in for U: its columns are the N*O rows of J
-(:math:`U = J^\top`), :math:`U^\top U` is ``gram(J, mode="full")`` reshaped to (N*O, N*O),
-:math:`U^\top g = J g` (``jvp``) and :math:`U b = J^\top b` (``vjp``); J is never materialised.
-"""
+r"""Sherman-Morrison-Woodbury solves (:func:`smw_solve`, :class:`SMWSolver`), the empirical
+natural-gradient direction, and the symmetric Gram :math:`U^\top U` they factor."""
 
 from __future__ import annotations
 
@@ -175,10 +145,16 @@ class SMWSolver:
 
     Notes
     -----
-    :meth:`solve` returns :math:`d = (g - U b)/\lambda` with
-    :math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top \Omega g` (:math:`\Xi = U`,
-    :math:`\Omega = I` without a sketch).  :meth:`set_damping` refactors the small system
-    without recomputing the Gram.
+    SMW turns the P x P system into a rho x rho one: :math:`(\lambda I + s U U^\top) d = g`
+    is solved by :math:`d = (g - U b)/\lambda`,
+    :math:`b = (\lambda I + s\Xi^\top\Xi)^{-1} s\,\Xi^\top \Omega g`, with :math:`\Xi = U`,
+    :math:`\Omega = I` without a sketch, and :math:`\Xi = \Omega U` for a sketch
+    :math:`\Omega` (q x P, :math:`\mathbb{E}[\Omega^\top\Omega] = I`): the Gram, the dominant
+    cost, then takes :math:`q\rho^2` instead of :math:`P\rho^2` multiply-adds.  The small system
+    is Cholesky-factored once, in float64 where the namespace has it; :meth:`set_damping`
+    refactors it without recomputing the Gram.  A Jacobian J stands for :math:`U = J^\top`:
+    :math:`U^\top U` is ``gram(J, mode="full")``, :math:`U^\top g = J g` (``jvp``) and
+    :math:`U b = J^\top b` (``vjp``); J is never materialised.
     """
 
     def __init__(self, U: Array | Jacobian, damping: float, *, sketch: Any = None,
@@ -388,7 +364,7 @@ def smw_solve(U: Array | Jacobian, g: Array, damping: float, *, sketch: Any = No
     damping : float
         :math:`\lambda > 0`.
     sketch : Sketch, SketchSpec, tuple (kind, q[, seed]) or None
-        Row sketch of the P dimension (module docstring).  With a sketch the result is SENG's
+        Row sketch of the P dimension (:class:`SMWSolver`).  With a sketch the result is SENG's
         sketched direction, not the exact solution.
 
     Returns
