@@ -1,41 +1,6 @@
-r"""Cholesky kernel regression, NTK gradient-flow predictions and GP inference.
-
-All functions work on any array-API namespace; the triangular solves come from the backend
-protocol.  No LU factorisation and no explicit inverse is ever formed, so under torch or jax
-autograd the whole computation is differentiable through ``cholesky`` and triangular solves
-(this is what a KIP-style loop back-propagates through).
-
-Math
-----
-With :math:`K \in \mathbb{R}^{N\times N}` the training kernel, :math:`\lambda` = ``reg``
-and :math:`\epsilon` the jitter actually needed:
-
-.. math::
-
-    L L^\top = K + (\lambda + \epsilon) I, \qquad
-    \alpha = L^{-\top} L^{-1} y, \qquad
-    \hat f(X_*) = K_{*} \alpha .
-
-Jitter policy: if the factorisation fails, retry with :math:`\epsilon` growing by 10x from
-``1e-10 * mean(diag K)`` to ``jitter_cap * mean(diag K)`` (``jitter_cap = 1e-2`` for
-``jitter="auto"``), warning with :class:`~ntkcore.JitterWarning`; past the cap raise
-:class:`~ntkcore.NotPositiveDefiniteError`.
-
-Input checks (every entry point): shapes, real floating dtypes and finiteness of every array
-(ValueError / TypeError naming the argument); arrays of different float dtypes are computed
-and returned in the dtype they promote to (float32 with float64: float64); and symmetry of
-``k_train`` within
-:math:`\max|K - K^\top| \le 1000\,\varepsilon \max_i |K_{ii}|`
-(:data:`ntkcore._validation.SYMMETRY_RTOL_EPS`; within it every path, Cholesky, refinement and
-CG, works on :math:`(K + K^\top)/2`).  Not positive definite beyond the jitter cap:
-:class:`~ntkcore.NotPositiveDefiniteError` on every path (:func:`gd_mse_predict`: an
-eigenvalue of :math:`K + \lambda I` at or below ``-jitter_cap * mean(diag K)``).
-
-Under ``jax.jit`` values are unknown while tracing: shapes and dtypes are checked as above, the
-jitter search runs as a bounded ``lax`` loop (same jitter, no warning), and the checks that
-depend on values (finiteness, symmetry, positive definiteness, ``t``) cannot raise: NaN/Inf
-inputs propagate, ``k_train`` is symmetrised (its gradient too), a failure gives NaN results.
-"""
+r"""Cholesky kernel regression, NTK gradient-flow predictions and GP inference on any array-API
+namespace.  Only Cholesky factors and triangular solves (no LU, no explicit inverse), so all of
+it is differentiable under torch/jax autograd; what ``jax.jit`` checks: docs/math.md."""
 
 from __future__ import annotations
 
@@ -91,7 +56,11 @@ def cholesky_with_jitter(
     jitter: str | float | None = "auto",
     name: str = "k_train",
 ) -> tuple[Array, Any]:
-    """Lower Cholesky factor of ``k + (reg + eps) I`` and the absolute jitter ``eps`` used.
+    r"""Lower Cholesky factor of ``k + (reg + eps) I`` and the absolute jitter ``eps`` used.
+
+    If the factorisation fails, :math:`\epsilon` grows by 10x from ``1e-10 * mean(diag K)`` to
+    ``cap * mean(diag K)``, warning :class:`~ntkcore.JitterWarning`; past the cap it raises
+    :class:`~ntkcore.NotPositiveDefiniteError`.
 
     Parameters
     ----------
@@ -102,7 +71,7 @@ def cholesky_with_jitter(
     reg : float
         Ridge added to the diagonal before factorising (not counted as jitter).
     jitter : "auto", float or None
-        Relative jitter cap (see the module docstring); ``None`` disables retries.
+        Relative jitter cap (``"auto"``: 1e-2); ``None`` disables retries.
     name : str
         Argument name used in messages.
 
@@ -212,7 +181,7 @@ def kernel_regression(
     reg : float, default 0.0
         Ridge :math:`\lambda \ge 0`.
     jitter : "auto", float or None
-        Jitter policy when the Cholesky factorisation fails.
+        Jitter policy when the Cholesky factorisation fails (:func:`cholesky_with_jitter`).
     solver : {"cholesky", "cg"}, default "cholesky"
         ``"cg"``: preconditioned conjugate gradients (:func:`ntkcore.cg_solve`), which needs
         only products with ``k_train``: it may then also be a dask array or a linear operator
