@@ -1,33 +1,7 @@
-r"""Kernel analysis helpers for studying how the empirical NTK changes during training.
-
-All functions are pure array API and return arrays (0-d for scalars) in the input's namespace
-and device.  Kernels are accepted in the shapes :func:`ntkcore.gram` produces:
-
-* 2-D ``(N1, N2)`` (``mode="trace"``, or any kernel matrix);
-* 4-D ``(N1, N2, O, O)`` (``mode="full"``), read as the matrix ``(N1 O, N2 O)`` with row index
-  ``n O + o``.
-
-Math
-----
-Centering :math:`K_c = H_1 K H_2` with :math:`H = I - \mathbf{1}\mathbf{1}^\top / n` subtracts
-row and column means and adds back the grand mean.
-
-* Centered kernel alignment (Cortes, Mohri & Rostamizadeh, 2012):
-  :math:`\mathrm{CKA}(K, L) = \langle K_c, L_c\rangle_F / (\lVert K_c\rVert_F \lVert L_c\rVert_F)`
-  in :math:`[-1, 1]` (in :math:`[0, 1]` for PSD kernels).  Uncentered
-  (``centered=False``): :math:`\langle K, L\rangle_F / (\lVert K\rVert_F\lVert L\rVert_F)`;
-  one minus it is the "kernel distance" of Fort et al. (2020).
-* Relative kernel distance: :math:`\lVert K - K_{ref}\rVert_F / \lVert K_{ref}\rVert_F`.
-* Spectrum: eigenvalues of the symmetric kernel matrix, in decreasing order.
-* Effective rank of eigenvalues :math:`\lambda_i \ge 0` (negatives from rounding are clipped),
-  :math:`p_i = \lambda_i / \sum_j \lambda_j`: ``"entropy"`` (Roy & Vetterli, 2007)
-  :math:`\exp(-\sum_i p_i \log p_i)`; ``"participation"``
-  :math:`(\sum_i \lambda_i)^2 / \sum_i \lambda_i^2`.  Both lie in ``[1, rank]``.
-* Per-layer trace share: :math:`\mathrm{tr}\,\Theta_b / \sum_{b'} \mathrm{tr}\,\Theta_{b'}`,
-  from a layerwise kernel or directly from a :class:`~ntkcore.Jacobian`, where
-  :math:`\mathrm{tr}\,\Theta_b = \sum_{n,o} \lVert J_b[n,o]\rVert^2` costs, for a Kronecker
-  block, :math:`N S^2 (d_{in} + O d_{out})` (no kernel is formed).
-"""
+r"""Kernel analysis for how the empirical NTK changes during training: alignment, distance,
+spectrum, effective rank, per-layer trace shares.  Kernels come as :func:`ntkcore.gram` makes
+them: (N1, N2), or (N1, N2, O, O) read as the (N1 O, N2 O) matrix with row index ``n O + o``;
+results are arrays (0-d for scalars) in the input's namespace and device."""
 
 from __future__ import annotations
 
@@ -77,7 +51,7 @@ def _scalar(xp: Any, x: Array) -> Array:
 
 @capabilities(name="analysis.kernel_alignment")
 def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
-    r"""(Centered) kernel alignment of two kernels of the same shape.
+    r"""(Centered) kernel alignment (Cortes, Mohri & Rostamizadeh, 2012) of two kernels.
 
     Parameters
     ----------
@@ -85,12 +59,13 @@ def kernel_alignment(k1: Array, k2: Array, *, centered: bool = True) -> Array:
         Kernels on the same samples (e.g. the eNTK at two points of training).
     centered : bool
         Center both kernels first (CKA, the default); ``False`` gives the cosine similarity
-        :math:`\langle K_1, K_2\rangle_F / (\lVert K_1\rVert_F \lVert K_2\rVert_F)`.
+        :math:`\langle K_1, K_2\rangle_F / (\lVert K_1\rVert_F \lVert K_2\rVert_F)`
+        (one minus it is the "kernel distance" of Fort et al., 2020).
 
     Returns
     -------
     array, shape ()
-        The alignment in [-1, 1]; NaN if a (centered) kernel is zero.
+        The alignment in [-1, 1] ([0, 1] for PSD kernels); NaN if a (centered) kernel is zero.
     """
     xp, _ = namespace_of(k1=k1, k2=k2)
     a, b = _as_matrix(xp, k1, "k1"), _as_matrix(xp, k2, "k2")
@@ -165,7 +140,8 @@ def effective_rank(k: Array, *, method: str = "entropy") -> Array:
     k : array, shape (M,) eigenvalues, or a kernel (N, N) / (N, N, O, O)
         Negative eigenvalues (rounding of a PSD kernel) count as zero.
     method : {"entropy", "participation"}
-        ``entropy``: :math:`\exp(-\sum p_i \log p_i)`, :math:`p = \lambda / \sum\lambda`;
+        ``entropy`` (Roy & Vetterli, 2007): :math:`\exp(-\sum p_i \log p_i)`,
+        :math:`p = \lambda / \sum\lambda`;
         ``participation``: :math:`(\sum\lambda)^2 / \sum\lambda^2`.
 
     Returns
@@ -202,7 +178,8 @@ def layer_traces(J: Jacobian) -> Array:
         Computed from the factors: for a Kronecker block
         :math:`\sum_n \sum_{s,t} \langle a[n,s], a[n,t]\rangle
         \sum_o\langle g[n,s,o], g[n,t,o]\rangle`
-        (N batched (S, S) Gram matrices), never forming the kernel or the Jacobian.
+        (N batched (S, S) Gram matrices, :math:`N S^2 (d_{in} + O d_{out})`), never forming
+        the kernel or the Jacobian.
     """
     if not isinstance(J, Jacobian):
         raise TypeError(f"J must be an ntkcore.Jacobian; got {type(J).__name__}")
