@@ -1,25 +1,15 @@
-"""Kernels in Zarr: chunked storage with per-tile completion markers, and resume.
+"""Kernels in Zarr: chunked storage with per-tile completion markers, resume, one writer.
 
-Layout of a kernel store (a Zarr v3 group: a local directory, whose chunk files ntkcore flushes
-and checks itself, or any Zarr store, through the Zarr API)::
+A kernel store is a Zarr v3 group (a local directory, flushed and read by ntkcore itself, or
+any Zarr store through the Zarr API)::
 
-    <store>/kernel   the kernel, chunks = the dask tiles (no compression by default:
-                     kernel values compress poorly and compression costs CPU per tile)
-    <store>/tiles    uint64 (tile rows, tile columns[, 1, 1], 2): per tile, the size in bytes
-                     of its chunk file (0: no file, Zarr leaves a tile equal to the fill value
-                     unwritten) and the CRC-32 of the file, recorded when the tile is done
-    <store>/done     uint8 (tile rows, tile columns[, 1, 1]); 1 once a tile is fully written
-    attrs            {"ntkcore": {"format", "shape", "chunks", "dtype", "complete", "key",
-                      "symmetric", "fingerprint", "version"}}
-    <store>/.ntkcore.lock   while a local store is being written: the writer's lock file
-                     (empty of meaning to Zarr; removed when the writer finishes, left unlocked
-                     by a writer that was killed, and then reused by the next one)
-
-Each tile task writes its tile (exactly one Zarr chunk, so writers never share a chunk),
-flushes it (``fsync``), records its size and checksum, and only then sets its marker (its own
-chunk of ``done``).  The guarantees (one computation per store, never deleting what is not
-ntkcore's, never calling a torn store complete, one writer at a time) are those of
-:func:`to_zarr`.
+    kernel    the kernel, one chunk per dask tile (uncompressed by default)
+    tiles     uint64 (tile rows, tile columns[, 1, 1], 2): per done tile, its chunk file's
+              size in bytes (0: no file, an all-fill-value tile) and CRC-32
+    done      uint8 (tile rows, tile columns[, 1, 1]): 1 once the tile is durable
+    attrs     {"ntkcore": {"format", "shape", "chunks", "dtype", "complete", "key",
+               "symmetric", "fingerprint", "version"}}
+    .ntkcore.lock   a local store's writer lock file (see :func:`to_zarr`)
 """
 
 from __future__ import annotations
@@ -67,14 +57,10 @@ _LOCK_NAME = ".ntkcore.lock"  # a local store's writer lock (not one of _OURS: n
 
 
 class StoreLockedError(RuntimeError):
-    """Another writer is writing the kernel store: another process, on this machine or on one
-    that shares the file system (local and mounted directories), or another thread of this
-    process (any store).
-
-    Raised at once by :func:`to_zarr` and :func:`ntk_to_zarr`, before anything is read for a
-    resume or written.  ``store`` is the store's location; ``holder`` what the writer
-    recorded about itself (process id, host, start time) or ``None`` when unknown.
-    """
+    """Another process (local or shared-file-system stores) or thread (any store) is writing
+    the kernel store; raised by :func:`to_zarr` before anything is read or written.
+    ``store`` is its location, ``holder`` what the writer recorded (pid, host, start time) or
+    ``None``."""
 
     def __init__(self, message: str, store: Any, holder: str | None = None) -> None:
         super().__init__(message)
@@ -156,9 +142,7 @@ def _location(store: Any) -> Any:
     return zarr.storage.FsspecStore.from_url(path) if "://" in path else path
 
 
-# ---------------------------------------------------------------------------------------------
-# one writer per store
-# ---------------------------------------------------------------------------------------------
+# -- one writer per store ---------------------------------------------------------------------
 _held: set[tuple[Any, ...]] = set()  # stores written by this process now (any thread)
 _held_guard = threading.Lock()
 _MSVCRT_BYTE = 1 << 20  # Windows locks a byte far past the holder's note, which stays readable
@@ -604,12 +588,10 @@ def to_zarr(
         (``fsync``) and read by ntkcore itself, and locked for the call (see Notes); other
         stores go through the Zarr API (a ``MemoryStore`` needs Dask workers in this process).
     resume : bool, default True
-        If the store holds the same computation, compute only the tiles not marked done (and
-        those whose chunk fails its check, see ``checksums``).  The same computation means
-        the same shape, chunks, dtype and ``key``, and, with ``key=None``, the same
-        fingerprint (recorded in the store's Zarr attributes): here dask's name for
-        ``kernel`` (a hash of its graph); for :func:`ntk_to_zarr` a hash of the parameters,
-        inputs and options.  Anything else raises ``ValueError`` naming what differs.
+        If the store holds the same computation (same shape, chunks, dtype and ``key``, and
+        with ``key=None`` the same fingerprint: dask's name for ``kernel``, or for
+        :func:`ntk_to_zarr` a hash of parameters, inputs and options), compute only the tiles
+        not marked done or failing their check; otherwise ``ValueError`` naming what differs.
         ``False`` with an existing incomplete store raises unless ``overwrite``.
     overwrite : bool, default False
         Replace an existing ntkcore store (only its own entries are deleted).
@@ -625,10 +607,8 @@ def to_zarr(
         ``progress`` is ``True`` (Dask's bar) or ``progress(done, total)`` over the tiles
         computed in this call.
     compressors
-        Zarr compressors (default ``None``: uncompressed).  Keep the default for kernels that
-        CG will multiply many times: :class:`ZarrMatrixOperator` then reads every tile as one
-        plain file read (from the OS page cache when the kernel fits the machine's RAM), while
-        a compressed store is decoded tile by tile on every product (several times slower).
+        Zarr compressors (default ``None``: uncompressed, which :class:`ZarrMatrixOperator`
+        reads as plain file reads; a compressed store is decoded on every CG product).
     symmetric : bool, default False
         Record that the kernel is symmetric (square tiles, ``K = K^T``), so that
         products with the stored kernel read only tiles on and above the diagonal.
@@ -652,27 +632,15 @@ def to_zarr(
 
     Notes
     -----
-    One writer at a time.  A local store (a path, ``file://`` URL or ``LocalStore``) is
-    locked for the whole call with an advisory lock of the operating system (``flock`` on
-    POSIX, ``msvcrt.locking`` on Windows) on the file ``.ntkcore.lock`` in the store
-    directory.  A second call for the same store, from any process on this machine, from a
-    machine that shares the file system (where it supports locks: NFS with its lock daemon,
-    Lustre mounted with ``flock``) or from another thread, raises :class:`StoreLockedError`
-    naming the store and the writer (process id, host, start time).  The lock is released
-    when the call returns, raises or is interrupted, and by the operating system when its
-    process dies; the file is removed on release (a killed writer leaves it, unlocked, for
-    the next writer to reuse).  Readers (:func:`zarr_status`, :func:`read_zarr`) take no
-    lock.  A file system that refuses locks gets a ``UserWarning`` and an unlocked write.
-
-    Other stores (a ``MemoryStore``, fsspec URLs such as ``memory://`` or ``s3://``, other
-    Zarr store objects) have no file to lock: a second writer in this process is refused (for
-    a memory store the only one possible), a writer in another process is not detected.
-    Running one writer at a time is then up to you; there is no warning, since it would come
-    with every write to such a store.
-
-    The lock is held by the calling process.  A call that fails or is interrupted cancels its
-    tile tasks that have not started; a tile task already running on a worker (one per worker
-    thread at most) finishes after the lock is released.
+    One writer at a time (docs/distributed.md, "One writer at a time").  A local store is
+    locked for the call by the calling process with an OS advisory lock (``flock``,
+    ``msvcrt.locking``) on ``.ntkcore.lock``: a second writer on this machine, on one sharing
+    the file system (where it supports locks) or in another thread gets
+    :class:`StoreLockedError`.  The lock is released on return, error, interruption or
+    process death; a file system that refuses locks gets a ``UserWarning``.  Other stores
+    have no lock file: only a second writer in this process is refused.  Readers take no
+    lock.  Each tile is written, flushed (``fsync``), recorded (size, CRC-32) and only then
+    marked done.
     """
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
@@ -762,16 +730,12 @@ def ntk_to_zarr(
     from ``store`` are computed (and only the Jacobian chunks they need).  The store is
     uncompressed; a symmetric trace kernel (``x2=None``) is recorded as symmetric.
 
-    With ``key=None`` the store records a fingerprint of the computation (SHA-256 digests of
-    the model's parameters and structure, the parameter selection, the inputs -- of a dask
-    array, its name --, ``mode``, ``dtype`` and ntkcore's version; docs/distributed.md lists
-    what each covers and what it does not), and a resume on a store whose fingerprint differs
-    is refused, naming the differing parts.  A model of a provider ntkcore does not know has
-    no fingerprint: a resume then needs an explicit ``key``.
-
-    Writes one store at a time: a second writer of the same store (another process, or
-    another thread) gets :class:`StoreLockedError` at once (see the Notes of :func:`to_zarr`
-    for what holds for stores other than local directories).
+    With ``key=None`` the store records a fingerprint (SHA-256 digests of the model's
+    parameters and structure, the parameter selection, the inputs, ``mode``, ``dtype`` and
+    ntkcore's version; docs/distributed.md) and a resume on a store whose fingerprint differs
+    is refused, naming the differing parts; a model of an unknown provider has none and needs
+    ``key``.  A second writer of the store gets :class:`StoreLockedError`, as in
+    :func:`to_zarr`.
     """
     from ._ntk import ntk_dask
 
