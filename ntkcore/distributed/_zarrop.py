@@ -1,28 +1,5 @@
-r"""Products with a kernel stored in Zarr, computed on the Dask workers straight from the store.
-
-For a stored kernel with tiles :math:`K_{ij}` (B x B grid of tiles) the product
-:math:`U = K V` is
-
-.. math:: U_i = \sum_j K_{ij} V_j ,
-
-and for a symmetric kernel (``K = K^T``, recorded by :func:`ntk_to_zarr` for ``x2=None``) only
-the tiles with :math:`j \ge i` are read:
-
-.. math:: U_i \mathrel{+}= K_{ij} V_j, \qquad U_j \mathrel{+}= K_{ij}^\top V_i \quad (j > i),
-
-which halves what a product reads (B(B+1)/2 tiles instead of B^2).
-
-Each product is a handful of Dask tasks (about ``tasks_per_worker`` per worker thread), each
-reading a contiguous run of tiles one at a time and accumulating its share of U; the client
-sums the tasks' partial results.  A worker holds one tile, V and U at a time, never the
-kernel.  Uncompressed stores (the :func:`to_zarr` default) are read by memory-mapping each
-chunk file (no Zarr decode pipeline, no copy: the pages come from the OS page cache, which
-keeps a kernel that fits the machine's RAM between products); other codecs go through Zarr.
-
-Precision: a float32 kernel times float64 vectors is upcast 64 rows at a time, so ``matmat``
-is the exact float64 product of the stored numbers; ``sketch`` (for preconditioners) multiplies
-in the kernel's dtype.
-"""
+"""Products with a kernel stored in Zarr (:class:`ZarrMatrixOperator`), computed on the Dask
+workers straight from the store."""
 
 from __future__ import annotations
 
@@ -175,10 +152,13 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
 class ZarrMatrixOperator(LinearOperator):
     r"""A square kernel stored in Zarr, as a linear operator whose products run on the workers.
 
-    Every product reads each needed tile once (a symmetric kernel: only the upper triangle of
-    tiles) on the Dask workers and never gathers the kernel anywhere; see the module
-    docstring for the arithmetic.  ``ntkcore.cg_solve(read_zarr(store), ...)`` uses this
-    operator automatically; construct it yourself to choose the options.
+    With tiles :math:`K_{ij}`, :math:`U = K V` is :math:`U_i = \sum_j K_{ij} V_j`; a symmetric
+    kernel reads only the B(B+1)/2 tiles :math:`j \ge i` of the B x B grid:
+    :math:`U_i \mathrel{+}= K_{ij} V_j`, :math:`U_j \mathrel{+}= K_{ij}^\top V_i` (:math:`j > i`).
+    A product is about ``tasks_per_worker`` tasks per worker thread, each reading a run of
+    tiles one at a time (uncompressed local stores memory-mapped, through the OS page cache)
+    and summing its share of U; the client adds the partial results.  The kernel is never
+    gathered.  ``ntkcore.cg_solve(read_zarr(store), ...)`` uses this operator automatically.
 
     Parameters
     ----------
