@@ -1,18 +1,7 @@
-r"""``ntk_dask``: the empirical NTK as a lazy dask array of tiles.
-
-Task graph for inputs split into chunks :math:`x_1 = [x^{(1)}, \dots, x^{(B_1)}]` (and
-:math:`x_2` likewise):
-
-* one Jacobian task per chunk, :math:`J^{(i)} = \mathrm{provider}(f, x^{(i)})` -- structured
-  factors, far smaller than the dense (n, O, P) Jacobian;
-* one tile task per pair, :math:`\Theta^{(ij)} = \mathrm{gram}(J^{(i)}, J^{(j)})`; for a
-  symmetric kernel (``x2=None``) only :math:`j \ge i`, and block :math:`(j, i)` is the
-  transpose of :math:`\Theta^{(ij)}` (a cheap task: memory traffic, no arithmetic).
-
-The model enters the graph as a single key (pickled bytes, unpickled once per worker
-process), so each worker receives it once.  Tiles are NumPy
-arrays (host memory, float32/float64 as the model computes), whatever framework the model uses.
-"""
+r"""``ntk_dask``: the empirical NTK as a lazy dask array of host NumPy tiles.  One Jacobian task
+per input chunk, :math:`J^{(i)} = \mathrm{provider}(f, x^{(i)})` (structured factors), and one
+tile task per pair, :math:`\Theta^{(ij)} = \mathrm{gram}(J^{(i)}, J^{(j)})`; for ``x2=None``
+only :math:`j \ge i`, block :math:`(j, i)` being the transpose."""
 
 from __future__ import annotations
 
