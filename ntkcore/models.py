@@ -1,74 +1,6 @@
-r"""An explicit multilayer perceptron whose Jacobian is written by hand (no autodiff).
-
-:class:`MLP` runs on any array-API namespace (NumPy, PyTorch, CuPy, JAX, array_api_strict, ...)
-and returns its per-sample Jacobian as one :class:`~ntkcore.KroneckerBlock` per layer, which
-the Gram engine contracts as :math:`(G G^\top) \odot (A A^\top)` without ever forming the
-:math:`N \times O \times P` Jacobian.  It is the fastest path for fully-connected nets.
-
-The network
------------
-Widths :math:`(d_0, d_1, \dots, d_L)`; layer :math:`l = 1..L` maps
-:math:`z_{l-1} \in \mathbb{R}^{d_{l-1}}` to
-
-.. math::
-
-    y_l = c_l\, W_l z_{l-1} + \beta\, b_l, \qquad z_l = \phi(y_l)\ (l < L), \qquad f = y_L,
-
-with :math:`z_0 = x` and no activation after the last layer.  The two parameterisations differ
-only in where the scale lives:
-
-* ``"ntk"``: :math:`c_l = \sigma_w / \sqrt{d_{l-1}}`, :math:`\beta = \sigma_b`, and the stored
-  :math:`W_l, b_l` are initialised :math:`\mathcal{N}(0, 1)`.
-* ``"standard"``: :math:`c_l = 1`, :math:`\beta = 1`, and the stored parameters are
-  initialised :math:`W_l \sim \mathcal{N}(0, \sigma_w^2 / d_{l-1})`,
-  :math:`b_l \sim \mathcal{N}(0, \sigma_b^2)`.
-
-Both define the same distribution of functions at initialisation; their tangent kernels differ
-(the NTK parameterisation's kernel has a width-independent scale).
-
-The Jacobian
-------------
-Write the layer's parameters as one matrix :math:`\Theta_l = [W_l \mid b_l]` of shape
-``(d_l, d_{l-1} + 1)`` and its input as :math:`a_l = [c_l z_{l-1};\ \beta]`.  Then
-:math:`y_l = \Theta_l a_l` and, with :math:`g_l = \partial f / \partial y_l \in
-\mathbb{R}^{O \times d_l}` (one row per output),
-
-.. math:: \frac{\partial f_o}{\partial \Theta_l} = g_l[o]\, a_l^\top ,
-
-i.e. exactly a :class:`~ntkcore.KroneckerBlock` with factors ``a = a_l`` and ``g = g_l`` (one
-position, :math:`S = 1`).  The scale factors :math:`c_l, \beta` sit in ``a`` so that the block is
-the true derivative with respect to the *stored* parameters.  The output gradients follow the
-backward recursion
-
-.. math::
-
-    g_L = I_O, \qquad
-    g_{l} = \big(g_{l+1}\, c_{l+1} W_{l+1}\big) \odot \phi'(y_l)
-
-computed for all N samples and O outputs at once: one ``(N O, d_{l+1}) @ (d_{l+1}, d_l)``
-GEMM per layer (the first step, from the identity, is a broadcast product and costs no GEMM).
-``pseudo=True`` starts from :math:`g_L = \mathbf{1}^\top / \sqrt{O}` instead (the Jacobian of
-:math:`\sum_o f_o / \sqrt{O}`), which is O times cheaper.
-
-Parameter order and flattening
-------------------------------
-Blocks are in layer order, named ``"layer0"``, ..., ``"layer{L-1}"``.  Within a block the
-parameter vector is :math:`\Theta_l` flattened row-major: weight entry ``W_l[i, j]`` is index
-``i * (d_{l-1} + 1) + j`` and bias entry ``b_l[i]`` is index ``i * (d_{l-1} + 1) + d_{l-1}``
-(without a bias, ``i * d_{l-1} + j``).  :meth:`MLP.flat_parameters` returns the full vector in
-this order and :meth:`MLP.with_parameters` builds an MLP from one, so that
-``jacobian(x).to_dense()`` equals the autodiff Jacobian of
-``lambda theta: mlp.with_parameters(theta)(x)``.  (This is *not* PyTorch's ``parameters()``
-order, which lists each weight before its bias.)
-
-The error function
-------------------
-The array API standard has no ``erf``.  The ``erf`` and ``gelu`` activations call
-``backend.erf(x)`` when the array's backend (:func:`ntkcore.backends.get_backend`) provides one,
-and otherwise :func:`erf`, a pure array-API evaluation accurate to float64 rounding (see its
-docstring); it costs about a hundred elementwise operations, so a native ``erf`` is preferable
-on large layers.
-"""
+r"""An explicit multilayer perceptron (:class:`MLP`) whose per-sample Jacobian is written by hand
+as one :class:`~ntkcore.KroneckerBlock` per layer (the fastest path for fully-connected nets),
+and :func:`erf` in pure array API (the standard has none)."""
 
 from __future__ import annotations
 
@@ -90,9 +22,7 @@ __all__ = ["ACTIVATIONS", "MLP", "erf"]
 ACTIVATIONS = ("relu", "tanh", "erf", "gelu", "identity")
 _PARAMETERIZATIONS = ("ntk", "standard")
 
-# ---------------------------------------------------------------------------------------------
-# erf in pure array API
-# ---------------------------------------------------------------------------------------------
+# -- erf in pure array API ----------------------------------------------------------------------
 # Chebyshev coefficients (computed with 50-digit arithmetic, then rounded to float64) of
 #   small:  erf(x) / x  as a function of u = x^2 on [0, 1]          (t = 2u - 1)
 #   tail:   x exp(x^2) erfc(x)  as a function of s = 1/x on [1/6, 1]  (t = (2s - 7/6) / (5/6))
@@ -157,6 +87,7 @@ def erf(x: Array) -> Array:
 
 
 def _erf(xp: Any, x: Array) -> Array:
+    """The backend's native ``erf`` where it has one (:func:`erf` costs ~100 elementwise ops)."""
     native = getattr(get_backend(xp), "erf", None)
     return native(x) if native is not None else erf(x)
 
@@ -205,9 +136,7 @@ def _activate(xp: Any, name: str, y: Array, need_grad: bool,
     return z, d
 
 
-# ---------------------------------------------------------------------------------------------
-# the MLP
-# ---------------------------------------------------------------------------------------------
+# -- the MLP ------------------------------------------------------------------------------------
 def _resolve_namespace(xp: Any) -> Any:
     """The array-API (compat) namespace for a user-supplied module such as ``numpy``."""
     if xp is None:
@@ -224,18 +153,26 @@ def _resolve_namespace(xp: Any) -> Any:
 class MLP:
     r"""A fully-connected network with a hand-written per-sample Jacobian.
 
+    Widths :math:`(d_0, \dots, d_L)`; layer :math:`l = 1..L` computes
+    :math:`y_l = c_l W_l z_{l-1} + \beta b_l`, :math:`z_l = \phi(y_l)` for :math:`l < L`,
+    with :math:`z_0 = x` and :math:`f = y_L`.  ``"ntk"``: :math:`c_l = \sigma_w/\sqrt{d_{l-1}}`,
+    :math:`\beta = \sigma_b`, stored parameters initialised :math:`\mathcal{N}(0, 1)`;
+    ``"standard"``: :math:`c_l = \beta = 1`, :math:`W_l \sim \mathcal{N}(0, \sigma_w^2/d_{l-1})`,
+    :math:`b_l \sim \mathcal{N}(0, \sigma_b^2)`.  Both give the same distribution of functions
+    at initialisation; the NTK parameterisation's kernel has a width-independent scale.
+
     Parameters
     ----------
     weights : sequence of L arrays
         ``weights[l]`` has shape ``(d_{l+1}, d_l)`` (output features first, as in
-        ``torch.nn.Linear``): the stored :math:`W_{l+1}` of the module docstring.
+        ``torch.nn.Linear``): the stored :math:`W_{l+1}`.
     biases : sequence of L arrays of shape ``(d_{l+1},)``, or None
         The stored biases; ``None`` builds a network without biases.
     activation : {"relu", "tanh", "erf", "gelu", "identity"}
         :math:`\phi`, applied after every layer but the last.  ``gelu`` is the exact
         :math:`y\,\Phi(y)` (not the tanh approximation).
     parameterization : {"ntk", "standard"}
-        Where the scales live (module docstring).
+        Where the scales live (above).
     weight_std, bias_std : float
         :math:`\sigma_w, \sigma_b`.  They enter the forward pass under the NTK
         parameterisation; under the standard one they are only used by :meth:`random`.
@@ -359,10 +296,8 @@ class MLP:
         dtype : optional
             Real floating dtype of ``xp`` (default: the namespace's default float dtype).
 
-        Other parameters are those of :class:`MLP`, plus ``bias`` (whether layers have a bias).
-        Initialisation (module docstring): NTK parameterisation, :math:`W, b \sim
-        \mathcal{N}(0, 1)`; standard, :math:`W \sim \mathcal{N}(0, \sigma_w^2/d_{in})`,
-        :math:`b \sim \mathcal{N}(0, \sigma_b^2)`.
+        Other parameters are those of :class:`MLP` (which states the initialisation), plus
+        ``bias`` (whether layers have a bias).
         """
         ns = _resolve_namespace(xp)
         if isinstance(widths, str) or not isinstance(widths, Iterable):
@@ -472,7 +407,13 @@ class MLP:
                 for w, b in zip(self.weights, self.biases, strict=True)]
 
     def flat_parameters(self) -> Array:
-        """All parameters as one vector (P,), in the order of the Jacobian's columns."""
+        r"""All parameters as one vector (P,), in the order of the Jacobian's columns.
+
+        Blocks ``layer0``, ..., each :math:`\Theta_l` row-major: ``W_l[i, j]`` at
+        ``i * (d_{l-1} + 1) + j``, ``b_l[i]`` at ``i * (d_{l-1} + 1) + d_{l-1}`` (without bias
+        ``i * d_{l-1} + j``), so ``jacobian(x).to_dense()`` is the autodiff Jacobian of
+        ``lambda theta: mlp.with_parameters(theta)(x)``.  Not torch's ``parameters()`` order.
+        """
         xp = self._xp
         return xp.concat([xp.reshape(t, (-1,)) for t in self.parameters()], axis=0)
 
@@ -563,8 +504,13 @@ class MLP:
 
         Notes
         -----
-        Cost: the forward pass, plus one GEMM of size ``(N O) x d_{l+1} x d_l`` per hidden
-        layer below the top one.  Memory: the factors, :math:`N (\sum_l d_l + O \sum_l d_l)`.
+        With :math:`\Theta_l = [W_l \mid b_l]` and block input :math:`a_l = [c_l z_{l-1};
+        \beta]`, :math:`y_l = \Theta_l a_l` and :math:`\partial f_o / \partial \Theta_l =
+        g_l[o]\, a_l^\top` (the scales sit in ``a``: the derivative for the stored parameters),
+        with :math:`g_L = I_O` (pseudo: :math:`\mathbf{1}^\top / \sqrt{O}`) and
+        :math:`g_l = (g_{l+1} c_{l+1} W_{l+1}) \odot \phi'(y_l)`.  Cost: the forward pass plus
+        one GEMM ``(N O) x d_{l+1} x d_l`` per hidden layer below the top one (none from the
+        identity).  Memory: the factors, :math:`N (\sum_l d_l + O \sum_l d_l)`.
         """
         if not isinstance(pseudo, bool):
             raise TypeError(f"pseudo must be a bool; got {pseudo!r}")
