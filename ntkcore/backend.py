@@ -1,30 +1,8 @@
-"""The backend protocol and its registry: what ntkcore needs from an array library beyond the
-array API standard, and which module supplies it for a given namespace.
-
-The array API standard has matrix products, ``cholesky`` and ``eigh``, but no triangular
-solve, no random numbers and no facts about device memory.  A backend supplies exactly these,
-for one array namespace.  ``ntkcore/`` talks to backends only through this protocol; it never
-imports a framework itself.
-
-Every backend subclasses :class:`Backend` (the generic implementation lives in
-``backends/generic.py`` and is what an unknown namespace gets) and overrides the methods for
-which its framework has a faster or more exact primitive.
-
-:func:`get_backend` maps an array namespace to its backend through a registry of
-``(name, namespace test, "module:Class")`` entries (:func:`register_backend`); the module is
-imported only when an array of that framework is actually seen, so ``import ntkcore`` never
-pulls in torch, cupy or jax.
-
-=========  ==============================  =============================================
-backend    namespace test                  module
-=========  ==============================  =============================================
-numpy      ``is_numpy_namespace``          ``ntkcore.backends.numpy`` (SciPy LAPACK)
-torch      ``is_torch_namespace``          ``ntkcore.backends.torch`` (torch.linalg)
-cupy       ``is_cupy_namespace``           ``ntkcore.backends.cupy`` (cupyx.scipy.linalg)
-jax        ``is_jax_namespace``            ``ntkcore.backends.jax`` (jax.scipy.linalg)
-generic    anything else                   ``ntkcore.backends.generic`` (standard only)
-=========  ==============================  =============================================
-"""
+"""The backend protocol (:class:`Backend`) and its registry (:func:`register_backend`,
+:func:`get_backend`): what ntkcore needs from an array library beyond the array API standard
+(triangular solves, random numbers, device facts) and which module supplies it.  A backend's
+module is imported only when an array of its framework is seen; an unknown namespace gets
+``ntkcore.backends.generic`` (standard only).  ``ntkcore/`` never imports a framework."""
 
 from __future__ import annotations
 
