@@ -1,26 +1,7 @@
-"""Which public function runs on which backend, declared beside each function; docs/backends.md.
-
-Each public function or class declares its support where it is defined, with the
-:func:`capabilities` decorator::
-
-    @capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
-    def kernel_regression(...): ...
-
-which registers one :class:`Support` entry per backend under the function's public name
-(its ``__qualname__`` unless ``name=`` says otherwise).  ``SUPPORT[function][backend]`` reads
-the registry, in the page order of :data:`ROWS`; ``docs/backends.md`` is generated from it
-(:func:`support_markdown`; ``python -m ntkcore support`` writes it, a test checks it) and
-:func:`supports` answers whether a (function, backend) pair is declared to run.
-
-The framework layers (``backends.torch.*``, ``backends.jax.*``, ``distributed.*``) declare
-theirs the same way; their modules import torch, JAX or Dask, so the table reads those
-declarations from the source text (:data:`_SOURCE_MODULES`) rather than importing them: the
-page is the same whether or not the frameworks are installed.
-
-Backends: ``numpy``, ``torch`` (CPU and CUDA), ``cupy`` (CUDA), ``jax`` (CPU and GPU) and
-``array_api_strict`` (standing in for any other array-API namespace, served by the generic
-backend).
-"""
+"""Which public function runs on which backend, declared beside each function with
+:func:`capabilities` (e.g. ``@capabilities(fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)``).
+``SUPPORT[function][backend]`` reads the registry in :data:`ROWS` order, :func:`supports`
+answers yes or no, and :func:`support_markdown` generates docs/backends.md."""
 
 from __future__ import annotations
 
