@@ -1,14 +1,6 @@
-"""The digits demo: one pipeline behind ``ntkcore demo`` and ``examples/ntk_regression_digits.py``.
-
-scikit-learn's digits (:func:`demo_data`), a small untrained torch network (:func:`demo_model`),
-the layerwise trace eNTK of its training images and the test-train kernel computed by
-:func:`ntkcore.ntk` from the Kronecker structure of its layers, and Cholesky kernel regression
-(:func:`entk_regression`).  :func:`run_demo` adds timings, peak memory, a report and a plot;
-the example script reuses the same functions to compare the eNTK before and after training.
-
-Part of the application layer (:mod:`ntkcore.cli`): it may import PyTorch, NumPy,
-scikit-learn and matplotlib, lazily, inside the functions.
-"""
+"""The digits demo behind ``ntkcore demo`` and ``examples/ntk_regression_digits.py``: data,
+network, eNTK kernel regression, report and plot.  Application layer: imports PyTorch, NumPy,
+scikit-learn and matplotlib lazily, inside the functions."""
 
 from __future__ import annotations
 
@@ -42,13 +34,8 @@ _DISTRIBUTIONS = {"sklearn": "scikit-learn"}
 
 
 def install_hint() -> str:
-    """One command that installs everything the demo needs, as a user of the wheel types it.
-
-    The ``bench`` extra holds scikit-learn (the digits), matplotlib (the plot), tqdm (the
-    progress bar), threadpoolctl and psutil, but not torch, which the user installs in the
-    build they want (the README pins the CPU wheel); torch is named only when it is missing,
-    so that following the hint never replaces an installed torch.
-    """
+    """One command that installs everything the demo needs: the ``bench`` extra, and torch
+    only when it is missing (following the hint never replaces an installed torch build)."""
     torch = "" if importlib.util.find_spec("torch") is not None else "torch "
     return f'pip install {torch}"ntkcore[bench]"'
 
@@ -315,11 +302,9 @@ def run_demo(*, model: str = "mlp", n_train: int | None = None, n_test: int | No
     seed : int
         Seed of the split and of the network's initialisation.
     out : path, "auto" or None
-        Where to write the PNG: a path (an existing symbolic link there is refused; the file
-        is written to a new temporary file beside it and renamed into place), ``"auto"``
-        (:data:`DEFAULT_PLOT`: ``ntkcore-demo.png`` in a fresh private directory made by
-        ``tempfile.mkdtemp(prefix="ntkcore-demo-")``; the report prints the path) or
-        ``None`` (no plot).
+        Where to write the PNG: a path (not a symbolic link; written beside it and renamed
+        into place), ``"auto"`` (:data:`DEFAULT_PLOT`: ``ntkcore-demo.png`` in a fresh private
+        ``tempfile.mkdtemp`` directory, printed in the report) or ``None`` (no plot).
     progress, verbose : bool
         Progress on stderr; report on stdout.
 
