@@ -1,17 +1,7 @@
-"""The ``ntkcore`` command line (``python -m ntkcore`` or the ``ntkcore`` console script).
-
-Subcommands: ``info`` (versions, array backends, devices and their free memory as
-:meth:`ntkcore.backend.Backend.free_memory` reports it, BLAS threads); ``demo`` (the README's
-main job end to end: eNTK kernel regression of a small PyTorch network on scikit-learn's
-digits with accuracy, kernel size, time, peak memory, per-layer kernel shares and a plot; the
-pipeline is :mod:`ntkcore.cli.demo`, which ``examples/ntk_regression_digits.py`` reuses);
-``bench`` (forwards to ``python -m benchmarks``, in a source checkout only); ``support`` (the
-support table of :func:`ntkcore.support.support_markdown`, i.e. ``docs/backends.md``).
-
-This package is the application layer: unlike the rest of ``ntkcore/`` it may import NumPy,
-PyTorch, scikit-learn and matplotlib (lazily, inside the subcommands).  Exit codes: 0 success,
-1 failure while running (missing optional package, failed check), 2 bad arguments.
-"""
+"""The ``ntkcore`` command line (``python -m ntkcore`` or the ``ntkcore`` console script):
+``info``, ``demo`` (:mod:`ntkcore.cli.demo`), ``bench`` (source checkout only) and ``support``.
+Application layer: may import NumPy, PyTorch, scikit-learn and matplotlib, lazily.  Exit codes:
+0 success, 1 failure while running, 2 bad arguments."""
 
 from __future__ import annotations
 
@@ -60,10 +50,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-# --------------------------------------------------------------------------------------------
-# commands
-
-
+# -- commands --------------------------------------------------------------------------------
 def _devices(name: str, module: Any) -> list[tuple[str, Any]]:
     """``(label, device)`` of each device the framework ``module`` sees."""
     if name == "torch":
@@ -138,9 +125,8 @@ def collect_info() -> dict[str, Any]:
 
 
 def _blas_lines(pools: list[dict[str, Any]]) -> list[str]:
-    """One line per BLAS / OpenMP pool in aligned columns: library, version, threads, path
-    (columns as wide as their widest entry, two spaces apart: a long version such as
-    ``0.3.31.188.0`` never runs into the thread count)."""
+    """One line per BLAS / OpenMP pool: library, version, threads, path, in columns as wide as
+    their widest entry (a long version never runs into the thread count)."""
     rows = [(p["library"] or "?", p["version"] or "-",
              f"{p['threads']} thread{'' if p['threads'] == 1 else 's'}", p["path"] or "")
             for p in pools]
@@ -235,10 +221,7 @@ def _cmd_support(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------
-# entry point
-
-
+# -- entry point -----------------------------------------------------------------------------
 def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:
     """An argparse ``type``: ``convert(text)``, a usage error (exit 2) unless ``ok`` holds."""
     def parse(text: str) -> Any:
