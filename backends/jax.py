@@ -1,8 +1,5 @@
-"""JAX backend: ``jax.scipy.linalg`` and a stateful wrapper around ``jax.random`` keys.
-
-JAX arrays are immutable and ``jnp.linalg.cholesky`` signals failure with NaNs rather than
-an exception; both are handled here.  The JAX Jacobian provider, when present, lives in
-``ntkcore.backends.jax_provider`` and is re-exported as ``ntkcore.backends.jax.jacobian``.
+"""JAX backend: ``jax.scipy.linalg`` (a failed Cholesky gives NaNs), a stateful wrapper
+around ``jax.random`` keys, and ``jacobian`` re-exported from ``jax_provider``.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ class JaxBackend(GenericBackend):
         # under jit the values are unknown: NaN entries then mark a failed factorisation
         return self.is_traced(l) or bool(jnp.all(jnp.isfinite(l)))
 
-    def solve_triangular(
-        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
-    ) -> Array:
+    def solve_triangular(self, a: Array, b: Array, *, lower: bool = True,
+                         transpose: bool = False) -> Array:
         return jax.scipy.linalg.solve_triangular(a, b, lower=lower, trans=1 if transpose else 0)
 
     def cho_solve(self, l: Array, b: Array) -> Array:
@@ -158,9 +154,8 @@ class JaxGenerator:
         dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
         return self._put(jax.random.randint(self._next(), shape, low, high, dtype=dtype))
 
-    def choice(
-        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
-    ) -> Array:
+    def choice(self, n: int, size: int, *, p: Array | None = None,
+               replace: bool = True) -> Array:
         if p is not None:
             p = jnp.clip(p, 0, None)
             p = p / jnp.sum(p)

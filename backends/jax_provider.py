@@ -1,22 +1,10 @@
 r"""The JAX Jacobian provider: ``jacobian(apply_fn, params, x)`` -> :class:`ntkcore.Jacobian`.
 
-``apply_fn(params, x)`` maps a batch ``x`` (n, ...) to outputs (n, O) (or (n,): O = 1; other
-trailing shapes are flattened), samples independently.  Every floating leaf of the pytree
-``params`` is a parameter, named by its key path (``"['dense0']['kernel']"``).  Per-sample
-Jacobians are taken of ``x_n -> apply_fn(params, x_n[None])[0]`` under ``jax.vmap``,
-``chunk_size`` samples at a time (one compiled function, reused for every chunk).
-
-``apply_fn`` is traced once (``jax.make_jaxpr``, one sample; a ``jax.jit`` function through
-its ``__wrapped__`` function).  A 2-D leaf ``W`` used once, by a ``dot_general`` (after at
-most one transpose), is a dense layer: its output :math:`y = A W` gets a zero perturbation
-:math:`\epsilon` in a re-evaluation of the traced program,
-:math:`g = \partial f / \partial \epsilon` comes out of the same reverse pass as the dense
-blocks, and :math:`a` is the recorded ``A`` with the contracted axis last (S = product of its
-free axes).  A 1-D leaf added to ``y`` only through reshapes and broadcasts onto the output-
-feature axis is its bias.  Leaves are grouped per layer, one block per group: a
-:class:`~ntkcore.KroneckerBlock` for a recognised weight alone or with its bias (a ones column
-of ``a``), else a :class:`~ntkcore.DenseBlock` (``jax.vmap(jax.jacrev)``).  docs/jax.md
-states the rules, the groups, the block layouts and the first-sample safeguard.
+Per-sample Jacobians by ``jax.vmap(jax.jacrev)``, in chunks of one compiled size; dense layers
+found in the traced program (``jax.make_jaxpr``) get KroneckerBlocks, their output gradient
+:math:`g = \partial f / \partial \epsilon` from a zero perturbation :math:`y = A W + \epsilon`
+in the same reverse pass.  docs/jax.md states the rules, the groups, the block layouts and the
+first-sample safeguard.
 """
 
 from __future__ import annotations
@@ -68,6 +56,9 @@ def _uses(jaxpr: Any) -> dict[Any, list[int]]:
 
 def _find_layers(jaxpr: Any, leaf_vars: list[Any], candidates: set[int],
                  uses: dict[Any, list[int]]) -> list[_Layer]:
+    """The dense layers: a 2-D leaf used once, by a ``dot_general`` (after at most one
+    transpose), with its bias, a 1-D leaf added to the output only through reshapes and
+    broadcasts onto the output-feature axis."""
     def only_use(v: Any) -> Any:  # the one equation that reads v, or None
         u = uses.get(v, [])
         return jaxpr.eqns[u[0]] if len(u) == 1 and u[0] >= 0 else None
@@ -199,7 +190,7 @@ def _groups(paths: list[Any], names: list[str], leaves: list[Any], floating: lis
 
 def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
                       ) -> tuple[list[_Layer], list[list[int]], list[tuple[str, int, str]]]:
-    """One block per group (module docstring): the layers kept, the dense leaf lists, specs."""
+    """One block per group (docs/jax.md): the layers kept, the dense leaf lists, specs."""
     group_of = {i: key for key, idx in groups.items() for i in idx}
     kept = []
     for ly in layers:
@@ -313,9 +304,10 @@ def jacobian(
     Parameters
     ----------
     apply_fn : callable
-        ``apply_fn(params, x)`` -> (n, O) (module docstring); may be ``jax.jit(f)``.
+        ``apply_fn(params, x)`` maps a batch (n, ...) to (n, O) (or (n,): O = 1; other
+        trailing shapes are flattened), samples independently; may be ``jax.jit(f)``.
     params : pytree
-        The parameters; floating leaves get blocks.
+        The parameters; every floating leaf is one, named by its key path.
     x : jax or numpy array, shape (N, ...)
         Inputs, sample axis first.
     pseudo : bool
@@ -333,7 +325,7 @@ def jacobian(
     Returns
     -------
     Jacobian
-        One block per group of selected leaves (module docstring: a layer's weight and bias
+        One block per group of selected leaves (docs/jax.md: a layer's weight and bias
         together), in leaf order, jax arrays in the promoted dtype of ``x`` and the
         parameters.
     """
@@ -397,15 +389,10 @@ def jacobian(
         parts.append([t[:m] for t in out] if m < chunk_size else out)
 
     outs = [c[0] if len(c) == 1 else jnp.concatenate(c, 0) for c in zip(*parts, strict=True)]
-    blocks = []
-    nd = len(plan.dense)
-    for kind, j, name in plan.specs:
-        if kind == "dense":
-            blocks.append(DenseBlock(outs[j], name))
-        else:
-            g, a = outs[nd + 2 * j], outs[nd + 2 * j + 1]
-            blocks.append(KroneckerBlock(a if kind == "kron" else jnp.ones_like(a[..., :1]), g,
-                                         name))
+    nd = len(plan.dense)  # outs: the dense blocks, then g, a of each layer
+    blocks = [DenseBlock(outs[j], name) if kind == "dense" else KroneckerBlock(
+        outs[nd + 2 * j + 1] if kind == "kron" else jnp.ones_like(outs[nd + 2 * j + 1][..., :1]),
+        outs[nd + 2 * j], name) for kind, j, name in plan.specs]
 
     tracing = any(isinstance(t, jax.core.Tracer) for t in (x, *leaves))
     if plan.layers and not plan.verified and not tracing:  # (values are unknown under tracing)
