@@ -117,7 +117,7 @@ def _stream_moments(model: Any, x: Array | None, y: Array, spec: Any, max_memory
     if getattr(y, "ndim", 0) < 1 or int(y.shape[0]) != n:
         raise ValueError(f"y must have one row per sample of x ({n}); got shape "
                          f"{tuple(getattr(y, 'shape', ()))}")
-    cols = math.prod(y.shape[1 + (spec.mode == "full"):])
+    cols = math.prod(y.shape[1 + (not spec.mode.sums_outputs):])
 
     def reserve(dim: int, item: int) -> float:
         return item * (PRIMAL_COPIES * dim * dim + 2 * dim * cols)

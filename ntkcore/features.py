@@ -26,17 +26,16 @@ from .backend import get_backend
 from .errors import BudgetTooSmallError
 from .gram import gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_gram, flat_weights
+from .modes import FEATURE_HINT, FEATURE_MODES, check_mode
 from .providers import find_provider
 from .sketch import SKETCHES, _check_seed, gaussian, spawn_seed, split_kronecker
 from .support import GENERATOR, capabilities
 from .tiling import progress_steps
 
-__all__ = ["AUTO_GAUSSIAN_ENTRIES", "FEATURE_MODES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
+__all__ = ["AUTO_GAUSSIAN_ENTRIES", "KRONECKER_LAYOUTS", "METHODS", "allocate",
            "allocate_exact", "choose_dim", "feature_batches",
            "feature_error", "feature_variance", "features"]
 
-#: Feature modes (``ntk``'s "full" and "trace", and the pseudo-NTK).
-FEATURE_MODES = ("full", "trace", "pseudo")
 #: ``method="auto"``: a dense block whose Gaussian matrix has at most this many entries is
 #: projected with a Gaussian, a larger one with a sparse sign (no stored matrix).
 AUTO_GAUSSIAN_ENTRIES = 1 << 24
@@ -299,36 +298,6 @@ def _signature(J: Jacobian) -> tuple[Any, ...]:
 
 
 # -- Jacobians of a model, by sample range ---------------------------------------------------
-def _merge(J: Jacobian, mode: str) -> Jacobian:
-    r"""``J`` for ``mode``: as is ("full"), or with its outputs merged into the parameter axis
-    ("trace": independent :math:`\Omega_o` per output are one projection of the flattened
-    (O P) Jacobian; "pseudo" first contracts the outputs)."""
-    if mode == "full":
-        return J
-    if mode == "pseudo" and J.num_outputs > 1:
-        J = J.pseudo()
-    if J.num_outputs == 1:
-        return J
-    xp = J.xp
-    blocks: list[Any] = []
-    for b in J.blocks:
-        if isinstance(b, DenseBlock):
-            n, o, p = b.jac.shape
-            merged = xp.reshape(b.jac, (n, 1, o * p))
-            if b.columns is None:
-                blocks.append(DenseBlock(merged, b.name))
-                continue
-            # output o's column c is o P_b + c of the merged block (increasing, o-major)
-            offsets = xp.arange(o, dtype=b.columns.dtype,
-                                device=array_api_compat.device(b.columns))
-            cols = xp.reshape(offsets[:, None] * b.num_params + b.columns[None, :], (-1,))
-            blocks.append(DenseBlock(merged, b.name, cols, o * b.num_params))
-        else:
-            n, s, o, d = b.g.shape
-            blocks.append(b.with_arrays(b.a, xp.reshape(b.g, (n, s, 1, o * d))))
-    return Jacobian(blocks)
-
-
 def _check_samples(x: Any, name: str) -> tuple[Any, Any]:
     xp, backend = namespace_of(**{name: x})
     if x.ndim < 1 or x.shape[0] is None:
@@ -353,7 +322,7 @@ def _source(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
         if params is not None:
             raise ValueError("params selects parameters of a model; a Jacobian takes none")
         J = model
-        return (lambda s, e: _merge(J.select(slice(s, e)), mode)), J.num_samples, \
+        return (lambda s, e: mode.feature_jacobian(J.select(slice(s, e)))), J.num_samples, \
             get_backend(J.xp)
     if x is None:
         raise TypeError(f"{name} is required: the inputs of the model, leading with the "
@@ -363,13 +332,12 @@ def _source(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
     if spec.check_finite:
         _check_finite_array(xp, x, name)
         _check_model_finite(model)
-    kwargs: dict[str, Any] = {"params": params}
-    if mode == "pseudo":
-        kwargs["pseudo"] = True
+    kwargs: dict[str, Any] = {"params": params, "pseudo": True} if mode.pseudo \
+        else {"params": params}
 
     def call(start: int, stop: int) -> Jacobian:
-        return _merge(provider_call(provider, model, name, x, x, kwargs, x[start:stop, ...]),
-                      mode)
+        return mode.feature_jacobian(
+            provider_call(provider, model, name, x, x, kwargs, x[start:stop, ...]))
 
     return call, int(x.shape[0]), backend
 
@@ -394,10 +362,7 @@ class FeatureSpec:
         mode, method, kronecker = self.mode, self.method, self.kronecker
         if not isinstance(self.check_finite, bool):
             raise TypeError(f"check_finite must be True or False; got {self.check_finite!r}")
-        if not isinstance(mode, str) or mode not in FEATURE_MODES:
-            hint = " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')" \
-                if mode == "diagonal" else ""
-            raise ValueError(f"mode must be one of {FEATURE_MODES}; got {mode!r}{hint}")
+        object.__setattr__(self, "mode", check_mode(mode, FEATURE_MODES, hint=FEATURE_HINT))
         if not isinstance(method, str) or method not in _methods():
             raise ValueError(f"method must be one of {_methods()}; got {method!r}")
         if not isinstance(kronecker, str) or kronecker not in LAYOUTS:
@@ -592,7 +557,7 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
                 raise ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
                                  "(a non-finite Jacobian: an overflow or a non-finite "
                                  "activation); pass check_finite=False to skip this check")
-            yield plans, start, stop, (phi if mode == "full" else phi[:, 0, :])
+            yield plans, start, stop, (phi[:, 0, :] if mode.sums_outputs else phi)
             step()
             if nxt is not None:
                 start, stop = stop, nxt
@@ -715,10 +680,9 @@ def feature_variance(model: Any, x: Array | None = None, *, dim: int, method: st
     var = plans[0].variance(stats[0])
     for p, st in zip(plans[1:], stats[1:], strict=True):
         var = var + p.variance(st)
-    if mode != "full":
+    if spec.mode.sums_outputs:
         return var
-    n, o = J.num_samples, J.num_outputs
-    return xp.permute_dims(xp.reshape(var, (n, o, n, o)), (0, 2, 1, 3))
+    return spec.mode.unmatrix(xp, var, J.num_outputs)
 
 
 def _relative_error(plans: list[Projection], sums: list[dict[str, float]], k2: float) -> float:

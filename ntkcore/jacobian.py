@@ -657,6 +657,29 @@ class Jacobian:
         w = self._xp.full((o,), 1.0 / o**0.5, dtype=self.dtype, device=self.device)
         return self.contract_outputs(w)
 
+    def merged_outputs(self) -> Jacobian:
+        """One output: the outputs moved into the parameter axis, :math:`J[n, 1, (o, k)]`,
+        so that :math:`J J^\\top` is the trace kernel (a dense block's column ``c`` of output
+        ``o`` is column ``o P_b + c``)."""
+        if self.num_outputs == 1:
+            return self
+        xp = self._xp
+        blocks: list[Block] = []
+        for b in self.blocks:
+            if isinstance(b, KroneckerBlock):
+                n, s, o, d = b.g.shape
+                blocks.append(b.with_arrays(b.a, xp.reshape(b.g, (n, s, 1, o * d))))
+                continue
+            n, o, p = b.jac.shape
+            merged = xp.reshape(b.jac, (n, 1, o * p))
+            if b.columns is None:
+                blocks.append(DenseBlock(merged, b.name))
+                continue
+            offsets = xp.arange(o, dtype=b.columns.dtype, device=array_api_compat.device(b.columns))
+            cols = xp.reshape(offsets[:, None] * b.num_params + b.columns[None, :], (-1,))
+            blocks.append(DenseBlock(merged, b.name, cols, o * b.num_params))
+        return Jacobian(blocks)
+
     # -- sample selection -----------------------------------------------------------------
     def select(self, idx: Any) -> Jacobian:
         """The Jacobian of a subset of samples: ``idx`` is a slice or integer indices."""

@@ -6,6 +6,7 @@ mode       shape                 entries
 "full"     (N1, N2, O, O)        :math:`\Theta[n,m,o,p]`
 "trace"    (N1, N2)              :math:`\sum_o \Theta[n,m,o,o]`
 "diagonal" (N1, N2, O)           :math:`\Theta[n,m,o,o]`
+"pseudo"   (N1, N2)              features only: the trace of :math:`\sum_o f_o/\sqrt{O}`
 ========== ===================== ==============================================
 
 A :class:`Mode` is the validated mode string (it compares, hashes and prints as the string),
@@ -21,10 +22,14 @@ import array_api_compat
 
 from ._typing import Array
 
-__all__ = ["DIAGONAL", "FULL", "MODES", "TRACE", "Mode", "check_mode", "register_mode"]
+__all__ = ["DIAGONAL", "FEATURE_MODES", "FULL", "MODES", "TRACE", "Mode", "check_mode",
+           "register_mode"]
 
 #: The built-in kernel modes, in the order error messages list them.
 MODES = ("full", "trace", "diagonal")
+#: The modes of :func:`ntkcore.features` (and the hint for the one it lacks).
+FEATURE_MODES = ("full", "trace", "pseudo")
+FEATURE_HINT = {"diagonal": " (the diagonal kernel is Phi[:, o] @ Phi[:, o].T of mode='full')"}
 
 _REGISTRY: dict[str, Mode] = {}
 
@@ -51,6 +56,15 @@ class Mode(str):
     input_copies: ClassVar[int] = 1
     #: Whether a tile in GEMM layout is already a contiguous kernel (returned as computed).
     tile_is_kernel: ClassVar[bool] = False
+    #: Whether the kernel functions take it (False: a mode of :func:`ntkcore.features` only).
+    kernel: ClassVar[bool] = True
+    #: Whether the model's outputs are contracted first (the pseudo-NTK).
+    pseudo: ClassVar[bool] = False
+
+    def feature_jacobian(self, j: Any) -> Any:
+        """The Jacobian whose rows :func:`ntkcore.features` projects in this mode: ``j``
+        itself (features (N, O, dim)) or ``j.merged_outputs()`` (features (N, dim))."""
+        raise ValueError(f"mode {self!r} has no features")
 
     # -- layout --------------------------------------------------------------------------
     def tail(self, o: int) -> tuple[int, ...]:
@@ -189,6 +203,9 @@ class FullMode(Mode):
     def partners(self, o: int) -> int:
         return o
 
+    def feature_jacobian(self, j: Any) -> Any:
+        return j
+
     def _upper(self, xp: Any, n: int, tail: tuple[int, ...], device: Any) -> Array:
         o = tail[0]
         pos = xp.arange(n * o, device=device)  # entry (n, o) of the matrix view
@@ -283,6 +300,9 @@ class TraceMode(Mode):
     tile_is_kernel = True
     matrix_diagonal_mode = "trace"
 
+    def feature_jacobian(self, j: Any) -> Any:
+        return j.merged_outputs()
+
     def matrix_rows(self, o: int) -> int:
         return 1
 
@@ -338,13 +358,30 @@ class DiagonalMode(Mode):
         return xp.vecdot(xp.reshape(x1, (m, o, -1)), xp.reshape(x2, (m, o, -1)), axis=-1)
 
 
+@register_mode
+class PseudoMode(TraceMode):
+    r"""The pseudo-NTK's features: those of trace mode for :math:`\sum_o f_o / \sqrt{O}`."""
+
+    __slots__ = ()
+    name = "pseudo"
+    kernel = False
+    pseudo = True
+
+    def feature_jacobian(self, j: Any) -> Any:
+        return (j.pseudo() if j.num_outputs > 1 else j).merged_outputs()
+
+
 FULL, TRACE, DIAGONAL = _REGISTRY["full"], _REGISTRY["trace"], _REGISTRY["diagonal"]
 
 
-def check_mode(mode: Any, allowed: Sequence[str] | None = None, context: str = "") -> Mode:
+def check_mode(mode: Any, allowed: Sequence[str] | None = None, context: str = "",
+               hint: dict[str, str] | None = None) -> Mode:
     """``mode`` as a :class:`Mode`, or ValueError ``mode must be one of {allowed}{context};
-    got {mode!r}`` when it is not a string in ``allowed`` (default: every registered mode)."""
-    names = tuple(_REGISTRY) if allowed is None else tuple(allowed)
+    got {mode!r}{hint[mode]}`` when it is not a string in ``allowed`` (default: every
+    registered kernel mode)."""
+    names = tuple(k for k, m in _REGISTRY.items() if m.kernel) if allowed is None \
+        else tuple(allowed)
     if not isinstance(mode, str) or mode not in names or mode not in _REGISTRY:
-        raise ValueError(f"mode must be one of {names}{context}; got {mode!r}")
+        extra = (hint or {}).get(mode, "") if isinstance(mode, str) else ""
+        raise ValueError(f"mode must be one of {names}{context}; got {mode!r}{extra}")
     return _REGISTRY[str(mode)]

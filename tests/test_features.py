@@ -138,10 +138,11 @@ def test_full_grid_variance_is_the_closed_form(rng):
 def test_pair_statistics_two_routes_agree(backend, rng, mode):
     """The Kronecker pair statistics from per-sample weights and from the factors' Grams
     agree (and K is the exact kernel of the block)."""
-    from ntkcore.features import _merge, _pair_stats
+    from ntkcore.features import _pair_stats
+    from ntkcore.modes import check_mode
 
     a, g, jac = _factors(rng, n=3)
-    block = _merge(_jacobian(backend, a, g, jac), mode).blocks[0]
+    block = check_mode(mode).feature_jacobian(_jacobian(backend, a, g, jac)).blocks[0]
     dense, factored = _pair_stats(block, factored=False), _pair_stats(block, factored=True)
     assert set(dense) == set(factored) == {"kernel", "kernel_sq", "norm_product", "trace_sq",
                                            "frob_a", "frob_g"}
@@ -309,10 +310,10 @@ def test_predicted_variance_matches_measured(rng, mode, method, kronecker, exact
     kw = dict(mode=mode, method=method, kronecker=kronecker,
               probe=J if exact_dense else None)
     if exact_dense:
-        from ntkcore.features import FeatureSpec, _merge
+        from ntkcore.features import FeatureSpec
 
         spec = FeatureSpec(dim, method, mode=mode, probe=J, kronecker=kronecker)
-        methods = [p.method for p in spec.plan(_merge(J, mode), J)]
+        methods = [p.method for p in spec.plan(spec.mode.feature_jacobian(J), J)]
         assert methods == [kronecker, "exact"]
     var = np.asarray(ntkcore.feature_variance(J, dim=dim, **kw))
     m = 2000
