@@ -4,7 +4,7 @@ against index-by-index NumPy references."""
 import numpy as np
 import pytest
 
-from ntkcore.modes import MODES, Mode, check_mode
+from ntkcore.modes import FEATURE_HINT, FEATURE_MODES, MODES, Mode, check_mode
 
 
 def test_check_mode_returns_mode_and_rejects_others():
@@ -17,6 +17,19 @@ def test_check_mode_returns_mode_and_rejects_others():
             check_mode(bad)
     with pytest.raises(ValueError, match=r"mode must be one of \('trace', 'full'\) for x"):
         check_mode("diagonal", ("trace", "full"), " for x")
+
+
+def test_feature_only_mode_is_no_kernel_mode():
+    """"pseudo" is a mode of ``features`` only: the kernel functions refuse it, and the
+    feature modes refuse "diagonal" with the hint."""
+    with pytest.raises(ValueError, match=r"one of \('full', 'trace', 'diagonal'\); got 'pseudo'"):
+        check_mode("pseudo")
+    assert check_mode("pseudo", FEATURE_MODES).pseudo
+    assert not check_mode("trace", FEATURE_MODES).pseudo
+    with pytest.raises(ValueError, match=r"got 'diagonal' \(the diagonal kernel is"):
+        check_mode("diagonal", FEATURE_MODES, hint=FEATURE_HINT)
+    with pytest.raises(ValueError, match="has no features"):
+        check_mode("diagonal").feature_jacobian(None)
 
 
 @pytest.mark.parametrize("lead", [0, 1])
