@@ -51,9 +51,7 @@ class ConvergenceWarning(RuntimeWarning):
     """An iterative solver stopped at its iteration limit before reaching the tolerance."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Linear operators (the interface lives in ntkcore.linop)
-# ---------------------------------------------------------------------------------------------
+# -- Linear operators (the interface lives in ntkcore.linop) --------------------------------------
 class _DuckOperator(LinearOperator):
     """A user object with ``shape``, ``matmat``/``matvec`` (and the optional methods)."""
 
@@ -156,9 +154,7 @@ def aslinearoperator(k: Any, *, name: str = "k") -> LinearOperator:
     return op
 
 
-# ---------------------------------------------------------------------------------------------
-# Preconditioners
-# ---------------------------------------------------------------------------------------------
+# -- Preconditioners ------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class NystromPreconditioner:
     r"""Randomized Nystrom preconditioner :math:`M^{-1}` for :math:`K + \mu I`.
@@ -372,9 +368,7 @@ def _setup(k: Any, rank: Any, like: Array) -> tuple[LinearOperator, Any, Backend
     return op, xp, get_backend(xp), op.shape[0], min(int(rank), op.shape[0])
 
 
-# ---------------------------------------------------------------------------------------------
-# Conjugate gradients
-# ---------------------------------------------------------------------------------------------
+# -- Conjugate gradients --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CGReport:
     """What happened in one :func:`cg_solve` call.
