@@ -321,15 +321,10 @@ class SMWSolver:
         d = g - mul(xp.astype(self.coefficients(g, t_mul), g.dtype, copy=False))
         d /= self.damping  # in place where the namespace allows (d is a new array)
         d = xp.astype(d, g.dtype, copy=False)
-        if check:
-            self._check_direction(g, d)
+        # rows of U outside the sketch never reach the Gram; a NaN there shows up in U b
+        if check and self.sketch_vec is not None and not all_finite(xp, d) and all_finite(xp, g):
+            raise ValueError(_NONFINITE_U)
         return d
-
-    def _check_direction(self, g: Array, d: Array) -> None:
-        """Rows of U outside the sketch never reach the Gram; a NaN there shows up in U b."""
-        if self.sketch_vec is not None and not all_finite(self.xp, d):
-            if all_finite(self.xp, g):
-                raise ValueError(_NONFINITE_U)
 
 
 # -- public functions -------------------------------------------------------------------------
