@@ -545,7 +545,7 @@ class MLP:
 
         # backward: g_L = I (or ones/sqrt(O)); g_l = (g_{l+1} W_{l+1}) * (c_{l+1} phi'(y_l))
         lowest = layers[0]
-        g_list: list[Array | None] = [None] * L
+        g_list: list[Any] = [None] * L  # filled from the top down to `lowest`
         if pseudo:
             top = xp.full((1, o), 1.0 / math.sqrt(o), dtype=dtype, device=dev)
             g_list[L - 1] = xp.broadcast_to(top[None, :, :], (n, 1, o))
@@ -567,13 +567,8 @@ class MLP:
                 g *= dphi[l][:, None, :]  # g is the fresh product
                 g_list[l] = g
 
-        names = self.block_names
-        blocks = []
-        for l in layers:
-            gl = g_list[l]
-            assert gl is not None
-            blocks.append(KroneckerBlock(a_list[l][:, None, :], gl[:, None, :, :], names[l]))
-        return Jacobian(blocks)
+        return Jacobian([KroneckerBlock(a_list[l][:, None, :], g_list[l][:, None, :, :],
+                                        self.block_names[l]) for l in layers])
 
 
 def _mlp_provider(model: MLP, x: Array, *, params: Any = None, pseudo: bool = False,
