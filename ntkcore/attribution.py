@@ -1,0 +1,519 @@
+r"""Training-data attribution in the TRAK form from projected eNTK features.
+
+:class:`TRAK` scores training samples against test samples,
+:math:`T = \Phi_*(\Phi^\top\Phi + \lambda I)^{-1}\Phi^\top Q`, with :math:`\Phi` the
+projected gradients of an output function (:data:`OUTPUTS`) from :func:`ntkcore.features`.
+A model kind with an adapter (:data:`ADAPTERS`: torch, JAX) is wrapped into a one-output model
+of ``(x, y)`` in ``ntkcore.backends``; any other model goes through the chain rule on its
+full-mode features.  Math, conventions and choices: docs/attribution.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import array_api_compat
+
+from ._typing import Array
+from ._validation import all_finite, check_scalar, check_size, namespace_of
+from .feature_regression import PRIMAL_COPIES
+from .features import feature_batches
+from .providers import find_provider
+from .regression import cholesky_with_jitter
+
+__all__ = [
+    "ADAPTERS",
+    "OUTPUTS",
+    "TRAK",
+    "Custom",
+    "Margin",
+    "ModelAdapter",
+    "Output",
+    "OutputFunction",
+    "register_output",
+]
+
+
+# -- output functions ---------------------------------------------------------------------
+class OutputFunction:
+    r"""The function :math:`f(z) = f(\mathrm{outputs}(x), y)` whose gradients TRAK projects,
+    and its loss weights :math:`Q` (TRAK's ``out_to_loss``).
+
+    A variant implements :meth:`value` (differentiable array-API code: the model adapters
+    differentiate through it with the framework's autograd), :meth:`loss_weights` and, for
+    models without an adapter, :meth:`output_grad`.  ``outputs`` is (N, O), ``targets`` the
+    user's ``y`` rows (or None)."""
+
+    name: ClassVar[str] = ""
+    #: Whether ``fit``/``score`` need ``y``.
+    needs_targets: ClassVar[bool] = True
+
+    def check(self, xp: Any, targets: Array | None, num_outputs: int, name: str) -> None:
+        """Raise a clear error for targets this function cannot use."""
+
+    def value(self, outputs: Array, targets: Array | None) -> Array:
+        """:math:`f`, shape (N,)."""
+        raise NotImplementedError
+
+    def output_grad(self, outputs: Array, targets: Array | None) -> Array:
+        r""":math:`\partial f / \partial \mathrm{outputs}`, shape (N, O)."""
+        raise NotImplementedError(
+            f"output function {self!r} has no output_grad: it needs a model with an adapter "
+            f"({', '.join(ADAPTERS)}), or an output_grad")
+
+    def loss_weights(self, outputs: Array, targets: Array | None) -> Array:
+        """:math:`Q`, shape (N,)."""
+        xp = array_api_compat.array_namespace(outputs)
+        return xp.ones((outputs.shape[0],), dtype=outputs.dtype,
+                       device=array_api_compat.device(outputs))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+#: Output functions by name (one line per variant: :func:`register_output`).
+OUTPUTS: dict[str, type[OutputFunction]] = {}
+
+
+def register_output(cls: type[OutputFunction]) -> type[OutputFunction]:
+    """Class decorator: register an :class:`OutputFunction` under its ``name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name to be registered")
+    OUTPUTS[cls.name] = cls
+    return cls
+
+
+def _onehot(xp: Any, labels: Array, num: int, like: Array) -> Array:
+    classes = xp.arange(num, device=array_api_compat.device(like))
+    return xp.astype(labels, classes.dtype)[:, None] == classes[None, :]
+
+
+@register_output
+class Margin(OutputFunction):
+    r"""TRAK's default for classification: the correct-class margin of the logits
+    :math:`\ell` (N, O) and integer labels :math:`y` (N,),
+
+    .. math:: f = \ell_y - \log\sum_{j\ne y} e^{\ell_j} = \log\frac{p_y}{1 - p_y},
+              \qquad Q = 1 - p_y = -\partial L/\partial f,
+
+    with :math:`p = \mathrm{softmax}(\ell)` and :math:`L = -\log p_y` the cross-entropy;
+    :math:`\partial f/\partial\ell_j = [j = y] - [j \ne y]\, e^{\ell_j}/\sum_{k\ne y}
+    e^{\ell_k}`."""
+
+    name = "margin"
+
+    def check(self, xp: Any, targets: Array | None, num_outputs: int, name: str) -> None:
+        if targets is None:
+            raise ValueError(f"{name} is required: the margin needs the class labels")
+        if not xp.isdtype(targets.dtype, "integral"):
+            raise TypeError(f"{name} must hold integer class labels for the margin; got "
+                            f"dtype {targets.dtype}")
+        if targets.ndim != 1:
+            raise ValueError(f"{name} must be the class labels, shape (N,); got shape "
+                             f"{tuple(targets.shape)}")
+        if num_outputs < 2:
+            raise ValueError(f"the margin needs at least two classes (outputs); the model has "
+                             f"{num_outputs}")
+        lo, hi = int(xp.min(targets)), int(xp.max(targets))
+        if lo < 0 or hi >= num_outputs:
+            raise ValueError(f"{name} holds labels in [{lo}, {hi}] but the model has "
+                             f"{num_outputs} outputs (classes 0..{num_outputs - 1})")
+
+    def _parts(self, outputs: Array, targets: Array) -> tuple[Any, Array, Array, Array]:
+        xp = array_api_compat.array_namespace(outputs)
+        hot = _onehot(xp, targets, outputs.shape[1], outputs)
+        correct = xp.sum(xp.where(hot, outputs, xp.zeros_like(outputs)), axis=1)
+        others = xp.where(hot, xp.full_like(outputs, -math.inf), outputs)
+        top = xp.max(others, axis=1, keepdims=True)
+        return xp, hot, correct, (others, top)
+
+    def value(self, outputs: Array, targets: Array | None) -> Array:
+        xp, _, correct, (others, top) = self._parts(outputs, targets)
+        lse = top[:, 0] + xp.log(xp.sum(xp.exp(others - top), axis=1))
+        return correct - lse
+
+    def output_grad(self, outputs: Array, targets: Array | None) -> Array:
+        xp, hot, _, (others, top) = self._parts(outputs, targets)
+        e = xp.exp(others - top)
+        soft = e / xp.sum(e, axis=1, keepdims=True)
+        return xp.astype(hot, outputs.dtype) - soft
+
+    def loss_weights(self, outputs: Array, targets: Array | None) -> Array:
+        xp, hot, _, _ = self._parts(outputs, targets)
+        top = xp.max(outputs, axis=1, keepdims=True)
+        e = xp.exp(outputs - top)
+        p = xp.sum(xp.where(hot, e, xp.zeros_like(e)), axis=1) / xp.sum(e, axis=1)
+        return 1 - p
+
+
+@register_output
+class Output(OutputFunction):
+    r"""Regression: the model's single output itself, :math:`f = \mathrm{outputs}[:, 0]`,
+    with :math:`Q = I`.  Then :math:`T_{*i}` is the weight of the training target
+    :math:`y_i` in the (projected) eNTK kernel-ridge prediction at the test sample,
+    :math:`\hat f(x_*) = \sum_i T_{*i}\, y_i`.  (TRAK's Newton-step derivation for the
+    squared loss would weight by the residuals :math:`y_i - f(x_i)`, which vanish at an
+    interpolating model; pass them as a :class:`Custom` ``weights`` if wanted.)"""
+
+    name = "output"
+    needs_targets = False
+
+    def check(self, xp: Any, targets: Array | None, num_outputs: int, name: str) -> None:
+        if num_outputs != 1:
+            raise ValueError(f"output='output' takes a model with one output; this one has "
+                             f"{num_outputs} (use a Custom output function to choose one)")
+
+    def value(self, outputs: Array, targets: Array | None) -> Array:
+        return outputs[:, 0]
+
+    def output_grad(self, outputs: Array, targets: Array | None) -> Array:
+        xp = array_api_compat.array_namespace(outputs)
+        return xp.ones_like(outputs)
+
+
+@register_output
+class Custom(OutputFunction):
+    r"""A user-supplied :math:`f(\mathrm{outputs}, y)` (N,), written with the operations of
+    the model's framework (it is differentiated through by its autograd), with optional
+    ``weights(outputs, y)`` (:math:`Q`, (N,); default 1) and ``grad(outputs, y)``
+    (:math:`\partial f/\partial \mathrm{outputs}`, (N, O); needed only for models without
+    an adapter, e.g. :class:`ntkcore.models.MLP`)."""
+
+    name = "custom"
+    needs_targets = False  # fn gets None without y
+
+    def __init__(self, fn: Callable[[Array, Any], Array],
+                 weights: Callable[[Array, Any], Array] | None = None,
+                 grad: Callable[[Array, Any], Array] | None = None) -> None:
+        for arg, v in (("fn", fn), ("weights", weights), ("grad", grad)):
+            if v is not None and not callable(v):
+                raise TypeError(f"Custom {arg} must be callable; got {type(v).__name__}")
+        if fn is None:
+            raise TypeError("Custom needs fn(outputs, targets) -> (N,)")
+        self.fn, self.weights, self.grad = fn, weights, grad
+
+    def value(self, outputs: Array, targets: Array | None) -> Array:
+        return self.fn(outputs, targets)
+
+    def output_grad(self, outputs: Array, targets: Array | None) -> Array:
+        if self.grad is None:
+            return super().output_grad(outputs, targets)
+        return self.grad(outputs, targets)
+
+    def loss_weights(self, outputs: Array, targets: Array | None) -> Array:
+        if self.weights is None:
+            return super().loss_weights(outputs, targets)
+        return self.weights(outputs, targets)
+
+    def __repr__(self) -> str:
+        return f"Custom({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def output_function(output: Any) -> OutputFunction:
+    """An :class:`OutputFunction` from a name of :data:`OUTPUTS`, an instance or a callable
+    (wrapped in :class:`Custom`)."""
+    if isinstance(output, OutputFunction):
+        return output
+    if isinstance(output, str):
+        cls = OUTPUTS.get(output)
+        if cls is None or cls is Custom:
+            names = tuple(k for k, c in OUTPUTS.items() if c is not Custom)
+            raise ValueError(f"output must be one of {names}, an OutputFunction or a callable "
+                             f"f(outputs, targets); got {output!r}")
+        return cls()
+    if callable(output):
+        return Custom(output)
+    raise TypeError(f"output must be a name, an OutputFunction or a callable; got "
+                    f"{type(output).__name__}")
+
+
+# -- model adapters ---------------------------------------------------------------------
+class ModelAdapter:
+    r"""How one kind of model gives its outputs and a one-output model of ``(x, y)``.
+
+    The generic adapter (any provider, pure array API) calls ``model(x)`` for the outputs and
+    has no one-output model: :class:`TRAK` then contracts the full-mode features with
+    :meth:`OutputFunction.output_grad` (chain rule, exact: one projection for all outputs).
+    Framework adapters (``ntkcore.backends.torch_attribution``,
+    ``ntkcore.backends.jax_attribution``) wrap the model so that its Jacobian has one output
+    (cheaper by O)."""
+
+    def outputs(self, model: Any, x: Array) -> Array:
+        """The model's outputs on ``x``, (N, O), without tracking gradients."""
+        out = model(x)
+        return out if out.ndim == 2 else array_api_compat.array_namespace(out).reshape(
+            out, (out.shape[0], -1))
+
+    def loss_weights(self, fn: OutputFunction, outputs: Array, targets: Array | None) -> Array:
+        """``fn.loss_weights(outputs, targets)`` (a framework may compile it)."""
+        return fn.loss_weights(outputs, targets)
+
+    def one_output(self, model: Any, fn: OutputFunction, x: Array, targets: Array | None
+                   ) -> tuple[Any, Array] | None:
+        """``(model1, z)``: a one-output model and its inputs (one row per sample) with
+        :math:`\\mathrm{model1}(z) = f(\\mathrm{model}(x), y)[:, None]`, or None."""
+        return None
+
+
+#: Adapters by provider name: ``(module, attribute)`` loaded on first use; any other
+#: provider gets the generic :class:`ModelAdapter`.
+ADAPTERS: dict[str, tuple[str, str]] = {
+    "torch": ("ntkcore.backends.torch_attribution", "ADAPTER"),
+    "jax": ("ntkcore.backends.jax_attribution", "ADAPTER"),
+}
+
+
+def adapter_for(model: Any) -> ModelAdapter:
+    entry = ADAPTERS.get(find_provider(model).name)
+    if entry is None:
+        return ModelAdapter()
+    return getattr(importlib.import_module(entry[0]), entry[1])
+
+
+# -- TRAK ---------------------------------------------------------------------------------
+def _seeds(seed: Any) -> tuple[int, ...]:
+    items = seed if isinstance(seed, Sequence) and not isinstance(seed, str) else (seed,)
+    out = []
+    for s in items:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise TypeError(f"seed must be a non-negative integer or a sequence of them (one "
+                            f"projection per seed, reused for the test samples); got {s!r}")
+        out.append(int(s))
+    if not out:
+        raise ValueError("seed is an empty sequence: give at least one projection seed")
+    return tuple(out)
+
+
+def _checkpoints(model: Any) -> tuple[Any, ...]:
+    if isinstance(model, list):
+        if not model:
+            raise ValueError("model is an empty list: give at least one checkpoint")
+        models = tuple(model)
+    else:
+        models = (model,)
+    for i, m in enumerate(models):
+        find_provider(m)  # TypeError naming the model kind when no provider knows it
+        if isinstance(m, list):
+            raise TypeError(f"model[{i}] is a list; pass one flat list of checkpoints")
+    return models
+
+
+class _Member:
+    """One (checkpoint, seed) of the ensemble: its training features, loss weights and the
+    Cholesky factor of its system (primal dim x dim or dual N x N)."""
+
+    def __init__(self, model: Any, seed: int) -> None:
+        self.model, self.seed = model, seed
+        self.phi: Array | None = None
+        self.q: Array | None = None
+        self.factor: Array | None = None
+        self.primal = True
+        self.jitter: Any = 0.0
+
+
+class TRAK:
+    r"""TRAK attribution scores (Park et al., 2023) from ntkcore's projected features.
+
+    .. math:: T = \frac{1}{CS}\sum_{c,s} \Phi_{*cs}\,(\Phi_{cs}^\top\Phi_{cs} + \lambda I)^{-1}
+              \Phi_{cs}^\top \;\cdot\; \mathrm{diag}\Big(\frac1C\sum_c Q_c\Big)
+              \qquad (M, N)
+
+    over checkpoints :math:`c` and projection seeds :math:`s`, with
+    :math:`\Phi_{cs}` (N, dim) the features of the output function's gradients
+    (:func:`ntkcore.features`; :math:`\mathbb{E}[\Phi\Phi^\top]` is its eNTK) and
+    :math:`Q_c` its loss weights (:class:`Margin`: :math:`1 - p_y`).  The ensemble average
+    is traker's (per-member scores averaged, then multiplied by the averaged Q), without its
+    per-member rescaling by the mean of :math:`|(\Phi^\top\Phi)^{-1}|`.  Each member is
+    solved on the smaller side: the primal dim x dim system while dim < N, else the dual
+    :math:`\Phi_*\Phi^\top(\Phi\Phi^\top + \lambda I)^{-1}` (equal by the push-through
+    identity; at :math:`\lambda = 0` the limit :math:`\lambda \to 0^+`, the pseudo-inverse),
+    with ntkcore's Cholesky and its jitter policy.
+
+    Parameters
+    ----------
+    model : model or list of models
+        A ``torch.nn.Module``, a JAX ``(apply_fn, params)`` pair, an
+        :class:`ntkcore.models.MLP` or any model with a Jacobian provider; a list is an
+        ensemble of checkpoints (several trained models or several states of one).
+    dim : int
+        Feature columns per member (:func:`ntkcore.features`).
+    seed : int or sequence of int
+        Projection seed(s); each is one member per checkpoint.  The test features of a
+        member use its seed, so train and test share its projection.
+    output : str, OutputFunction or callable
+        ``"margin"`` (default, classification), ``"output"`` (one-output regression), an
+        :class:`OutputFunction` or ``f(outputs, targets)`` (:class:`Custom`, Q = 1).
+    reg : float
+        :math:`\lambda \ge 0`; TRAK's default 0.
+    max_memory : int, float or str, optional
+        Working memory of the feature batches, the dim x dim matrices of the solve and a block
+        of test samples' scores (the results, N dim per member and M N, are not counted).
+    kronecker : {"pairs", "grid"}
+        Layout of the Kronecker projections; "pairs" (default) has TRAK's 1/dim variance.
+    method, params, probe, check_finite
+        As for :func:`ntkcore.features`.
+    jitter : "auto", float or None
+        Jitter policy of the Cholesky (:func:`ntkcore.kernel_regression`).
+
+    Attributes (after :meth:`fit`)
+    ------------------------------
+    features_ : tuple of arrays (N, dim), one per member (checkpoint-major)
+    weights_ : array (N,), the loss weights averaged over checkpoints
+    jitter_ : tuple of float, the jitter each member's Cholesky needed
+    """
+
+    def __init__(self, model: Any, *, dim: int, seed: Any = 0, output: Any = "margin",
+                 reg: float = 0.0, max_memory: Any = None, kronecker: str = "pairs",
+                 method: str = "auto", params: Any = None, probe: Any = None,
+                 jitter: str | float | None = "auto", check_finite: bool = True) -> None:
+        self.models = _checkpoints(model)
+        self.dim = check_size(dim, "dim")
+        self.seeds = _seeds(seed)
+        self.output = output_function(output)
+        self.reg = check_scalar(reg, "reg", nonnegative=True)
+        self.max_memory = max_memory
+        self.options = {"method": method, "params": params, "probe": probe,
+                        "kronecker": kronecker, "check_finite": check_finite}
+        self.jitter = jitter
+        self._members: list[_Member] = []
+        self._n: int | None = None
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _inputs(self, x: Array, y: Array | None, which: str) -> tuple[Any, Any]:
+        xn, yn = f"x_{which}", f"y_{which}"
+        xp, backend = namespace_of(**{xn: x, yn: y})
+        if x.ndim < 1 or x.shape[0] == 0:
+            raise ValueError(f"{xn} must lead with a non-empty sample axis; got shape "
+                             f"{tuple(x.shape)}")
+        if y is None and self.output.needs_targets:
+            raise ValueError(f"{yn} is required by output {self.output!r}")
+        if y is not None:
+            if y.ndim < 1 or y.shape[0] != x.shape[0]:
+                raise ValueError(f"{yn} must have one row per sample of {xn} "
+                                 f"({x.shape[0]}); got shape {tuple(y.shape)}")
+            if not all_finite(xp, y):
+                raise ValueError(f"{yn} contains NaN or Inf")
+        if self.options["check_finite"] and not all_finite(xp, x):
+            raise ValueError(f"{xn} contains NaN or Inf")
+        return xp, backend
+
+    def _stream(self, member: _Member, x: Array, y: Array | None, which: str,
+                reserve: Callable[[int, int], float] | None
+                ) -> Iterator[tuple[int, int, Array, Array]]:
+        """``(start, stop, phi, q)`` by sample batches of ``x``: the member's features of the
+        output function (stop - start, dim) and its loss weights."""
+        model, fn = member.model, self.output
+        adapter = adapter_for(model)
+        first = adapter.outputs(model, x[0:1, ...])
+        fn.check(array_api_compat.array_namespace(first), y, int(first.shape[1]), f"y_{which}")
+        composed = adapter.one_output(model, fn, x, y)
+        src, z, mode = (model, x, "full") if composed is None else (*composed, "trace")
+        for _, start, stop, phi in feature_batches(
+                src, z, dim=self.dim, seed=member.seed, mode=mode, max_memory=self.max_memory,
+                reserve=reserve, **self.options):
+            xp = array_api_compat.array_namespace(phi)
+            out = adapter.outputs(model, x[start:stop, ...])
+            t = None if y is None else y[start:stop, ...]
+            if composed is None:  # chain rule on the full-mode features (N, O, dim)
+                w = xp.astype(fn.output_grad(out, t), phi.dtype)
+                phi = xp.sum(w[:, :, None] * phi, axis=1)
+            q = xp.astype(adapter.loss_weights(fn, out, t), phi.dtype)
+            if not all_finite(xp, q):
+                raise ValueError(f"the loss weights Q of samples {start}:{stop} of x_{which} "
+                                 "contain NaN or Inf (non-finite model outputs)")
+            yield start, stop, phi, q
+
+    # -- fit and score --------------------------------------------------------------------
+    def fit(self, x_train: Array, y_train: Array | None = None) -> TRAK:
+        """Featurize the training set for every member, factor its system.
+
+        Parameters
+        ----------
+        x_train : array, shape (N, ...)
+            The model's inputs.
+        y_train : array, shape (N,) or (N, ...), optional
+            Targets of the output function (class labels for the margin).
+
+        Returns
+        -------
+        self
+        """
+        self._inputs(x_train, y_train, "train")
+        members = [_Member(m, s) for m in self.models for s in self.seeds]
+
+        def reserve(dim: int, item: int) -> float:
+            return item * PRIMAL_COPIES * dim * dim
+
+        q_sum = None
+        for i, mem in enumerate(members):
+            parts, qs = [], []
+            for _, _, phi, q in self._stream(mem, x_train, y_train, "train", reserve):
+                parts.append(phi)
+                qs.append(q)
+            xp, backend = namespace_of(features=parts[0])
+            phi = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+            q = qs[0] if len(qs) == 1 else xp.concat(qs, axis=0)
+            mem.phi, mem.q = phi, q
+            mem.primal = phi.shape[1] < phi.shape[0]
+            a = phi.T @ phi if mem.primal else phi @ phi.T
+            name = "Phi^T Phi" if mem.primal else "Phi Phi^T"
+            mem.factor, mem.jitter = cholesky_with_jitter(
+                xp, backend, (a + a.T) / 2, reg=self.reg, jitter=self.jitter,
+                name=f"{name} of member {i} (checkpoint {i // len(self.seeds)}, seed "
+                     f"{mem.seed})")
+            if i % len(self.seeds) == 0:
+                q_sum = q if q_sum is None else q_sum + q
+        self._members = members
+        self._n = int(x_train.shape[0])
+        self.features_ = tuple(m.phi for m in members)
+        self.weights_ = q_sum / len(self.models)
+        self.jitter_ = tuple(m.jitter for m in members)
+        return self
+
+    def _check_fitted(self) -> None:
+        if not self._members:
+            raise RuntimeError("this TRAK instance is not fitted yet; call fit(x_train, "
+                               "y_train) before score")
+
+    def score(self, x_test: Array, y_test: Array | None = None) -> Array:
+        """Scores of every training sample for every test sample.
+
+        Parameters
+        ----------
+        x_test : array, shape (M, ...)
+        y_test : array, shape (M,) or (M, ...), optional
+            As ``y_train`` in :meth:`fit`.
+
+        Returns
+        -------
+        array, shape (M, N)
+            ``T[m, i]``: the support of training sample i for the output on test sample m,
+            in the namespace, device and dtype of the features.
+        """
+        self._check_fitted()
+        self._inputs(x_test, y_test, "test")
+        n = self._n
+        k = len(self._members)
+
+        def reserve(dim: int, item: int) -> float:  # the factor and a block's (b, N) scores
+            return item * (dim * dim + 2 * n * dim)
+
+        total = None
+        for mem in self._members:
+            xp, backend = namespace_of(features=mem.phi)
+            rows = []
+            for _, _, phi_s, _ in self._stream(mem, x_test, y_test, "test", reserve):
+                if mem.primal:  # Phi_* (Phi^T Phi + lam I)^{-1} Phi^T
+                    rows.append(backend.cho_solve(mem.factor, phi_s.T).T @ mem.phi.T)
+                else:  # Phi_* Phi^T (Phi Phi^T + lam I)^{-1}
+                    rows.append(backend.cho_solve(mem.factor, mem.phi @ phi_s.T).T)
+            s = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+            total = s if total is None else total + s
+        return (total / k) * self.weights_[None, :]
+
+    def __repr__(self) -> str:
+        return (f"TRAK(checkpoints={len(self.models)}, dim={self.dim}, seeds={self.seeds}, "
+                f"output={self.output!r}, reg={self.reg:g})")
