@@ -167,24 +167,22 @@ def _identity(loc: Any) -> tuple[Any, ...]:
 def _os_lock(fd: int) -> str | None:
     """Lock ``fd`` exclusively without waiting.  None once locked; raises :class:`_Busy` when
     another open file holds the lock; otherwise the reason no lock is possible here."""
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _Busy from exc
-            return f"the file system refused a lock ({exc.strerror or exc})"
-        return None
-    if msvcrt is not None:
+    if fcntl is None and msvcrt is None:
+        return "this platform has neither fcntl nor msvcrt"
+    if fcntl is None:
         os.lseek(fd, _MSVCRT_BYTE, os.SEEK_SET)
-        try:
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EDEADLK):
-                raise _Busy from exc
-            return f"the file system refused a lock ({exc.strerror or exc})"
-        return None
-    return "this platform has neither fcntl nor msvcrt"
+    except OSError as exc:
+        busy = ((errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) if fcntl is not None
+                else (errno.EACCES, errno.EDEADLK))
+        if exc.errno in busy:
+            raise _Busy from exc
+        return f"the file system refused a lock ({exc.strerror or exc})"
+    return None
 
 
 def _os_unlock(fd: int) -> None:
@@ -584,9 +582,8 @@ def to_zarr(
         A directory (new, empty, or an ntkcore kernel store), a ``LocalStore``, a
         ``MemoryStore`` or any other Zarr store, or an fsspec URL (``"memory://k.zarr"``,
         ``"s3://..."``).  A file, or a directory or store with other content, is refused
-        (``ValueError``), with or without ``overwrite``.  Local directories are flushed
-        (``fsync``) and read by ntkcore itself, and locked for the call (see Notes); other
-        stores go through the Zarr API (a ``MemoryStore`` needs Dask workers in this process).
+        (``ValueError``), even with ``overwrite``.  Stores other than local directories go
+        through the Zarr API (a ``MemoryStore`` needs Dask workers in this process).
     resume : bool, default True
         If the store holds the same computation (same shape, chunks, dtype and ``key``, and
         with ``key=None`` the same fingerprint: dask's name for ``kernel``, or for
