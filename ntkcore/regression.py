@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 _JITTER_CAP = 1e-2
+_LOG_2PI = math.log(2 * math.pi)
 
 
 def jitter_cap(jitter: str | float | None) -> float | None:
@@ -472,8 +473,6 @@ def gp_inference(
     n = k_train.shape[0]
     cols = 1 if y_train.ndim == 1 else y_train.shape[1]
     logdet_half = xp.sum(xp.log(xp.linalg.diagonal(l)))
-    lml = -0.5 * xp.sum(y_train * alpha) - cols * logdet_half - 0.5 * n * cols * math.log(
-        2 * math.pi
-    )
+    lml = -0.5 * xp.sum(y_train * alpha) - cols * logdet_half - 0.5 * n * cols * _LOG_2PI
     return GPPosterior(mean=mean, covariance=cov, log_marginal_likelihood=lml, jitter=eps,
                        variance=var)
