@@ -9,52 +9,6 @@ The model is turned into a structured :class:`~ntkcore.Jacobian` by the provider
 its type (:mod:`ntkcore.providers`: ``torch.nn.Module``, JAX ``(apply_fn, params)``,
 :class:`ntkcore.models.MLP`, ...), and the kernel is contracted by :func:`ntkcore.gram`.
 
-Memory. With a budget ``M`` (``max_memory``), the Jacobian factors are computed in sample
-batches. A first small batch measures the factor bytes per sample ``b``; a provider call on
-``k`` samples is assumed to need about ``3 k b`` bytes (factors, activations and output
-gradients); ``b`` is remembered per model and input signature (:data:`_PER_SAMPLE`), so
-repeated calls skip the measuring call. If the factors of all samples fit in ``M / 2`` they are
-computed once (in batches) and :func:`~ntkcore.gram` gets the rest of the budget. Otherwise the
-kernel is computed in (row, column) sample blocks whose factors each take at most ``M / 4``:
-the row block's factors are computed once, the column blocks' are recomputed per row block (for
-``x2=None`` only blocks on and above the diagonal, the others are transposes). The kernel
-itself is not counted.  Stacking the batches drops each block's pieces once that block is
-stacked (``Jacobian.concatenate(..., consume=True)``: F plus one block, not 2 F), and the
-probe's factors are released once copied (held) or after the first row block (streamed),
-so nothing outside the charged figures stays alive through the contraction (measured
-tables: docs/real-models.md).  The budget is resolved once (a
-:class:`ntkcore._memory.Budget`, split explicitly; batches by
-:func:`ntkcore._memory.batch_samples`, as on the KIP path).  A budget too small for a
-useful tile (``min(N, 8)`` samples a side, ``MIN_TILE_SAMPLES`` in
-``ntkcore/gram.py``: blocks of that many samples and their contraction) raises
-``ntkcore.BudgetTooSmallError`` (a ``ValueError``) right after the probe, stating the
-smallest ``max_memory`` that works (``_check_budget``).
-
-Gradients with respect to the inputs (torch autograd; KIP): see ``checkpoint`` in
-:func:`ntk`.  ``"auto"`` hands the call to the provider's ``checkpointed_ntk`` capability
-(torch: :func:`ntkcore.backends.torch_kip.checkpointed_ntk`, loaded lazily) when exactly one
-side requires grad and the other side's factors exceed ``M / 4`` (``b`` times its samples).
-
-Input checks (before any provider call).  ``x1`` and ``x2`` must be arrays of one library
-and device, leading with a non-empty sample axis.  With ``check_finite=True`` (the default,
-like SciPy's ``check_finite``) their floating entries and the model's parameters and
-floating buffers must be finite (ValueError naming the input or the parameter); integer
-inputs (token ids) need no check.  The parameters are found by duck typing, without a
-framework import: ``named_parameters()`` / ``named_buffers()`` (``torch.nn.Module``), the
-``weights`` / ``biases`` of an :class:`ntkcore.models.MLP`, the array leaves of the dicts,
-lists and tuples of a JAX ``(apply_fn, params)`` pair.  Cost: one reduction per array and
-one device sync.  :func:`~ntkcore.gram` then checks the Jacobian factors (NaN or Inf from
-an overflow or a non-finite activation of finite inputs).  When the model itself fails on
-an input, the error is explained when the cause is visible (:func:`input_problem`): an
-input of another array library than the model's parameters (a NumPy array for a torch
-model) raises TypeError naming both libraries and the conversion (``torch.as_tensor(x1)``);
-a complex input to a model with real parameters, or a real floating input whose dtype is
-no floating parameter's (when the model's error speaks of types), raises TypeError naming
-it; an ``x2`` whose per-sample shape differs from ``x1``'s raises ValueError naming both
-shapes (the model's own message follows; nothing is rejected up front, because models may
-cast inputs or accept several shapes or complex inputs).  The torch provider's
-:func:`~ntkcore.backends.torch.jacobian` explains its ``x`` the same way.
-
 Pure array API: nothing here imports a framework.
 """
 
@@ -84,6 +38,9 @@ __all__ = ["ntk", "pseudo_ntk"]
 
 
 def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
+    """``(xp, backend)`` of ``x1`` and ``x2``: arrays of one library and device, leading with
+    a non-empty sample axis.  (Finite entries: ``check_finite``; an input the model cannot
+    take is explained after its failure: :func:`input_problem`.)"""
     xp, backend = namespace_of(x1=x1, x2=x2)
     for name, x in (("x1", x1), ("x2", x2)):
         if x is not None and (x.ndim < 1 or x.shape[0] is None):
@@ -96,8 +53,11 @@ def _check_inputs(x1: Any, x2: Any) -> tuple[Any, Any]:
 
 
 def _named_parameters(model: Any) -> list[tuple[str, Any]]:
-    """The model's parameters (and torch buffers) as ``(name, array)``, found by duck typing
-    (see the module docstring); empty when the model does not expose them."""
+    """The model's parameters (and torch buffers) as ``(name, array)``, found by duck typing,
+    without a framework import: ``named_parameters()`` / ``named_buffers()``
+    (``torch.nn.Module``), the ``weights`` / ``biases`` of an :class:`ntkcore.models.MLP`,
+    the array leaves of a JAX ``(apply_fn, params)`` pair; empty when the model exposes
+    none."""
     out: list[tuple[str, Any]] = []
     for method in ("named_parameters", "named_buffers"):  # torch.nn.Module
         fn = getattr(model, method, None)
@@ -399,8 +359,10 @@ def provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
 
 
 def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
-    """Whether exactly one input requires grad (a support set); raise where
-    ``checkpoint=True`` cannot be honoured."""
+    """Whether exactly one input requires grad (a support set: KIP); raise where
+    ``checkpoint=True`` cannot be honoured.  Then ``"auto"`` hands the call to the provider's
+    ``checkpointed_ntk`` (torch: ``ntkcore.backends.torch_kip``, loaded lazily) when the
+    other side's factors exceed ``M / 4``."""
     one_grad = x2 is not None and _requires_grad(x1) != _requires_grad(x2)
     if checkpoint is True and x2 is not None and _requires_grad(x1) and _requires_grad(x2):
         raise ValueError("checkpoint=True needs exactly one of x1, x2 to require grad (the "
@@ -431,6 +393,15 @@ def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, 
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
             checkpoint: Any = "auto", check_finite: bool = True) -> Array:
+    """:func:`ntk` within the budget ``M``.  A probe on the first samples measures the factor
+    bytes per sample ``b`` (remembered per model and input signature, :data:`_PER_SAMPLE`); a
+    provider call on ``k`` samples is taken to need ``3 k b``.  If the factors of all samples
+    fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
+    otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
+    factors.  Stacking drops each batch once stacked and the probe is released once copied,
+    so nothing outside the charged figures stays alive (the kernel itself is not counted).
+    A budget too small for a useful tile raises :class:`ntkcore.BudgetTooSmallError` right
+    after the probe (:func:`_check_budget`)."""
     mode = _check_options(mode, layerwise, batch_size, checkpoint, check_finite)
     provider = find_provider(model)
     xp, backend = _check_inputs(x1, x2)
@@ -492,7 +463,7 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
 
     The kernel is computed with all factors held (when they take at most ``M / 2``) and the
     contraction then gets at least ``M / 2``, or in sample blocks of ``M / 4`` bytes of factors
-    with ``M / 2`` for the contraction (module docstring).  So ``M`` works when
+    with ``M / 2`` for the contraction (:func:`_kernel`).  So ``M`` works when
     ``M >= 2 g`` (``g``: the contraction's need for a useful tile, from the block shapes) and
     either ``M >= 2 F`` (``F``: all factors) or ``M >= 4 m b`` (blocks of ``m`` samples of
     ``b`` bytes each).
@@ -521,7 +492,8 @@ def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
               x2: Any, box: list[Jacobian | None], per_sample: float, budget: Budget,
               batch_size: Any, mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
               check_finite: bool) -> Array:
-    """Kernel in (row, column) sample blocks, factors recomputed per block (see module doc).
+    """Kernel in (row, column) sample blocks: the row block's factors computed once, the
+    column blocks' per row block (for ``x2=None`` only the blocks on and above the diagonal).
 
     ``box`` holds the probe's Jacobian (or None), the only reference to it, so that it is
     freed after the first row block instead of being held, uncharged, to the end."""
@@ -584,7 +556,7 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         block order; the blocks sum to the total kernel.
     max_memory : int, float or str, optional
         Working-memory budget in bytes (or ``"1GB"``) for Jacobian factors and contractions,
-        the kernel itself aside (see the module docstring).  Default: a quarter of the
+        the kernel itself aside (docs/reliability.md, "Memory budgets").  Default: a quarter of the
         device's free memory.  Too small for a tile of ``min(N, 8)`` samples a side: a
         ``ValueError`` stating the smallest budget that works.
     params : optional
@@ -611,8 +583,8 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         once-differentiable).  ``batch_size`` is then the target chunk size.
     check_finite : bool, default True
         Check that the floating entries of ``x1`` and ``x2``, the model's parameters (and
-        torch buffers) and the Jacobian factors are finite (see the module docstring; one
-        reduction per array).  ``False`` skips these checks (a NaN/Inf then gives a NaN
+        torch buffers) and the Jacobian factors are finite (one reduction per array; an
+        integer input needs none).  ``False`` skips these checks (a NaN/Inf then gives a NaN
         kernel).
 
     Returns
