@@ -756,8 +756,7 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
     expression of it) multiply through :class:`ZarrMatrixOperator`, which reads each tile
     once per product on the workers.
 
-    Every tile marked done is checked against the size of its chunk recorded when it was
-    written; ``checksums=True`` also compares CRC-32s (reads the kernel once).
+    The store is checked as :func:`zarr_status` checks it (``checksums`` likewise).
 
     Raises
     ------
