@@ -301,17 +301,36 @@ def _checkpoints(model: Any) -> tuple[Any, ...]:
     return models
 
 
+#: Rows per Zarr chunk of a stored member (``TRAK(store=...)``): a resume recomputes at most
+#: this many samples.
+STORE_CHUNK_ROWS = 4096
+
+
 class _Member:
-    """One (checkpoint, seed) of the ensemble: its training features, loss weights and the
-    Cholesky factor of its system (primal dim x dim or dual N x N)."""
+    """One (checkpoint, seed) of the ensemble: its training features (in memory, or a stored
+    ``[Phi | Q]`` read by row chunks), loss weights and the Cholesky factor of its system
+    (primal dim x dim or dual N x N)."""
 
     def __init__(self, model: Any, seed: int) -> None:
         self.model, self.seed = model, seed
         self.phi: Array | None = None
+        self.stored: Any = None  # a lazy (N, width + 1) array of the store
+        self.like: Array | None = None  # namespace, device and dtype of the features
         self.q: Array | None = None
         self.factor: Array | None = None
         self.primal = True
         self.jitter: Any = 0.0
+
+    def blocks(self) -> Iterator[Array]:
+        """The training features by row blocks, in the features' namespace and device."""
+        if self.stored is None:
+            yield self.phi
+            return
+        xp = array_api_compat.array_namespace(self.like)
+        for b in range(self.stored.numblocks[0]):
+            host = self.stored.blocks[b, :].compute()[:, :-1]
+            yield xp.asarray(host, dtype=self.like.dtype,
+                             device=array_api_compat.device(self.like))
 
 
 class TRAK:
@@ -368,7 +387,8 @@ class TRAK:
     def __init__(self, model: Any, *, dim: int, seed: Any = 0, output: Any = "margin",
                  reg: float = 0.0, max_memory: Any = None, kronecker: str = "pairs",
                  method: str = "auto", params: Any = None, probe: Any = None,
-                 jitter: str | float | None = "auto", check_finite: bool = True) -> None:
+                 jitter: str | float | None = "auto", check_finite: bool = True,
+                 store: Any = None, key: str | None = None) -> None:
         self.models = _checkpoints(model)
         self.dim = check_size(dim, "dim")
         self.seeds = _seeds(seed)
@@ -378,6 +398,11 @@ class TRAK:
         self.options = {"method": method, "params": params, "probe": probe,
                         "kronecker": kronecker, "check_finite": check_finite}
         self.jitter = jitter
+        if store is not None and not isinstance(store, str) and not hasattr(store, "__fspath__"):
+            raise TypeError(f"store must be a directory path; got {type(store).__name__}")
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key must be a string or None; got {type(key).__name__}")
+        self.store, self.key = store, key
         self._members: list[_Member] = []
         self._n: int | None = None
 
@@ -448,17 +473,23 @@ class TRAK:
             return item * PRIMAL_COPIES * dim * dim
 
         q_sum = None
+        n = int(x_train.shape[0])
         for i, mem in enumerate(members):
-            parts, qs = [], []
-            for _, _, phi, q in self._stream(mem, x_train, y_train, "train", reserve):
-                parts.append(phi)
-                qs.append(q)
-            xp, backend = namespace_of(features=parts[0])
-            phi = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
-            q = qs[0] if len(qs) == 1 else xp.concat(qs, axis=0)
-            mem.phi, mem.q = phi, q
-            mem.primal = phi.shape[1] < phi.shape[0]
-            a = phi.T @ phi if mem.primal else phi @ phi.T
+            if self.store is None:
+                mem.phi, mem.q = self._featurize(mem, x_train, y_train, 0, n, reserve)
+                mem.like = mem.phi
+            else:
+                self._write_store(i, mem, x_train, y_train, reserve)
+            xp, backend = namespace_of(features=mem.like)
+            mem.primal = int(mem.like.shape[1]) < n
+            if mem.stored is not None and not mem.primal:  # dual: N <= width, in memory
+                mem.phi = xp.concat(list(mem.blocks()), axis=0)
+                mem.stored = None
+            a = None
+            for blk in mem.blocks():
+                part = blk.T @ blk if mem.primal else blk @ blk.T
+                a = part if a is None else a + part
+            q = mem.q
             name = "Phi^T Phi" if mem.primal else "Phi Phi^T"
             mem.factor, mem.jitter = cholesky_with_jitter(
                 xp, backend, (a + a.T) / 2, reg=self.reg, jitter=self.jitter,
@@ -467,11 +498,50 @@ class TRAK:
             if i % len(self.seeds) == 0:
                 q_sum = q if q_sum is None else q_sum + q
         self._members = members
-        self._n = int(x_train.shape[0])
-        self.features_ = tuple(m.phi for m in members)
+        self._n = n
+        self.features_ = tuple(m.phi if m.stored is None else m.stored[:, :-1]
+                               for m in members)
         self.weights_ = q_sum / len(self.models)
         self.jitter_ = tuple(m.jitter for m in members)
         return self
+
+    def _featurize(self, mem: _Member, x: Array, y: Array | None, start: int, stop: int,
+                   reserve: Callable[[int, int], float] | None) -> tuple[Array, Array]:
+        """The member's features (stop - start, width) and loss weights of those samples."""
+        xs = x[start:stop, ...]
+        ys = None if y is None else y[start:stop, ...]
+        parts, qs = [], []
+        for _, _, phi, q in self._stream(mem, xs, ys, "train", reserve):
+            parts.append(phi)
+            qs.append(q)
+        xp = array_api_compat.array_namespace(parts[0])
+        return (parts[0] if len(parts) == 1 else xp.concat(parts, axis=0),
+                qs[0] if len(qs) == 1 else xp.concat(qs, axis=0))
+
+    def _write_store(self, i: int, mem: _Member, x: Array, y: Array | None,
+                     reserve: Callable[[int, int], float]) -> None:
+        """Write (or resume) member ``i``'s ``[Phi | Q]`` to ``<store>/member-<i>`` and keep
+        the stored array and Q (application layer: ntkcore.distributed, dask and zarr)."""
+        import os
+
+        from .distributed._attribution import member_fingerprint, store_features
+
+        probe, _ = self._featurize(mem, x, y, 0, 1, reserve)
+        xp = array_api_compat.array_namespace(probe)
+        dtype = str(probe.dtype).rsplit(".", 1)[-1]
+        options = {"dim": self.dim, "seed": mem.seed, "output": repr(self.output),
+                   "output_code": type(self.output).__qualname__,
+                   **{k: v for k, v in self.options.items() if k not in ("params", "probe")},
+                   "probe": None if self.options["probe"] is None else "given"}
+        fingerprint = member_fingerprint(mem.model, x, y, self.options["params"], options)
+        n = int(x.shape[0])
+        mem.stored = store_features(
+            lambda a, b: self._featurize(mem, x, y, a, b, reserve), n, int(probe.shape[1]),
+            dtype, os.path.join(os.fspath(self.store), f"member-{i}"),
+            fingerprint=fingerprint, key=self.key, chunk=min(n, STORE_CHUNK_ROWS))
+        mem.like = probe
+        mem.q = xp.asarray(mem.stored[:, -1].compute(), dtype=probe.dtype,
+                           device=array_api_compat.device(probe))
 
     def _check_fitted(self) -> None:
         if not self._members:
@@ -503,11 +573,13 @@ class TRAK:
 
         total = None
         for mem in self._members:
-            xp, backend = namespace_of(features=mem.phi)
+            xp, backend = namespace_of(features=mem.like)
             rows = []
             for _, _, phi_s, _ in self._stream(mem, x_test, y_test, "test", reserve):
-                if mem.primal:  # Phi_* (Phi^T Phi + lam I)^{-1} Phi^T
-                    rows.append(backend.cho_solve(mem.factor, phi_s.T).T @ mem.phi.T)
+                if mem.primal:  # Phi_* (Phi^T Phi + lam I)^{-1} Phi^T, by training blocks
+                    left = backend.cho_solve(mem.factor, phi_s.T).T
+                    cols = [left @ blk.T for blk in mem.blocks()]
+                    rows.append(cols[0] if len(cols) == 1 else xp.concat(cols, axis=1))
                 else:  # Phi_* Phi^T (Phi Phi^T + lam I)^{-1}
                     rows.append(backend.cho_solve(mem.factor, mem.phi @ phi_s.T).T)
             s = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)

@@ -291,3 +291,55 @@ def test_bad_inputs_are_named():
         TRAK(mlp, dim=8, output=lambda o, t: o[:, 0]).fit(x.numpy())
     assert x.isfinite().all()  # inputs untouched
     assert math.isfinite(float(trak.score(xs, ys).sum()))
+
+
+def test_zarr_store_resumes_and_matches_memory(tmp_path, monkeypatch):
+    """store=: [Phi | Q] per member in Zarr chunks; an interrupted fit resumes (only the missing
+    chunks are featurized), the scores equal the in-memory fit's, and a store of another
+    model is refused."""
+    pytest.importorskip("zarr")
+    pytest.importorskip("dask")
+    import ntkcore.attribution as attribution
+
+    monkeypatch.setattr(attribution, "STORE_CHUNK_ROWS", 8)
+    ws, bs = _weights()
+    x, y, xs, ys = (torch.as_tensor(a) for a in _data(30, 4))
+    net = _torch_net(ws, bs)
+    mem = TRAK(net, dim=12, seed=[0, 1], reg=1e-2).fit(x, y)
+    want = mem.score(xs, ys)
+
+    calls, kill = [], [True]
+    real = TRAK._featurize
+
+    def failing(self, m, xx, yy, start, stop, reserve):
+        calls.append((start, stop))
+        if kill[0] and len(calls) == 4:  # the probe, chunks 0:8, 8:16; killed at 16:24
+            raise KeyboardInterrupt
+        return real(self, m, xx, yy, start, stop, reserve)
+
+    monkeypatch.setattr(TRAK, "_featurize", failing)
+    with pytest.raises(KeyboardInterrupt):
+        TRAK(net, dim=12, seed=[0, 1], reg=1e-2, store=tmp_path / "s").fit(x, y)
+    done_before = calls[1:3]  # the two chunks completed before the kill
+    calls.clear()
+    kill[0] = False
+    stored = TRAK(net, dim=12, seed=[0, 1], reg=1e-2, store=tmp_path / "s").fit(x, y)
+    # member 0: the probe and the two chunks left; member 1: the probe and all four chunks
+    chunks = [(0, 8), (8, 16), (16, 24), (24, 30)]
+    assert calls[0] == calls[3] == (0, 1)
+    assert sorted(done_before + calls[1:3]) == chunks and sorted(calls[4:]) == chunks
+    got = stored.score(xs, ys)
+    assert got.dtype == want.dtype
+    for a, b in zip(stored.features_, mem.features_, strict=True):  # rows of other batches
+        assert np.abs(a.compute() - b.numpy()).max() <= kernel_tol(np.float64, 43) * \
+            float(b.abs().max())
+    cond = max(float(np.linalg.cond(p.numpy().T @ p.numpy() + 1e-2 * np.eye(12)))
+               for p in mem.features_)
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= _tol(cond, 43), (err, cond)
+    assert np.abs(stored.weights_.numpy() - mem.weights_.numpy()).max() <= \
+        kernel_tol(np.float64, 43)
+
+    other = _torch_net(*_weights(7))
+    with pytest.raises(ValueError, match="parameters"):
+        TRAK(other, dim=12, seed=[0, 1], store=tmp_path / "s").fit(x, y)
