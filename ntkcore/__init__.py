@@ -8,7 +8,7 @@ architecture (``ntkcore/`` is pure array API, ``ntkcore.backends`` knows the fra
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import analysis, models, sketch
+from . import analysis, attribution, models, sketch
 from . import kernel_ridge as kernel_ridge  # declares KernelRidge's support entry
 from ._api import ntk, pseudo_ntk
 from ._version import __version__
@@ -85,6 +85,7 @@ __all__ = [
     "PivotedCholeskyPreconditioner",
     "__version__",
     "analysis",
+    "attribution",
     "centered_kernel_alignment",
     "cg_solve",
     "choose_dim",

@@ -343,3 +343,21 @@ def test_zarr_store_resumes_and_matches_memory(tmp_path, monkeypatch):
     other = _torch_net(*_weights(7))
     with pytest.raises(ValueError, match="parameters"):
         TRAK(other, dim=12, seed=[0, 1], store=tmp_path / "s").fit(x, y)
+
+
+def test_public_and_pure_array_api():
+    """``ntkcore.attribution`` is public, and imports no framework (the adapters live in
+    ntkcore.backends; the Zarr store's dask/zarr code in ntkcore.distributed, imported only
+    with ``store=``)."""
+    import ast
+    import pathlib
+
+    assert "attribution" in ntkcore.__all__ and ntkcore.attribution.TRAK is TRAK
+    src = pathlib.Path(ntkcore.attribution.__file__).read_text(encoding="utf-8")
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module.split(".")[0])
+    assert not mods & {"torch", "numpy", "jax", "cupy", "scipy", "dask", "zarr"}, mods
