@@ -2,23 +2,8 @@ r"""scikit-learn's estimator protocol for the regressors :class:`ntkcore.KernelR
 (kernels) and :class:`ntkcore.FeatureRidge` (features), without importing scikit-learn at
 ``import ntkcore``.
 
-Each regressor is written once, as a plain class deriving from :class:`Regressor` (``fit``,
-``predict``, ``score`` (R²), ``__sklearn_tags__`` with ``input_tags.pairwise`` from the class
-attribute ``_pairwise``, the ``NotFittedError`` check).  The public class is built from it on
-first access (:func:`public_class`, called by the module-level ``__getattr__`` of
-:mod:`ntkcore` and of the defining module): with scikit-learn installed it is a real
-``RegressorMixin``/``BaseEstimator`` subclass (``get_params``, ``set_params``, ``repr``,
-``clone``, metadata routing and the HTML repr come from scikit-learn; ``score`` and the tags
-stay ntkcore's, since they keep the arrays in their namespace); without scikit-learn it
-derives from :class:`EstimatorProtocol`, which implements ``get_params`` / ``set_params`` /
-``repr`` the same way, so that the class works as before.  scikit-learn is thus imported when
-a program first touches ``ntkcore.KernelRidge`` or ``ntkcore.FeatureRidge``, never by
-``import ntkcore`` nor by the functional API (:func:`ntkcore.kernel_regression`, ...).
-
-The arrays stay in the caller's namespace: NumPy in, NumPy out; torch in, torch out.  Lists
-and other non-array inputs become NumPy arrays, and integer or boolean arrays the floating
-dtype of the other argument (``float64`` if neither floats), in their own namespace (a lazy
-NumPy import, for lists only).
+scikit-learn is imported when a program first touches ``ntkcore.KernelRidge`` or
+``ntkcore.FeatureRidge`` (:func:`public_class`), never by ``import ntkcore``.
 """
 
 from __future__ import annotations
@@ -43,7 +28,9 @@ class NotFittedError(ValueError, AttributeError):
 
 
 def _floating(**arrays: Any) -> list[Any]:
-    """The arguments as real floating arrays of one namespace (see the module docstring)."""
+    """The arguments as real floating arrays of one namespace, kept in the caller's: lists
+    become NumPy arrays (a lazy import), integer or boolean arrays the floating dtype of the
+    other argument (``float64`` if neither floats)."""
     out = {}
     for name, x in arrays.items():
         if x is not None and not array_api_compat.is_array_api_obj(x):
@@ -182,9 +169,14 @@ def lazy_module_attributes(core: type, name: str, namespace: MutableMapping[str,
 
 
 def public_class(core: type, name: str, namespace: MutableMapping[str, Any]) -> type:
-    """The public estimator ``name`` built on ``core`` (see the module docstring), stored in
-    the defining module's ``namespace`` so that it is built once per process (under a lock:
-    two threads get the same class, which pickling needs)."""
+    """The public estimator ``name`` built on ``core`` (a :class:`Regressor`: ``fit``,
+    ``predict``, ``score`` (R²), the tags, the fitted check), on first access (the
+    module-level ``__getattr__`` of :mod:`ntkcore` and of the defining module).  With
+    scikit-learn installed it subclasses ``RegressorMixin``/``BaseEstimator`` (``get_params``,
+    ``set_params``, ``clone``, the reprs; ``score`` and the tags stay ntkcore's, keeping the
+    arrays in their namespace), else :class:`EstimatorProtocol` (the same methods).  Stored in
+    the defining module's ``namespace``: built once per process, under a lock (two threads get
+    one class, which pickling needs)."""
     with _BUILD:
         cls = namespace.get(name)
         if cls is None:

@@ -1,21 +1,8 @@
 """Memory budgets: parsing ``max_memory`` arguments and the default budget of a device.
 
-A budget is a number of bytes.  Users may write it as an ``int`` / ``float`` (bytes) or as a
-string with a unit: decimal units ``kB``, ``MB``, ``GB``, ``TB`` (powers of 1000), binary units
-``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024), or ``B``.  The single letters ``K``, ``M``,
-``G``, ``T`` mean the decimal units.  Case is ignored and spaces are allowed: ``"2GB"``,
-``"1.5 gib"``, ``"512M"``, ``"1e9"``.
-
-The default budget is :data:`DEFAULT_FRACTION` of the free memory the backend reports for the
-device holding the arrays (host ``MemAvailable`` for CPU arrays, free device memory on a GPU),
-or :data:`FALLBACK_BUDGET` bytes when the backend cannot tell.
-
 A budget is resolved once, at the public call, into a :class:`Budget` whose shares
-(:meth:`Budget.share`, :meth:`Budget.less`) are passed down; a default one stays marked, so
-:func:`ntkcore.gram` plans it with its leading bits only (calls in the same memory situation
-share a plan).  One batching policy serves :func:`ntkcore.ntk` and the KIP path: a probe of
-:data:`PROBE_SAMPLES` samples measures the factor bytes per sample ``b``, a call on ``k``
-samples needs about :data:`CALL_OVERHEAD` ``k b`` bytes (:func:`batch_samples`).
+(:meth:`Budget.share`, :meth:`Budget.less`) are passed down; one batching policy
+(:func:`batch_samples`) serves :func:`ntkcore.ntk` and the KIP path.
 """
 
 from __future__ import annotations
@@ -49,7 +36,9 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
 
 
 def parse_memory(value: Any, name: str = "max_memory") -> int:
-    """Bytes from an ``int``, ``float`` or a string such as ``"2GB"`` or ``"512 MiB"``.
+    """Bytes from an ``int``, ``float`` or a string such as ``"2GB"`` or ``"512 MiB"``: decimal
+    units ``kB``, ``MB``, ``GB``, ``TB`` (also ``K``, ``M``, ``G``, ``T``), binary ``KiB`` ...
+    ``TiB``, or ``B``; case ignored, spaces allowed (``"1.5 gib"``, ``"1e9"``).
 
     Parameters
     ----------
@@ -99,8 +88,10 @@ def parse_memory(value: Any, name: str = "max_memory") -> int:
 
 def default_budget(backend: Any, device: Any, fraction: float = DEFAULT_FRACTION) -> int:
     """Bytes: ``fraction`` of the free memory of ``device`` as ``backend.free_memory`` reports
-    it, at least :data:`MIN_DEFAULT_BUDGET` (also when none is free); :data:`FALLBACK_BUDGET`
-    when it is unknown (``None``)."""
+    it (host ``MemAvailable`` for CPU arrays), at least :data:`MIN_DEFAULT_BUDGET` (also when
+    none is free); :data:`FALLBACK_BUDGET` when it is unknown (``None``).  A default budget
+    stays marked (:class:`Budget`), so :func:`ntkcore.gram` plans it with its leading bits
+    only: calls in the same memory situation share a plan."""
     try:
         free = backend.free_memory(device)
     except Exception:  # a failing probe must not break the computation

@@ -1,25 +1,7 @@
 r"""An implicit eNTK operator: kernel-matrix products without storing the kernel.
 
-:class:`KernelOperator` represents :math:`K = J_1 J_2^\top` (+ :math:`\lambda I`) for
-structured Jacobians and computes :math:`K V` by streaming over tiles: for row block
-:math:`i` and column block :math:`j`,
-
-.. math:: (K V)_i = \sum_j \Theta(J_1[i], J_2[j])\, V_j ,
-
-where each tile :math:`\Theta(J_1[i], J_2[j])` (block x block) comes from
-:func:`ntkcore.gram` and is dropped after use, so memory is one tile plus the factors, never
-N x N.  For a symmetric kernel (``J2=None``) only tiles with :math:`j \ge i` are computed and
-tile :math:`(i, j)` also contributes :math:`\Theta_{ij}^\top V_i` to row block :math:`j`.
-
-``method="factors"`` skips the kernel altogether: :math:`K V = J_1 (J_2^\top V)` through the
-Jacobian's structured products (``vjp`` then ``jvp``); for the trace kernel
-:math:`K = \sum_o J_{1,o} J_{2,o}^\top`, so one ``vjp``/``jvp`` pair per output and column.
-It is cheaper than tiles when :math:`O P` is small next to :math:`N` (wide data, small
-model); ``"auto"`` picks by a flop estimate.
-
-Modes: ``"trace"`` gives the (N1, N2) kernel :math:`\sum_o \Theta[:, :, o, o]`; ``"full"`` the
-(N1 O, N2 O) matrix with row index ``n * O + o`` (the (N1, N2, O, O) kernel flattened
-row-major after moving the output axes next to their samples).
+:class:`KernelOperator`: :math:`K V` for :math:`K = J_1 J_2^\top` (+ :math:`\lambda I`) by
+streaming over tiles, or through the Jacobian's structured products.
 """
 
 from __future__ import annotations
@@ -57,14 +39,22 @@ class KernelOperator(LinearOperator):
     J2 : Jacobian, optional
         N2 samples with the same blocks; ``None`` means ``J1`` (a symmetric kernel).
     mode : {"trace", "full"}, default "trace"
-        Operator shape (N1, N2) or (N1 O, N2 O); see the module docstring.
+        ``"trace"``: the (N1, N2) kernel :math:`\sum_o \Theta[:, :, o, o]`; ``"full"``: the
+        (N1 O, N2 O) matrix with row ``n * O + o`` (the (N1, N2, O, O) kernel with the output
+        axes next to their samples).
     block : int, optional
         Samples per tile side (default: square tiles of at most :data:`TILE_BYTES`, 64 MiB,
         of kernel in the accumulation dtype).
     reg : float, default 0.0
         Ridge :math:`\lambda` added to the diagonal (symmetric operators only).
     method : {"tiles", "factors", "auto"}, default "tiles"
-        How products are computed (see the module docstring).
+        ``"tiles"``: :math:`(K V)_i = \sum_j \Theta(J_1[i], J_2[j]) V_j`, each tile from
+        :func:`ntkcore.gram` and dropped after use (memory: one tile plus the factors, never
+        N x N; for ``J2=None`` only tiles :math:`j \ge i`, tile :math:`(i, j)` also giving
+        :math:`\Theta_{ij}^\top V_i` to row block :math:`j`).  ``"factors"``:
+        :math:`K V = J_1 (J_2^\top V)` through ``vjp`` then ``jvp`` (trace: one pair per
+        output and column), cheaper when :math:`O P` is small next to :math:`N`.  ``"auto"``
+        picks by a flop estimate.
     max_memory : int, float, str or Budget, optional
         Working-memory budget of each tile's :func:`ntkcore.gram`, resolved once here (the
         default: a quarter of the free memory of the Jacobians' device at construction).

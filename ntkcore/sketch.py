@@ -13,26 +13,6 @@ Kinds, one :class:`Sketch` subclass each in :data:`SKETCHES`: ``uniform`` and ``
 row sampling (:class:`RowSketch`), ``gaussian`` (:class:`GaussianSketch`), ``sparse_sign``
 (:class:`SparseSignSketch`); all share ``.apply(X, axis=0)``, ``.matrix()``, ``.n``, ``.q``.
 
-Random numbers come only from ``backend.generator(seed, device)``, in float64 wherever the
-namespace has it: one ``seed`` gives the same sketch, bit for bit, on one backend and kind of
-device with the same library versions (NumPy and ``array_api_strict`` share the host
-generator; torch, JAX and CuPy draw other numbers; docs/reliability.md, "Seeds").
-
-**Seeds.**  A ``seed`` (here, in :class:`SketchSpec`, ``MLP.random`` and ``cg_solve``'s
-Nystrom preconditioner) is ``None`` (fresh entropy), a non-negative integer, or the caller's
-own generator: a ``numpy.random.Generator`` (one ``integers(2**63)`` draw), a
-``torch.Generator`` (one ``torch.randint`` draw, on its device) or one JAX PRNG key
-(``jax.random.key`` or ``jax.random.PRNGKey``; its ``jax.random.bits`` are read, the key is
-immutable as always in JAX: split it for a new sketch).  The generator is drawn from once, when
-the sketch or spec is created, and the integer drawn is then used exactly as an integer seed
-(:func:`ntkcore.backend.seed_from`): the same generator state gives the same sketch, and the
-generator moves on as after any draw.  Derived seeds (per block and factor, per SENG refresh
-and layer) follow NumPy's ``SeedSequence.spawn`` convention (:func:`spawn_seed`).
-
-A sketch made without an array to copy from (``like=None``) is *unbound*: its randomness is
-drawn at the first :meth:`apply`, in that array's namespace and on its device, and reused
-afterwards.
-
 :func:`sketch_jacobian` sketches a :class:`~ntkcore.Jacobian`: dense blocks by parameter-row
 sketches, Kronecker blocks by :math:`\Omega_G \otimes \Omega_A` (the result stays a Kronecker
 block).  :func:`low_rank`, the SVD compression of Kronecker blocks with many positions, lives
@@ -63,7 +43,15 @@ __all__ = ["GaussianSketch", "JacobianSketch", "RowSketch", "Sketch", "SketchSpe
 
 # -- helpers ------------------------------------------------------------------------------
 def _check_seed(seed: Any) -> int | None:
-    """``seed`` as a non-negative int or None; generators and keys are drawn from (seed_from)."""
+    """``seed`` as a non-negative int or None (fresh entropy).
+
+    A generator is drawn from once, here: a ``numpy.random.Generator`` (one
+    ``integers(2**63)``), a ``torch.Generator`` (one ``torch.randint``, on its device) or a
+    JAX PRNG key (its ``jax.random.bits``; split the key for a new sketch); the integer is
+    then used as an integer seed (:func:`ntkcore.backend.seed_from`), so one generator state
+    gives one sketch.  Random numbers come only from ``backend.generator(seed, device)``, in
+    float64 where the namespace has it: one seed gives the same sketch, bit for bit, on one
+    backend and kind of device (docs/reliability.md, "Seeds")."""
     seed = seed_from(seed)
     if seed is not None and (isinstance(seed, bool) or seed < 0):
         raise TypeError(f"seed must be None or a non-negative integer; got {seed!r}")
@@ -122,6 +110,8 @@ def _namespace(x: Any, name: str, rows: str = "") -> Any:
 # -- sketch objects ------------------------------------------------------------------------
 class Sketch:
     """Base class: a random (q, n) matrix with :math:`\\mathbb{E}[\\Omega^\\top\\Omega] = I`.
+    Made without an array to copy from (``like=None``) it is *unbound*: drawn at the first
+    :meth:`apply`, in that operand's namespace and on its device, and reused afterwards.
 
     Attributes
     ----------
@@ -563,7 +553,7 @@ def uniform(n: int, q: int, *, seed: Any = None, replace: bool = True,
     n, q : int
         Rows of the operand and of the sketch.  Without replacement ``q <= n``.
     seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
-        Generator seed (module docstring, "Seeds"); the same seed gives the same rows on the
+        Generator seed (:func:`_check_seed`); the same seed gives the same rows on the
         same backend.
     replace : bool
         Sample with replacement (i.i.d. rows) or a uniformly random subset.

@@ -1,20 +1,8 @@
 r"""Tile grids over the sample pairs (N1, N2) of a kernel, in one place.
 
-A kernel :math:`\Theta` (N1, N2, ...) is computed in tiles :math:`\Theta_{ij}` of row block
-:math:`i` (``rows[i] = (start, stop)``) and column block :math:`j`.  For a symmetric kernel
-(:math:`J_2 = J_1`, so N2 = N1 and the column blocks are the row blocks) only the tiles on and
-above the diagonal (:math:`j \ge i`) are computed; a tile below it is the transpose of its
-mirror, :math:`\Theta_{ij} = \Theta_{ji}^\top` in the sense of
-:meth:`ntkcore.modes.Mode.transpose` (:math:`\Theta[n,m,o,p] = \Theta[m,n,p,o]`).
-
-A tile on the diagonal of a symmetric kernel may itself be computed as ``p`` row panels
-(:meth:`TileGrid.pieces`): panel ``k`` against the columns from its own first row to the tile's
-end, the part right of its own square mirrored below it.  That is :func:`panel_share`,
-:math:`(p+1)/(2p)`, of the tile's products, each product still a wide GEMM.
-
-Clients: :func:`ntkcore.gram` (tiles and panels), the streaming path of :func:`ntkcore.ntk`,
-:class:`ntkcore.KernelOperator` (which mirrors products, :math:`\Theta_{ij}^\top V_i`, instead
-of tiles; :func:`square_tile` sizes its tiles) and ``ntkcore.distributed.ntk_dask``.
+A kernel :math:`\Theta` (N1, N2, ...) is computed in tiles :math:`\Theta_{ij}` (row block
+:math:`i`, column block :math:`j`); a symmetric kernel only on and above the diagonal, a tile
+below it being the transpose of its mirror (:meth:`ntkcore.modes.Mode.transpose`).
 :func:`progress_steps` reports the tiles done to a user's ``progress`` argument.
 """
 
@@ -106,7 +94,9 @@ class TileGrid:
         offset ``mirror`` on of each product are also the transpose of their mirror below the
         diagonal (``mirror`` equal to the product's width: nothing is mirrored).  A tile off
         the diagonal of a symmetric grid is mirrored whole; one on it is ``panels`` row
-        panels (see the module docstring; one panel: the tile itself)."""
+        panels: panel ``k`` against the columns from its own first row to the tile's end, the
+        part right of its own square mirrored below it, :func:`panel_share` of the tile's
+        products, each still a wide GEMM (one panel: the tile itself)."""
         (r0, r1), (c0, c1) = self.rows[i], self.cols[j]
         if not (self.symmetric and i == j):
             return [(slice(r0, r1), slice(c0, c1), 0 if self.symmetric else c1 - c0)]

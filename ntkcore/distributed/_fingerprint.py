@@ -167,7 +167,7 @@ def kernel_fingerprint(model: Any, x1: Any, x2: Any, *, mode: str, params: Any,
                        options: dict[str, Any]) -> dict[str, str | None]:
     """The fingerprint of ``ntk_dask(model, x1, x2, mode=mode, params=params, **options)``.
 
-    Components that cannot be derived are ``None`` (see the module docstring).
+    Components that cannot be derived are ``None``: the store then needs an explicit ``key``.
     """
     from ..providers import find_provider
 
