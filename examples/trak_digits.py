@@ -23,15 +23,17 @@ form below well posed when dim >= N).  ``T`` is exactly the primal kernel-ridge 
 of :func:`ntkcore.feature_regression` for the targets :math:`Q` (N x N, one column per training
 sample), so the solve is ntkcore's (Cholesky with its jitter policy, on the smaller side).
 
-Here :math:`P` is :func:`ntkcore.features`: ``features(Margin(net), z, dim=dim, seed=s)``
-with the trained network wrapped as a one-output model of :math:`z = (x, \mathrm{onehot}(y))`
-(the margin needs the label, so the label travels with the input), in trace mode (one
-output, so trace = full).  Its Kronecker projections of the ``nn.Linear`` / ``nn.Conv2d``
-layers never form a per-sample gradient, and :math:`\mathbb{E}[\Phi\Phi^\top] = \Theta`, the
-exact eNTK of the margin.  ``--kronecker pairs`` (the default here) uses independent pairs
+Here the scores come from the public :class:`ntkcore.attribution.TRAK`:
+``TRAK(net, dim=dim, seed=s, reg=lam, kronecker=...).fit(x, y).score(x_test, y_test)``.  It
+wraps the trained network into a one-output model of :math:`(x, y)` (the margin needs the
+label, so the label travels with the input: ``ntkcore.backends.torch_attribution``), takes
+its projected features with :func:`ntkcore.features` (whose Kronecker projections of the
+``nn.Linear`` / ``nn.Conv2d`` layers never form a per-sample gradient, with
+:math:`\mathbb{E}[\Phi\Phi^\top] = \Theta`, the exact eNTK of the margin) and solves with
+ntkcore's Cholesky.  ``--kronecker pairs`` (the default here) uses independent pairs
 :math:`\gamma_i \otimes \alpha_i`, whose variance falls like 1/dim as that of TRAK's dense JL
-projection of the whole gradient; ``grid`` (ntkcore's default) is cheaper per column but its
-variance falls like :math:`1/q_A + 1/q_G` (docs/features.md, "The error model").
+projection of the whole gradient; ``grid`` is cheaper per column but its variance falls like
+:math:`1/q_A + 1/q_G` (docs/features.md, "The error model"; docs/attribution.md).
 
 **Exact scores.**  With the exact per-sample gradients :math:`J` (N, P) in place of
 :math:`\Phi` the primal system is P x P, but by the push-through identity
@@ -68,10 +70,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ntkcore.backends.torch_attribution import OneOutput, pack
 from scipy.stats import spearmanr
 from torch import nn
 
 import ntkcore
+from ntkcore.attribution import TRAK
+from ntkcore.attribution import Margin as MarginFunction
 from ntkcore.cli.demo import demo_data, demo_model
 from ntkcore.cli.output import (
     OutputError,
@@ -81,42 +86,33 @@ from ntkcore.cli.output import (
     write_text,
 )
 
-NUM_CLASSES = 10
 
-
-class Margin(nn.Module):
-    r"""The correct-class margin of ``net`` as a one-output model of ``z = [x, onehot(y)]``:
-    :math:`f(z) = \ell_y(x) - \log\sum_{j\ne y} e^{\ell_j(x)}`, shape (N, 1)."""
+class Margin(OneOutput):
+    r"""The correct-class margin of ``net`` as a one-output model of ``z = with_labels(x, y)``:
+    :math:`f(z) = \ell_y(x) - \log\sum_{j\ne y} e^{\ell_j(x)}`, shape (N, 1): the library's
+    wrapper (:class:`ntkcore.attribution.Margin` on ``net``), used here for the exact eNTK."""
 
     def __init__(self, net: nn.Module, num_inputs: int) -> None:
-        super().__init__()
-        self.net = net
-        self.num_inputs = num_inputs
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x, onehot = z[:, :self.num_inputs], z[:, self.num_inputs:]
-        logits = self.net(x)
-        correct = (logits * onehot).sum(1)
-        others = logits.masked_fill(onehot > 0.5, float("-inf")).logsumexp(1)
-        return (correct - others)[:, None]
+        dtype = next(net.parameters()).dtype
+        super().__init__(net, MarginFunction(), torch.zeros(1, num_inputs, dtype=dtype),
+                         torch.zeros(1, dtype=torch.int64))
 
 
 def with_labels(x: torch.Tensor, y: np.ndarray) -> torch.Tensor:
-    """``z = [x, onehot(y)]``, (N, 64 + 10), in the dtype of ``x``."""
-    onehot = nn.functional.one_hot(torch.as_tensor(y), NUM_CLASSES).to(x.dtype)
-    return torch.cat([x, onehot], dim=1)
+    """``z = [x, y]``, (N, 64 + 1), in the dtype of ``x``: the inputs of :class:`Margin`."""
+    return pack(x, torch.as_tensor(y), x.dtype)
 
 
 def loss_weights(net: nn.Module, x: torch.Tensor, y: np.ndarray) -> torch.Tensor:
-    """TRAK's Q: ``1 - p_correct`` per sample, (N,)."""
+    """TRAK's Q: ``1 - p_correct`` per sample, (N,) (:class:`ntkcore.attribution.Margin`)."""
     with torch.no_grad():
-        p = net(x).softmax(1)[torch.arange(len(y)), torch.as_tensor(y)]
-    return 1 - p
+        return MarginFunction().loss_weights(net(x), torch.as_tensor(y))
 
 
 def trak_scores(phi_train, q, phi_test, reg: float):
     r""":math:`T = \Phi_*(\Phi^\top\Phi + \lambda I)^{-1}\Phi^\top \mathrm{diag}(q)`, (M, N):
-    kernel ridge on features with the targets :math:`\mathrm{diag}(q)`, primal form."""
+    kernel ridge on features with the targets :math:`\mathrm{diag}(q)`, primal form (what
+    :class:`ntkcore.attribution.TRAK` computes for one member; kept to check the formula)."""
     return ntkcore.feature_regression(phi_train, torch.diag(q), phi_test, reg=reg)
 
 
@@ -189,22 +185,23 @@ def exact_subset(d: dict, n_exact: int, m_exact: int, reg_rel: float) -> dict:
 
 def sweep(d: dict, ex: dict, dims: list[int], seeds: list[int], n_exact: int, m_exact: int,
           kronecker: str) -> tuple[list[dict], dict[int, torch.Tensor]]:
-    """For each dim and seed: features of all training and test samples, TRAK scores of the
-    whole training set, and the Spearman correlation with the exact scores on the subset."""
+    """For each dim and seed: :class:`ntkcore.attribution.TRAK` scores of the whole training
+    set and of the subset, and the Spearman correlation with the exact scores on the subset.
+    The ensemble is the mean of the seeds' scores: ``TRAK(..., seed=seeds)`` (Q does not
+    depend on the seed)."""
     rows, full = [], {}
-    q, lam = d["q"], ex["reg"]
+    lam = ex["reg"]
+    y_tr, y_te = torch.as_tensor(d["y_tr"]), torch.as_tensor(d["y_te"])
     for dim in dims:
         sub_scores, all_scores = [], []
         for s in seeds:
             t = time.perf_counter()
-            phi_tr = ntkcore.features(d["margin"], d["z_tr"], dim=dim, seed=s,
-                                      kronecker=kronecker)
-            phi_te = ntkcore.features(d["margin"], d["z_te"], dim=dim, seed=s,
-                                      kronecker=kronecker)
+            trak = TRAK(d["net"], dim=dim, seed=s, reg=lam, kronecker=kronecker)
+            all_scores.append(trak.fit(d["x_tr"], y_tr).score(d["x_te"], y_te))
             feat_s = time.perf_counter() - t
-            sub = trak_scores(phi_tr[:n_exact], q[:n_exact], phi_te[:m_exact], lam)
+            sub = trak.fit(d["x_tr"][:n_exact], y_tr[:n_exact]).score(d["x_te"][:m_exact],
+                                                                     y_te[:m_exact])
             sub_scores.append(sub)
-            all_scores.append(trak_scores(phi_tr, q, phi_te, lam))
             rho = spearman_rows(sub, ex["scores"])
             rows.append({"dim": dim, "seed": s, "spearman": rho.tolist(),
                          "mean_spearman": float(rho.mean()), "features_s": feat_s})
