@@ -377,11 +377,25 @@ class TRAK:
     jitter : "auto", float or None
         Jitter policy of the Cholesky (:func:`ntkcore.kernel_regression`).
 
-    Attributes (after :meth:`fit`)
-    ------------------------------
-    features_ : tuple of arrays (N, dim), one per member (checkpoint-major)
-    weights_ : array (N,), the loss weights averaged over checkpoints
-    jitter_ : tuple of float, the jitter each member's Cholesky needed
+    store : str or PathLike, optional
+        A directory for the training features: member ``i`` (checkpoint-major) keeps
+        ``[Phi | Q]`` in the Zarr store ``<store>/member-<i>``, written in chunks of
+        :data:`STORE_CHUNK_ROWS` samples by :func:`ntkcore.distributed.to_zarr` (completion
+        markers, fingerprint of model, inputs, targets and options, writer lock): a fit that
+        was killed resumes with the chunks it had finished; a store of another computation is
+        refused.  Needs ``ntkcore[dask]``.  Default: features in memory.
+    key : str, optional
+        Your label of the stored computation (:func:`ntkcore.distributed.to_zarr`).
+
+    Attributes
+    ----------
+    features_ : tuple of arrays
+        The training features (N, width) of each member (checkpoint-major), width = dim or
+        less (:func:`ntkcore.features`); with ``store``, lazy dask arrays of the stores.
+    weights_ : array
+        (N,): the loss weights averaged over the checkpoints.
+    jitter_ : tuple of float
+        The jitter each member's Cholesky needed (0.0: none).
     """
 
     def __init__(self, model: Any, *, dim: int, seed: Any = 0, output: Any = "margin",
