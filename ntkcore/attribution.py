@@ -440,10 +440,11 @@ class TRAK:
         return xp, backend
 
     def _stream(self, member: _Member, x: Array, y: Array | None, which: str,
-                reserve: Callable[[int, int], float] | None
-                ) -> Iterator[tuple[int, int, Array, Array]]:
+                reserve: Callable[[int, int], float] | None, weights: bool = True
+                ) -> Iterator[tuple[int, int, Array, Array | None]]:
         """``(start, stop, phi, q)`` by sample batches of ``x``: the member's features of the
-        output function (stop - start, dim) and its loss weights."""
+        output function (stop - start, dim) and its loss weights (None unless ``weights``;
+        a model with an adapter then needs no forward pass beyond the provider's)."""
         model, fn = member.model, self.output
         adapter = adapter_for(model)
         first = adapter.outputs(model, x[0:1, ...])
@@ -454,11 +455,17 @@ class TRAK:
                 src, z, dim=self.dim, seed=member.seed, mode=mode, max_memory=self.max_memory,
                 reserve=reserve, **self.options):
             xp = array_api_compat.array_namespace(phi)
+            if composed is not None and not weights:
+                yield start, stop, phi, None
+                continue
             out = adapter.outputs(model, x[start:stop, ...])
             t = None if y is None else y[start:stop, ...]
             if composed is None:  # chain rule on the full-mode features (N, O, dim)
                 w = xp.astype(fn.output_grad(out, t), phi.dtype)
                 phi = xp.sum(w[:, :, None] * phi, axis=1)
+            if not weights:
+                yield start, stop, phi, None
+                continue
             q = xp.astype(adapter.loss_weights(fn, out, t), phi.dtype)
             if not all_finite(xp, q):
                 raise ValueError(f"the loss weights Q of samples {start}:{stop} of x_{which} "
@@ -589,7 +596,8 @@ class TRAK:
         for mem in self._members:
             xp, backend = namespace_of(features=mem.like)
             rows = []
-            for _, _, phi_s, _ in self._stream(mem, x_test, y_test, "test", reserve):
+            for _, _, phi_s, _ in self._stream(mem, x_test, y_test, "test", reserve,
+                                               weights=False):
                 if mem.primal:  # Phi_* (Phi^T Phi + lam I)^{-1} Phi^T, by training blocks
                     left = backend.cho_solve(mem.factor, phi_s.T).T
                     cols = [left @ blk.T for blk in mem.blocks()]
