@@ -357,8 +357,11 @@ class TRAK:
         A ``torch.nn.Module``, a JAX ``(apply_fn, params)`` pair, an
         :class:`ntkcore.models.MLP` or any model with a Jacobian provider; a list is an
         ensemble of checkpoints (several trained models or several states of one).
-    dim : int
-        Feature columns per member (:func:`ntkcore.features`).
+    dim : int or None
+        Feature columns per member (:func:`ntkcore.features`).  ``None``: exact TRAK, the
+        kernel form :math:`K_*(K + \lambda I)^{-1} Q` from the unprojected eNTK of the output
+        function (:func:`ntkcore.ntk`; N x N memory, one member per checkpoint, ``seed``,
+        ``store`` and the projection options unused).
     seed : int or sequence of int
         Projection seed(s); each is one member per checkpoint.  The test features of a
         member use its seed, so train and test share its projection.
@@ -404,8 +407,8 @@ class TRAK:
                  jitter: str | float | None = "auto", check_finite: bool = True,
                  store: Any = None, key: str | None = None) -> None:
         self.models = _checkpoints(model)
-        self.dim = check_size(dim, "dim")
-        self.seeds = _seeds(seed)
+        self.dim = None if dim is None else check_size(dim, "dim")
+        self.seeds = _seeds(seed) if dim is not None else (0,)
         self.output = output_function(output)
         self.reg = check_scalar(reg, "reg", nonnegative=True)
         self.max_memory = max_memory
@@ -489,6 +492,8 @@ class TRAK:
         """
         self._inputs(x_train, y_train, "train")
         members = [_Member(m, s) for m in self.models for s in self.seeds]
+        if self.dim is None:
+            return self._fit_exact(members, x_train, y_train)
 
         def reserve(dim: int, item: int) -> float:
             return item * PRIMAL_COPIES * dim * dim
@@ -522,6 +527,53 @@ class TRAK:
         self._n = n
         self.features_ = tuple(m.phi if m.stored is None else m.stored[:, :-1]
                                for m in members)
+        self.weights_ = q_sum / len(self.models)
+        self.jitter_ = tuple(m.jitter for m in members)
+        return self
+
+    def _kernel(self, mem: _Member, x1: Array, y1: Array | None, x2: Array | None = None,
+                y2: Array | None = None, which: str = "train") -> Array:
+        """The exact eNTK of the output function, (N1, N2): of the one-output model, or the
+        full-mode kernel contracted with the output gradients (chain rule)."""
+        from ._api import ntk
+
+        model, fn = mem.model, self.output
+        adapter = adapter_for(model)
+        first = adapter.outputs(model, x1[0:1, ...])
+        fn.check(array_api_compat.array_namespace(first), y1, int(first.shape[1]), f"y_{which}")
+        kw = {"params": self.options["params"], "max_memory": self.max_memory,
+              "check_finite": self.options["check_finite"]}
+        c1 = adapter.one_output(model, fn, x1, y1)
+        if c1 is not None:
+            z2 = None if x2 is None else adapter.one_output(model, fn, x2, y2)[1]
+            return ntk(c1[0], c1[1], z2, mode="trace", **kw)
+        k = ntk(model, x1, x2, mode="full", **kw)  # (N1, N2, O, O)
+        xp = array_api_compat.array_namespace(k)
+        w1 = xp.astype(fn.output_grad(adapter.outputs(model, x1), y1), k.dtype)
+        w2 = w1 if x2 is None else xp.astype(fn.output_grad(adapter.outputs(model, x2), y2),
+                                             k.dtype)
+        return xp.sum(w1[:, None, :, None] * k * w2[None, :, None, :], axis=(2, 3))
+
+    def _fit_exact(self, members: list[_Member], x: Array, y: Array | None) -> TRAK:
+        """``dim=None``: per checkpoint the kernel K, its factor (dual) and Q."""
+        q_sum = None
+        for i, mem in enumerate(members):
+            k = self._kernel(mem, x, y)
+            xp, backend = namespace_of(kernel=k)
+            mem.primal, mem.like = False, k
+            mem.factor, mem.jitter = cholesky_with_jitter(
+                xp, backend, (k + k.T) / 2, reg=self.reg, jitter=self.jitter,
+                name=f"the eNTK K of checkpoint {i}")
+            adapter = adapter_for(mem.model)
+            out = adapter.outputs(mem.model, x)
+            mem.q = xp.astype(adapter.loss_weights(self.output, out, y), k.dtype)
+            if not all_finite(xp, mem.q):
+                raise ValueError("the loss weights Q of x_train contain NaN or Inf "
+                                 "(non-finite model outputs)")
+            q_sum = mem.q if q_sum is None else q_sum + mem.q
+        self._members, self._n = members, int(x.shape[0])
+        self._x_train, self._y_train = x, y
+        self.features_ = ()
         self.weights_ = q_sum / len(self.models)
         self.jitter_ = tuple(m.jitter for m in members)
         return self
@@ -593,6 +645,13 @@ class TRAK:
             return item * (dim * dim + 2 * n * dim)
 
         total = None
+        if self.dim is None:  # exact: K_* (K + lam I)^{-1} per checkpoint
+            for mem in self._members:
+                ks = self._kernel(mem, x_test, y_test, self._x_train, self._y_train, "test")
+                _, backend = namespace_of(kernel=ks)
+                s = backend.cho_solve(mem.factor, ks.T).T
+                total = s if total is None else total + s
+            return (total / k) * self.weights_[None, :]
         for mem in self._members:
             xp, backend = namespace_of(features=mem.like)
             rows = []

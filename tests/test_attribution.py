@@ -182,6 +182,23 @@ def test_ensemble_of_checkpoints_and_seeds(kind):
     assert np.abs(case.to_numpy(got) - ref).max() / np.abs(ref).max() <= _tol(cond, 43)
 
 
+@pytest.mark.parametrize("kind", ["torch", "mlp"])  # (the JAX adapter: tests above)
+def test_exact_trak_kernel_form(kind):
+    """dim=None: exact TRAK from the unprojected eNTK (ntk of the one-output model, or the
+    full-mode kernel contracted with the output gradients), two checkpoints."""
+    case = make_case({"torch": "torch", "mlp": "numpy"}[kind])
+    nets = [_weights(0), _weights(5)]
+    x, y, xs, ys = _data(12, 3)
+    lam = 1e-2
+    trak = TRAK([_model(case, *wb) for wb in nets], dim=None, reg=lam)
+    got = trak.fit(case.asarray(x), case.asarray(y, "int64")).score(
+        case.asarray(xs), case.asarray(ys, "int64"))
+    assert case.is_native(got) and got.shape == (3, 12)
+    ref, cond = _reference([_torch_net(*wb) for wb in nets], Margin(), x, y, xs, ys, lam,
+                           _q_margin(y))
+    assert np.abs(case.to_numpy(got) - ref).max() / np.abs(ref).max() <= _tol(cond, 43)
+
+
 def test_regression_output_and_custom_function():
     """``output="output"`` (Q = 1) and a user function with its own Q, against the reference."""
     ws, bs = _weights(classes=1)
