@@ -308,7 +308,7 @@ def _check_samples(x: Any, name: str) -> tuple[Any, Any]:
     return xp, backend
 
 
-def _source(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
+def _jacobians_by_range(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
             ) -> tuple[Callable[[int, int], Jacobian], int, Any]:
     """``(call, N, backend)``: ``call(start, stop)`` is the merged Jacobian of those samples
     of ``x`` (a model's inputs, or ``model`` itself when it is a Jacobian and ``x`` is None)."""
@@ -387,7 +387,8 @@ def _weights(probe: Any, model: Any, spec: FeatureSpec) -> list[float] | None:
     is_jac = isinstance(model, Jacobian | DenseBlock | KroneckerBlock)
     if is_jac and not isinstance(probe, Jacobian | DenseBlock | KroneckerBlock):
         raise TypeError(f"probe must be a Jacobian when model is one; got {type(probe).__name__}")
-    call, n, _ = _source(spec, probe if is_jac else model, None if is_jac else probe, "probe")
+    call, n, _ = _jacobians_by_range(spec, probe if is_jac else model,
+                                     None if is_jac else probe, "probe")
     jp = call(0, n)
     kb = gram(jp, mode="trace", layerwise=True)  # (B, Np, Np)
     xp = jp.xp
@@ -513,7 +514,7 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
             progress: Any = None, reserve: Callable[[int, int], float] | None = None
             ) -> Iterator[tuple[list[Projection], int, int, Array]]:
     """:func:`feature_batches` of a checked :class:`FeatureSpec`."""
-    call, n, backend = _source(spec, model, x)
+    call, n, backend = _jacobians_by_range(spec, model, x)
     check_finite, mode = spec.check_finite, spec.mode
     first = call(0, min(n, PROBE_SAMPLES))
     xp, sig = first.xp, _signature(first)
@@ -648,7 +649,7 @@ def _factored_stats(xp: Any, block: KroneckerBlock) -> dict[str, Array]:
 
 def _model_stats(spec: FeatureSpec, model: Any, x: Any
                  ) -> tuple[Jacobian, list[Projection], list[dict[str, Array]]]:
-    call, n, _ = _source(spec, model, x)
+    call, n, _ = _jacobians_by_range(spec, model, x)
     J = call(0, n)
     return J, spec.plan(J, model), [_pair_stats(b) for b in J.blocks]
 
@@ -743,7 +744,7 @@ def choose_dim(model: Any, x: Array | None = None, *, target: float, method: str
         raise ValueError(f"target must be a positive finite relative error; got {target!r}")
     max_dim = check_size(max_dim, "max_dim")
     spec = FeatureSpec(1, method, 0, mode, params, probe, kronecker)
-    call, n, _ = _source(spec, model, x)
+    call, n, _ = _jacobians_by_range(spec, model, x)
     J = call(0, n)
     weights = _weights(probe, model, spec)
     sums, k2 = _sums(J.xp, [_pair_stats(b) for b in J.blocks])
