@@ -145,8 +145,8 @@ class Margin(OutputFunction):
         xp, hot, _, _ = self._parts(outputs, targets)
         top = xp.max(outputs, axis=1, keepdims=True)
         e = xp.exp(outputs - top)
-        p = xp.sum(xp.where(hot, e, xp.zeros_like(e)), axis=1) / xp.sum(e, axis=1)
-        return 1 - p
+        # sum of the other classes' probabilities: 1 - p_y without its cancellation at p_y ~ 1
+        return xp.sum(xp.where(hot, xp.zeros_like(e), e), axis=1) / xp.sum(e, axis=1)
 
 
 @register_output
