@@ -52,9 +52,7 @@ from .torch_layers import (
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
 
-# --------------------------------------------------------------------------------------------
-# parameter selection
-# --------------------------------------------------------------------------------------------
+# -- parameter selection ---------------------------------------------------------------------
 def _select_params(model: nn.Module, params: Any,
                    named: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Names of the selected parameters in ``named_parameters`` order (``named``: that dict,
@@ -110,8 +108,7 @@ class _Walk:
 
 
 def _walk(model: nn.Module) -> _Walk:
-    """The :class:`_Walk` of ``model``: a single ``named_modules()`` pass (each of
-    ``named_parameters``, ``get_submodule`` and the owner lookups would be another)."""
+    """The :class:`_Walk` of ``model``, in one ``named_modules()`` pass."""
     modules: dict[str, nn.Module] = {}
     named: dict[str, torch.Tensor] = {}
     owners: dict[str, tuple[str, str]] = {}
@@ -131,9 +128,7 @@ def _walk(model: nn.Module) -> _Walk:
     return _Walk(modules, named, owners, registrations)
 
 
-# --------------------------------------------------------------------------------------------
-# hooks
-# --------------------------------------------------------------------------------------------
+# -- hooks -----------------------------------------------------------------------------------
 @dataclass
 class _Call:
     a: torch.Tensor  # module input (N, ...)
@@ -156,12 +151,10 @@ def _structured_units(walk: _Walk, selected: list[str]) -> dict[str, _Unit]:
     named, owners, registrations = walk.named, walk.owners, walk.registrations
     by_module: dict[str, list[str]] = {}
     for n in selected:
-        mpath, _ = owners[n]
-        by_module.setdefault(mpath, []).append(n)
+        by_module.setdefault(owners[n][0], []).append(n)
     units: dict[str, _Unit] = {}
-    modules = walk.modules  # the owners' paths are named_modules() paths
     for mpath, names in by_module.items():
-        mod = modules[mpath]
+        mod = walk.modules[mpath]  # the owners' paths are named_modules() paths
         rule = rule_for(mod)
         if rule is None or isinstance(rule, RecurrentRule) or isinstance(mod, CALLED_BY_PARENT):
             continue
@@ -199,9 +192,7 @@ def check_sample_coupling(model: nn.Module, dropout: bool = True,
                              "has no fixed Jacobian); call model.eval() first")
 
 
-# --------------------------------------------------------------------------------------------
-# thread safety
-# --------------------------------------------------------------------------------------------
+# -- thread safety ---------------------------------------------------------------------------
 # model_lock's locks, keyed by id (a module may be unhashable), dropped with the model; and
 # in_provider_pass's flag.
 _LOCKS: dict[int, threading.RLock] = {}
@@ -216,21 +207,13 @@ def model_lock(model: nn.Module) -> threading.RLock:
     :func:`jacobian` (hence ``ntk``, ``pseudo_ntk``, ``gram`` and KIP) and SENG's
     ``torch.func`` pass hold it while they run the model, so concurrent ntkcore calls on one
     model from several threads give the results of sequential ones (to rounding: the BLAS
-    may split its sums across threads otherwise) and leave the model
-    unchanged (parameter objects, ``requires_grad``, hooks, buffers, ``training``), also when
-    a call raises or is interrupted.  Hold it yourself around your own forward, backward and
-    optimizer step of the same model when ntkcore calls may run in other threads meanwhile:
-    their ``torch.func`` pass swaps the parameters of non-Kronecker modules in place.  Do not
-    hold it around a backward that runs ntkcore passes itself (KIP's checkpointed kernel): on
-    a GPU that backward runs in another thread, which would wait for the lock forever.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    threading.RLock
+    may split its sums across threads otherwise) and leave the model unchanged (parameter
+    objects, ``requires_grad``, hooks, buffers, ``training``), also when a call raises or is
+    interrupted.  Hold it yourself around your own forward, backward and optimizer step of
+    the same model when ntkcore calls may run in other threads meanwhile: their
+    ``torch.func`` pass swaps the parameters of non-Kronecker modules in place.  Do not hold
+    it around a backward that runs ntkcore passes itself (KIP's checkpointed kernel): on a
+    GPU that backward runs in another thread, which would wait for the lock forever.
     """
     with _LOCKS_GUARD:
         lock = _LOCKS.get(id(model))
@@ -295,11 +278,10 @@ def _forward_hooks(pairs: list[tuple[nn.Module, Any]]) -> Iterator[None]:
 
 
 def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 clone: bool, uses: ParamUses | None = None,
-                 rec: dict[str, _RecUnit] | None = None) -> torch.Tensor:
+                 clone: bool, uses: ParamUses | None, rec: dict[str, _RecUnit]) -> torch.Tensor:
     for unit in units.values():
         unit.calls = []
-    for runit in (rec or {}).values():
+    for runit in rec.values():
         runit.calls, runit.shapes, runit.ok = [], [], True
 
     def record(path: str, a: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -310,7 +292,7 @@ def _run_forward(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
 
     with (_hooked({path: u.module for path, u in units.items()}, record),
           uses if uses is not None else contextlib.nullcontext(),
-          _hooked_recurrent(rec or {})):
+          _hooked_recurrent(rec)):
         try:
             out = model(x)
         except Exception as exc:  # a NumPy-typed dtype, complex x, ...: say so, naming x
@@ -341,9 +323,7 @@ def graph_uses(out: torch.Tensor | list[torch.Tensor]) -> tuple[set[Any], dict[i
     return seen, uses
 
 
-# --------------------------------------------------------------------------------------------
-# recurrent layers (nn.RNN / nn.GRU / nn.LSTM), unrolled over time (torch_layers)
-# --------------------------------------------------------------------------------------------
+# -- recurrent layers (nn.RNN / nn.GRU / nn.LSTM), unrolled over time (torch_layers) ---------
 @dataclass
 class _RecUnit:
     module: nn.Module
@@ -472,9 +452,7 @@ def _recurrent_block_names(rkron: dict[str, _RecUnit]) -> dict[str, str]:
     return names
 
 
-# --------------------------------------------------------------------------------------------
-# the sample axis of each hooked call
-# --------------------------------------------------------------------------------------------
+# -- the sample axis of each hooked call -----------------------------------------------------
 def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int) -> int | None:
     """The axis of a tensor that has length ``n`` in the real pass (N samples) and ``p`` in the
     probe (p != N samples), every other axis having the same length in both; else None."""
@@ -487,25 +465,17 @@ def _tracking_axis(real: tuple[int, ...], probe: tuple[int, ...], n: int, p: int
 
 
 def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                 used: dict[str, list[int]], uses: ParamUses | None = None,
-                 rec: dict[str, _RecUnit] | None = None) -> dict[str, list[int]]:
-    r"""``{path: [sample axis of each call in used[path]]}`` for the units where every used
-    call has one, from a probe forward on the first sample repeated p != N times; ``{}`` when
-    the probe fails.
+                 used: dict[str, list[int]], uses: ParamUses | None,
+                 rec: dict[str, _RecUnit]) -> dict[str, list[int]]:
+    r"""``{path: [sample axis of each call in used[path]]}`` (:func:`probe_sample_axes`) from
+    a probe forward on the first sample repeated p != N times; ``{}`` when the probe fails.
 
-    A call's factors need the sample axis in its input and output: a length equal to N
-    proves nothing (a positional table ``pos(torch.arange(T))`` when T == N; a
-    sequence-first (T, N, d) tensor leads with T).  A call's sample axis is the one axis of
-    both its input and output with length N in the real pass and p in the probe, every other
-    axis unchanged (:func:`probe_sample_axes`), and one its rule allows; the calls are
-    matched by order.  Why that is exact: with samples independent, slice n of the layer
-    output along that axis influences only f(x_n), so :math:`\partial f(x_n)/\partial W =
-    \sum_s g[n, s] a[n, s]^\top` with both factors taken with the sample axis moved to the
-    front.  Not checked: that slice n feeds only output n (samples coupled through batch
-    statistics or Dropout are refused by :func:`check_sample_coupling`; a model feeding row 0
-    of a layer's output to every sample would be taken at its word).  ``uses``: a fresh
-    ``ParamUses`` that records the functional calls of the probe (``uses.done`` when it ran
-    to the end).
+    Exact because, with samples independent, slice n of the layer output along that axis
+    influences only f(x_n): :math:`\partial f(x_n)/\partial W = \sum_s g[n, s] a[n, s]^\top`,
+    both factors with the sample axis in front (coupled samples are refused by
+    :func:`check_sample_coupling`; that slice n feeds only output n is not checked).
+    ``uses``: a fresh ``ParamUses`` recording the probe's functional calls (``uses.done``
+    when it ran to the end).
     """
     n = int(x.shape[0])
     p = probe_size(n)
@@ -514,7 +484,6 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
     real = {path: [(tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls]
             for path in used}
     modules = {path: units[path].module for path in used}
-    rec = rec or {}
     rseen: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]] | None]] = {k: [] for k in rec}
 
     def run() -> torch.Tensor:
@@ -535,11 +504,8 @@ def _sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
         return {}
 
 
-#: The probe's answers per model (weakly: they die with it) and real pass
-#: (:func:`_real_pass_key`; with functional or recurrent calls :func:`_remembered_probe`'s
-#: key, and the probe's functional call shapes too), so that repeated calls on one model and
-#: batch shape (a training loop, a kernel of many tiles, a benchmark) run the probe forward
-#: once.
+#: The probe's answers per model (weakly) and real pass (:func:`_remembered_probe`), so that
+#: repeated calls on one model and batch shape run the probe forward once.
 _AXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Any]] = \
     weakref.WeakKeyDictionary()
 _AXES_PER_MODEL = 16
@@ -548,10 +514,8 @@ _AXES_PER_MODEL = 16
 def _real_pass_key(x: torch.Tensor, units: dict[str, _Unit], used: dict[str, list[int]],
                    reachable: set[Any]) -> tuple[Any, ...]:
     """What the probe's answer depends on, as the real pass shows it: x's shape, dtype and
-    device; every hooked module (the object), its calls' input and output shapes and which
-    of them reach the output; and how many autograd nodes of each type the output's graph
-    has (a forward that moves, slices or shares the samples differently, e.g. after a flag
-    of the model changed, differs there)."""
+    device; each hooked module, its calls' shapes and which reach the output; the count of
+    autograd nodes per type (a forward that routes the samples differently differs there)."""
     calls = tuple((path, id(units[path].module), tuple(idx),
                    tuple((tuple(c.a.shape), tuple(c.y.shape)) for c in units[path].calls))
                   for path, idx in used.items())
@@ -560,15 +524,6 @@ def _real_pass_key(x: torch.Tensor, units: dict[str, _Unit], used: dict[str, lis
         name = type(node).__name__
         ops[name] = ops.get(name, 0) + 1
     return tuple(x.shape), x.dtype, x.device, calls, tuple(sorted(ops.items()))
-
-
-def _remembered_sample_axes(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit],
-                            used: dict[str, list[int]], reachable: set[Any]
-                            ) -> dict[str, list[int]]:
-    """:func:`_sample_axes`, run once per model and real pass (:func:`_real_pass_key`)."""
-    axes = _remembered(model, _real_pass_key(x, units, used, reachable),
-                       lambda: _sample_axes(model, x, units, used))
-    return {path: list(ax) for path, ax in axes.items()}
 
 
 def _remembered(model: nn.Module, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
@@ -614,15 +569,14 @@ def _remembered_probe(model: nn.Module, x: torch.Tensor, units: dict[str, _Unit]
                       used: dict[str, list[int]], reachable: set[Any], uses: ParamUses | None,
                       cands: list[torch.Tensor], tabs: list[torch.Tensor],
                       rec: dict[str, _RecUnit]) -> tuple[dict[str, list[int]], list[Any]]:
-    """``(axes, probe calls)``: :func:`_sample_axes` with functional calls (``uses``, a
-    :class:`ParamUses` over the parameters ``cands`` and tables ``tabs``) and recurrent
-    modules ``rec``, and the probe's functional calls (:class:`_ProbeCall`; empty when the
-    probe did not run to the end), run once per model and real pass: the key adds to
-    :func:`_real_pass_key` the parameters followed and the kinds and shapes of the real
-    pass's functional and recurrent calls (the records the probe is compared with)."""
+    """``(axes, probe calls)``: :func:`_sample_axes` with the functional calls ``uses`` (over
+    the parameters ``cands`` and tables ``tabs``; None: none) and recurrent modules ``rec``,
+    and the probe's functional calls (:class:`_ProbeCall`; empty unless the probe ran to the
+    end), once per model and real pass: :func:`_real_pass_key` plus the parameters followed
+    and the shapes of the real pass's functional and recurrent calls."""
     key = (_real_pass_key(x, units, used, reachable), tuple(id(p) for p in cands),
            tuple(id(p) for p in tabs),
-           () if uses is None else tuple((c.kind, tuple(c.y.shape),
+           () if uses is None else tuple((type(c), tuple(c.y.shape),
                                           tuple(tuple(s.shape) for s in c.samples))
                                          for c in uses.calls),
            tuple((path, tuple(u.shapes)) for path, u in rec.items()))
@@ -763,15 +717,13 @@ def _inverse(perm: tuple[int, ...]) -> list[int]:
 def _output_grads(out2: torch.Tensor, targets: list[_Target], pseudo: bool,
                   create_graph: bool, batched: bool) -> list[Any]:
     """Gradients of every output column of ``out2`` (N, O) with respect to each target's y,
-    as g (N, S, O, d_out) (:meth:`_Target.shape`; O = 1 for the pseudo-NTK), or where the
-    target has a map, its results for all O outputs as a ``torch_layers.Summed`` (N, O, W):
-    applied to each pass's g while it is in cache, so that g is never stored.
+    as g (N, S, O, d_out) (:meth:`_Target.shape`; O = 1 for the pseudo-NTK), or, where the
+    target reduces, a ``torch_layers.Summed`` (N, O, W) applied pass by pass (g never stored).
 
     All N samples go through each backward pass together (samples are independent, so the
     gradient of output o summed over samples, taken at y[n], is d f_o(x_n) / d y[n]).  The O
     passes are one ``is_grads_batched`` pass, or (``batched`` False, or an op without a
-    batching rule) a loop of O passes: into preallocated arrays, or for O <= 2 concatenated
-    once per target at the end.  No weight gradient is formed.
+    batching rule) a loop: into preallocated arrays, or for O <= 2 concatenated at the end.
     """
     n, o = out2.shape
     ys = [t.y for t in targets]
@@ -808,10 +760,7 @@ def _output_grads(out2: torch.Tensor, targets: list[_Target], pseudo: bool,
         for i, (g1, t) in enumerate(zip(g1s, targets, strict=True)):
             if k == 0:  # many outputs: each pass copied into its slot while it is in cache
                 gs.append(t.buffer(g1, n, o))
-            if t.reduce is not None:
-                gs[i][:, k:k + 1].copy_(g1)
-            else:
-                gs[i][:, :, k:k + 1].copy_(g1)
+            (gs[i][:, k:k + 1] if t.reduce is not None else gs[i][:, :, k:k + 1]).copy_(g1)
         del g1s
     for i, t in enumerate(targets if kept else ()):
         gs.append(t.join([p[i] for p in kept]))
@@ -832,11 +781,9 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
                   create_graph: bool) -> dict[str, DenseBlock]:
     """DenseBlocks of ``groups`` (block name, parameter names): ``vmap`` over chunks of samples
     of ``jacrev`` w.r.t. those parameters, or plain autograd (:func:`_dense_blocks_graph`)
-    with ``create_graph`` or where ``torch.func`` cannot run the model (a RuntimeError: a
-    recurrent layer that is not unrolled, ``nn.PReLU`` in torch 2.13, data-dependent control
-    flow such as ``if x.isfinite().all():``).  An error the model also raises on one sample
-    is raised (with the ``torch.func`` error as its context); out-of-memory errors are not
-    retried."""
+    with ``create_graph`` or where ``torch.func`` raises a RuntimeError (a recurrent layer
+    not unrolled, ``nn.PReLU`` in torch 2.13, data-dependent control flow), which then
+    raises the model's own error if any; out-of-memory errors are not retried."""
     from torch.func import functional_call, jacrev, vmap
 
     if create_graph:
@@ -879,16 +826,11 @@ _QUIET: list[Any] = []  # [the filter entry] while a torch.func pass runs, in an
 
 @contextlib.contextmanager
 def _quiet_sdpa_batching() -> Iterator[None]:
-    """Ignore torch's SDPA batching-rule warning (:data:`_SDPA_BATCHING`, nothing else) while
-    ntkcore's ``torch.func`` passes run.
-
-    ``warnings.catch_warnings`` is not thread-safe (it restores a copy of the global filter
-    list on exit, undoing what other threads did meanwhile).  Instead one ``ignore`` entry
-    with that message pattern is put at the front of ``warnings.filters`` by the first pass
-    to start and removed (that entry alone) by the last one to end; a counter under a lock
-    tracks the passes in flight.  At the front it wins over filters set before the call
-    (``"always"``, ``"error"``); other threads do not see the warning in that window either.
-    """
+    """Ignore torch's SDPA batching-rule warning (:data:`_SDPA_BATCHING` only, in every
+    thread) while ntkcore's ``torch.func`` passes run.  Thread-safe, unlike
+    ``warnings.catch_warnings``: the first pass to start puts one ``ignore`` entry at the
+    front of ``warnings.filters`` (winning over "always" / "error"), the last one to end
+    removes that entry alone."""
     with _QUIET_LOCK:
         if not _QUIET:
             had = list(warnings.filters)
@@ -917,13 +859,9 @@ def _grouped(groups: list[tuple[str, list[str]]],
 
 def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
                         o: int, pseudo: bool, create_graph: bool = True) -> dict[str, DenseBlock]:
-    """DenseBlocks by plain autograd: one backward per sample and output (differentiable in
-    ``x`` when ``create_graph``; detached otherwise).
-
-    ``torch.func``'s ``vmap`` composed with an outer autograd graph gives wrong gradients with
-    respect to ``x`` for some ops (LayerNorm in torch 2.13), so the graph-keeping path uses
-    ordinary ``autograd.grad(..., create_graph=True)``, meant for small support sets.
-    """
+    """DenseBlocks by plain autograd, one backward per sample and output (differentiable in
+    ``x`` when ``create_graph``: ``vmap`` under an outer graph gives wrong gradients with
+    respect to ``x`` for some ops, LayerNorm in torch 2.13; meant for small support sets)."""
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
     ps = [named[k] for k in names]
@@ -947,9 +885,7 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
     return _grouped(groups, {k: torch.stack(v) for k, v in rows.items()})
 
 
-# --------------------------------------------------------------------------------------------
-# the provider
-# --------------------------------------------------------------------------------------------
+# -- the provider ----------------------------------------------------------------------------
 @capabilities(name="backends.torch.jacobian", fast={
     "torch": "Kronecker for Linear/Conv1-3d/Embedding/RNN/GRU/LSTM/F.linear, hooks for norm "
              "layers and elementwise parameters, torch.func for the rest"},
@@ -995,12 +931,11 @@ def jacobian(
     Returns
     -------
     Jacobian
-        N samples, O outputs: the block of each module with a layer rule
-        (``torch_layers.RULES``: Linear, Conv, Embedding, the affine norms; a KroneckerBlock
-        (a (N, S, d_in), g (N, S, O, d_out)) or a DenseBlock) whose calls all have a sample
-        axis (:func:`_sample_axes`), the blocks of unrolled recurrent layers and of
-        functional parameter uses (``torch_functional``), and a DenseBlock (N, O, P_b) for
-        everything else.  The blocks do not depend on N.
+        N samples, O outputs, blocks independent of N: per module with a layer rule
+        (``torch_layers.RULES``) whose calls all have a sample axis, the rule's block (a
+        KroneckerBlock a (N, S, d_in), g (N, S, O, d_out), or a DenseBlock); the blocks of
+        unrolled recurrent layers and of functional parameter uses (``torch_functional``);
+        a DenseBlock (N, O, P_b) for everything else.
 
     Notes
     -----
@@ -1021,10 +956,9 @@ def jacobian(
     along the positions; a module whose weight is also used outside its own calls, or is
     registered in several modules, or one of whose calls has no sample axis, gets a
     DenseBlock.  :func:`to_block_order` and :func:`from_block_order` convert between
-    per-parameter tensors and this order.  ``torch.func`` cannot run some models (a
-    recurrent layer that is not unrolled, ``nn.PReLU`` in torch 2.13, data-dependent control
-    flow): their DenseBlocks come from plain autograd, one sample and output at a time.
-    Concurrent calls on one model are safe (:func:`model_lock`).
+    per-parameter tensors and this order.  Where ``torch.func`` cannot run the model, the
+    DenseBlocks come from plain autograd, one sample and output at a time.  Concurrent calls
+    on one model are safe (:func:`model_lock`).
     """
     _check_inputs(model, x=x)
     if backward not in ("auto", "batched", "loop"):
@@ -1035,15 +969,14 @@ def jacobian(
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
         check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
-                               walk=walk)
+                               walk)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
             jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
-                                   backward, tables=jac, walk=walk)
+                                   backward, walk, tables=jac)
         return jac
 
 
-#: Per model (weakly), the paths of its ``nn.Embedding`` modules found looked up without a
-#: sample axis (positional tables, :func:`_shared_tables`): (those whose lookups the
+#: Per model (weakly), the paths of its positional tables (:func:`_shared_tables`): (those the
 #: functional mode follows from the first pass on, all found so far).
 _TABLES: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[str], frozenset[str]]] = \
     weakref.WeakKeyDictionary()
@@ -1066,12 +999,10 @@ def _shared_tables(model: nn.Module, units: dict[str, _Unit], used: dict[str, li
     """The tables to follow, when the ``nn.Embedding`` units whose used calls have no sample
     axis (e.g. ``pos(torch.arange(T))``) include one not seen before on ``model``; else None.
 
-    Such a lookup :math:`P[i]` is the same for all samples, so the hooks see no per-sample
-    gradient; but where the functional mode sees it added to (or multiplying) a sample
-    operand, ``torch_functional`` builds its index-factor block from that call's output
-    gradients (the dense rule with :math:`P[i]` as P's operand), so the provider runs its
-    forward once more with these tables followed by the mode.  A table that turns out to be
-    used otherwise is followed no more (:func:`_jacobian_locked`): no mode for nothing."""
+    Such a lookup :math:`P[i]` is the same for all samples, but where the functional mode
+    sees it added to (or multiplying) a sample operand, ``torch_functional`` builds its
+    block from that call's output gradients: the forward runs once more with the tables
+    followed.  A table found used otherwise is followed no more (:func:`_probe`)."""
     follow, seen = _remembered_tables(model)
     new = {p for p in used if p not in axes and isinstance(units[p].module, nn.Embedding)}
     if new <= seen:
@@ -1182,12 +1113,8 @@ def _probe(model: nn.Module, x: torch.Tensor, walk: _Walk, selected: list[str],
             continue
         used[path] = idx
     rused = {p: rec[p] for p in _recurrent_used(rec, reachable, n_uses, named)}
-    probe_calls: list[Any] = []
-    if uses is None and not rused:  # module calls only: the answer is remembered
-        axes = _remembered_sample_axes(model, x, units, used, reachable) if used else {}
-    else:  # functional and recurrent calls: the probe's axes and records, remembered
-        axes, probe_calls = _remembered_probe(model, x, units, used, reachable, uses,
-                                              found.cands, found.tabs, rused)
+    axes, probe_calls = ({}, []) if uses is None and not rused and not used else \
+        _remembered_probe(model, x, units, used, reachable, uses, found.cands, found.tabs, rused)
     plan.kron = {path: [(units[path].calls[i], ax) for i, ax in zip(idx, axes[path],
                                                                    strict=True)]
                  for path, idx in used.items() if path in axes}
@@ -1212,8 +1139,7 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
     module calls', the recurrent gate pre-activations' (:math:`u = W_{ih} x + b_{ih}` of
     every layer, direction and call) and the functional calls'."""
     n, o = out2.shape
-    if backward == "auto":  # two passes gain nothing from vmap, whose per-op batching
-        # costs more than a second pass (BERT at O = 2: 10-40% slower batched)
+    if backward == "auto":  # vmap's per-op batching costs more than a second pass at O = 2
         slow = tuple(t for r in RULES.values() for t in r.unbatched)
         batched = o > 2 and not any(isinstance(mod, slow) for mod in model.modules())
     else:
@@ -1274,14 +1200,11 @@ def _block_order(selected: list[str], owners: dict[str, tuple[str, str]],
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
-                     backward: str, tables: frozenset[str] | None = None,
-                     walk: _Walk | None = None) -> Jacobian | frozenset[str]:
-    """:func:`jacobian` under the model's lock: find units, record, probe, gradients,
-    assemble, then the dense blocks.  With ``tables`` None (the first pass) it may return the
-    positional tables (:func:`_shared_tables`) to run it again with instead.  ``walk``: the
-    model's :class:`_Walk`, taken under the lock."""
-    if walk is None:
-        walk = _walk(model)
+                     backward: str, walk: _Walk,
+                     tables: frozenset[str] | None = None) -> Jacobian | frozenset[str]:
+    """:func:`jacobian` under the model's lock (``walk`` taken under it): find units, record,
+    probe, gradients, assemble, then the dense blocks.  With ``tables`` None (the first pass)
+    it may return the positional tables (:func:`_shared_tables`) to run it again with."""
     selected = _select_params(model, params, walk.named)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
@@ -1361,9 +1284,7 @@ def _unseen_lookup_uses(uses: ParamUses, reachable: set[Any]) -> set[int]:
     return {id(nodes[node].param) for node, k in edges.items() if k}
 
 
-# --------------------------------------------------------------------------------------------
-# layout helpers
-# --------------------------------------------------------------------------------------------
+# -- layout helpers --------------------------------------------------------------------------
 def _block_layout(model: nn.Module, jac: Jacobian,
                   params: Any) -> list[tuple[Any, list[str], int, bool]]:
     """Per block: (block, parameter names, rows, transposed).  The block's parameter vector
