@@ -102,10 +102,8 @@ def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 class _Thin(LinearOperator):
-    r"""U (P_b, N) of one block as a linear operator: :math:`U c` (``matvec``) and
-    :math:`U^\top v` (``rmatvec``), with the factors cached as 2-D tensors.
-
-    ``U = J_b^\top`` for a one-block Jacobian with O = 1 (per-sample loss gradients):
+    r"""U = J_b^\top (P_b, N) of a one-block Jacobian with O = 1 (per-sample loss gradients)
+    as a linear operator, :math:`U c` (``matvec``) and :math:`U^\top v` (``rmatvec``):
 
     * Kronecker block, a (N, S, d_in), g (N, S, 1, d_out), :math:`V` = v as (d_out, d_in):
       :math:`(U^\top v)_n = \sum_s g_{n,s}^\top V a_{n,s}` and
@@ -212,62 +210,41 @@ class SENG(torch.optim.Optimizer):
 
     Per-sample gradients: a layer whose rule allows it
     (``torch_layers.LayerRule.kronecker_update``: ``nn.Linear``, ``nn.Conv1d/2d/3d`` with
-    groups = 1; torch's own ``forward``) keeps its input and :math:`\partial L/\partial y`
-    from hooks; with a mean-reduced loss that is :math:`\tfrac{1}{N}\partial \ell_n /
-    \partial y_n`, so the per-sample gradient is the KroneckerBlock with ``a`` = inputs (plus
-    a ones column for the bias) and ``g = N * dL/dy``, never materialised.  Every other
-    trainable parameter gets dense per-sample gradients from ``torch.func``:
-    :math:`\partial \ell_n / \partial f(x_n)` is captured at the model output and pulled
-    back per sample with ``vmap(vjp)``.  Every tensor argument of the model that carries the
-    samples must lead with the sample axis N.
+    groups = 1, torch's own ``forward``) is a KroneckerBlock from hooks, ``a`` its inputs
+    (plus a ones column for the bias) and ``g = N * dL/dy`` (:math:`\partial \ell_n /
+    \partial y_n` for a mean-reduced loss), never materialised; where its weight is used
+    only by its hooked calls (counted in the autograd graph) and each call's input and output
+    carry the sample axis (the provider's probe, ``torch_jacobian.probe_sample_axes``, run on
+    the first refresh of each shape signature, at most 64 cached; another axis than the
+    first is moved to the front).  Every other trainable parameter, and such a layer with a
+    shared input (positional table, buffer) or a weight used outside its ``forward``, gets
+    exact dense per-sample gradients from ``torch.func``: :math:`\partial \ell_n / \partial
+    f(x_n)`, captured at the model output, pulled back per sample with ``vmap(vjp)``.  Every
+    tensor argument of the model that carries the samples must lead with the sample axis N.
 
     Usage is that of any optimizer: ``opt.zero_grad(); loss = crit(model(x), y);
     loss.backward(); opt.step()``, also with ``scaler.step(opt)`` of a ``GradScaler``, under
-    ``torch.autocast`` (the captured factors are cast to the parameters' dtype), after
-    ``add_param_group`` and with the model compiled before or after (``torch.compile``; the
-    hooks run eagerly, a graph break); :meth:`precondition` is the preconditioner form.  On
-    refresh steps the forward and backward must run after the previous ``step()`` (the hooks
-    capture only while a refresh is due and autograd is enabled); the last forward before
-    ``step()`` is the one used.  ``state_dict()`` stores the step counter, momentum buffers
-    and the current curvature factors, so a loaded optimizer continues exactly where the saved
-    one was (bit for bit on the same machine and thread count; elsewhere to rounding).
+    ``torch.autocast`` (the factors are cast to the parameters' dtype), after
+    ``add_param_group`` and with ``torch.compile`` before or after (the hooks run eagerly);
+    :meth:`precondition` is the preconditioner form.  On refresh steps the forward and
+    backward must run after the previous ``step()``; the last forward before ``step()`` is
+    used.  ``state_dict()`` stores the step counter, momentum buffers and curvature factors:
+    a loaded optimizer continues bit for bit on the same machine and thread count.
 
-    A Linear / Conv layer is a Kronecker block only where its weight (and bias) is used only
-    by its hooked calls (counted in the autograd graph) and each call's input and output
-    carry the sample axis, found by the provider's probe (``torch_jacobian.probe_sample_axes``,
-    on the first sample of every argument that leads with N, as ntkcore's own pass) on the
-    first refresh of each shape signature (at most 64 cached); on another axis
-    (sequence-first, Linear only) the block is taken with that axis moved to the front.  A
-    layer with a shared input (positional table, buffer) or a weight used outside its own
-    ``forward`` gets exact per-sample gradients from ``torch.func`` instead, in the same
-    [W | b] layout.
+    ``step()`` raises ``ValueError`` before any parameter, momentum buffer or step counter
+    changes when a gradient (plus weight decay) is not finite (naming the parameter) or the
+    direction is not; on a refresh, when the captured forward coupled the samples (a
+    BatchNorm with batch statistics), had a Dropout in training mode while some layer needs
+    the ``torch.func`` pass (which cannot replay its mask), or, on a new shape signature,
+    when the model cannot run on p != N samples (the probe).
 
-    What ``step()`` checks (each failure raises ``ValueError`` before any parameter, momentum
-    buffer or step counter changes):
-
-    * every gradient (plus weight decay) is finite, on every step, refresh or not; the message
-      names the parameter;
-    * on a refresh, the captured forward had independent samples: a BatchNorm that normalised
-      with batch statistics (training mode, or ``track_running_stats=False``) couples them, so
-      per-sample gradients do not exist; a Dropout in training mode is fine when every trainable
-      layer is a Linear/Conv (the hooks see the actual mask) but raises when the model has
-      other trainable layers (including a Linear / Conv without a sample axis), whose
-      ``torch.func`` pass cannot replay the mask;
-    * on a refresh with a new input shape signature, the model runs on p != N samples (the
-      probe that finds each layer's sample axis): a model that cannot raises, naming the
-      model's error;
-    * the direction is finite.
-
-    Other ntkcore passes and threads: ``ntkcore.ntk`` / ``pseudo_ntk`` / ``gram`` / KIP calls on
-    the model at any point of a step (e.g. between ``backward()`` and ``step()``) are invisible
-    to the hooks (they run with ``ntkcore.backends.torch_jacobian.in_provider_pass()`` true)
-    and leave the update unchanged.  The ``torch.func`` pass of a refresh holds the model's
-    lock (``torch_jacobian.model_lock``), so it never overlaps an ntkcore call on the same
-    model; an ntkcore call from another thread must not overlap the training forward and
-    backward either (its ``torch.func`` pass swaps parameters in place): hold
-    ``model_lock(model)`` around them.  The optimizer itself is driven by one training loop: its
-    hooks capture any forward of the model with autograd enabled, from any thread, so run
-    evaluation forwards in other threads under ``torch.no_grad()``.
+    Threads: ntkcore's own passes over the model (``ntk``, ``gram``, KIP, ...), at any point
+    of a step, run with ``torch_jacobian.in_provider_pass()`` true and are invisible to the
+    hooks.  The ``torch.func`` pass of a refresh holds ``torch_jacobian.model_lock(model)``;
+    hold it yourself around the training forward and backward when ntkcore calls on the
+    model may run in other threads (their ``torch.func`` pass swaps parameters in place).
+    The hooks capture any forward with autograd enabled, from any thread: run evaluation
+    forwards in other threads under ``torch.no_grad()``.
     """
 
     def __init__(self, params_or_model: Any, lr: float = 0.05, damping: float = 1.0, *,
@@ -549,13 +526,11 @@ class SENG(torch.optim.Optimizer):
     def _unit_block(self, unit: _Owner, axes: list[int]) -> KroneckerBlock:
         calls = [c for c in unit.calls if c["gy"] is not None]
         n = int(calls[0]["x"].shape[axes[0]])
-        # the factors of torch_layers, the sample axis moved to the front (a sequence-first
-        # (T, N, d) call); g (N, S, 1, d_out) from dL/dy
-        # (in the weight's dtype: under torch.autocast the calls run in a lower precision)
+        # torch_layers' factors, the sample axis in front (a sequence-first (T, N, d) call),
+        # in the weight's dtype (under torch.autocast the calls run in a lower precision)
         dt, scale = unit.params[0].dtype, self._sample_scale(n)
         xs = [c["x"].to(dt).movedim(ax, 0) for c, ax in zip(calls, axes, strict=True)]
-        mod = unit.module
-        rule = None if mod is None else rule_for(mod)
+        mod, rule = unit.module, rule_for(unit.module) if unit.module is not None else None
         assert mod is not None and rule is not None  # a Kronecker unit (_build_units)
         gs = [rule.output_factor(mod, c["gy"].to(dt)[None] * scale, n, 1, ax)
               for c, ax in zip(calls, axes, strict=True)]
@@ -768,13 +743,11 @@ class SENG(torch.optim.Optimizer):
     def precondition(self) -> None:
         r"""Replace every optimised parameter's ``.grad`` by its SENG direction :math:`d`.
 
-        The preconditioner form, to be followed by any ``torch.optim`` optimizer over the same
-        parameters (``loss.backward(); seng.precondition(); opt.step()``): the same direction,
-        curvature refreshes (every ``update_freq`` calls) and checks as :meth:`step`, with
-        ``weight_decay`` added before preconditioning; ``lr`` and ``momentum`` are not used.
-        With a ``GradScaler`` pass ``grad_scaler=`` and call ``scaler.unscale_(opt)`` first
-        (as for any change to ``.grad``): then a non-finite gradient leaves ``.grad`` as it is
-        for ``scaler.step(opt)`` to skip, where otherwise it raises ``ValueError``.
+        For any ``torch.optim`` optimizer to follow (``loss.backward(); seng.precondition();
+        opt.step()``): direction, refreshes and checks as in :meth:`step`; ``lr`` and
+        ``momentum`` unused.  With a ``GradScaler``, pass ``grad_scaler=`` and call
+        ``scaler.unscale_(opt)`` first: a non-finite gradient then leaves ``.grad`` for
+        ``scaler.step(opt)`` to skip (without a scaler it raises ``ValueError``).
         """
         pairs = self._natural_directions(skip_nonfinite=self.grad_scaler is not None)
         if pairs is None:
@@ -787,10 +760,9 @@ class SENG(torch.optim.Optimizer):
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        curvature = {name: {k: v.detach().clone() for k, v in zip(
-            ("a", "g") if isinstance(block, KroneckerBlock) else ("jac",),
-            (block.explicit_a(), block.g) if isinstance(block, KroneckerBlock)
-            else (block.to_dense(),), strict=True)} for name, block in self._curvature.items()}
+        curvature = {name: {k: v.detach().clone() for k, v in (
+            {"a": b.explicit_a(), "g": b.g} if isinstance(b, KroneckerBlock)
+            else {"jac": b.to_dense()}).items()} for name, b in self._curvature.items()}
         sd["seng"] = {"step": self._step, "refreshes": self._refreshes,
                       "curvature": curvature, "sketch_seeds": dict(self._sketch_seeds)}
         return sd
