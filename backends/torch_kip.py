@@ -30,33 +30,26 @@ from .torch_jacobian import _check_inputs, jacobian
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
 
-# --------------------------------------------------------------------------------------------
-# block layout of the support side
-# --------------------------------------------------------------------------------------------
+# -- block layout of the support side --------------------------------------------------------
 @dataclass(frozen=True)
 class _Layout:
-    """How each block of the Jacobian is represented on both sides.
-
-    ``kinds[i]``: ``"dense"`` (DenseBlock, one array), ``"kron"`` (KroneckerBlock, arrays
-    ``a``, ``g``; ``"kron+1"`` with an implicit ones column, ``ones=True``) or ``"mat"``
-    (KroneckerBlock materialised into a DenseBlock of per-sample weights, one array).
-    """
+    """How each block is represented on both sides: ``kinds[i]`` is ``"dense"`` (one array),
+    ``"kron"`` (arrays ``a``, ``g``; ``"kron+1"`` with ``ones=True``) or ``"mat"`` (a
+    KroneckerBlock materialised into a DenseBlock of per-sample weights, one array)."""
 
     names: tuple[str, ...]
     kinds: tuple[str, ...]
 
     def support_arrays(self, j: Jacobian) -> list[torch.Tensor]:
         return [arr for b, kind in zip(j.blocks, self.kinds, strict=True)
-                # a DenseBlock with stored columns goes in whole: from_arrays rebuilds
-                # plain DenseBlocks
+                # (a DenseBlock with stored columns goes in whole: from_arrays makes plain ones)
                 for arr in ((b.to_dense(),) if kind == "mat" or isinstance(b, DenseBlock)
                             else b.arrays())]
 
     def from_arrays(self, arrays: Sequence[torch.Tensor]) -> Jacobian:
         it = iter(arrays)
         return Jacobian([KroneckerBlock(next(it), next(it), name, ones=kind == "kron+1")
-                         if kind.startswith("kron")
-                         else DenseBlock(next(it), name)
+                         if kind.startswith("kron") else DenseBlock(next(it), name)
                          for name, kind in zip(self.names, self.kinds, strict=True)])
 
     def convert(self, j: Jacobian) -> Jacobian:
@@ -110,9 +103,7 @@ def _choose_layout(jt: Jacobian, js: Jacobian, mode: str, budget: int,
     return _Layout(tuple(jt.names), tuple(kinds))
 
 
-# --------------------------------------------------------------------------------------------
-# shared set-up
-# --------------------------------------------------------------------------------------------
+# -- shared set-up ---------------------------------------------------------------------------
 def _timed(timings: dict[str, float] | None, phase: str, t0: float) -> float:
     """Add the seconds since ``t0`` to ``timings[phase]`` (if ``timings``); the time now."""
     now = time.perf_counter()
@@ -256,9 +247,7 @@ def _first_order_only() -> None:
                            "derivatives")
 
 
-# --------------------------------------------------------------------------------------------
-# the checkpointed kernel
-# --------------------------------------------------------------------------------------------
+# -- the checkpointed kernel -----------------------------------------------------------------
 class _CheckpointedKernel(torch.autograd.Function):
     r"""``K[n, m, ...] = gram(J_t, J_s)``, the target factors recomputed in the backward pass.
 
@@ -295,20 +284,11 @@ class _CheckpointedKernel(torch.autograd.Function):
     "torch": "custom autograd Function, target chunks recomputed in backward"},
     note={"torch": "CPU and CUDA; first-order gradients w.r.t. the support input"},
     missing=("numpy", "cupy", "jax", "array_api_strict"))
-def checkpointed_ntk(
-    model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    *,
-    mode: str = "trace",
-    layerwise: bool = False,
-    pseudo: bool = False,
-    params: Any = None,
-    max_memory: Any = None,
-    dtype: Any = None,
-    batch_size: int | None = None,
-    timings: dict[str, float] | None = None,
-) -> torch.Tensor:
+def checkpointed_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, *,
+                     mode: str = "trace", layerwise: bool = False, pseudo: bool = False,
+                     params: Any = None, max_memory: Any = None, dtype: Any = None,
+                     batch_size: int | None = None,
+                     timings: dict[str, float] | None = None) -> torch.Tensor:
     r"""The eNTK between a support set that requires grad and a large target set, with a
     backward pass whose memory does not grow with the number of targets.
 
@@ -384,9 +364,7 @@ def checkpointed_ntk(
     return k
 
 
-# --------------------------------------------------------------------------------------------
-# the fused KIP loss
-# --------------------------------------------------------------------------------------------
+# -- the fused KIP loss ----------------------------------------------------------------------
 class _FusedKipLoss(torch.autograd.Function):
     r""":math:`L = \frac1{R}\sum (K_{ts}\alpha - Y_t)^2` in one pass over the target chunks.
 
@@ -432,22 +410,11 @@ class _FusedKipLoss(torch.autograd.Function):
               fast={"torch": "one pass over target chunks, Cholesky regression"},
               note={"torch": "CPU and CUDA; first-order gradients w.r.t. support inputs/labels"},
               missing=("numpy", "cupy", "jax", "array_api_strict"))
-def kip_loss(
-    model: nn.Module,
-    x_support: torch.Tensor,
-    y_support: torch.Tensor,
-    x_target: torch.Tensor,
-    y_target: torch.Tensor,
-    *,
-    reg: float = 1e-6,
-    mode: str = "trace",
-    pseudo: bool = False,
-    params: Any = None,
-    max_memory: Any = None,
-    batch_size: int | None = None,
-    fused: bool = True,
-    timings: dict[str, float] | None = None,
-) -> torch.Tensor:
+def kip_loss(model: nn.Module, x_support: torch.Tensor, y_support: torch.Tensor,
+             x_target: torch.Tensor, y_target: torch.Tensor, *, reg: float = 1e-6,
+             mode: str = "trace", pseudo: bool = False, params: Any = None,
+             max_memory: Any = None, batch_size: int | None = None, fused: bool = True,
+             timings: dict[str, float] | None = None) -> torch.Tensor:
     r"""The KIP loss: kernel regression from the support set, mean squared error on targets.
 
     .. math::
