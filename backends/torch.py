@@ -1,11 +1,6 @@
-"""PyTorch backend: torch.linalg primitives and ``torch.Generator`` on the tensor's device.
-
-Everything here keeps autograd intact: ``cholesky_ex`` and ``solve_triangular`` are
-differentiable, so kernel regression built on them can be back-propagated into its inputs.
-
-The PyTorch Jacobian provider and the SENG optimizer live beside this module
-(``ntkcore.backends.torch_jacobian`` / ``ntkcore.backends.torch_seng``) and are re-exported
-here as ``ntkcore.backends.torch.jacobian`` and ``ntkcore.backends.torch.SENG`` once defined.
+"""PyTorch backend: differentiable torch.linalg primitives and ``torch.Generator`` on the
+tensor's device; re-exports the Jacobian provider (``torch_jacobian``), SENG (``torch_seng``)
+and KIP (``torch_kip``) as ``ntkcore.backends.torch.jacobian``, ``.SENG``, ``.kip_loss``, ...
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ class TorchBackend(Backend):
             return None
         return l
 
-    def solve_triangular(
-        self, a: Array, b: Array, *, lower: bool = True, transpose: bool = False
-    ) -> Array:
+    def solve_triangular(self, a: Array, b: Array, *, lower: bool = True,
+                         transpose: bool = False) -> Array:
         if b.ndim == 1:
             return self.solve_triangular(a, b[:, None], lower=lower, transpose=transpose)[:, 0]
         # op(a) = a.mT is upper triangular exactly when a is lower
@@ -85,8 +79,7 @@ class TorchBackend(Backend):
     def free_memory(self, device: Device) -> int | None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(dev)
-            return int(free)
+            return int(torch.cuda.mem_get_info(dev)[0])
         return host_free_memory()
 
     def synchronize(self, device: Device) -> None:
@@ -126,13 +119,11 @@ class TorchGenerator:
             self.gen.manual_seed(int(seed))
 
     def integers(self, low: int, high: int, shape: tuple[int, ...]) -> Array:
-        return torch.randint(
-            low, high, shape, generator=self.gen, device=self.device, dtype=torch.int64
-        )
+        return torch.randint(low, high, shape, generator=self.gen, device=self.device,
+                             dtype=torch.int64)
 
-    def choice(
-        self, n: int, size: int, *, p: Array | None = None, replace: bool = True
-    ) -> Array:
+    def choice(self, n: int, size: int, *, p: Array | None = None,
+               replace: bool = True) -> Array:
         if p is None:
             if replace:
                 return self.integers(0, n, (size,))
@@ -158,7 +149,6 @@ class TorchGenerator:
         return torch.rand(shape, generator=self.gen, device=self.device, dtype=dtype)
 
 
-# The Jacobian provider lives in its own module; re-exported as ntkcore.backends.torch.jacobian.
 from .torch_jacobian import (  # noqa: E402, F401
     from_block_order,
     in_provider_pass,
