@@ -626,7 +626,20 @@ def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch
     return torch.where(idx == padding_idx % v, -1, idx)
 
 
-def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | KroneckerBlock:
+#: Flop-equivalents, at the GEMM rate, of one element that :func:`drop_zero_positions` copies
+#: (a gather along the positions; g in a channels-first layout is strided) and of one element
+#: its zero test reads (a max and a min over a view).  Measured on 2 cores (AVX-512, float32):
+#: a GEMM at about 100 GFLOP/s, ``index_select`` of a conv's g at 2-4 ns an element (200-750
+#: flop-equivalents, the strided layout the slowest), the max-and-min read at about 0.6 ns.
+COPY_FLOPS = 256
+SCAN_FLOPS = 64
+#: Below this many elements of a and g (float32: 1 MiB, in cache) a block's zero positions
+#: are dropped unpriced: the read and the copy take microseconds either way.
+PRICED_ELEMENTS = 1 << 18
+
+
+def drop_zero_positions(block: DenseBlock | KroneckerBlock,
+                        priced: bool = True) -> DenseBlock | KroneckerBlock:
     r"""``block`` without the positions at which its output gradients vanish for every sample.
 
     A position s with :math:`g[n, s, o, :] = 0` for all n and o adds nothing to the weight
@@ -636,9 +649,18 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
     positions route then costs :math:`N^2` instead of :math:`N^2 S^2` per unit of width.
     Cost: a read of sample 0's g (a position live there is live), and of the other samples
     over the range of positions from sample 0's first dead one to its last (a max and a min
-    over a view, no copy).  A DenseBlock, S = 1,
-    or a g on an autograd graph (a zero value may have a non-zero derivative) is returned as
-    it is; at least one position stays.
+    over a view, no copy), then a copy of the kept positions of a and g.
+
+    With ``priced`` (the default; False: whatever the cost) that cost is weighed against the flops the Gram
+    saves: :func:`ntkcore.gram.cheapest_flops` of the block on an N x N trace-mode tile (the
+    mode that gains least) with S positions and with the kept ones.  The read is skipped
+    unless sample 0's dead positions, were they dead everywhere, would repay it and the copy;
+    the copy is skipped unless the positions dead everywhere repay it (:data:`COPY_FLOPS`,
+    :data:`SCAN_FLOPS`; a block under :data:`PRICED_ELEMENTS` is not priced).  A convolution
+    whose stride skips the last row and column of its input (59 of 900 positions) keeps
+    them: the materialise route would save 7% of forming the per-sample weights, less than a
+    copy of g costs.  A DenseBlock, S = 1, or a g on an autograd graph (a zero value may have
+    a non-zero derivative) is returned as it is; at least one position stays.
     """
     if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
         return block
@@ -648,6 +670,15 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
         return block
     dead = (~live).nonzero().flatten()
     lo, last = dead[[0, -1]].tolist()
+    n, s, o, dout = g.shape
+    width = math.prod(block.a.shape[2:]) + o * dout  # elements of a and g at one position
+    priced = priced and n * s * width > PRICED_ELEMENTS
+    if priced:
+        price = _position_pricer(block)
+        # at best sample 0's dead positions go, after a read of their range
+        scan = SCAN_FLOPS * n * (last + 1 - lo) * o * dout
+        if price(s) - price(s - dead.numel()) <= scan + COPY_FLOPS * n * (s - dead.numel()) * width:
+            return block
     # zero everywhere <=> max = min = 0 (a NaN propagates: live); amax and amin over the view
     # read it without a copy, 3x faster than torch's any over several axes
     part = g[:, lo:last + 1]
@@ -657,8 +688,33 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock) -> DenseBlock | Kron
         return block
     if keep.numel() == 0:
         keep = keep.new_zeros(1)
-    return block.with_arrays(block.a.index_select(1, keep).contiguous(),
-                             g.index_select(1, keep))
+    k = keep.numel()
+    if priced and price(s) - price(k) <= COPY_FLOPS * n * k * width:
+        return block
+    return block.with_arrays(_take_positions(block.a, keep), _take_positions(g, keep))
+
+
+def _take_positions(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Positions ``keep`` (axis 1) of ``x`` in a new array with ``x``'s order of axes in
+    memory (a channels-first g stays channels-first: the per-sample weights' batched GEMM
+    reads it as it would the whole g); one range is sliced, not gathered."""
+    order = sorted(range(x.ndim), key=lambda d: -x.stride(d))
+    xs = x.permute(order)
+    axis, first, k = order.index(1), int(keep[0]), keep.numel()
+    if int(keep[-1]) - first + 1 == k:
+        part = xs.narrow(axis, first, k).contiguous()
+    else:
+        part = xs.index_select(axis, keep).contiguous()
+    return part.permute([order.index(d) for d in range(x.ndim)])
+
+
+def _position_pricer(block: KroneckerBlock) -> Callable[[int], int]:
+    """S -> the Gram's flops for ``block`` with S positions (:func:`drop_zero_positions`)."""
+    from ntkcore.gram import block_shapes, cheapest_flops
+
+    (shape,) = block_shapes(block)
+    n, o = block.g.shape[0], block.g.shape[2]
+    return lambda s: cheapest_flops(shape._replace(num_positions=s), n, o)
 
 
 @dataclass

@@ -534,6 +534,15 @@ def block_shapes(j: Any) -> tuple[_BlockShape, ...]:
                  for b in as_jacobian(j, "J").blocks)
 
 
+def cheapest_flops(shape: _BlockShape, n: int, num_outputs: int, mode: str = "trace") -> int:
+    """Flops of the cheapest route offered to a block of ``shape`` (:func:`block_shapes`) on
+    one ``n`` x ``n`` tile in ``mode``, as the planner counts them (an index block's "pairs"
+    route, which needs the indices, is left out): the price of a change to a block's shape
+    (``torch_layers.drop_zero_positions``)."""
+    pair, m = _Pair("", shape, shape, shape.kron), check_mode(mode)
+    return min(ROUTES[s].cost(pair, m, num_outputs, n, n)[1] for s in pair.routes(None))
+
+
 def useful_tile(n: int) -> int:
     """Samples a side of the smallest useful tile for ``n`` samples (:data:`MIN_TILE_SAMPLES`)."""
     return min(n, MIN_TILE_SAMPLES)
