@@ -71,10 +71,10 @@ PERTURB_ALL = os.environ.get("NTKCORE_TEST_PERTURB", "") == "1"
 #: pass to a few minutes on two cores; torch.compile (test_seng_training) cannot trace the
 #: perturbing mode, and the example, docs and packaging tests check no new numbers.
 NUMERICS_MODULES = frozenset({
-    "test_api", "test_cg", "test_exact_symmetry", "test_feature_regression", "test_features",
-    "test_gram", "test_gram_pairs", "test_jacobian", "test_kernel_ridge", "test_linop",
-    "test_modes", "test_regression", "test_seeds", "test_sketch", "test_solve",
-    "test_tiling", "test_torch_provider",
+    "test_api", "test_attribution", "test_cg", "test_exact_symmetry",
+    "test_feature_regression", "test_features", "test_gram", "test_gram_pairs",
+    "test_jacobian", "test_kernel_ridge", "test_linop", "test_modes", "test_regression",
+    "test_seeds", "test_sketch", "test_solve", "test_tiling", "test_torch_provider",
 })
 
 
