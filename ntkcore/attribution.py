@@ -401,7 +401,7 @@ class TRAK:
         The jitter each member's Cholesky needed (0.0: none).
     """
 
-    def __init__(self, model: Any, *, dim: int, seed: Any = 0, output: Any = "margin",
+    def __init__(self, model: Any, *, dim: int | None, seed: Any = 0, output: Any = "margin",
                  reg: float = 0.0, max_memory: Any = None, kronecker: str = "pairs",
                  method: str = "auto", params: Any = None, probe: Any = None,
                  jitter: str | float | None = "auto", check_finite: bool = True,
