@@ -371,8 +371,9 @@ class TRAK:
     reg : float
         :math:`\lambda \ge 0`; TRAK's default 0.
     max_memory : int, float or str, optional
-        Working memory of the feature batches, the dim x dim matrices of the solve and a block
-        of test samples' scores (the results, N dim per member and M N, are not counted).
+        Working memory of the feature batches and the dim x dim matrices of the solve (the
+        results, N dim per member and the M N scores, are not counted; nor is the (batch, N)
+        block of scores of a test batch).
     kronecker : {"pairs", "grid"}
         Layout of the Kronecker projections; "pairs" (default) has TRAK's 1/dim variance.
     method, params, probe, check_finite
