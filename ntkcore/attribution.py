@@ -642,8 +642,11 @@ class TRAK:
         n = self._n
         k = len(self._members)
 
-        def reserve(dim: int, item: int) -> float:  # the factor and a block's (b, N) scores
-            return item * (dim * dim + 2 * n * dim)
+        stored = any(m.stored is not None for m in self._members)
+
+        def reserve(dim: int, item: int) -> float:  # the factor, a solve's copy, a read chunk
+            return item * (2 * dim * dim + (min(n, STORE_CHUNK_ROWS) * (dim + 1) if stored
+                                            else 0))
 
         total = None
         if self.dim is None:  # exact: K_* (K + lam I)^{-1} per checkpoint
