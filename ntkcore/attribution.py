@@ -496,8 +496,10 @@ class TRAK:
         if self.dim is None:
             return self._fit_exact(members, x_train, y_train)
 
-        def reserve(dim: int, item: int) -> float:
-            return item * PRIMAL_COPIES * dim * dim
+        chunk = 0 if self.store is None else min(int(x_train.shape[0]), STORE_CHUNK_ROWS)
+
+        def reserve(dim: int, item: int) -> float:  # the solve's matrices; a stored chunk
+            return item * (PRIMAL_COPIES * dim * dim + 2 * chunk * (dim + 1))  # (and its copy)
 
         q_sum = None
         n = int(x_train.shape[0])
