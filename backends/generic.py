@@ -58,8 +58,8 @@ class GenericBackend(Backend):
             return xp.linalg.solve(a, b[:, None])[:, 0]
         return xp.linalg.solve(a, b)
 
-    def generator(self, seed: int | None, device: Device) -> _HostGenerator:
-        return _HostGenerator(self.xp, np.random.default_rng(seed), device)
+    def generator(self, seed: int | None, device: Device) -> HostGenerator:
+        return HostGenerator(self.xp, np.random.default_rng(seed), device)
 
     @staticmethod
     def seed_from(seed: Any) -> int:
@@ -81,7 +81,7 @@ class GenericBackend(Backend):
         return host_free_memory()
 
 
-class _HostGenerator:
+class HostGenerator:
     """NumPy's PCG64 on the host, results converted with ``xp.asarray``."""
 
     def __init__(self, xp: Any, rng: np.random.Generator, device: Device) -> None:

@@ -11,7 +11,7 @@ import scipy.special
 from ntkcore.backend import Array, Device
 from ntkcore.linop import LinearOperator
 
-from .generic import GenericBackend, _HostGenerator
+from .generic import GenericBackend, HostGenerator
 
 
 class NumpyBackend(GenericBackend):
@@ -61,8 +61,8 @@ class NumpyBackend(GenericBackend):
         out = np.bincount(cells, weights=x.ravel(), minlength=size * k)
         return out.reshape(size, k).astype(x.dtype, copy=False)
 
-    def generator(self, seed: int | None, device: Device) -> _HostGenerator:
-        return _HostGenerator(self.xp, np.random.default_rng(seed), None)
+    def generator(self, seed: int | None, device: Device) -> HostGenerator:
+        return HostGenerator(self.xp, np.random.default_rng(seed), None)
 
 
 def to_scipy(op: LinearOperator) -> Any:

@@ -151,11 +151,10 @@ class Table:
 
 @dataclass
 class Call:
-    """A recognised call: ``kind`` "linear" or "dense", its result ``y``, its sample
-    operands ``samples`` (they and y must carry the sample axis), ``h``: the Linear input /
-    the other factor of a product / the norm input (with ``xhat``), ``terms``."""
+    """A recognised call: its result ``y``, its sample operands ``samples`` (they and y must
+    carry the sample axis), ``h``: the Linear input / the other factor of a product / the
+    norm input (with ``xhat``), ``terms``.  Its subclass says which rule its block follows."""
 
-    kind: str
     y: torch.Tensor
     samples: list[torch.Tensor]
     terms: list[Term]
@@ -167,6 +166,46 @@ class Call:
 
     def modified(self) -> bool:
         return [t._version for t in (self.y, *self.samples)] != self.versions
+
+    def allows_axis(self, ax: int, ndim: int) -> bool:
+        """Whether axis ``ax`` of y (``ndim`` axes) may be the sample axis."""
+        raise NotImplementedError
+
+    @staticmethod
+    def block(params: list[torch.Tensor], mine: list, n: int, name: str,
+              create_graph: bool) -> DenseBlock | KroneckerBlock:
+        """The block of the group ``params`` from its calls ``mine`` (call, axis, g)."""
+        raise NotImplementedError
+
+
+class LinearCall(Call):
+    """``F.linear``: its weight / bias rows make a KroneckerBlock (:func:`_linear_block`)."""
+
+    def allows_axis(self, ax: int, ndim: int) -> bool:
+        return ax < ndim - 1  # never the feature axis
+
+    @staticmethod
+    def block(params: list[torch.Tensor], mine: list, n: int, name: str,
+              create_graph: bool) -> DenseBlock | KroneckerBlock:
+        return _linear_block(params, mine, n, name, create_graph)
+
+
+class DenseCall(Call):
+    """A norm, product, sum or ``cat`` with parameter terms: the dense rule
+    (:func:`term_sums`), or a table lookup's index-factor block (:func:`_table_block`)."""
+
+    def allows_axis(self, ax: int, ndim: int) -> bool:
+        if (self.channels_first and ax != 0) or ax >= ndim - self.trailing:
+            return False
+        return all(t.place[ax] == 1 and not (t.role == "piece" and t.dim == ax)
+                   for t in self.terms)
+
+    @staticmethod
+    def block(params: list[torch.Tensor], mine: list, n: int, name: str,
+              create_graph: bool) -> DenseBlock | KroneckerBlock:
+        if any(t.role == "rows" for c, _, _ in mine for t in c.terms):
+            return _table_block(params[0], mine, n, name, create_graph)
+        return _dense_block(params, mine, name, create_graph)
 
 
 def _place(core: tuple[int, ...], ndim: int) -> tuple[int, ...] | None:
@@ -457,7 +496,7 @@ def _linear_call(mode: ParamUses, args: tuple, kwargs: dict, out: torch.Tensor) 
         terms.append(Term(p, role, lo=r[0], hi=r[1], operand=d))
     if not terms:
         return None
-    return Call("linear", out, [a["input"]], terms, h=a["input"])
+    return LinearCall(out, [a["input"]], terms, h=a["input"])
 
 
 def _norm_call(mode: ParamUses, func: Any, args: tuple, kwargs: dict,
@@ -489,7 +528,7 @@ def _norm_call(mode: ParamUses, func: Any, args: tuple, kwargs: dict,
         terms.append(t)
     if not terms:
         return None
-    return Call("dense", out, [a["input"]], terms, h=a["input"], xhat=xhat,
+    return DenseCall(out, [a["input"]], terms, h=a["input"], xhat=xhat,
                 channels_first=chan, trailing=trailing)
 
 
@@ -509,7 +548,7 @@ def _elementwise_call(mode: ParamUses, mul: bool, args: tuple, kwargs: dict,
         t = _term(mode, d, "scale" if mul else "shift", out.ndim)
     if t is None:
         return None
-    return Call("dense", out, [h], [t], h=h if mul else None)
+    return DenseCall(out, [h], [t], h=h if mul else None)
 
 
 def _table_term(tab: Table, ndim: int) -> Term | None:
@@ -542,7 +581,7 @@ def _cat_call(mode: ParamUses, args: tuple, kwargs: dict, out: torch.Tensor) -> 
         start += length
     if not terms or not samples:
         return None
-    return Call("dense", out, samples, terms)
+    return DenseCall(out, samples, terms)
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,13 +617,7 @@ def _call_axis(c: Call, rs: tuple, ps: tuple, tracking: Callable[..., int | None
     for r, q in zip(rs[1:], ps[1:], strict=True):
         if tracking(r, q, n, p) != ax - (ndim - len(r)):
             return None
-    if c.kind == "linear":
-        return ax if ax < ndim - 1 else None
-    if (c.channels_first and ax != 0) or ax >= ndim - c.trailing:
-        return None
-    if any(t.place[ax] != 1 or (t.role == "piece" and t.dim == ax) for t in c.terms):
-        return None
-    return ax
+    return ax if c.allows_axis(ax, ndim) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,7 +691,7 @@ def term_sums(c: Call, ax: int,
     :math:`h = \hat x` for the weight and :math:`h = 1` for the bias.  Several calls (a parameter
     used twice) add up; the sum over positions is exact and minimal (``AffineRule``).
     """
-    if c.kind != "dense" or any(t.role == "rows" for t in c.terms):
+    if not isinstance(c, DenseCall) or any(t.role == "rows" for t in c.terms):
         return None
     h = c.h if c.h is None or create_graph else c.h.detach()
     scaled = None  # the factor of every "scale" term, broadcast to y, samples in front
@@ -705,12 +738,7 @@ def functional_blocks(groups: dict[str, list[torch.Tensor]], calls: list[tuple[C
         ids = {id(p) for p in params}
         mine = [(c, ax, g) for (c, ax), g in zip(calls, gs, strict=True)
                 if any(id(t.param) in ids for t in c.terms)]
-        if mine[0][0].kind == "linear":
-            out[name] = _linear_block(params, mine, n, name, create_graph)
-        elif any(t.role == "rows" for c, _, _ in mine for t in c.terms):
-            out[name] = _table_block(params[0], mine, n, name, create_graph)
-        else:
-            out[name] = _dense_block(params, mine, name, create_graph)
+        out[name] = mine[0][0].block(params, mine, n, name, create_graph)
     return out
 
 
@@ -789,7 +817,7 @@ def _dense_block(params: list[torch.Tensor], mine: list, name: str,
         if not isinstance(g, Summed):  # a stored g: reduced here as the provider does per pass
             reduce = term_sums(c, ax, create_graph)
             if reduce is None:
-                raise RuntimeError(f"block {name!r}: a call of kind {c.kind!r} in a dense group")
+                raise RuntimeError(f"block {name!r}: a {type(c).__name__} in a dense group")
             g = Summed(reduce(g))
         # term_sums' output: the terms' sums side by side
         widths = [_term_width(t, c.y, ax) for t in c.terms]

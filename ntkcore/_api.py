@@ -104,7 +104,7 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "dtype") and hasattr(x, "shape")
 
 
-def _check_model_finite(model: Any) -> None:
+def check_model_finite(model: Any) -> None:
     bad = first_nonfinite(_named_parameters(model))
     if bad is not None:
         raise ValueError(f"the model's parameter or buffer {bad!r} contains NaN or Inf "
@@ -409,7 +409,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         _check_finite_array(xp, x1, "x1")
         if x2 is not None:
             _check_finite_array(xp, x2, "x2")
-        _check_model_finite(model)
+        check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
     options: dict[str, Any] = {"params": params, **({"pseudo": True} if pseudo else {})}
     call = functools.partial(provider_call, provider, model, "x1", x1, x1, options)

@@ -27,7 +27,7 @@ class NotFittedError(ValueError, AttributeError):
     ``ValueError`` and ``AttributeError``, when it is installed)."""
 
 
-def _floating(**arrays: Any) -> list[Any]:
+def as_floating_arrays(**arrays: Any) -> list[Any]:
     """The arguments as real floating arrays of one namespace, kept in the caller's: lists
     become NumPy arrays (a lazy import), integer or boolean arrays the floating dtype of the
     other argument (``float64`` if neither floats)."""
@@ -95,7 +95,7 @@ class Regressor:
         \sum w (y - \bar y_w)^2`, 1.0 for a constant column predicted exactly, else 0.0 for
         it; averaged over the columns)."""
         pred = self.predict(x)
-        y, pred, w = _floating(y=y, pred=pred, sample_weight=sample_weight)
+        y, pred, w = as_floating_arrays(y=y, pred=pred, sample_weight=sample_weight)
         xp, _ = namespace_of(y=y, pred=pred)
         if tuple(y.shape) != tuple(pred.shape):
             raise ValueError(f"y must have shape {tuple(pred.shape)}; got {tuple(y.shape)}")

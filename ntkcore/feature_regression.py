@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import array_api_compat
 from array_api_compat import device
 
-from ._estimator import Regressor, _floating, lazy_module_attributes
+from ._estimator import Regressor, as_floating_arrays, lazy_module_attributes
 from ._typing import Array
 from ._validation import check_array, check_scalar, namespace_of, promote
 from .backend import Backend
@@ -409,7 +409,7 @@ class _FeatureRidge(Regressor):
         if y is None:
             raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y "
                              "is None")
-        phi, y = _floating(phi_train=phi_train, y_train=y)
+        phi, y = as_floating_arrays(phi_train=phi_train, y_train=y)
         alpha = check_scalar(self.alpha, "alpha", nonnegative=True)
         jitter_cap(self.jitter)
         xp, backend = namespace_of(phi_train=phi, y_train=y)
@@ -492,7 +492,7 @@ class _FeatureRidge(Regressor):
             Wrong shape or NaN/Inf in ``phi_test``.
         """
         self._check_fitted("coef_", "fit(phi_train, y)")
-        (phi,) = _floating(phi_test=phi_test)
+        (phi,) = as_floating_arrays(phi_test=phi_test)
         xp, _ = namespace_of(phi_test=phi, coef_=self.coef_)
         tail, y_tail = self._shapes
         d = self.n_features_in_

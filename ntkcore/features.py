@@ -17,7 +17,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._api import _check_model_finite, provider_call
+from ._api import check_model_finite, provider_call
 from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, check_size, namespace_of
@@ -28,7 +28,7 @@ from .gram import gram
 from .jacobian import DenseBlock, Jacobian, KroneckerBlock, factor_gram, flat_weights
 from .modes import FEATURE_HINT, FEATURE_MODES, check_mode
 from .providers import find_provider
-from .sketch import SKETCHES, _check_seed, gaussian, spawn_seed, split_kronecker
+from .sketch import SKETCHES, check_seed, gaussian, spawn_seed, split_kronecker
 from .support import GENERATOR, capabilities
 from .tiling import progress_steps
 
@@ -331,7 +331,7 @@ def _jacobians_by_range(spec: FeatureSpec, model: Any, x: Any, name: str = "x"
     xp, backend = _check_samples(x, name)
     if spec.check_finite:
         _check_finite_array(xp, x, name)
-        _check_model_finite(model)
+        check_model_finite(model)
     kwargs: dict[str, Any] = {"params": params, "pseudo": True} if mode.pseudo \
         else {"params": params}
 
@@ -372,7 +372,7 @@ class FeatureSpec:
                             "features of different calls share one projection only through "
                             "one seed")
         object.__setattr__(self, "dim", check_size(self.dim, "dim"))
-        object.__setattr__(self, "seed", _check_seed(self.seed))
+        object.__setattr__(self, "seed", check_seed(self.seed))
 
     def plan(self, J: Jacobian, model: Any, dim: int | None = None) -> list[Projection]:
         """:func:`_plan` of ``J`` for ``dim`` (default :attr:`dim`), weighted by the probe."""

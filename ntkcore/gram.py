@@ -921,7 +921,7 @@ def _with_density(xp: Any, backend: Any, pairs: list[_Pair]) -> list[_Pair]:
     return out
 
 
-def _resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
+def resolve_dtype(xp: Any, dtype: Any, default: Any) -> Any:
     if dtype is None:
         return default
     if isinstance(dtype, str):
@@ -992,7 +992,7 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     if backend.fast_scatter_add or strategy == "pairs":
         pairs = _with_density(xp, backend, pairs)
     default = j1.dtype if j2 is None else xp.result_type(j1.dtype, j2.dtype)
-    out_dtype = _resolve_dtype(xp, dtype, default)
+    out_dtype = resolve_dtype(xp, dtype, default)
     device = j1.device
     budget = resolve_budget(max_memory, backend, device)
     n1 = j1.num_samples

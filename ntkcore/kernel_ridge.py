@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._estimator import NotFittedError, Regressor, _floating, lazy_module_attributes
+from ._estimator import NotFittedError, Regressor, as_floating_arrays, lazy_module_attributes
 from ._typing import Array
 from ._validation import check_kernel, check_scalar, namespace_of, promote
 from .regression import check_regression_inputs, jitter_cap, ridge_solve
@@ -88,7 +88,7 @@ class _KernelRidge(Regressor):
         if y is None:
             raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y "
                              "is None")
-        return self._fit(*_floating(k_train=k_train, y_train=y))
+        return self._fit(*as_floating_arrays(k_train=k_train, y_train=y))
 
     def _fit(self, k_train: Array, y_train: Array) -> KernelRidge:
         """:meth:`fit` for floating arrays (:func:`ntkcore.kernel_regression` calls it)."""
@@ -114,7 +114,7 @@ class _KernelRidge(Regressor):
             Wrong shape or NaN/Inf in ``k_test_train``.
         """
         self._check_fitted("dual_coef_", "fit(k_train, y)")
-        return self._predict(*_floating(k_test_train=k_test_train))
+        return self._predict(*as_floating_arrays(k_test_train=k_test_train))
 
     def _predict(self, k_test_train: Array) -> Array:
         xp, _ = namespace_of(k_test_train=k_test_train, dual_coef_=self.dual_coef_)

@@ -14,7 +14,7 @@ import array_api_compat
 from ._memory import itemsize, resolve_budget
 from ._typing import Array
 from ._validation import namespace_of
-from .gram import _resolve_dtype, gram
+from .gram import gram, resolve_dtype
 from .jacobian import Jacobian, KroneckerBlock, as_jacobian
 from .linop import LinearOperator
 from .modes import check_mode
@@ -114,7 +114,7 @@ class KernelOperator(LinearOperator):
         self.shape = (self.J1.num_samples * self._rows,  # type: ignore[assignment]
                       self._j2.num_samples * self._rows)
         if block is None:
-            item = itemsize(self.xp, _resolve_dtype(self.xp, dtype, self.dtype))
+            item = itemsize(self.xp, resolve_dtype(self.xp, dtype, self.dtype))
             block = square_tile(TILE_BYTES, item * self._rows * self._rows)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive integer; got {block!r}")

@@ -42,7 +42,7 @@ __all__ = ["GaussianSketch", "JacobianSketch", "RowSketch", "Sketch", "SketchSpe
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _check_seed(seed: Any) -> int | None:
+def check_seed(seed: Any) -> int | None:
     """``seed`` as a non-negative int or None (fresh entropy).
 
     A generator is drawn from once, here: a ``numpy.random.Generator`` (one
@@ -80,10 +80,10 @@ def spawn_seed(seed: Any, *keys: int) -> int | None:
     int or None
         A seed in [0, 2**63).
     """
-    return seed_from(_check_seed(seed), keys)
+    return seed_from(check_seed(seed), keys)
 
 
-def _wide_float(xp: Any, device: Any) -> Any:
+def wide_float(xp: Any, device: Any) -> Any:
     """float64 where the namespace/device has it (jax without x64 and MPS do not), else float32."""
     try:
         probe = xp.zeros((1,), dtype=xp.float64, device=device)
@@ -132,7 +132,7 @@ class Sketch:
     def __init__(self, n: int, q: int, seed: Any) -> None:
         self.n = n
         self.q = q
-        self.seed = _check_seed(seed)
+        self.seed = check_seed(seed)
         self._xp: Any = None
         self._device: Any = None
         self._cast: dict[str, Array] = {}
@@ -178,7 +178,7 @@ class Sketch:
                             f"got {type(like).__name__}") from None
         if self._xp is None:
             self._xp, self._device = xp, dev
-            self._draw(xp, get_backend(xp).generator(self.seed, dev), _wide_float(xp, dev))
+            self._draw(xp, get_backend(xp).generator(self.seed, dev), wide_float(xp, dev))
         elif self._xp is not xp or self._device != dev:
             raise ValueError(
                 f"this {self.kind} sketch was drawn for {self._xp.__name__} arrays on device "
@@ -239,7 +239,7 @@ class Sketch:
         """The dense (q, n) sketch matrix (for tests and small n)."""
         self._require_bound()
         xp = self._xp
-        eye = xp.eye(self.n, dtype=dtype or _wide_float(xp, self._device), device=self._device)
+        eye = xp.eye(self.n, dtype=dtype or wide_float(xp, self._device), device=self._device)
         return self.apply(eye)
 
     def transposed(self, dtype: Any) -> Array:
@@ -553,7 +553,7 @@ def uniform(n: int, q: int, *, seed: Any = None, replace: bool = True,
     n, q : int
         Rows of the operand and of the sketch.  Without replacement ``q <= n``.
     seed : int, numpy.random.Generator, torch.Generator or JAX PRNG key, optional
-        Generator seed (:func:`_check_seed`); the same seed gives the same rows on the
+        Generator seed (:func:`check_seed`); the same seed gives the same rows on the
         same backend.
     replace : bool
         Sample with replacement (i.i.d. rows) or a uniformly random subset.
@@ -618,7 +618,7 @@ def _leverage_from_weights(w: Array, q: int, seed: Any, replace: bool, what: str
     """Leverage sketch with probabilities proportional to the squared norms ``w`` (n,)."""
     sk = RowSketch(int(w.shape[0]), q, seed, replace=replace, kind="leverage")
     xp, dev = array_api_compat.array_namespace(w), array_api_compat.device(w)
-    sk.probabilities = _normalise(xp, xp.astype(w, _wide_float(xp, dev)), what)
+    sk.probabilities = _normalise(xp, xp.astype(w, wide_float(xp, dev)), what)
     return sk.bind(w)
 
 
@@ -704,7 +704,7 @@ class SketchSpec:
         if self.kind not in SKETCHES:
             raise ValueError(f"sketch kind must be one of {KINDS}; got {self.kind!r}")
         object.__setattr__(self, "q", check_size(self.q, "sketch size q"))
-        object.__setattr__(self, "seed", _check_seed(self.seed))  # a generator: drawn now
+        object.__setattr__(self, "seed", check_seed(self.seed))  # a generator: drawn now
 
     @staticmethod
     def coerce(spec: Any) -> SketchSpec:
@@ -847,7 +847,7 @@ def sketch_jacobian(J: Jacobian, q: int, *, method: str = "uniform", seed: Any =
     if not isinstance(J, Jacobian):
         raise TypeError(f"J must be an ntkcore.Jacobian; got {type(J).__name__}")
     q = check_size(q, "q")
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     if method not in SKETCHES:
         raise ValueError(f"method must be one of {KINDS}; got {method!r}")
     xp = J.xp

@@ -17,7 +17,7 @@ from .gram import SYMMETRIC_MAX_PANELS
 from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
-from .sketch import Sketch, SketchSpec, _wide_float, make_sketch, sketch_jacobian, spawn_seed
+from .sketch import Sketch, SketchSpec, wide_float, make_sketch, sketch_jacobian, spawn_seed
 from .support import CHOLESKY_SOLVE, capabilities
 from .tiling import bounds, panel_bounds
 
@@ -181,7 +181,7 @@ class SMWSolver:
             self.op = _ArrayOp(U)
         self.xp, self.dtype, self.device = xp, self.op.dtype, self.op.device
         self.backend = get_backend(xp)
-        self.wide = _wide_float(xp, self.device)
+        self.wide = wide_float(xp, self.device)
         self.gram_dtype = gram_dtype
         self._prepare_sketch(U, sketch)
         self.damping = damping
