@@ -53,7 +53,7 @@ __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to
 
 
 # -- parameter selection ---------------------------------------------------------------------
-def _select_params(model: nn.Module, params: Any,
+def select_params(model: nn.Module, params: Any,
                    named: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Names of the selected parameters in ``named_parameters`` order (``named``: that dict,
     when the caller has it)."""
@@ -607,7 +607,7 @@ def _check_output(out: Any) -> torch.Tensor:
     return out
 
 
-def _check_inputs(model: Any, **inputs: Any) -> None:
+def check_inputs(model: Any, **inputs: Any) -> None:
     """TypeError / ValueError unless ``model`` is an ``nn.Module`` and each input a tensor
     with a non-empty leading sample axis (messages name the argument)."""
     if not isinstance(model, nn.Module):
@@ -960,7 +960,7 @@ def jacobian(
     DenseBlocks come from plain autograd, one sample and output at a time.  Concurrent calls
     on one model are safe (:func:`model_lock`).
     """
-    _check_inputs(model, x=x)
+    check_inputs(model, x=x)
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
@@ -1205,7 +1205,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     """:func:`jacobian` under the model's lock (``walk`` taken under it): find units, record,
     probe, gradients, assemble, then the dense blocks.  With ``tables`` None (the first pass)
     it may return the positional tables (:func:`_shared_tables`) to run it again with."""
-    selected = _select_params(model, params, walk.named)
+    selected = select_params(model, params, walk.named)
     if create_graph is None:
         create_graph = bool(x.requires_grad)
     first = tables is None
@@ -1291,7 +1291,7 @@ def _block_layout(model: nn.Module, jac: Jacobian,
     is a (rows, P_b / rows) matrix, row-major: each parameter ``t`` fills the next
     ``t.numel() / rows`` columns as ``t.reshape(rows, -1)`` (rows = 1 for a DenseBlock, d_out
     for a KroneckerBlock), or is the whole matrix transposed (``transposed``: an Embedding)."""
-    selected = _select_params(model, params)
+    selected = select_params(model, params)
     walk = _walk(model)
     owners = walk.owners
     recurrent = _recurrent_block_names(_recurrent_units(walk, selected))

@@ -21,12 +21,12 @@ from ntkcore._memory import PROBE_SAMPLES, Budget, batch_samples, resolve_budget
 from ntkcore.backend import get_backend
 from ntkcore.gram import gram
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
-from ntkcore.kernel_ridge import _KernelRidge
+from ntkcore.kernel_ridge import KernelRidgeCore
 from ntkcore.modes import Mode, check_mode
 from ntkcore.support import capabilities
 from ntkcore.tiling import bounds
 
-from .torch_jacobian import _check_inputs, jacobian
+from .torch_jacobian import check_inputs, jacobian
 
 __all__ = ["checkpointed_ntk", "kip_loss"]
 
@@ -182,7 +182,7 @@ class _Spec:
 def _check(model: Any, inputs: dict[str, Any], mode: Any, layerwise: Any, pseudo: bool,
            batch_size: Any) -> Mode:
     """Validate the arguments of the public functions; the mode as a :class:`Mode`."""
-    _check_inputs(model, **inputs)
+    check_inputs(model, **inputs)
     mode = check_mode(mode)
     if pseudo and not mode.sums_outputs:
         raise ValueError(f"pseudo=True gives a single-output kernel: mode must be 'trace'; "
@@ -518,7 +518,7 @@ def kip_loss(model: nn.Module, x_support: torch.Tensor, y_support: torch.Tensor,
         return torch.mean((pred - yt) ** 2)
     # the ridge is in k_reg already: alpha=0.0; the plain class (ntkcore.KernelRidge's code
     # without scikit-learn's bases), so that a KIP step never imports scikit-learn
-    alpha = _KernelRidge(alpha=0.0).fit(k_reg, ys).dual_coef_
+    alpha = KernelRidgeCore(alpha=0.0).fit(k_reg, ys).dual_coef_
     _timed(timings, "solve_s", t0)
     yt = yt.to(spec.out_dtype)
     return _FusedKipLoss.apply(spec, yt, alpha, *support)

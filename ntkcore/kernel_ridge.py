@@ -25,7 +25,7 @@ __all__ = ["KernelRidge", "NotFittedError"]
 
 
 @capabilities(name="KernelRidge", fast=TRIANGULAR_SOLVE, note=DIFFERENTIABLE)
-class _KernelRidge(Regressor):
+class KernelRidgeCore(Regressor):
     r"""Kernel ridge regression on precomputed kernels, one Cholesky factor for many predictions.
 
     A scikit-learn regressor whose ``X`` is a kernel (``kernel="precomputed"`` in
@@ -131,6 +131,6 @@ class _KernelRidge(Regressor):
 
 
 if TYPE_CHECKING:
-    KernelRidge = _KernelRidge
+    KernelRidge = KernelRidgeCore
 else:  # ``KernelRidge``, built on first access
-    __getattr__, __dir__ = lazy_module_attributes(_KernelRidge, "KernelRidge", globals())
+    __getattr__, __dir__ = lazy_module_attributes(KernelRidgeCore, "KernelRidge", globals())

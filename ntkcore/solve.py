@@ -17,7 +17,7 @@ from .gram import SYMMETRIC_MAX_PANELS
 from .jacobian import Jacobian
 from .linop import AdjointOperator, ArrayOperator
 from .modes import FULL
-from .sketch import Sketch, SketchSpec, wide_float, make_sketch, sketch_jacobian, spawn_seed
+from .sketch import Sketch, SketchSpec, make_sketch, sketch_jacobian, spawn_seed, wide_float
 from .support import CHOLESKY_SOLVE, capabilities
 from .tiling import bounds, panel_bounds
 

@@ -234,7 +234,7 @@ def test_seng_draws_from_a_generator_once() -> None:
 
 
 # -- what one seed promises where (docs/reliability.md, "Seeds") ------------------------------
-def _to_numpy(a) -> np.ndarray:
+def to_numpy(a) -> np.ndarray:
     if hasattr(a, "detach"):
         return a.detach().cpu().numpy()
     if type(a).__module__.startswith("array_api_strict"):
@@ -269,7 +269,7 @@ def _draws(name: str, seed: int = 11, *, floats: bool = True) -> dict[str, np.nd
             net = MLP.random((4, 6, 3), xp=xp, seed=seed, dtype=getattr(xp, dtype))
             for i, w in enumerate(net.weights):
                 out[f"MLP.random {dtype} W{i}"] = w
-    return {k: _to_numpy(v) for k, v in out.items()}
+    return {k: to_numpy(v) for k, v in out.items()}
 
 
 @pytest.mark.exactness

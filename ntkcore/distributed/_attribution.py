@@ -13,7 +13,7 @@ import dask.array as da
 import numpy as np
 
 from . import _fingerprint as fp
-from ._ntk import _to_numpy
+from ._ntk import to_numpy
 from ._zarr import read_zarr, to_zarr
 
 __all__ = ["member_fingerprint", "store_features"]
@@ -40,7 +40,7 @@ def store_features(block: Callable[[int, int], tuple[Any, Any]], n: int, width: 
     """
     def compute(start: int, stop: int) -> np.ndarray:
         phi, q = block(start, stop)
-        return np.concatenate([_to_numpy(phi), _to_numpy(q)[:, None]], axis=1).astype(
+        return np.concatenate([to_numpy(phi), to_numpy(q)[:, None]], axis=1).astype(
             dtype, copy=False)
 
     parts = [da.from_delayed(dask.delayed(compute, pure=False)(s, min(s + chunk, n)),

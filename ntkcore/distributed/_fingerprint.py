@@ -48,9 +48,9 @@ def _host_view(a: Any) -> tuple[str, tuple[int, ...], memoryview]:
         flat = t.reshape(-1).contiguous().cpu().resolve_conj()
         return (str(t.dtype), tuple(int(s) for s in t.shape),
                 memoryview(flat.view(torch.uint8).numpy()))
-    from ._ntk import _to_numpy
+    from ._ntk import to_numpy
 
-    h = np.ascontiguousarray(_to_numpy(a))
+    h = np.ascontiguousarray(to_numpy(a))
     if h.dtype.hasobject:
         raise TypeError("object arrays cannot be fingerprinted")
     return h.dtype.str, tuple(int(s) for s in h.shape), memoryview(h.reshape(-1).view(np.uint8))
@@ -112,7 +112,7 @@ def _function_text(fn: Any) -> str:
 def _torch(model: Any, params: Any) -> dict[str, str | None]:
     import torch.nn as nn
 
-    from ..backends.torch_jacobian import _select_params
+    from ..backends.torch_jacobian import select_params
 
     parts = []
     for name, m in model.named_modules():
@@ -127,7 +127,7 @@ def _torch(model: Any, params: Any) -> dict[str, str | None]:
     return {
         "model": _text_digest("torch\n" + "\n".join(parts)),
         "parameters": _arrays_digest(arrays),
-        "params": _text_digest("\n".join(_select_params(model, params))),
+        "params": _text_digest("\n".join(select_params(model, params))),
     }
 
 

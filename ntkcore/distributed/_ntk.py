@@ -24,7 +24,7 @@ from ..support import capabilities
 from ..tiling import TileGrid
 
 
-def _to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: Any) -> np.ndarray:
     """A host NumPy copy of an array of any framework (detached from autograd)."""
     if isinstance(x, np.ndarray):
         return x
@@ -38,7 +38,7 @@ def _to_numpy(x: Any) -> np.ndarray:
         return np.from_dlpack(x)
 
 
-def _back(host: np.ndarray, like: Any) -> Any:
+def back_to_namespace(host: np.ndarray, like: Any) -> Any:
     """``host`` in the namespace, device and dtype of ``like``."""
     if isinstance(like, np.ndarray):
         return host.astype(like.dtype, copy=False)
@@ -62,7 +62,7 @@ def _identity(blob: bytes) -> bytes:
     return blob
 
 
-def _cached(cache: dict[Any, Any], key: Any, make: Any) -> Any:
+def cache_get(cache: dict[Any, Any], key: Any, make: Any) -> Any:
     """``cache[key]``, made by ``make()`` when missing (a cache of at most 9 entries)."""
     obj = cache.get(key)
     if obj is None:
@@ -73,7 +73,7 @@ def _cached(cache: dict[Any, Any], key: Any, make: Any) -> Any:
 
 
 def _load(token: str, blob: bytes) -> Any:
-    return _cached(_LOADED, token, lambda: cloudpickle.loads(blob))
+    return cache_get(_LOADED, token, lambda: cloudpickle.loads(blob))
 
 
 def _worker_limit() -> int:
@@ -99,7 +99,7 @@ def _check_fits(jac: Any, c: int, mode: Mode, dtype: np.dtype, max_memory: Any) 
         return
     tail = mode.tail(int(jac.num_outputs))
     a_ = 2 * math.prod(tail) * dtype.itemsize
-    b_ = 2 * sum(math.prod(int(s) for s in arr.shape[1:]) * _to_numpy(arr[:1, ...]).itemsize
+    b_ = 2 * sum(math.prod(int(s) for s in arr.shape[1:]) * to_numpy(arr[:1, ...]).itemsize
                  for blk in jac.blocks for arr in blk.arrays())
     budget = int(_budget(max_memory))
     need, cap = a_ * c * c + b_ * c + budget, int(0.6 * limit)
@@ -132,7 +132,7 @@ def _tile_task(j1: Any, j2: Any, mode: str, max_memory: Any, dtype: Any, expect:
     from ..gram import gram
 
     t = gram(j1, j2, mode=mode, max_memory=_budget(max_memory), dtype=dtype)
-    t = np.ascontiguousarray(_to_numpy(t))
+    t = np.ascontiguousarray(to_numpy(t))
     if expect is not None and (t.shape[2:], t.dtype) != expect:
         raise ValueError(f"a tile has trailing shape {t.shape[2:]} and dtype {t.dtype}, but "
                          f"the dask array was built for {expect[0]} and {expect[1]}; pass "

@@ -23,23 +23,23 @@ from .._validation import check_scalar
 from ..cg import LinearOperator, register_operator_adapter
 from ..errors import NotPositiveDefiniteError
 from ..support import capabilities
-from ._ntk import _back, _to_numpy
-from ._zarrop import ZarrMatrixOperator, _accumulate
+from ._ntk import back_to_namespace, to_numpy
+from ._zarrop import ZarrMatrixOperator, accumulate
 
 
 def to_local(x: Any) -> np.ndarray:
     """Compute a (small) dask array into host memory."""
-    return np.asarray(x.compute()) if hasattr(x, "compute") else _to_numpy(x)
+    return np.asarray(x.compute()) if hasattr(x, "compute") else to_numpy(x)
 
 
 def _lazy(x: Any) -> da.Array:
-    return x if isinstance(x, da.Array) else da.from_array(_to_numpy(x))
+    return x if isinstance(x, da.Array) else da.from_array(to_numpy(x))
 
 
 def _tile_product(t: np.ndarray, v: np.ndarray, dtype: str) -> np.ndarray:
     """One tile's share ``t @ v`` (rows, 1, k) in ``dtype`` (tile upcast in row blocks)."""
     out = np.zeros((t.shape[0], v.shape[1]), dtype=dtype)
-    _accumulate(np.asarray(t), v.astype(out.dtype, copy=False), out, (0, t.shape[0]),
+    accumulate(np.asarray(t), v.astype(out.dtype, copy=False), out, (0, t.shape[0]),
                 (0, t.shape[1]), False, out.dtype)
     return out[:, None, :]
 
@@ -78,27 +78,27 @@ class DaskMatrixOperator(LinearOperator):
         self.dtype = k.dtype
 
     def _product(self, v: Any, dtype: np.dtype) -> Any:
-        host = _to_numpy(v)
+        host = to_numpy(v)
         vd = da.from_array(np.ascontiguousarray(host.astype(dtype, copy=False)),
                            chunks=(self.k.chunks[1], host.shape[1]))
         # partial products per tile (i, j): (rows_i, 1, k); summed over j
         parts = da.blockwise(_tile_product, "ijk", self.k, "ij", vd, "jk", dtype.str,
                              None, dtype=dtype, adjust_chunks={"j": 1}, concatenate=False,
                              meta=np.empty((0, 0, 0), dtype=dtype))
-        return _back(to_local(parts.sum(axis=1)), v)
+        return back_to_namespace(to_local(parts.sum(axis=1)), v)
 
     def matmat(self, v: Any) -> Any:
-        return self._product(v, np.promote_types(self.dtype, _to_numpy(v[:1]).dtype))
+        return self._product(v, np.promote_types(self.dtype, to_numpy(v[:1]).dtype))
 
     def sketch(self, v: Any) -> Any:
         """:math:`K V` in the kernel's dtype (for building preconditioners)."""
         return self._product(v, np.dtype(self.dtype))
 
     def columns(self, idx: list[int], like: Any) -> Any:
-        return _back(to_local(self.k[:, list(idx)]), like)
+        return back_to_namespace(to_local(self.k[:, list(idx)]), like)
 
     def diagonal(self, like: Any) -> Any:
-        return _back(to_local(da.diagonal(self.k)), like)
+        return back_to_namespace(to_local(da.diagonal(self.k)), like)
 
 
 def _finite(block: np.ndarray, reg: float) -> np.ndarray:

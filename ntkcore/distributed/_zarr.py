@@ -123,7 +123,7 @@ class _SharedMemoryStore(zarr.storage.MemoryStore):
         return _shared_memory_store, (os.getpid(), id(self), self._store_dict)
 
 
-def _location(store: Any) -> Any:
+def store_location(store: Any) -> Any:
     """A local directory (str; ntkcore flushes and reads its chunk files itself) for a path,
     a ``file://`` URL or a LocalStore; otherwise a Zarr store (an fsspec URL opened with
     ``FsspecStore``)."""
@@ -385,7 +385,7 @@ def _write_tile(tile: np.ndarray, loc: Any, index: tuple[int, ...],
     return 1
 
 
-def _open_meta(loc: Any) -> tuple[Any, dict[str, Any]]:
+def open_meta(loc: Any) -> tuple[Any, dict[str, Any]]:
     try:
         group = zarr.open_group(store=loc, mode="r")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError
@@ -407,8 +407,8 @@ def zarr_status(store: Any, *, checksums: bool = False) -> ZarrStatus:
     its CRC-32 (reads the whole kernel).  Tiles that fail are reported in ``torn`` and not
     counted as done.
     """
-    loc = _location(store)
-    group, meta = _open_meta(loc)
+    loc = store_location(store)
+    group, meta = open_meta(loc)
     if "done" not in group or "kernel" not in group:
         raise ValueError(f"the ntkcore kernel store at {loc!r} is damaged (its 'done' or "
                          "'kernel' array is missing); rewrite it with overwrite=True")
@@ -464,7 +464,7 @@ def _existing_store(loc: Any) -> dict[str, Any] | None:
     if not entries:
         return None
     try:
-        meta = _open_meta(loc)[1] if "zarr.json" in entries else None
+        meta = open_meta(loc)[1] if "zarr.json" in entries else None
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         meta = None
     if meta is None:
@@ -641,7 +641,7 @@ def to_zarr(
     """
     if not isinstance(kernel, da.Array):
         raise TypeError(f"kernel must be a dask array; got {type(kernel).__name__}")
-    loc = _location(store)
+    loc = store_location(store)
     for axis, c in enumerate(kernel.chunks):
         if len(c) > 1 and (len(set(c[:-1])) > 1 or c[-1] > c[0]):
             raise ValueError(f"kernel chunks along axis {axis} are irregular ({c}); rechunk "
@@ -764,16 +764,16 @@ def read_zarr(store: Any, *, require_complete: bool = True, checksums: bool = Fa
         With ``require_complete`` (default) when some tiles are missing or torn; the
         message says how many, which tiles are torn, and how to resume.
     """
-    loc = _location(store)
+    loc = store_location(store)
     status = zarr_status(loc, checksums=checksums)
     if require_complete:
-        _check_complete(loc, status, ", or pass require_complete=False (missing tiles read as 0)")
+        check_complete(loc, status, ", or pass require_complete=False (missing tiles read as 0)")
     k = da.from_zarr(loc, component="kernel")
     k._ntkcore_zarr_store = loc  # picked up by DaskMatrixOperator (fast product path)
     return k
 
 
-def _check_complete(loc: Any, status: ZarrStatus, more: str = "") -> None:
+def check_complete(loc: Any, status: ZarrStatus, more: str = "") -> None:
     if status.complete:
         return
     text = (f"the kernel at {loc!r} is incomplete ({status.tiles_done}/{status.tiles_total} "

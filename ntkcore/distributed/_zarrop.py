@@ -17,7 +17,7 @@ from .._validation import check_size
 from ..cg import LinearOperator
 from ..tiling import TileGrid, bounds
 from ._cluster import get_client
-from ._ntk import _back, _cached, _to_numpy
+from ._ntk import back_to_namespace, cache_get, to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
@@ -46,7 +46,7 @@ def _plan(loc: Any, arr: Any) -> dict[str, Any]:
 
 
 def _zarr_array(loc: Any) -> Any:
-    return _cached(_local.__dict__.setdefault("arrays", {}), loc if isinstance(loc, str)
+    return cache_get(_local.__dict__.setdefault("arrays", {}), loc if isinstance(loc, str)
                    else id(loc), lambda: zarr.open_array(store=loc, path="kernel", mode="r"))
 
 
@@ -77,7 +77,7 @@ def _read_tile(plan: dict[str, Any], i: int, j: int) -> np.ndarray:
     return tile if disk.isnative else tile.astype(np.dtype(plan["dtype"]))
 
 
-def _accumulate(t: np.ndarray, v: np.ndarray, out: np.ndarray, rows: tuple[int, int],
+def accumulate(t: np.ndarray, v: np.ndarray, out: np.ndarray, rows: tuple[int, int],
                 cols: tuple[int, int], mirror: bool, dtype: np.dtype) -> None:
     r"""out[rows] += t @ v[cols]; with ``mirror`` also out[cols] += t^T @ v[rows].
 
@@ -118,7 +118,7 @@ def _product_task(plan: dict[str, Any], tiles: list[tuple[int, int]], v: np.ndar
     out = np.zeros((plan["rows"][-1][1], v.shape[1]), dtype=dtype)
     vv = v.astype(out.dtype, copy=False)
     for i, j in tiles:
-        _accumulate(_read_tile(plan, i, j), vv, out, plan["rows"][i], plan["cols"][j],
+        accumulate(_read_tile(plan, i, j), vv, out, plan["rows"][i], plan["cols"][j],
                     symmetric and j != i, out.dtype)
     return out
 
@@ -194,11 +194,11 @@ class ZarrMatrixOperator(LinearOperator):
 
     def __init__(self, store: Any, *, client: Any = None, symmetric: bool | None = None,
                  product_dtype: Any = None, tasks_per_worker: int = 2) -> None:
-        from ._zarr import _check_complete, _location, _open_meta, zarr_status
+        from ._zarr import check_complete, open_meta, store_location, zarr_status
 
-        path = _location(store)
-        _check_complete(path, zarr_status(path))
-        group, meta = _open_meta(path)
+        path = store_location(store)
+        check_complete(path, zarr_status(path))
+        group, meta = open_meta(path)
         arr = group["kernel"]
         if len(arr.shape) != 2 or arr.shape[0] != arr.shape[1]:
             raise ValueError(f"the kernel at {path!r} must be square (N, N) for products; got "
@@ -226,7 +226,7 @@ class ZarrMatrixOperator(LinearOperator):
                 f"dtype={self.dtype}, symmetric={self.symmetric}, raw={self.raw})")
 
     def _product(self, v: Any, dtype: np.dtype) -> Any:
-        host = np.asarray(_to_numpy(v))
+        host = np.asarray(to_numpy(v))
         vector = host.ndim == 1
         mat = host[:, None] if vector else host
         if mat.ndim != 2 or mat.shape[0] != self.shape[1]:
@@ -241,11 +241,11 @@ class ZarrMatrixOperator(LinearOperator):
         out = functools.reduce(np.add, client.gather(futures))
         del vf, futures
         self.products += 1
-        return _back(out[:, 0] if vector else out, v)
+        return back_to_namespace(out[:, 0] if vector else out, v)
 
     def matmat(self, v: Any) -> Any:
         """:math:`K V` (N, k) -> (N, k), in the namespace, device and dtype of ``v``."""
-        host_dtype = np.dtype(_to_numpy(v[:1]).dtype)
+        host_dtype = np.dtype(to_numpy(v[:1]).dtype)
         return self._product(v, self.product_dtype or np.promote_types(self.dtype, host_dtype))
 
     def sketch(self, v: Any) -> Any:
@@ -257,7 +257,7 @@ class ZarrMatrixOperator(LinearOperator):
         client = get_client(self.client)
         nd = min(len(self._plan["rows"]), len(self._plan["cols"]))
         futures = [client.submit(_diagonal_task, self._plan, i, pure=False) for i in range(nd)]
-        return _back(np.concatenate(client.gather(futures)), like)
+        return back_to_namespace(np.concatenate(client.gather(futures)), like)
 
     def columns(self, idx: list[int], like: Any) -> Any:
         """Columns ``K[:, idx]`` (N, len(idx)); a symmetric kernel reads rows instead."""
@@ -278,4 +278,4 @@ class ZarrMatrixOperator(LinearOperator):
             got = np.concatenate(client.gather(futures), axis=1)
             out = np.empty_like(got)
             out[:, sorted(range(len(idx)), key=lambda p: idx[p] // c)] = got
-        return _back(out, like)
+        return back_to_namespace(out, like)
