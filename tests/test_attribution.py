@@ -412,3 +412,28 @@ def test_public_and_pure_array_api():
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             mods.add(node.module.split(".")[0])
     assert not mods & {"torch", "numpy", "jax", "cupy", "scipy", "dask", "zarr"}, mods
+
+
+def test_integer_inputs_travel_exactly():
+    """Token ids (int64) are packed with the labels into one float row per sample and unpacked
+    exactly: the projected-exact scores of an embedding model equal its kernel form, and ids
+    beyond the float's exact integers are refused."""
+    from ntkcore.backends.torch_attribution import OneOutput, pack
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(40, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(12, 3)).double()
+    ids = torch.randint(0, 40, (9, 4))
+    y = torch.randint(0, 3, (9,))
+    z = pack(ids, y, torch.float64)
+    wrapped = OneOutput(net, Margin(), ids, y)
+    with torch.no_grad():
+        assert torch.equal(wrapped(z)[:, 0], Margin().value(net(ids), y))
+    a = TRAK(net, dim=10**4, reg=1e-2).fit(ids, y).score(ids[:3], y[:3])
+    b = TRAK(net, dim=None, reg=1e-2).fit(ids, y).score(ids[:3], y[:3])
+    k = ntkcore.ntk(wrapped, z, mode="trace").numpy()
+    w = np.linalg.eigvalsh(k)
+    cond = (w.max() + 1e-2) / (max(w.min(), 0.0) + 1e-2)
+    assert float((a - b).abs().max() / b.abs().max()) <= _tol(cond, 160 + 39)
+    with pytest.raises(ValueError, match=r"not exact in torch\.float32"):
+        pack(torch.tensor([[2**24 + 1]]), None, torch.float32)
