@@ -23,6 +23,7 @@ from .feature_regression import PRIMAL_COPIES
 from .features import feature_batches
 from .providers import find_provider
 from .regression import cholesky_with_jitter
+from .support import TRIANGULAR_SOLVE, capabilities
 
 __all__ = [
     "ADAPTERS",
@@ -333,6 +334,12 @@ class _Member:
                              device=array_api_compat.device(self.like))
 
 
+@capabilities(name="attribution.TRAK", fast=TRIANGULAR_SOLVE, note={
+    "numpy": "models.MLP (chain rule on full-mode features)",
+    "torch": "torch.nn.Module, CPU and CUDA (one-output wrapper), or models.MLP",
+    "cupy": "models.MLP (chain rule on full-mode features)",
+    "jax": "(apply_fn, params) (composition) or models.MLP",
+    "array_api_strict": "models.MLP (chain rule on full-mode features)"})
 class TRAK:
     r"""TRAK attribution scores (Park et al., 2023) from ntkcore's projected features.
 

@@ -158,13 +158,15 @@ def _declared_in_source(module: str) -> tuple[tuple[str, dict[str, Support]], ..
 #: Modules whose ``@capabilities`` declarations make up the table (imported on first use).
 _MODULES = ("ntkcore.regression", "ntkcore.models", "ntkcore._api", "ntkcore.features",
             "ntkcore.gram", "ntkcore.jacobian", "ntkcore.analysis", "ntkcore.solve",
-            "ntkcore.sketch", "ntkcore.lowrank", "ntkcore.cg", "ntkcore.operators")
+            "ntkcore.sketch", "ntkcore.lowrank", "ntkcore.cg", "ntkcore.operators",
+            "ntkcore.attribution")
 
 #: Row order of the table and of ``docs/backends.md``; every entry is listed exactly once.
 ROWS = (
     "kernel_regression", "KernelRidge", "gd_mse_predict", "gp_inference", "feature_regression",
     "FeatureRidge", "feature_gd_mse_predict", "feature_gp_inference", "models.MLP",
-    "backends.jax.jacobian", "ntk", "pseudo_ntk", "features", "backends.torch.jacobian",
+    "backends.jax.jacobian", "ntk", "pseudo_ntk", "features", "attribution.TRAK",
+    "backends.torch.jacobian",
     "backends.torch.checkpointed_ntk", "backends.torch.kip_loss", "gram", "Jacobian",
     "analysis.kernel_alignment", "analysis.relative_kernel_distance",
     "analysis.kernel_spectrum", "analysis.effective_rank", "analysis.trace_share",
