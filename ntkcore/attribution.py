@@ -23,6 +23,7 @@ from .feature_regression import PRIMAL_COPIES
 from .features import feature_batches
 from .providers import find_provider
 from .regression import cholesky_with_jitter
+from .sketch import spawn_seed
 from .support import TRIANGULAR_SOLVE, capabilities
 
 __all__ = [
@@ -370,8 +371,10 @@ class TRAK:
         function (:func:`ntkcore.ntk`; N x N memory, one member per checkpoint, ``seed``,
         ``store`` and the projection options unused).
     seed : int or sequence of int
-        Projection seed(s); each is one member per checkpoint.  The test features of a
-        member use its seed, so train and test share its projection.
+        Projection seed(s); each is one member per checkpoint.  Checkpoint 0 projects with the
+        seed itself (``features(..., seed=seed)``), checkpoint c > 0 with its child
+        ``ntkcore.sketch.spawn_seed(seed, c)``, so that every member has its own projection.
+        The test features of a member use its projection.
     output : str, OutputFunction or callable
         ``"margin"`` (default, classification), ``"output"`` (one-output regression), an
         :class:`OutputFunction` or ``f(outputs, targets)`` (:class:`Custom`, Q = 1).
@@ -499,7 +502,10 @@ class TRAK:
         self
         """
         self._inputs(x_train, y_train, "train")
-        members = [_Member(m, s) for m in self.models for s in self.seeds]
+        # checkpoint c > 0 projects with a child of each seed, so that no two members share
+        # a projection (traker: one projection per model id); checkpoint 0 uses the seed itself
+        members = [_Member(m, s if c == 0 else spawn_seed(s, c))
+                   for c, m in enumerate(self.models) for s in self.seeds]
         if self.dim is None:
             return self._fit_exact(members, x_train, y_train)
 

@@ -437,3 +437,19 @@ def test_integer_inputs_travel_exactly():
     assert float((a - b).abs().max() / b.abs().max()) <= _tol(cond, 160 + 39)
     with pytest.raises(ValueError, match=r"not exact in torch\.float32"):
         pack(torch.tensor([[2**24 + 1]]), None, torch.float32)
+
+
+def test_each_checkpoint_gets_its_own_projection():
+    """Checkpoint 0 projects with the seed itself (its features are those of
+    ``ntkcore.features`` of the one-output model), checkpoint 1 with the seed's child, so two
+    copies of one network are two different members."""
+    ws, bs = _weights()
+    x, y, _, _ = _data(8, 1)
+    net = _torch_net(ws, bs)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    trak = TRAK([net, _torch_net(ws, bs)], dim=16, seed=3).fit(xt, yt)
+    model1, z = adapter_for(net).one_output(net, Margin(), xt, yt)
+    assert torch.equal(trak.features_[0], ntkcore.features(model1, z, dim=16, seed=3))
+    assert not torch.allclose(trak.features_[0], trak.features_[1])
+    assert torch.equal(trak.features_[1], ntkcore.features(
+        model1, z, dim=16, seed=ntkcore.sketch.spawn_seed(3, 1)))
