@@ -651,16 +651,17 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock,
     over the range of positions from sample 0's first dead one to its last (a max and a min
     over a view, no copy), then a copy of the kept positions of a and g.
 
-    With ``priced`` (the default; False: whatever the cost) that cost is weighed against the flops the Gram
-    saves: :func:`ntkcore.gram.cheapest_flops` of the block on an N x N trace-mode tile (the
-    mode that gains least) with S positions and with the kept ones.  The read is skipped
-    unless sample 0's dead positions, were they dead everywhere, would repay it and the copy;
-    the copy is skipped unless the positions dead everywhere repay it (:data:`COPY_FLOPS`,
-    :data:`SCAN_FLOPS`; a block under :data:`PRICED_ELEMENTS` is not priced).  A convolution
-    whose stride skips the last row and column of its input (59 of 900 positions) keeps
-    them: the materialise route would save 7% of forming the per-sample weights, less than a
-    copy of g costs.  A DenseBlock, S = 1, or a g on an autograd graph (a zero value may have
-    a non-zero derivative) is returned as it is; at least one position stays.
+    With ``priced`` (the default; False: whatever the cost) that cost is weighed against the
+    flops the Gram saves: ``cheapest_flops`` (ntkcore/gram.py) of the block on an N x N tile
+    in trace mode (the mode that gains least) with S positions and with the kept ones.  The
+    read is skipped unless sample 0's dead positions, were they dead everywhere, would repay
+    it and the copy; the copy is skipped unless the positions dead everywhere repay it
+    (:data:`COPY_FLOPS`, :data:`SCAN_FLOPS`; a block under :data:`PRICED_ELEMENTS` is not
+    priced).  A convolution whose stride skips the last row and column of its input (59 of
+    900 positions) keeps them: the materialise route would save 7% of forming the per-sample
+    weights, less than a copy of g costs.  A DenseBlock, S = 1, or a g on an autograd graph
+    (a zero value may have a non-zero derivative) is returned as it is; at least one position
+    stays.
     """
     if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
         return block

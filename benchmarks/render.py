@@ -619,6 +619,12 @@ def _blocks_text(blocks: dict[str, int] | None) -> str:
     return text + ("; " + ", ".join(others) if others else "")
 
 
+def _func_over_floor(p: dict[str, Any]) -> str:
+    """torch.func time / floor (``bound`` in results written before issue 32)."""
+    v = p.get("func_over_floor", p.get("bound") if "bound_s" not in p else None)
+    return "-" if v is None else f"{v:.3g}x"
+
+
 def real_models_section(rows: list[dict[str, Any]]) -> str:
     """The ``real_models`` suite per model and N: ntkcore and torch.func times, the ratio,
     the blocks, the parameter shares in dense / torch.func blocks, and (budget cases) peak
@@ -630,8 +636,7 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
             continue
         p = r.get("params") or {}
         if "N" not in p:  # a model that was not run
-            table.append([p.get("model", r["case"]), "-", "-", "-", "-", "-", "-", "-", "-",
-                          "-", "-", r.get("note", "")])
+            table.append([p.get("model", r["case"]), *["-"] * 13, r.get("note", "")])
             continue
         b = base.get((r["case"], r["dtype"]))
         sp = r.get("_speedup")
@@ -641,7 +646,10 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
             fmt_time(b.get("median_s")) if b else "-",
             "-" if sp is None else f"{sp:.3g}x",
             fmt_time(p["floor_s"]) if p.get("floor_s") is not None else "-",
-            f"{p['bound']:.3g}x" if p.get("bound") is not None else "-",
+            _func_over_floor(p),
+            "-" if p.get("gram_flops") is None else f"{p['gram_flops'] / 1e9:.3g}",
+            fmt_time(p["bound_s"]) if p.get("bound_s") is not None else "-",
+            f"{100 * p['share']:.0f}%" if p.get("share") is not None else "-",
             _blocks_text(p.get("blocks")),
             "-" if p.get("dense_share") is None else f"{100 * p['dense_share']:.1f}%",
             "-" if p.get("func_share") is None else f"{100 * p['func_share']:.1f}%",
@@ -652,12 +660,15 @@ def real_models_section(rows: list[dict[str, Any]]) -> str:
     return ("\nPer model (trace mode; ratio = torch.func time / ntkcore time, timed "
             "interleaved in one run; floor = the forward pass and the activation-gradient "
             "backward passes, which both need (the faster of one pass per output and one "
-            "batched pass), timed in the same rounds; bound = "
+            "batched pass), timed in the same rounds; max ratio = "
             "torch.func time / floor, the most a method built on those passes can gain; "
+            "Gram = the planned Gram's GFLOP; bound = floor + the Gram's flops at the GEMM "
+            "rate measured in the same rounds; share = bound / ntkcore; "
             "blocks = Kronecker / dense / of which built by the "
             "torch.func pass; shares = parameters in dense / in torch.func blocks; memory = "
             "peak working memory over `max_memory` in the budget cases):\n\n"
-            + _table(["model", "N", "ntkcore", "torch.func", "ratio", "floor", "bound",
+            + _table(["model", "N", "ntkcore", "torch.func", "ratio", "floor", "max ratio",
+                      "Gram GFLOP", "bound", "share",
                       "blocks (K / dense / torch.func)", "dense params",
                       "torch.func params", "peak / max_memory", "torch.func blocks"], table))
 

@@ -20,10 +20,14 @@ own timing).
 Each ntkcore row records in ``params``: ``blocks`` (block class name -> count, and
 ``"torch.func"``: the DenseBlocks built by the provider's ``torch.func`` pass),
 ``dense_share`` / ``func_share`` (the fraction of the parameters in DenseBlocks of any origin /
-in the ``torch.func`` ones), and ``floor_s`` / ``bound``: the time of the faster
-:func:`backward_floor` (forward + the activation-gradient backward passes, one per output or
-one batched pass, both timed in the same rounds) and ``torch.func time / floor_s``, the most
-any method built on those passes can gain here.
+in the ``torch.func`` ones), ``floor_s``: the time of the faster :func:`backward_floor`
+(forward + the activation-gradient backward passes, one per output or one batched pass, both
+timed in the same rounds), ``func_over_floor`` (torch.func time / ``floor_s``, the most any
+method built on those passes can gain over torch.func here), and the bound (issue 32):
+``gram_flops`` (the planned Gram's flops, ``plan_gram(...).flops`` of the provider's
+Jacobian), ``gemm_gflops`` (the rate of a square :data:`~benchmarks._harness.PAIRED_GEMM_N`
+GEMM in the run's dtype timed in the same rounds), ``bound_s = floor_s + gram_flops /
+gemm rate`` and ``share = bound_s / ntkcore's time``.
 A budget case per model (ntkcore alone, ``max_memory`` from :data:`BUDGETS`) measures peak
 working memory (resident-set growth in a fresh process, beyond the model and the inputs)
 against the budget: ``params["mem_over_budget"]``.
@@ -39,13 +43,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._harness import Config, interleaved, row
+from benchmarks._harness import PAIRED_GEMM_N, Config, gemm_call, interleaved, row
 
 SUITE = "real_models"
 HERE = "benchmarks.suites.real_models"
 BASELINE = "torch.func jacobian"
 #: the two backward floors (:func:`backward_floor`): a pass per output, one batched pass
 FLOORS = ("backward floor", "backward floor batched")
+#: the square GEMM timed in the same rounds (the GEMM rate of the bound)
+GEMM = "gemm"
 JAC_BYTES = 8e9
 MAX_N = 256
 N_REF = 3
@@ -266,6 +272,12 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
             first[impl] = time.perf_counter() - t0
             fns[impl] = fn
             floors.append(impl)
+        gemm_n = cfg.pick(256, PAIRED_GEMM_N)
+        fns[GEMM] = gemm_call("torch", cfg.device, cfg.dtype, gemm_n)
+        t0 = time.perf_counter()
+        fns[GEMM]()
+        first[GEMM] = time.perf_counter() - t0
+    gram_flops = _gram_flops(model, n, cfg.dtype, size, budget)
     timing, rounds = interleaved(fns, first, cfg)
     del fns
     gc.collect()
@@ -296,9 +308,12 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                                                 "torch_func_blocks")})
             if budget is not None and mem is not None:
                 params["mem_over_budget"] = mem / parse_memory(budget)
+            params["gram_flops"] = gram_flops
             if floor_s is not None:  # the faster floor
-                params["floor_s"] = floor_s
-                params["bound"] = timing[BASELINE]["median_s"] / floor_s
+                rate = 2.0 * gemm_n ** 3 / timing[GEMM]["median_s"]
+                params.update(bound_terms(floor_s, gram_flops, rate,
+                                          timing[impl]["median_s"]))
+                params["func_over_floor"] = timing[BASELINE]["median_s"] / floor_s
         note = f"error vs float64 torch.func on the first {m_ref} samples"
         if len(impls) > 1:
             note += f"; timed interleaved: {rounds} round(s)"
@@ -316,6 +331,32 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                        else ("peak_mem_bytes <= " + str(int(1.05 * parse_memory(budget)))
                              if impl == "ntkcore" else None)))
     return out
+
+
+def _gram_flops(model: str, n: int, dtype: str, size: str, budget: Any) -> float:
+    """Flops of the Gram ntkcore plans for ``model`` with N inputs (trace mode, ``budget``):
+    ``plan_gram(J, ...).flops`` of the provider's Jacobian, the tiles it computes (a
+    self-kernel's upper triangle and diagonal panels); checked against
+    ``torch.utils.flop_counter`` in ``tests/test_gram_flops.py``."""
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    import ntkcore
+    from benchmarks import real_models as rm
+
+    m, x = rm.build(model, size, n=n, dtype=dtype)
+    return float(ntkcore.plan_gram(jacobian(m, x), mode="trace", max_memory=budget).flops)
+
+
+def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
+                time_s: float) -> dict[str, float]:
+    r"""The bound of issue 32 and the share of it reached in ``time_s`` seconds:
+    :math:`t_{bound} = t_{floor} + F_{Gram} / r_{GEMM}` (the backward floor, then the
+    planned Gram's flops at the measured GEMM rate, flop/s) and ``share`` =
+    :math:`t_{bound} / t` (1: nothing is spent beyond the floor and the Gram's GEMM work)."""
+    gram_s = gram_flops / gemm_rate
+    bound_s = floor_s + gram_s
+    return {"gemm_gflops": gemm_rate / 1e9, "gram_s": gram_s, "bound_s": bound_s,
+            "share": bound_s / time_s}
 
 
 def _target(model: str, n: int) -> str | None:
