@@ -33,7 +33,9 @@ working memory (resident-set growth in a fresh process, beyond the model and the
 against the budget: ``params["mem_over_budget"]``.
 
 Options: ``--set real_models=resnet18,bert`` (models), ``--set baseline_memory=1`` (also
-measure the baseline's peak memory; off by default: it is at least its Jacobian).
+measure the baseline's peak memory; off by default: it is at least its Jacobian),
+``--set real_models_baseline=0`` (no torch.func: ntkcore, the floors and the GEMM only, for
+the bound and the share) and ``--set real_models_budgets=0`` (no budget cases).
 """
 
 from __future__ import annotations
@@ -232,7 +234,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         for n in ns:
             plan[f"{model} N={n} trace"] = (model, n, None)
         budget, n_mem = (QUICK if cfg.quick else BUDGETS)[model]
-        plan[f"{model} N={n_mem} trace {budget}"] = (model, n_mem, budget)
+        if cfg.flag("real_models_budgets", True):
+            plan[f"{model} N={n_mem} trace {budget}"] = (model, n_mem, budget)
     for model, why in skipped.items():
         rows.append(row(SUITE, f"{model}", "ntkcore", backend="torch", device=cfg.device,
                         dtype=cfg.dtype, params={"model": model}, note=f"not run: {why}"))
@@ -248,7 +251,8 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
 
     from ntkcore._memory import parse_memory
 
-    impls = ("ntkcore",) if budget is not None else ("ntkcore", BASELINE)
+    with_func = budget is None and cfg.flag("real_models_baseline", True)
+    impls = ("ntkcore", BASELINE) if with_func else ("ntkcore",)
     ref = reference(model, n, size)
     m_ref = ref.shape[0]
     fns, first, errs = {}, {}, {}
@@ -313,7 +317,8 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                 rate = 2.0 * gemm_n ** 3 / timing[GEMM]["median_s"]
                 params.update(bound_terms(floor_s, gram_flops, rate,
                                           timing[impl]["median_s"]))
-                params["func_over_floor"] = timing[BASELINE]["median_s"] / floor_s
+                if with_func:
+                    params["func_over_floor"] = timing[BASELINE]["median_s"] / floor_s
         note = f"error vs float64 torch.func on the first {m_ref} samples"
         if len(impls) > 1:
             note += f"; timed interleaved: {rounds} round(s)"
@@ -327,9 +332,9 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                        flops=2.0 * n * n * p * o if impl == BASELINE else None,
                        baseline=BASELINE if impl == "ntkcore" and len(impls) > 1 else None,
                        error=errs[impl], note=note,
-                       target=_target(model, n) if impl == "ntkcore" and budget is None
-                       else ("peak_mem_bytes <= " + str(int(1.05 * parse_memory(budget)))
-                             if impl == "ntkcore" else None)))
+                       target=None if impl != "ntkcore" else _target(model, n) if with_func
+                       else None if budget is None
+                       else "peak_mem_bytes <= " + str(int(1.05 * parse_memory(budget)))))
     return out
 
 
