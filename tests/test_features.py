@@ -30,6 +30,12 @@ pytestmark = pytest.mark.usefixtures("jax_quick_compile")
 
 Z = 5.0  # standard errors allowed per entry
 
+# One set of shapes for the MLP tests, so that JAX's eager operations (one XLA compile per
+# primitive and shape, kept in memory for the process: --dist loadfile runs this file in one)
+# are compiled once for the whole file: N_X samples go as a first batch of
+# ntkcore._memory.PROBE_SAMPLES = 8 and a rest of 2 (or one at a time); probes have 8 samples.
+N_X, N_PROBE = 10, 8
+
 
 # -- fixtures and references -----------------------------------------------------------------
 def _factors(rng: np.random.Generator, n: int = 5, o: int = 2):
@@ -141,13 +147,13 @@ def test_pair_statistics_two_routes_agree(backend, rng, mode):
     from ntkcore.features import _pair_stats
     from ntkcore.modes import check_mode
 
-    a, g, jac = _factors(rng, n=3)
+    a, g, jac = _factors(rng)
     block = check_mode(mode).feature_jacobian(_jacobian(backend, a, g, jac)).blocks[0]
     dense, factored = _pair_stats(block, factored=False), _pair_stats(block, factored=True)
     assert set(dense) == set(factored) == {"kernel", "kernel_sq", "norm_product", "trace_sq",
                                            "frob_a", "frob_g"}
     ref = _dense_kernel(a, g, np.zeros_like(jac), "full")  # the Kronecker block alone
-    ref = ref.transpose(0, 2, 1, 3).reshape(6, 6) if mode == "full" else \
+    ref = ref.transpose(0, 2, 1, 3).reshape(2 * len(a), -1) if mode == "full" else \
         np.einsum("nmoo->nm", ref)
     for key in dense:
         want = backend.to_numpy(dense[key])
@@ -162,10 +168,10 @@ def test_pair_statistics_two_routes_agree(backend, rng, mode):
 @pytest.mark.parametrize("mode", ["trace", "full", "pseudo"])
 def test_shapes_namespace_and_layerwise(backend, rng, mode):
     net = _mlp(backend)
-    x = backend.asarray(rng.standard_normal((7, 3)))
+    x = backend.asarray(rng.standard_normal((N_X, 3)))
     phi = ntkcore.features(net, x, dim=24, mode=mode)
     assert backend.is_native(phi)
-    assert tuple(phi.shape) == ((7, 2, 24) if mode == "full" else (7, 24))
+    assert tuple(phi.shape) == ((N_X, 2, 24) if mode == "full" else (N_X, 24))
     parts = ntkcore.features(net, x, dim=24, mode=mode, layerwise=True)
     assert isinstance(parts, tuple) and len(parts) == 3
     np.testing.assert_array_equal(np.concatenate([backend.to_numpy(p) for p in parts], axis=-1),
@@ -177,7 +183,7 @@ def test_one_space_for_every_x(backend, rng, mode):
     """Same seed: the same projection whatever x (rows of a concatenation equal separate
     calls), in one call or in sample batches; another seed: another projection."""
     net = _mlp(backend)
-    xn = rng.standard_normal((14, 3))
+    xn = rng.standard_normal((N_X, 3))
     x = backend.asarray(xn)
     phi = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode))
     again = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode))
@@ -185,17 +191,17 @@ def test_one_space_for_every_x(backend, rng, mode):
     other = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=6, mode=mode))
     assert not np.allclose(phi, other)
     parts = [backend.to_numpy(ntkcore.features(net, backend.asarray(xn[s]), dim=24, seed=5,
-                                               mode=mode)) for s in (slice(0, 4), slice(4, 14))]
+                                               mode=mode)) for s in (slice(0, 8), slice(8, N_X))]
     scale = np.abs(phi).max()
     tol = kernel_tol("float64", 64, computations=2) * scale
     np.testing.assert_allclose(np.concatenate(parts), phi, rtol=0, atol=tol)
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.features(net, x, dim=24, seed=5, mode=mode, max_memory=1)
-    calls = []  # the smallest budget: a first batch of 8 samples, then one at a time
+    calls = []  # the smallest budget: a first batch of 8 samples, then one at a time (2 here)
     batched = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode,
                                                 max_memory=info.value.needed,
                                                 progress=lambda d, t: calls.append((d, t))))
-    assert calls == [(i, 7) for i in range(1, 8)]
+    assert calls == [(i, N_X - 7) for i in range(1, N_X - 6)]
     np.testing.assert_allclose(batched, phi, rtol=0, atol=tol)
 
 
@@ -334,9 +340,8 @@ def test_predicted_variance_matches_measured(rng, mode, method, kronecker, exact
 
 
 def test_choose_dim_is_the_smallest_meeting_the_target(backend, rng):
-    net = MLP.random((3, 8, 6, 2), xp=backend.xp, seed=1, activation="tanh",
-                     dtype=backend.xp.float64, device=backend.device)
-    x = backend.asarray(rng.standard_normal((6, 3)))
+    net = _mlp(backend, seed=1)
+    x = backend.asarray(rng.standard_normal((N_PROBE, 3)))
     d = ntkcore.choose_dim(net, x, target=0.2)
     assert ntkcore.feature_error(net, x, dim=d) <= 0.2
     assert d == 3 or ntkcore.feature_error(net, x, dim=d - 1) > 0.2
@@ -349,21 +354,22 @@ def test_choose_dim_is_the_smallest_meeting_the_target(backend, rng):
 
 def test_probe_allocates_by_trace_share(backend, rng):
     net = _mlp(backend)
-    probe_np = rng.standard_normal((6, 3))
+    probe_np = rng.standard_normal((N_PROBE, 3))
     probe = backend.asarray(probe_np)
     kb = backend.to_numpy(ntkcore.ntk(net, probe, mode="trace", layerwise=True))
     widths = [2 * size for size in net.block_sizes]  # trace mode: O = 2 outputs merged
-    want = allocate_exact(40, [np.trace(k) for k in kb], widths)
-    x = backend.asarray(rng.standard_normal((5, 3)))
-    parts = ntkcore.features(net, x, dim=40, probe=probe, layerwise=True)
+    want = allocate_exact(24, [np.trace(k) for k in kb], widths)
+    x = backend.asarray(rng.standard_normal((N_X, 3)))
+    parts = ntkcore.features(net, x, dim=24, probe=probe, layerwise=True)
     assert tuple(int(p.shape[-1]) for p in parts) == want
-    default = ntkcore.features(net, x, dim=40, layerwise=True)
+    default = ntkcore.features(net, x, dim=24, layerwise=True)
     equal = [1.0] * len(widths)  # the default split: equal weights, small blocks exact
-    assert tuple(int(p.shape[-1]) for p in default) == allocate_exact(40, equal, widths)
-    assert allocate_exact(40, equal, widths) != allocate_exact(40, net.block_sizes, widths)
+    assert want != allocate_exact(24, equal, widths)  # the probe changes the split
+    assert tuple(int(p.shape[-1]) for p in default) == allocate_exact(24, equal, widths)
+    assert allocate_exact(24, equal, widths) != allocate_exact(24, net.block_sizes, widths)
     # the same probe gives the same space for another x
-    phi = backend.to_numpy(ntkcore.features(net, x, dim=40, probe=probe, seed=2))
-    head = backend.to_numpy(ntkcore.features(net, x[:2, ...], dim=40, probe=probe, seed=2))
+    phi = backend.to_numpy(ntkcore.features(net, x, dim=24, probe=probe, seed=2))
+    head = backend.to_numpy(ntkcore.features(net, x[:2, ...], dim=24, probe=probe, seed=2))
     np.testing.assert_allclose(head, phi[:2], rtol=0,
                                atol=kernel_tol("float64", 64, 2) * np.abs(phi).max())
 
@@ -470,7 +476,7 @@ def test_jax_grad_through_projected_features(rng):
 
 def test_error_model_on_every_backend(backend, rng):
     """feature_variance / feature_error computed on each backend equal NumPy's."""
-    a, g, jac = _factors(rng, n=3)
+    a, g, jac = _factors(rng)
     kw = dict(dim=13, mode="full", method="sparse_sign", kronecker="grid")
     want = np.asarray(ntkcore.feature_variance(_jacobian(make_case("numpy"), a, g, jac), **kw))
     J = _jacobian(backend, a, g, jac)
