@@ -314,6 +314,7 @@ def _case_rows(cfg: Config, name: str, model: str, n: int, budget: Any, size: st
                 params["mem_over_budget"] = mem / parse_memory(budget)
             params["gram_flops"] = gram_flops
             if floor_s is not None:  # the faster floor
+                params["floor_s"] = floor_s
                 rate = 2.0 * gemm_n ** 3 / timing[GEMM]["median_s"]
                 params.update(bound_terms(floor_s, gram_flops, rate,
                                           timing[impl]["median_s"]))
