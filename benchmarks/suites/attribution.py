@@ -37,7 +37,9 @@ the project's packages); run the suite with that venv's Python.
 Options (``--set KEY=VALUE``): ``attr_archs`` (mlp,cnn), ``attr_subsets`` (50),
 ``attr_ckpts`` (5), ``attr_dims`` (256,1024,4096), ``attr_seeds`` (3), ``attr_lams``
 (0,1e-4,1e-3,1e-2,1e-1,1), ``attr_traker`` (1), ``attr_real`` (1),
-``attr_threads`` (1: torch threads for the digits models; 0: the default), ``attr_cache``
+``attr_threads`` (1: torch threads for the digits models; 0: the default), ``attr_probe``
+(0; n > 0: TRAK's ``probe=`` the first n training digits), ``attr_exact`` / ``attr_feat`` (1: run
+the exact / features-and-ridge rows), ``attr_cache``
 (~/.cache/ntkcore-bench),
 ``attr_n`` / ``attr_m`` (1437 / 360 digits), ``tp_models`` (mlp,resnet18,bert), ``tp_n_<model>``
 (N per model: 1437, 64, 256), ``tp_dim`` (1024), ``tp_bs`` (32),
@@ -78,6 +80,7 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "attr_traker": (1, 1),
     "attr_cache": ("", ""),
     "attr_threads": (1, 1),
+    "attr_probe": (0, 0),
     "tp_models": ("mlp", "mlp,resnet18,bert"),
     "tp_n": ("", ""),
     "tp_dim": (64, 1024),
@@ -419,9 +422,10 @@ def _spread(vals: list[float]) -> dict[str, Any]:
 
 
 def trak_scores(states: list[Any], arch: str, dim: int, seed: int, data: tuple[Any, ...],
-                max_memory: Any = "1GB") -> tuple[dict[int, Any], float]:
-    """``ntkcore.attribution.TRAK`` (its defaults: margin, lambda 0, pairs) on the first
-    checkpoint and on all of them: {n_ckpts: scores (M, N)}; seconds taken."""
+                max_memory: Any = "1GB", probe: int = 0) -> tuple[dict[int, Any], float]:
+    """``ntkcore.attribution.TRAK`` (its defaults: margin, lambda 0, pairs; ``probe`` > 0:
+    dim split over the blocks by their trace shares on that many training samples) on the
+    first checkpoint and on all of them: {n_ckpts: scores (M, N)}; seconds taken."""
     real = _real_trak()
     x, y, x_te, y_te = data
     t0 = time.perf_counter()
@@ -432,9 +436,19 @@ def trak_scores(states: list[Any], arch: str, dim: int, seed: int, data: tuple[A
         nets.append(net.eval())
     out = {}
     for k in sorted({1, len(nets)}):
-        t = real(nets[0] if k == 1 else nets[:k], dim=dim, seed=seed, max_memory=max_memory)
+        kw = {"probe": _composed_probe(nets[0], x[:probe], y[:probe])} if probe else {}
+        t = real(nets[0] if k == 1 else nets[:k], dim=dim, seed=seed, max_memory=max_memory,
+                 **kw)
         out[k] = t.fit(x, y).score(x_te, y_te)
     return out, time.perf_counter() - t0
+
+
+def _composed_probe(net: Any, x: Any, y: Any) -> Any:
+    """The probe samples as inputs of TRAK's one-output margin model (its ``probe=`` goes to
+    that model as it is: passing raw inputs fails at d65a7f9)."""
+    from ntkcore.attribution import adapter_for, output_function
+
+    return adapter_for(net).one_output(net, output_function("margin"), x, y)[1]
 
 
 def _git_state(path: str) -> str:
@@ -492,8 +506,10 @@ def _lds_rows_in(cfg: Config, arch: str, name: str) -> list[dict[str, Any]]:
                         note=note, timing={"median_s": secs, "min_s": secs, "max_s": secs,
                                            "repeats": 1}))
 
-    xs, qs, secs = exact_xside(states, arch, lams, data)
-    for lam in lams:
+    probe = int(_opt(cfg, "attr_probe"))
+    xs, qs, secs = exact_xside(states, arch, lams, data) if cfg.flag("attr_exact", True) \
+        else ([], [], 0.0)
+    for lam in lams if xs else []:
         for k in ck_sets:
             emit(EXACT, None, lam, k, [lds(ensemble([a[lam] for a in xs[:k]], qs[:k]),
                                            masks, marg)], secs,
@@ -501,7 +517,7 @@ def _lds_rows_in(cfg: Config, arch: str, name: str) -> list[dict[str, Any]]:
     for dim in dims:
         per: dict[tuple[float, int], list[float]] = {}
         secs_n = []
-        for s in seeds:
+        for s in seeds if cfg.flag("attr_feat", True) else []:
             xs, qs, secs = ntkcore_xside(states, arch, dim, s, lams, data)
             secs_n.append(secs)
             for lam in lams:
@@ -516,14 +532,16 @@ def _lds_rows_in(cfg: Config, arch: str, name: str) -> list[dict[str, Any]]:
             rv: dict[int, list[float]] = {}
             secs_r = []
             for s in seeds:
-                sc, secs = trak_scores(states, arch, dim, s, data)
+                sc, secs = trak_scores(states, arch, dim, s, data, probe=probe)
                 secs_r.append(secs)
                 for k, t in sc.items():
                     rv.setdefault(k, []).append(lds(t, masks, marg))
             for k, vals in rv.items():
-                emit(NTK, dim, 0.0, k, vals, statistics.median(secs_r),
-                     f"ntkcore.attribution.TRAK defaults (margin, reg 0, pairs), float32; "
-                     f"seeds {list(seeds)}")
+                emit(NTK + (f" probe={probe}" if probe else ""), dim, 0.0, k, vals,
+                     statistics.median(secs_r),
+                     "ntkcore.attribution.TRAK defaults (margin, reg 0, pairs"
+                     + (f", dim split by the trace shares of {probe} training samples"
+                        if probe else "") + f"), float32; seeds {list(seeds)}")
         if cfg.flag("attr_traker", True) and have_traker():
             tv: dict[int, list[float]] = {}
             secs_t = []
@@ -826,7 +844,7 @@ def _cell(rs: list[dict[str, Any]]) -> str:
         return "n/a (non-finite scores)"
     if sp["min"] == sp["max"]:
         return f"{sp['median']:.3f}"
-    return f"{sp['median']:.3f} ({sp['min']:.3f}-{sp['max']:.3f})"
+    return f"{sp['median']:.3f} [{sp['min']:.3f}, {sp['max']:.3f}]"
 
 
 def _table(head: list[str], body: list[list[Any]]) -> str:
@@ -854,17 +872,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         body = [[EXACT, "-"] + [_cell(pick(EXACT, a, None, 0.0, k)) for a in archs
                                 for k in cks]]
         for d in dims:
-            for impl in (NTK, FEAT, TRAKER):
+            probes = sorted({r["impl"] for r in lds_rows if r["impl"].startswith(NTK + " ")})
+            for impl in (NTK, *probes, FEAT, TRAKER):
                 cells = [_cell(pick(impl, a, d, 0.0, k)) for a in archs for k in cks]
                 if any(c != "-" for c in cells):
                     body.append([impl, d, *cells])
-        out.append("LDS at TRAK's lambda = 0 (median over projection seeds, min-max in "
-                   "brackets; the exact form has no seed):\n")
+        out.append("LDS at TRAK's lambda = 0 (median over projection seeds, [min, max] over "
+                   "them;\nthe exact form has no seed):\n")
         out.append(_table(head, body))
         lams = sorted({r["params"]["lam_rel"] for r in lds_rows if r["impl"] in (EXACT, FEAT)})
         for a in archs:
             head = ["lambda / (tr K / N)", "exact"] + [f"{FEAT}, dim {d}" for d in dims]
-            body = [[f"{lam:g}"] + [" / ".join(_cell(pick(impl, a, d, lam, k)).split(" (")[0]
+            body = [[f"{lam:g}"] + [" / ".join(_cell(pick(impl, a, d, lam, k)).split(" [")[0]
                                                for k in cks)
                                     for impl, d in [(EXACT, None)] + [(FEAT, d) for d in dims]]
                     for lam in lams]
@@ -876,7 +895,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         keys = ("ntkcore_vs_traker", "ntkcore_seeds", "traker_seeds", "ntkcore_vs_exact",
                 "traker_vs_exact")
         out.append("\nRank agreement of the scores, one checkpoint, lambda = 0 (Spearman per "
-                   "test sample, averaged; seed against seed is the projection noise):\n")
+                   "test sample,\naveraged; seed against seed is the projection noise):\n")
         out.append(_table(["model", "dim", "ntkcore vs traker", "ntkcore seed vs seed",
                            "traker seed vs seed", "ntkcore vs exact", "traker vs exact"],
                           [[r["params"]["arch"].upper(), r["params"]["dim"]]
@@ -899,7 +918,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                          "-" if mem is None else f"{mem / 2**20:.0f} MiB / {p['max_memory']}",
                          f"{min(p['load']):.1f}-{max(p['load']):.1f}"])
         out.append("\nThroughput of the training side (fit: features, Q and the solve's "
-                   "factor), interleaved, median of the rounds:\n")
+                   "factor),\ninterleaved, median of the rounds:\n")
         out.append(_table(["model", "P", "N", "dim", "batch", "ntkcore TRAK.fit",
                            "traker featurize + finalize", "speed-up",
                            "ntkcore peak / max_memory", "load"], body))
