@@ -1,49 +1,50 @@
 r"""Suite ``attribution``: TRAK scores from projected eNTK features against traker 0.3.2 (issue 31).
 
-Three kinds of case (``--case lds``, ``--case throughput``, ``--case scale``):
+Cases (``--case lds``, ``--case agreement``, ``--case throughput``):
 
 ``lds <arch>``
-    Faithfulness on scikit-learn digits (the fixed split of the ``features`` suite: 1,437
-    training, 360 test digits; ``<arch>`` ``mlp``: 64-128-10 ReLU, ``cnn``: Conv 1-16 3x3,
-    ReLU, Conv 16-32 3x3 stride 2, ReLU, Linear 512-10).  ``attr_subsets`` (50) models are
-    trained on random halves of the training set (Adam, 30 epochs) and their margins on the
-    360 test digits recorded; the attributed checkpoints are ``attr_ckpts`` (5) models trained
-    on the whole training set from independent seeds (as in TRAK).  The linear datamodeling
-    score (LDS) of a score matrix T (360, 1437) is the Spearman correlation, per test digit,
-    between ``T @ mask_m`` (the sum of its scores over subset m) and subset model m's margin,
-    averaged over the test digits.  Methods: ``ntkcore TRAK`` (dims ``attr_dims``,
-    projection seeds ``attr_seeds``, ridge grid ``attr_lams``), ``traker 0.3.2`` (its
-    ``TRAKer`` itself: CPU ``BasicProjector`` with normal entries, float32, lambda = 0), the
-    exact TRAK scores from the unprojected eNTK (``ntkcore.ntk`` + ``kernel_regression``,
-    float64); each with the first checkpoint and with all of them.  The ridge is relative:
-    ``lam_rel`` x tr(K)/N (K = Phi Phi^T, or the exact kernel); 0 is TRAK's choice
-    (ntkcore's Cholesky then adds its own jitter).  The ensemble is TRAK's:
-    mean_c(Phi*_c (Phi_c^T Phi_c + lam I)^{-1} Phi_c^T) times mean_c(Q_c) column-wise.
+    Faithfulness on scikit-learn digits (the ``features`` suite's split: 1,437 training, 360
+    test digits; ``mlp``: 64-128-10 ReLU, ``cnn``: Conv 1-16 3x3, Conv 16-32 3x3 stride 2,
+    Linear 512-10, ReLU).  ``attr_subsets`` (50) models are trained on random halves of the
+    training set (Adam, 30 epochs) and their test margins recorded; the attributed
+    checkpoints are ``attr_ckpts`` (5) models trained on the whole set from seeds 0, 1, ...
+    (as in TRAK).  The linear datamodeling score (LDS) of scores T (360, 1437) is the
+    Spearman correlation, per test digit, between ``T @ mask_m`` and subset model m's margin,
+    averaged over the test digits.  Methods, each with the first checkpoint and with all:
+    ``ntkcore TRAK`` (``ntkcore.attribution.TRAK`` with its defaults, lambda = 0; with
+    ``attr_probe`` its dim split by trace shares), ``ntkcore features + solve`` (the same
+    projection, the ridge grid ``attr_lams`` solved here), ``traker 0.3.2`` (its ``TRAKer``:
+    CPU ``BasicProjector`` with normal entries, float32, lambda = 0) and the exact scores of
+    the unprojected eNTK (``ntkcore.ntk`` + ``kernel_regression``, float64).  The ridge is
+    relative, ``lam_rel`` x tr(K)/N; the ensemble is TRAK's: mean_c(Phi*_c (Phi_c^T Phi_c +
+    lam I)^{-1} Phi_c^T) times mean_c(Q_c) column-wise.
+``agreement mlp``
+    Rank correlation of ntkcore's and traker's scores on one checkpoint (lambda = 0), against
+    seed-to-seed within each and against the exact scores.
 ``throughput <model>``
-    Samples per second to featurize N training samples (the margin's projected gradients
-    and Q), ntkcore against traker's ``featurize`` with the same model, dim, batch size,
-    float32, on the CPU, interleaved (A, B, B, A, ...): the digits MLP, resnet18 at
-    3x32x32 and the BERT-style classifier of ``benchmarks/real_models.py`` (synthetic inputs).
-``scale resnet18``
-    N = ``scale_n`` (50,000) CIFAR-shaped samples through resnet18 at dim 4096 within
-    ``max_memory`` = 4 GB, features stored in a Zarr store; the run is killed after
-    ``scale_kill_s`` seconds and resumed.  Long: run it alone.
+    Fitting the training side, ``TRAK(...).fit`` against traker's ``featurize`` (batches of
+    ``tp_bs``) + ``finalize_features``, same model and dim, float32, CPU, interleaved
+    (A, B, B, A, ...): the digits MLP, resnet18 at 3x32x32 and the BERT-style classifier of
+    ``benchmarks/real_models.py`` (synthetic inputs); ntkcore's peak memory against
+    ``max_memory``.
 
-The measurement logic lives in plain functions (``lds_scores``, ``lds``, ``throughput_calls``,
-``scale_job``) that other harnesses can call.  traker is not a dependency of ntkcore: it lives
-in the benchmark's own venv (``bash benchmarks/peers/make_traker_venv.sh``, which also sees
-the project's packages); run the suite with that venv's Python.
+The scale run (resnet18, N = 50,000, dim 4096, ``max_memory="4GB"``, a Zarr store killed and
+resumed) is :func:`scale_resume`, not a case: it takes about half an hour; run it alone.
+The measurement logic lives in plain functions (``trained``, ``trak_scores``,
+``traker_scores``, ``exact_xside``, ``lds``, ``rank_corr``, ``throughput_calls``,
+``scale_resume``) that other harnesses can call, and :func:`markdown` writes the tables.
+traker is not a dependency of ntkcore: it lives in the benchmark's own venv
+(``bash benchmarks/peers/make_traker_venv.sh``, which also sees the project's packages); run
+the suite with that venv's Python (without traker its rows are skipped).
 
-Options (``--set KEY=VALUE``): ``attr_archs`` (mlp,cnn), ``attr_subsets`` (50),
-``attr_ckpts`` (5), ``attr_dims`` (256,1024,4096), ``attr_seeds`` (3), ``attr_lams``
-(0,1e-4,1e-3,1e-2,1e-1,1), ``attr_traker`` (1), ``attr_real`` (1),
-``attr_threads`` (1: torch threads for the digits models; 0: the default), ``attr_probe``
-(0; n > 0: TRAK's ``probe=`` the first n training digits), ``attr_exact`` / ``attr_feat`` (1: run
-the exact / features-and-ridge rows), ``attr_cache``
-(~/.cache/ntkcore-bench),
-``attr_n`` / ``attr_m`` (1437 / 360 digits), ``tp_models`` (mlp,resnet18,bert), ``tp_n_<model>``
-(N per model: 1437, 64, 256), ``tp_dim`` (1024), ``tp_bs`` (32),
-``tp_rounds`` (3), ``scale_n``, ``scale_dim``, ``scale_kill_s``.
+Options (``--set KEY=VALUE``): ``attr_archs`` (mlp,cnn), ``attr_n`` / ``attr_m`` (1437 /
+360 digits), ``attr_subsets`` (50), ``attr_ckpts`` (5), ``attr_epochs`` (30), ``attr_dims``
+(256,1024,4096), ``attr_seeds`` (3), ``attr_lams`` (0,1e-4,1e-3,1e-2,1e-1,1), ``attr_probe``
+(0; n > 0: TRAK's ``probe=`` the first n training digits), ``attr_traker`` / ``attr_real`` /
+``attr_exact`` / ``attr_feat`` (1: run those rows), ``attr_threads`` (1: torch threads for the
+digits models; 0: the default), ``attr_cache`` (~/.cache/ntkcore-bench); ``tp_models``
+(mlp,resnet18,bert), ``tp_n_<model>`` (N: 1437, 64, 256), ``tp_dim`` (1024), ``tp_bs`` (32),
+``tp_rounds`` (3).
 """
 
 from __future__ import annotations
@@ -86,10 +87,6 @@ DEFAULTS: dict[str, tuple[Any, Any]] = {
     "tp_dim": (64, 1024),
     "tp_bs": (16, 32),
     "tp_rounds": (1, 3),
-    "scale_n": (256, 50_000),
-    "scale_dim": (256, 4096),
-    "scale_budget": ("1GB", "4GB"),
-    "scale_kill_s": (0.0, 600.0),
 }
 TP_N = {"mlp": 1437, "resnet18": 64, "bert": 256}
 
