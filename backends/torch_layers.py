@@ -627,12 +627,13 @@ def embedding_index(idx: torch.Tensor, padding_idx: int | None, v: int) -> torch
 
 
 #: Flop-equivalents, at the GEMM rate, of one element that :func:`drop_zero_positions` copies
-#: (a gather along the positions; g in a channels-first layout is strided) and of one element
-#: its zero test reads (a max and a min over a view).  Measured on 2 cores (AVX-512, float32):
-#: a GEMM at about 100 GFLOP/s, ``index_select`` of a conv's g at 2-4 ns an element (200-750
-#: flop-equivalents, the strided layout the slowest), the max-and-min read at about 0.6 ns.
+#: (a gather along the positions) and of one element its zero test reads (a max and a min
+#: over a view).  Measured on the 2-core development machine (float32, under load, so as
+#: ratios to a GEMM timed in the same process): ``index_select`` of a conv's g 210-410
+#: (contiguous) to 550-1000 (channels-first, strided) flop-equivalents an element, the max
+#: and the min 260-430; the lower ends are charged.
 COPY_FLOPS = 256
-SCAN_FLOPS = 64
+SCAN_FLOPS = 256
 #: Below this many elements of a and g (float32: 1 MiB, in cache) a block's zero positions
 #: are dropped unpriced: the read and the copy take microseconds either way.
 PRICED_ELEMENTS = 1 << 18
