@@ -386,8 +386,12 @@ class TRAK:
         block of scores of a test batch).
     kronecker : {"pairs", "grid"}
         Layout of the Kronecker projections; "pairs" (default) has TRAK's 1/dim variance.
-    method, params, probe, check_finite
+    method, params, check_finite
         As for :func:`ntkcore.features`.
+    probe : int or (x_probe, y_probe), optional
+        Split ``dim`` over the layers by their shares of the kernel trace on these samples
+        (the first ``probe`` training samples, or the given inputs and targets), as
+        ``ntkcore.features(probe=...)``; default: equal shares.
     jitter : "auto", float or None
         Jitter policy of the Cholesky (:func:`ntkcore.kernel_regression`).
 
@@ -465,9 +469,10 @@ class TRAK:
         fn.check(array_api_compat.array_namespace(first), y, int(first.shape[1]), f"y_{which}")
         composed = adapter.one_output(model, fn, x, y)
         src, z, mode = (model, x, "full") if composed is None else (*composed, "trace")
+        options = dict(self.options, probe=self._probe(adapter, model, composed))
         for _, start, stop, phi in feature_batches(
                 src, z, dim=self.dim, seed=member.seed, mode=mode, max_memory=self.max_memory,
-                reserve=reserve, **self.options):
+                reserve=reserve, **options):
             xp = array_api_compat.array_namespace(phi)
             if composed is not None and not weights:
                 yield start, stop, phi, None
@@ -486,6 +491,15 @@ class TRAK:
                                  "contain NaN or Inf (non-finite model outputs)")
             yield start, stop, phi, q
 
+    def _probe(self, adapter: ModelAdapter, model: Any, composed: Any) -> Any:
+        """The ``probe`` of :func:`ntkcore.features` for a member: None, or the fitted probe
+        samples ``(x, y)`` as the member's model takes them (composed like the training
+        samples), the same in ``fit`` and ``score``."""
+        if self.probe_ is None:
+            return None
+        x, y = self.probe_
+        return x if composed is None else adapter.one_output(model, self.output, x, y)[1]
+
     # -- fit and score --------------------------------------------------------------------
     def fit(self, x_train: Array, y_train: Array | None = None) -> TRAK:
         """Featurize the training set for every member, factor its system.
@@ -502,6 +516,14 @@ class TRAK:
         self
         """
         self._inputs(x_train, y_train, "train")
+        probe = self.options["probe"]
+        if isinstance(probe, int) and not isinstance(probe, bool):  # fixed here, for score too
+            k = max(1, probe)
+            probe = (x_train[0:k, ...], None if y_train is None else y_train[0:k, ...])
+        elif probe is not None and not (isinstance(probe, tuple) and len(probe) == 2):
+            raise TypeError("probe must be None, a number of training samples, or a pair "
+                            f"(x_probe, y_probe); got {type(probe).__name__}")
+        self.probe_ = probe
         # checkpoint c > 0 projects with a child of each seed, so that no two members share
         # a projection (traker: one projection per model id); checkpoint 0 uses the seed itself
         members = [_Member(m, s if c == 0 else spawn_seed(s, c))
@@ -621,7 +643,8 @@ class TRAK:
         options = {"dim": self.dim, "seed": mem.seed, "output": repr(self.output),
                    "output_code": type(self.output).__qualname__,
                    **{k: v for k, v in self.options.items() if k not in ("params", "probe")},
-                   "probe": None if self.options["probe"] is None else "given"}
+                   "probe": self.options["probe"] if isinstance(self.options["probe"], int)
+                   or self.options["probe"] is None else "given"}
         fingerprint = member_fingerprint(mem.model, x, y, self.options["params"], options)
         n = int(x.shape[0])
         mem.stored = store_features(

@@ -453,3 +453,33 @@ def test_each_checkpoint_gets_its_own_projection():
     assert not torch.allclose(trak.features_[0], trak.features_[1])
     assert torch.equal(trak.features_[1], ntkcore.features(
         model1, z, dim=16, seed=ntkcore.sketch.spawn_seed(3, 1)))
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlp"])
+def test_probe_fixes_one_split_for_fit_and_score(kind):
+    """``probe=k`` splits dim by the first k training samples' kernel shares, once, in fit:
+    a test set made of training samples gets exactly their training features (the same
+    projection), and the pair form ``probe=(x[:k], y[:k])`` is the same probe."""
+    ws, bs = _weights()
+    x, y, _, _ = _data(30, 5)
+    if kind == "torch":
+        model, xa, ya = _torch_net(ws, bs), torch.as_tensor(x), torch.as_tensor(y)
+    else:
+        from ntkcore.models import MLP
+
+        model = MLP([np.asarray(w) for w in ws], [np.asarray(b) for b in bs], activation="tanh")
+        xa, ya = x, y
+    trak = TRAK(model, dim=12, seed=3, reg=1e-3, probe=8).fit(xa, ya)
+    phi = np.asarray(trak.features_[0])
+    sub = np.asarray(TRAK(model, dim=12, seed=3, reg=1e-3, probe=8).fit(xa, ya).score(
+        xa[10:15], ya[10:15]))
+    np.testing.assert_array_equal(sub, np.asarray(trak.score(xa[10:15], ya[10:15])))
+    whole = np.asarray(trak.score(xa, ya))
+    tol = 64 * np.finfo(np.float64).eps * np.abs(whole).max() * 30
+    np.testing.assert_allclose(sub, whole[10:15], rtol=0, atol=tol)
+    pair = TRAK(model, dim=12, seed=3, reg=1e-3, probe=(xa[:8], ya[:8])).fit(xa, ya)
+    np.testing.assert_array_equal(np.asarray(pair.features_[0]), phi)
+    plain = TRAK(model, dim=12, seed=3, reg=1e-3).fit(xa, ya)
+    assert not np.allclose(np.asarray(plain.features_[0]), phi)  # the probe changes the split
+    with pytest.raises(TypeError, match="probe must be"):
+        TRAK(model, dim=12, probe="first").fit(xa, ya)
