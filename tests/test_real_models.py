@@ -224,7 +224,8 @@ def test_real_models_table_renders_blocks_shares_and_budget():
 
     params = {"N": 16, "model": "resnet18", "max_memory": "500MB", "dense_share": 0.25,
               "func_share": 0.125, "mem_over_budget": 1.04, "torch_func_blocks": ["bn1"],
-              "floor_s": 0.05, "bound": 40.0,
+              "floor_s": 0.05, "func_over_floor": 40.0, "gram_flops": 3e9, "bound_s": 0.08,
+              "share": 0.8,
               "blocks": {"KroneckerBlock": 21, "DenseBlock": 20, "torch.func": 1,
                          "DiagonalBlock": 3}}
     rows = [{"suite": "real_models", "case": "resnet18 N=16 trace", "impl": "ntkcore",
@@ -237,9 +238,17 @@ def test_real_models_table_renders_blocks_shares_and_budget():
     line = [x for x in text.splitlines() if x.startswith("| resnet18")]
     assert len(line) == 1
     cells = [c.strip() for c in line[0].strip("|").split("|")]
-    assert cells[1:10] == ["16", "100 ms", "2 s", "20x", "50 ms", "40x",
+    assert cells[1:13] == ["16", "100 ms", "2 s", "20x", "50 ms", "40x", "3", "80 ms", "80%",
                            "21 / 20 / 1; 3 DiagonalBlock", "25.0%", "12.5%"]
-    assert cells[10].endswith("= 1.04x") and cells[11] == "bn1"
+    assert cells[13].endswith("= 1.04x") and cells[14] == "bn1"
+    # a row written before issue 32: its "bound" is torch.func time / floor (max ratio)
+    old = {k: v for k, v in params.items() if k not in ("func_over_floor", "gram_flops",
+                                                          "bound_s", "share")}
+    rows[0]["params"] = {**old, "bound": 40.0}
+    line = [x for x in render.real_models_section(rows).splitlines()
+            if x.startswith("| resnet18")]
+    cells = [c.strip() for c in line[0].strip("|").split("|")]
+    assert cells[5:10] == ["50 ms", "40x", "-", "-", "-"]
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
