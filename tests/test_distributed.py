@@ -552,8 +552,10 @@ def test_max_memory_string_on_a_worker_with_a_limit(net):
     x = np.random.default_rng(13).standard_normal((10, 3))
     k = nd.ntk_dask(net, x, mode="trace", chunks=5, max_memory="200kB")
     with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                memory_limit="2GiB", silence_logs=logging.ERROR):
-        got = k.compute()
+                memory_limit="2GiB", silence_logs=logging.ERROR) as limited:
+        # a result, or a failure: under coverage and a swapping machine this wait once
+        # never returned (no timeout in Client.gather)
+        got = limited.compute(k).result(timeout=120)
     ref = dense_reference(net, x, None, "trace")  # float64 einsum of dense Jacobians
     assert np.abs(got - ref).max() <= kernel_bound(net, ref)
 
