@@ -643,8 +643,8 @@ class TRAK:
         options = {"dim": self.dim, "seed": mem.seed, "output": repr(self.output),
                    "output_code": type(self.output).__qualname__,
                    **{k: v for k, v in self.options.items() if k not in ("params", "probe")},
-                   "probe": self.options["probe"] if isinstance(self.options["probe"], int)
-                   or self.options["probe"] is None else "given"}
+                   "probe": self.probe_ if isinstance(self.options["probe"], tuple)
+                   else self.options["probe"]}
         fingerprint = member_fingerprint(mem.model, x, y, self.options["params"], options)
         n = int(x.shape[0])
         mem.stored = store_features(

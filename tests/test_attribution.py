@@ -465,3 +465,17 @@ def test_probe_fixes_one_split_for_fit_and_score(kind):
     assert not np.allclose(np.asarray(plain.features_[0]), phi)  # the probe changes the split
     with pytest.raises(TypeError, match="probe must be"):
         TRAK(model, dim=12, probe="first").fit(xa, ya)
+
+
+def test_store_refuses_another_probe(tmp_path):
+    """A probe pair fixes the dim split: a store written with one is not resumed with another
+    (its fingerprint holds the probe's arrays, not just "a probe was given")."""
+    pytest.importorskip("zarr")
+    ws, bs = _weights()
+    x, y, _, _ = _data(20, 5)
+    net, xa, ya = _torch_net(ws, bs), torch.as_tensor(x), torch.as_tensor(y)
+    store = tmp_path / "trak"
+    TRAK(net, dim=12, seed=3, probe=(xa[:8], ya[:8]), store=store).fit(xa, ya)
+    TRAK(net, dim=12, seed=3, probe=(xa[:8], ya[:8]), store=store).fit(xa, ya)  # resumes
+    with pytest.raises(ValueError, match="probe|differ|fingerprint"):
+        TRAK(net, dim=12, seed=3, probe=(xa[8:16], ya[8:16]), store=store).fit(xa, ya)

@@ -24,6 +24,10 @@ def member_fingerprint(model: Any, x: Any, y: Any, params: Any, options: dict[st
     """The fingerprint of one member's features: the model (architecture and parameters),
     the inputs ``x`` (as ``x1``), the targets ``y`` (as ``x2``) and the options that fix the
     projection and the output function."""
+    probe = options.get("probe")
+    if isinstance(probe, tuple):  # a probe pair fixes the dim split: its arrays, not "given"
+        options = dict(options, probe=[None if a is None else fp._safe_digest(a)
+                                       for a in probe])
     return fp.kernel_fingerprint(model, x, y, mode="attribution", params=params,
                                  options=options)
 
