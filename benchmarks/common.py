@@ -58,7 +58,7 @@ def asarray(x: Any, backend: str, dtype: str = "float32") -> Any:
     if lib == "torch":
         import torch
 
-        return torch.from_numpy(a.copy()).to(device or "cpu")
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device or "cpu")
     if lib == "jax":
         import jax.numpy as jnp
 
