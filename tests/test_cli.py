@@ -116,26 +116,13 @@ def test_support_out_and_check(tmp_path, capsys):
     assert "differs" in capsys.readouterr().err
 
 
-def test_bench_forwards_to_runner(capsys):
+def test_bench_passes_its_arguments_to_asv(capfd):
+    """``ntkcore bench ARGS`` is ``asv ARGS`` in the checkout (asv's own version line)."""
     if cli.source_root() is None:
         pytest.skip("not a source checkout")
-    assert cli.main(["bench", "--list"]) == 0
-
-
-def test_bench_help_names_the_command(tmp_path):
-    """``ntkcore bench --help`` prints ``usage: ntkcore bench``, ``python -m benchmarks
-    --help`` its own name (both in a fresh process: the runner is a subprocess)."""
-    if cli.source_root() is None:
-        pytest.skip("not a source checkout")
-    root = cli.source_root()
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env.pop("NTKCORE_BENCH_PROG", None)
-    for cmd, usage in ((["-m", "ntkcore", "bench", "--help"], "usage: ntkcore bench"),
-                       (["-m", "benchmarks", "--help"], "usage: python -m benchmarks")):
-        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env,
-                           cwd=root, timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.startswith(usage), r.stdout[:200]
+    pytest.importorskip("asv")
+    assert cli.main(["bench", "--version"]) == 0
+    assert "asv" in capfd.readouterr().out
 
 
 def test_bench_without_checkout(monkeypatch, capsys):

@@ -179,25 +179,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def source_root() -> Path | None:
-    """The source checkout holding ``benchmarks/`` next to the ``ntkcore`` package, if any."""
+    """The source checkout holding ``benchmarks/`` and ``asv.conf.json`` next to the
+    ``ntkcore`` package, if any."""
     import ntkcore
 
     root = Path(ntkcore.__file__).resolve().parent.parent
-    if (root / "benchmarks" / "__main__.py").is_file() and (root / "pyproject.toml").is_file():
+    if (root / "asv.conf.json").is_file() and (root / "benchmarks").is_dir():
         return root
     return None
 
 
 def _cmd_bench(argv: list[str]) -> int:
+    """``asv ARGV`` in the source checkout; without arguments a quick run of every benchmark
+    in this Python environment (``asv run --python=same --quick``)."""
     root = source_root()
     if root is None:
-        raise CLIError("the benchmark runner lives in the source checkout (benchmarks/ next to "
-                       "ntkcore/), which this installation does not have; clone the repository, "
-                       "`pip install -e \".[bench]\"` and run `python -m ntkcore bench` there")
-    env = dict(os.environ, NTKCORE_BENCH_PROG=f"{PROG} bench")  # the runner's usage line
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+        raise CLIError("the benchmarks (asv) live in the source checkout (benchmarks/ and "
+                       "asv.conf.json next to ntkcore/), which this installation does not have; "
+                       "clone the repository, `pip install -e \".[bench]\"` and run "
+                       "`ntkcore bench` there")
     try:
-        return subprocess.call([sys.executable, "-m", "benchmarks", *argv], env=env)
+        return subprocess.call([sys.executable, "-m", "asv",
+                                *(argv or ["run", "--python=same", "--quick"])], cwd=root)
     except KeyboardInterrupt:
         return 130
 
@@ -281,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the measurements as JSON (implies --no-progress)")
 
     sub.add_parser("bench", add_help=False,
-                   help="run the benchmarks (python -m benchmarks; source checkout)")
+                   help="asv in the source checkout (default: run --python=same --quick)")
     s = sub.add_parser("support", help="the backend support table as Markdown")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--out", type=Path, metavar="PATH", help="write it to PATH")
