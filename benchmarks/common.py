@@ -33,7 +33,11 @@ CPU_BACKENDS = ("numpy", "torch")
 
 def require(backend: str) -> Any:
     """The namespace module of ``backend`` or ``NotImplementedError`` (asv: skipped) when the
-    library or its device is missing here."""
+    library or its device is missing here, or when the environment variable
+    ``NTKCORE_BENCH_BACKENDS`` (comma-separated) does not list it."""
+    chosen = os.environ.get("NTKCORE_BENCH_BACKENDS")
+    if chosen and backend not in chosen.split(","):
+        raise NotImplementedError(f"{backend} is not in NTKCORE_BENCH_BACKENDS")
     lib, _, device = backend.partition("-")
     try:
         mod = __import__(lib)
@@ -189,9 +193,3 @@ def working_memory(fn: Callable[[], Any]) -> float:
     peak = _status("VmHWM") - before
     del out
     return float(peak)
-
-
-def threads() -> int:
-    """The torch intra-op thread count (what BLAS-bound CPU timings depend on)."""
-    torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else os.cpu_count() or 1

@@ -10,15 +10,16 @@
 #      the source tree on PYTHONPATH when setuptools is missing);
 #   2. pytest -m gpu (torch-cuda and CuPy backends) with TF32 switched off
 #      (NVIDIA_TF32_OVERRIDE=0, CUPY_TF32=0), so float32 accuracy checks see true float32;
-#   3. the GPU benchmark selection, `python -m benchmarks --device cuda`, with the libraries'
-#      default TF32 settings, which the result JSON records (machine.tf32);
-#   4. render OUTDIR/docs/benchmarks.md from that JSON.
+#   3. the asv benchmarks matching GPU_BENCH on the CUDA backends only
+#      (NTKCORE_BENCH_BACKENDS=torch-cuda,cupy), with the libraries' default TF32 settings;
+#      results saved under the machine name gpu-<model> when the tree is a git checkout;
+#   4. render OUTDIR/docs/benchmarks.md from them.
 # Output: OUTDIR/{summary.txt, nvidia-smi.txt, pip-freeze.txt, install.log, pytest-gpu.log,
-# pytest-gpu.xml, bench-cuda.json, bench-cuda.log, docs/}.  Copy bench-cuda.json into
-# benchmarks/results/<gpu>-cuda-<date>.json and run `python -m benchmarks.render`.
+# pytest-gpu.xml, asv-cuda.log, asv-results/, docs/}.  Copy asv-results/gpu-*/ into
+# benchmarks/results/asv/ and run `python -m benchmarks.render --machine gpu-<model>`.
 #
 # Time budget (seconds, overridable by environment): PYTEST_BUDGET=150 for the tests,
-# BENCH_BUDGET=300 for the benchmarks (each suite at most SUITE_TIMEOUT=60), so the whole
+# BENCH_BUDGET=300 for the benchmarks, so the whole
 # script stays under 8 minutes including start-up.
 set -uo pipefail
 
@@ -26,7 +27,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python}"
 WHEELS=(array-api-compat array-api-strict hypothesis attrs sortedcontainers tqdm
-        threadpoolctl)
+        threadpoolctl asv asv-runner json5 tabulate pympler pyyaml packaging)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     mkdir -p .whl
@@ -42,8 +43,7 @@ fi
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
 PYTEST_BUDGET="${PYTEST_BUDGET:-150}"
 BENCH_BUDGET="${BENCH_BUDGET:-300}"
-SUITE_TIMEOUT="${SUITE_TIMEOUT:-60}"
-GPU_SUITES="${GPU_SUITES:-gram,ntk,providers,regression,smw,sketch,seng}"
+GPU_BENCH="${GPU_BENCH:-^(gram|ntk|providers|regression|smw|sketch|seng|real_models)}"
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -100,33 +100,28 @@ NVIDIA_TF32_OVERRIDE=0 CUPY_TF32=0 HYPOTHESIS_PROFILE=dev timeout "$PYTEST_BUDGE
 rc=$?
 say "pytest -m gpu exit $rc ($( tail -n 1 "$OUT/pytest-gpu.log" ))"
 
-# -- 3. GPU benchmarks, library-default TF32 (recorded) -----------------------------------
-known="$("$PY" -m benchmarks --list 2>/dev/null | awk '{print $1}' | paste -sd, -)"
-selected=""
-for s in ${GPU_SUITES//,/ }; do
-    [[ ",$known," == *",$s,"* ]] && selected="${selected:+$selected,}$s"
-done
-backends="torch"
-"$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" 2>/dev/null \
-    && backends="torch,cupy"
+# -- 3. GPU benchmarks (asv, CUDA backends only), library-default TF32 ---------------------
 remaining=$(( 470 - ($(date +%s) - START) ))
 budget=$(( remaining < BENCH_BUDGET ? remaining : BENCH_BUDGET ))
-say "benchmarks --device cuda --backend $backends --suite $selected (budget ${budget}s)"
-if [[ -n "$selected" && $budget -gt 30 ]]; then
-    timeout "$budget" "$PY" -m benchmarks --device cuda --backend "$backends" \
-        --suite "$selected" --repeat 5 --budget 5 --suite-timeout "$SUITE_TIMEOUT" \
-        --total-budget $(( budget - 45 )) \
-        --blas-env clean --out "$OUT/bench-cuda.json" > "$OUT/bench-cuda.log" 2>&1
-    rc=$?
-    say "benchmarks exit $rc ($(grep -c ': ok,' "$OUT/bench-cuda.log") suites ok)"
-    grep '^\[benchmarks\]' "$OUT/bench-cuda.log" | tee -a "$SUMMARY"
+gpu_name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '-')"
+commit="$(git rev-parse HEAD 2>/dev/null)"
+save=(); [[ -n "$commit" ]] && save=(--set-commit-hash="$commit")
+say "asv run -b '$GPU_BENCH' on torch-cuda,cupy (budget ${budget}s; saved: ${commit:-no, not a git checkout})"
+if [[ $budget -gt 30 ]]; then
+    "$PY" -m asv machine --yes --machine "gpu-${gpu_name:-unknown}" > /dev/null 2>&1
+    NTKCORE_BENCH_BACKENDS=torch-cuda,cupy timeout "$budget" "$PY" -m asv run --python=same \
+        "${save[@]}" --machine "gpu-${gpu_name:-unknown}" -b "$GPU_BENCH" \
+        > "$OUT/asv-cuda.log" 2>&1
+    say "asv exit $? ($(grep -c ' ok$' "$OUT/asv-cuda.log") benchmarks ok, $(grep -c 'failed$' "$OUT/asv-cuda.log") failed)"
+    cp -r benchmarks/results/asv "$OUT/asv-results" 2>/dev/null
 else
-    say "benchmarks skipped (no suite or no time left)"
+    say "benchmarks skipped (no time left)"
 fi
 
 # -- 4. render ----------------------------------------------------------------------------
-if [[ -f "$OUT/bench-cuda.json" ]]; then
-    "$PY" -m benchmarks.render "$OUT/bench-cuda.json" --docs "$OUT/docs" >> "$SUMMARY" 2>&1 \
-        || say "render failed"
+if [[ -n "$commit" ]]; then
+    mkdir -p "$OUT/docs"
+    "$PY" -m benchmarks.render --machine "gpu-${gpu_name:-unknown}" --out "$OUT/docs/benchmarks.md" \
+        >> "$SUMMARY" 2>&1 || say "render failed"
 fi
 say "done in $(( $(date +%s) - START )) s"
