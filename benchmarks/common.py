@@ -146,10 +146,10 @@ def gemm_rate(backend: str, dtype: str = "float32", n: int = 2048) -> float:
 
 
 def roofline_share(fn: Callable[[], Any], flops: float, backend: str,
-                   dtype: str = "float32", rounds: int = 5) -> float:
+                   dtype: str = "float32", rounds: int = 5, n: int = 2048) -> float:
     """``flops`` at the GEMM rate over ``fn``'s time, the GEMM timed in the same rounds: the
-    share of the roofline ``fn`` reaches (1.0: as fast as a GEMM of that many flops)."""
-    g, g_flops = gemm(backend, dtype)
+    share of the roofline ``fn`` reaches (1.0: as fast as an ``n x n`` GEMM per flop)."""
+    g, g_flops = gemm(backend, dtype, n)
     t = in_turns({"case": fn, "gemm": g}, rounds=rounds)
     return flops / t["case"] / (g_flops / t["gemm"])
 

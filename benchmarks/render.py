@@ -126,7 +126,7 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     k = names.index("N")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     drawn = 0
     for m in times:
         lines: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
@@ -141,7 +141,9 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
                 ax.loglog(*zip(*pts), marker="o", label=label)
                 drawn += 1
     if drawn:
-        ax.set(xlabel="N", ylabel="seconds", title=title)
+        import textwrap
+
+        ax.set(xlabel="N", ylabel="seconds", title=textwrap.fill(title, 60))
         ax.legend(fontsize=6)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=90, bbox_inches="tight")
