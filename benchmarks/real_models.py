@@ -1,12 +1,15 @@
 """Real architectures at random init, shared by ``tests/test_real_models.py`` and the
-``real_models`` benchmark suite (issue 18).
+asv benchmarks of ``benchmarks/real_models_bench.py`` (issue 18).
 
 Nobody on the project wrote these models: torchvision ``resnet18``, timm
 ``vit_tiny_patch16_224`` (image 32, patch 8, depth 2), timm ``convnext_atto``, timm
 ``efficientnet_b0``, Hugging Face ``BertForSequenceClassification`` (hidden 64, 2 layers,
 2 heads) and an Embedding-GRU classifier written here (with an explicit ``h0``).  Each comes at
 a ``"tiny"`` size (tests: a few samples, small images and sequences) and a ``"bench"`` size (the
-issue's benchmark), in eval mode, with deterministic weights and inputs.
+issue's benchmark), in eval mode, with deterministic weights and inputs.  Issue 32's full-size
+models, :data:`FULL_MODELS`, come at a ``"full"`` size only: BERT-base (hidden 768, 12 layers,
+12 heads, intermediate 3072, 128 tokens, O = 2), timm ``vit_small_patch16_224`` and
+torchvision ``resnet50`` on 224 x 224 images (O = 10).
 
 The optional packages (``pip install torch==2.13.0 -e ".[real-models]"``: the ``real-models``
 extra of ``pyproject.toml``) are imported by :func:`import_optional`.  The PyPI wheel of
@@ -31,8 +34,11 @@ from torch import nn
 #: Model names in the issue's order.
 MODELS = ("resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru")
 #: The package each model needs (``None``: torch alone).
+#: The full-size models of issue 32 (size ``"full"`` only).
+FULL_MODELS = ("bert_base", "vit_s16", "resnet50")
 PACKAGE = {"resnet18": "torchvision", "vit_tiny": "timm", "convnext_atto": "timm",
-           "efficientnet_b0": "timm", "bert": "transformers", "gru": None}
+           "efficientnet_b0": "timm", "bert": "transformers", "gru": None,
+           "bert_base": "transformers", "vit_s16": "timm", "resnet50": "torchvision"}
 
 # the schemas torchvision's import registers fake kernels for (torchvision/_meta_registrations)
 _TV_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -130,6 +136,9 @@ SIZES: dict[str, dict[str, Size]] = {
                                                                       classes=2)},
     "gru": {"tiny": Size(seq=5, vocab=20, classes=3), "bench": Size(seq=32, vocab=1000,
                                                                     classes=10)},
+    "bert_base": {"full": Size(seq=128, vocab=30522, classes=2)},
+    "vit_s16": {"full": Size(image=224, classes=10)},
+    "resnet50": {"full": Size(image=224, classes=10)},
 }
 
 
@@ -159,10 +168,10 @@ class _BertLogits(nn.Module):
         return self.bert(input_ids=ids).logits
 
 
-def _bert(s: Size) -> Any:
+def _bert(s: Size, hidden: int = 64, layers: int = 2, heads: int = 2, inter: int = 128) -> Any:
     tf = import_optional("transformers")
-    cfg = tf.BertConfig(vocab_size=s.vocab, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=128,
+    cfg = tf.BertConfig(vocab_size=s.vocab, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=inter,
                         max_position_embeddings=max(32, s.seq), num_labels=s.classes,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return _BertLogits(tf.BertForSequenceClassification(cfg))
@@ -195,12 +204,17 @@ _BUILD = {
     "efficientnet_b0": lambda s: _timm("efficientnet_b0", s),
     "bert": _bert,
     "gru": lambda s: GRUClassifier(s.vocab, s.classes),
+    "bert_base": lambda s: _bert(s, hidden=768, layers=12, heads=12, inter=3072),
+    "vit_s16": lambda s: _timm("vit_small_patch16_224", s),
+    "resnet50": lambda s: import_optional("torchvision").models.resnet50(
+        weights=None, num_classes=s.classes),
 }
 
 
 def build(name: str, size: str = "tiny", n: int = 2, dtype: str = "float32",
           device: str = "cpu", seed: int = 0) -> tuple[Any, Any]:
-    """Model ``name`` at ``size`` ("tiny" or "bench") in eval mode, and N inputs.
+    """Model ``name`` at ``size`` ("tiny", "bench"; "full" for :data:`FULL_MODELS`) in eval
+    mode, and N inputs.
 
     Weights: the library's random init under ``torch.manual_seed(seed)``, then the running
     statistics of BatchNorm layers and the affine parameters of normalisation layers drawn
@@ -209,7 +223,7 @@ def build(name: str, size: str = "tiny", n: int = 2, dtype: str = "float32",
     ``seed + 1``.
     """
     if name not in _BUILD:
-        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS + FULL_MODELS}")
     s = SIZES[name][size]
     torch.manual_seed(seed)
     model = _BUILD[name](s)

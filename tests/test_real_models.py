@@ -209,7 +209,7 @@ def test_torchvision_ops_defined_only_when_the_import_needs_them():
 def test_benchmark_sizes_fit_the_jacobian_budget():
     """N_fit is the largest N whose N x O x P Jacobian fits (resnet18 at O = 10 in float32:
     447 MB a sample, 17 in 8 GB), capped, and 16 and 32 are always there."""
-    from benchmarks.suites.real_models import sizes
+    from benchmarks.real_models_bench import sizes
 
     p, o = 11_181_642, 10
     assert sizes(p, o, 4, 8e9) == [16, 17, 32]
@@ -219,43 +219,11 @@ def test_benchmark_sizes_fit_the_jacobian_budget():
     assert sizes(p, o, 8, 1e8) == [1, 16, 32]
 
 
-def test_real_models_table_renders_blocks_shares_and_budget():
-    from benchmarks import render
-
-    params = {"N": 16, "model": "resnet18", "max_memory": "500MB", "dense_share": 0.25,
-              "func_share": 0.125, "mem_over_budget": 1.04, "torch_func_blocks": ["bn1"],
-              "floor_s": 0.05, "func_over_floor": 40.0, "gram_flops": 3e9, "bound_s": 0.08,
-              "share": 0.8,
-              "blocks": {"KroneckerBlock": 21, "DenseBlock": 20, "torch.func": 1,
-                         "DiagonalBlock": 3}}
-    rows = [{"suite": "real_models", "case": "resnet18 N=16 trace", "impl": "ntkcore",
-             "dtype": "float32", "median_s": 0.1, "_speedup": 20.0, "params": params,
-             "peak_mem_bytes": 520e6, "baseline": "torch.func jacobian"},
-            {"suite": "real_models", "case": "resnet18 N=16 trace",
-             "impl": "torch.func jacobian", "dtype": "float32", "median_s": 2.0,
-             "params": {"N": 16}}]
-    text = render.real_models_section(rows)
-    line = [x for x in text.splitlines() if x.startswith("| resnet18")]
-    assert len(line) == 1
-    cells = [c.strip() for c in line[0].strip("|").split("|")]
-    assert cells[1:13] == ["16", "100 ms", "2 s", "20x", "50 ms", "40x", "3", "80 ms", "80%",
-                           "21 / 20 / 1; 3 DiagonalBlock", "25.0%", "12.5%"]
-    assert cells[13].endswith("= 1.04x") and cells[14] == "bn1"
-    # a row written before issue 32: its "bound" is torch.func time / floor (max ratio)
-    old = {k: v for k, v in params.items() if k not in ("func_over_floor", "gram_flops",
-                                                          "bound_s", "share")}
-    rows[0]["params"] = {**old, "bound": 40.0}
-    line = [x for x in render.real_models_section(rows).splitlines()
-            if x.startswith("| resnet18")]
-    cells = [c.strip() for c in line[0].strip("|").split("|")]
-    assert cells[5:10] == ["50 ms", "40x", "-", "-", "-"]
-
-
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 def test_backward_floor_takes_every_activation_gradient_and_no_weight_gradient():
-    """The suite's floor: O backward passes reaching every parameter owner's output, with no
+    """The benchmark's floor: O backward passes reaching every parameter owner's output, with no
     weight gradient formed; its output is the model's (the same forward pass)."""
-    from benchmarks.suites.real_models import backward_floor
+    from benchmarks.real_models_bench import backward_floor
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()

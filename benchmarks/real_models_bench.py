@@ -1,0 +1,294 @@
+r"""Real architectures (issues 18 and 32): ``ntkcore.ntk`` (trace mode, float32) against
+``torch.func`` Jacobian contraction, and against the bound of what any exact reverse-mode eNTK
+must spend on the machine.
+
+The models are built by ``benchmarks/real_models.py`` (random init, eval mode, deterministic
+weights and inputs).  torchvision, timm and transformers are optional: a model whose package
+is missing is skipped.  The bound (:func:`bound_terms`) is the backward floor
+(:func:`backward_floor`: the forward pass and the output-gradient passes) plus the planned
+Gram's flops at the GEMM rate measured in the same rounds; ``track_bound_share`` is the bound
+over ntkcore's time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import gemm, in_turns, relerr, working_memory
+
+#: samples of the float64 reference (``Error``)
+N_REF = 3
+#: torch.func is timed only where its N x O x P Jacobian takes at most this many bytes
+JAC_LIMIT = 2e9
+#: the full-size cases' memory budget (``max_memory`` of ``ntkcore.ntk``)
+FULL_BUDGET = "2GB"
+
+
+def sizes(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> list[int]:
+    r"""16, 32 and :math:`N_{fit} = \lfloor \text{jac\_bytes} / (O P\, \text{itemsize})
+    \rfloor` (at most ``max_n``, at least 1), sorted, without duplicates: the sample counts
+    at which torch.func's Jacobian of P parameters and O outputs still fits ``jac_bytes``."""
+    n_fit = max(1, min(max_n, int(jac_bytes // (o * p * itemsize))))
+    return sorted({16, 32, n_fit})
+
+
+def backward_floor(m: Any, x: Any, batched: bool = False) -> Callable[[], Any]:
+    r"""The work every exact reverse-mode eNTK needs, as a zero-argument call.
+
+    The forward pass with autograd, then the backward passes giving
+    :math:`\partial f_o / \partial y` for every output o = 1..O at the output y of every
+    module that owns a parameter (activation gradients only, no weight gradient): one pass
+    per output, or (``batched``) one ``is_grads_batched`` pass over all O (raises on ops
+    without a batching rule).  ntkcore's torch provider needs these gradients for its factors
+    and ``jacrev`` computes them on its way to the weight gradients.
+    """
+    import torch
+
+    owners = [mod for mod in m.modules() if any(True for _ in mod.parameters(recurse=False))]
+
+    def floor() -> Any:
+        ys: list[Any] = []
+
+        def keep(mod: Any, args: Any, y: Any) -> None:
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                ys.append(y)
+
+        handles = [mod.register_forward_hook(keep) for mod in owners]
+        try:
+            out = m(x)
+        finally:
+            for h in handles:
+                h.remove()
+        out2 = out.reshape(out.shape[0], -1)
+        o = out2.shape[1]
+        eye = torch.eye(o, dtype=out2.dtype, device=out2.device)
+        if batched:
+            with warnings.catch_warnings():  # torch's note on ops without a batching rule
+                warnings.simplefilter("ignore")
+                torch.autograd.grad(out2, ys, eye[:, None, :].expand(o, *out2.shape),
+                                    allow_unused=True, is_grads_batched=True)
+            return out
+        for k in range(o):
+            torch.autograd.grad(out2, ys, eye[k].expand_as(out2), allow_unused=True,
+                                retain_graph=k < o - 1)
+        return out
+
+    return floor
+
+
+def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
+                time_s: float) -> dict[str, float]:
+    r"""The bound of issue 32 and the share of it reached in ``time_s`` seconds:
+    :math:`t_{bound} = t_{floor} + F_{Gram} / r_{GEMM}` (the backward floor, then the
+    planned Gram's flops at the measured GEMM rate in flop/s) and ``share`` =
+    :math:`t_{bound} / t` (1: nothing is spent beyond the floor and the Gram's GEMM work)."""
+    gram_s = gram_flops / gemm_rate
+    return {"gram_s": gram_s, "bound_s": floor_s + gram_s, "share": (floor_s + gram_s) / time_s}
+
+
+def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
+    """Flops of the Gram ntkcore plans (trace mode): ``plan_gram(J).flops`` of the provider's
+    Jacobian, the tiles it computes (checked against ``torch.utils.flop_counter`` in
+    ``tests/test_gram_flops.py``)."""
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    import ntkcore
+
+    return float(ntkcore.plan_gram(jacobian(m, x), mode="trace", max_memory=max_memory).flops)
+
+
+def bound_share(ntk: Callable[[], Any], m: Any, x: Any, max_memory: Any = None,
+                rounds: int = 2, batched: bool = True) -> float:
+    """Share of the bound (:func:`bound_terms`) reached by ``ntk``: ntkcore, both floors (the
+    batched one left out where it raises, or unless ``batched``: it holds O copies of the
+    activation gradients) and a GEMM timed in the same rounds; the faster floor counts."""
+    floors = {"floor": backward_floor(m, x)}
+    try:
+        if batched:
+            backward_floor(m, x, batched=True)()
+            floors["floor batched"] = backward_floor(m, x, batched=True)
+    except RuntimeError:  # an op without a batching rule
+        pass
+    g, g_flops = gemm("torch")
+    t = in_turns({"ntkcore": ntk, **floors, "gemm": g}, rounds=rounds)
+    floor_s = min(t[k] for k in floors)
+    return bound_terms(floor_s, gram_flops(m, x, max_memory), g_flops / t["gemm"],
+                       t["ntkcore"])["share"]
+
+
+def reference(model: str, n: int, size: str = "bench") -> Any:
+    r"""float64 trace kernel of the first ``n`` samples, one output at a time
+    (:math:`\sum_o J_o J_o^\top`, :math:`J_o` (N, P) by ``vmap(jacrev)`` of
+    ``functional_call``: N P doubles at a time instead of N O P)."""
+    import torch
+    from torch.func import functional_call, jacrev, vmap
+
+    from benchmarks import real_models as rm
+
+    m, x = rm.build(model, size, n=n, dtype="float64")
+    pd = {k: v.detach() for k, v in m.named_parameters()}
+    k = torch.zeros(n, n, dtype=torch.float64)
+    for o in range(rm.num_outputs(model, size)):
+        def f(pd: dict, xn: Any, o: int = o) -> Any:
+            return functional_call(m, pd, (xn[None],)).reshape(-1)[o]
+
+        with warnings.catch_warnings():  # torch's SDPA batching-rule note
+            warnings.filterwarnings("ignore", message=".*batching rule")
+            jac = vmap(jacrev(f), in_dims=(None, 0))(pd, x)
+        j = torch.cat([v.reshape(n, -1) for v in jac.values()], dim=1)
+        k += j @ j.T
+    return k
+
+
+def _setup(model: str, size: str, n: int, threads: int | None = None) -> tuple[Any, Any]:
+    """The model and N inputs in float32, or ``NotImplementedError`` (asv: skipped) when
+    its package is missing; sets torch's thread count."""
+    import torch
+
+    from benchmarks import real_models as rm
+
+    why = rm.available(model)
+    if why:
+        raise NotImplementedError(why)
+    if threads:
+        torch.set_num_threads(threads)
+    return rm.build(model, size, n=n, dtype="float32")
+
+
+def _ntk(m: Any, x: Any, max_memory: Any = None) -> Callable[[], Any]:
+    import ntkcore
+
+    return lambda: ntkcore.ntk(m, x, mode="trace", max_memory=max_memory)
+
+
+class Kernel:
+    """ntkcore's trace kernel on the bench-size models: time, share of the bound and working
+    memory per model, N and torch thread count."""
+
+    params = (["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"],
+              [16, 32], [1, 2])
+    param_names = ("model", "N", "threads")
+    number, repeat, warmup_time, rounds = 1, (1, 3, 8.0), 0, 1
+    timeout = 300
+
+    def setup(self, model: str, n: int, threads: int) -> None:
+        self.m, self.x = _setup(model, "bench", n, threads)
+        self.ntk = _ntk(self.m, self.x)
+
+    def time_ntkcore(self, *_: Any) -> None:
+        self.ntk()
+
+    def track_bound_share(self, *_: Any) -> float:
+        """Bound time (floor + planned Gram flops at the GEMM rate) over ntkcore's time."""
+        return bound_share(self.ntk, self.m, self.x)
+
+    track_bound_share.unit = "share"  # type: ignore[attr-defined]
+
+    def track_working_memory(self, *_: Any) -> float:
+        return working_memory(self.ntk)
+
+    track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
+
+
+class VsTorchFunc:
+    """ntkcore against torch.func's dense Jacobian contraction (``vmap(jacrev)`` then one GEMM),
+    where the float32 N x O x P Jacobian takes at most 2 GB (vit_tiny, BERT, GRU)."""
+
+    params = (["vit_tiny", "bert", "gru"], [16, 32], [1, 2])
+    param_names = ("model", "N", "threads")
+    timeout = 400
+
+    def setup(self, model: str, n: int, threads: int) -> None:
+        from benchmarks import real_models as rm
+        from benchmarks.baselines.torch_func import jacobian_contraction
+
+        m, x = _setup(model, "bench", n, threads)
+        jac = n * rm.num_outputs(model, "bench") * sum(q.numel() for q in m.parameters()) * 4
+        if jac > JAC_LIMIT:
+            raise NotImplementedError(f"torch.func's Jacobian would take {jac / 1e9:.1f} GB")
+        self.ntk = _ntk(m, x)
+
+        def func() -> Any:
+            with warnings.catch_warnings():  # torch's SDPA batching-rule note, per call
+                warnings.filterwarnings("ignore", message=".*batching rule")
+                return jacobian_contraction(m, x, mode="trace", max_jac_bytes=JAC_LIMIT)
+
+        self.func = func
+
+    def track_speedup(self, *_: Any) -> float:
+        """torch.func's time over ntkcore's, the two timed in turns."""
+        t = in_turns({"ntkcore": self.ntk, "torch.func": self.func}, rounds=2)
+        return t["torch.func"] / t["ntkcore"]
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+class Error:
+    """ntkcore's float32 trace kernel against a float64 dense torch.func reference, 3 samples."""
+
+    params = (["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"],)
+    param_names = ("model",)
+    timeout = 300
+
+    def setup(self, model: str) -> None:
+        self.m, self.x = _setup(model, "bench", N_REF)
+
+    def track_error(self, model: str) -> float:
+        return relerr(_ntk(self.m, self.x)(), reference(model, N_REF))
+
+    track_error.unit = "relative"  # type: ignore[attr-defined]
+
+
+class FullSize:
+    """Full-size models at random init (BERT-base at 128 tokens, ViT-S/16 and ResNet-50 at
+    224 px) under ``max_memory="2GB"``; opt-in: ``NTKCORE_BENCH_LARGE=1``.
+
+    Time per kernel entry (ntkcore's time over N^2), share of the bound, working memory over
+    the budget, and the bytes torch.func's dense float32 N x O x P Jacobian would take.
+    """
+
+    params = (["bert_base", "vit_s16", "resnet50"], [8, 32, 128])
+    param_names = ("model", "N")
+    number, repeat, warmup_time, rounds = 1, 1, 0, 1
+    timeout = 1800
+
+    def setup(self, model: str, n: int) -> None:
+        if os.environ.get("NTKCORE_BENCH_LARGE") != "1":
+            raise NotImplementedError("set NTKCORE_BENCH_LARGE=1")
+        self.m, self.x = _setup(model, "full", n)
+        self.ntk = _ntk(self.m, self.x, FULL_BUDGET)
+
+    def track_time_per_entry(self, model: str, n: int) -> float:
+        """Seconds of one call (the first: minutes at N = 128) over its N^2 kernel entries."""
+        t0 = time.perf_counter()
+        self.ntk()
+        return (time.perf_counter() - t0) / n**2
+
+    track_time_per_entry.unit = "seconds"  # type: ignore[attr-defined]
+
+    def track_bound_share(self, *_: Any) -> float:
+        return bound_share(self.ntk, self.m, self.x, FULL_BUDGET, rounds=1, batched=False)
+
+    track_bound_share.unit = "share"  # type: ignore[attr-defined]
+
+    def track_memory_over_budget(self, *_: Any) -> float:
+        """Working memory over ``max_memory`` (at most about 1 when the budget holds)."""
+        from ntkcore._memory import parse_memory
+
+        return working_memory(self.ntk) / parse_memory(FULL_BUDGET)
+
+    track_memory_over_budget.unit = "share"  # type: ignore[attr-defined]
+
+    def track_dense_jacobian_bytes(self, model: str, n: int) -> float:
+        """N O P x 4 bytes: torch.func's float32 Jacobian (it fits where this is below the
+        available memory)."""
+        from benchmarks import real_models as rm
+
+        p = sum(q.numel() for q in self.m.parameters())
+        return float(n * rm.num_outputs(model, "full") * p * 4)
+
+    track_dense_jacobian_bytes.unit = "bytes"  # type: ignore[attr-defined]
