@@ -107,6 +107,10 @@ def _grid_pairs(q: int, q_a: int) -> tuple[int, int]:
 
 
 # -- projections of one block -----------------------------------------------------------------
+#: Largest Khatri-Rao sketch (d_out d_in q numbers, formed per batch) of a pairs block that
+#: :meth:`PairsLayout.by_weights` lets it form: 2^22 numbers, 16 MiB in float32.
+KHATRI_RAO_NUMBERS = 1 << 22
+
 @dataclass(frozen=True)
 class Projection:
     """How one block is projected onto ``dim`` feature columns: ``n`` parameters (dense) or
@@ -185,21 +189,50 @@ class PairsLayout(Projection):
                 gaussian(self.d_out, self.q_g, seed=spawn_seed(seed, b, 2), like=like))
 
     def _factors(self, block: Any, sketches: tuple[Any, ...]) -> tuple[Array, Array]:
-        """``(a_s, g_s)``: the projected factors (N, S, q_A) and (N, S, R, q_G)."""
-        dtype = block.g.dtype
-        return block.a_times(sketches[0].transposed(dtype)), \
-            block.g @ sketches[1].transposed(dtype)
+        """``(a_s, g_s)``: the projected factors (N, S, q_A) and (N, S, R, q_G).  g is
+        flattened to (N S R, d_out) for one GEMM (a strided g, e.g. merged outputs, would
+        otherwise make the product N S R matrix-vector products)."""
+        g, om_g = block.g, sketches[1].transposed(block.g.dtype)
+        xp = array_api_compat.array_namespace(g)
+        n, s, r, d_out = g.shape
+        g_s = xp.reshape(xp.reshape(g, (n * s * r, d_out)) @ om_g, (n, s, r, om_g.shape[1]))
+        return block.a_times(sketches[0].transposed(g.dtype)), g_s
+
+    def by_weights(self, block: Any, r: int) -> bool:
+        r"""Whether :meth:`apply` forms each sample's weight first (cheaper when positions are
+        many and the layer is narrow, e.g. a first convolution).  Per sample, projecting the
+        factors costs :math:`S q (w_a + R d_\text{out} + R)` multiply-adds (``w_a`` = the
+        stored factor's width), the weight route :math:`R d_\text{out} d_\text{in} (S + q)`;
+        an index factor always projects (its weight is a one-hot table), and so does a block
+        whose Khatri-Rao sketch would exceed :data:`KHATRI_RAO_NUMBERS`."""
+        s, q, d_out = block.num_positions, self.dim, block.d_out
+        if block.one_hot is not None or d_out * block.d_in * q > KHATRI_RAO_NUMBERS:
+            return False
+        return r * d_out * block.d_in * (s + q) < s * q * (block.a_width + r * d_out + r)
 
     def apply(self, block: Any, sketches: tuple[Any, ...]) -> Array:
-        a_s, g_s = self._factors(block, sketches)  # cell i: (gamma_i . g_s)(alpha_i . a_s)
-        xp = array_api_compat.array_namespace(g_s)
+        r"""Cell i, :math:`\sum_s (\gamma_i^\top g_s)(\alpha_i^\top a_s) = \gamma_i^\top X
+        \alpha_i`, in the cheaper of two orders (:meth:`by_weights`): project both factors
+        and sum over positions, or form the flat weight :math:`X = \sum_s g_s a_s^\top`
+        (N, R, d_out d_in) and multiply it by the Khatri-Rao product of the sketches, column
+        :math:`\gamma_i \otimes \alpha_i` (d_out d_in, q): one GEMM."""
+        dtype = block.g.dtype
+        xp = array_api_compat.array_namespace(block.g)
+        if self.by_weights(block, block.num_outputs):
+            om_a, om_g = sketches[0].transposed(dtype), sketches[1].transposed(dtype)
+            kr = xp.reshape(om_g[:, None, :] * om_a[None, :, :], (-1, self.dim))
+            return (block.to_dense() @ kr) * math.sqrt(self.dim)
+        a_s, g_s = self._factors(block, sketches)
         return xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(self.dim)
 
     def nbytes(self) -> int:
         return 16 * (self.q_a * self.n + self.q_g * self.d_out)
 
     def batch_numbers(self, block: Any, r: int) -> int:
-        """The projected factors a_s (S, q_A), g_s (S, R, q_G) and the products (S, R, q)."""
+        """The projected factors a_s (S, q_A), g_s (S, R, q_G) and the products (S, R, q);
+        by weights X (R, d_out d_in) and the features (R, q)."""
+        if self.by_weights(block, r):
+            return r * (block.d_out * block.d_in + self.dim)
         return block.num_positions * (self.q_a + 2 * r * self.q_g) + r * self.dim
 
     def _pairs(self) -> tuple[int, int]:

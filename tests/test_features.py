@@ -19,7 +19,7 @@ import pytest
 
 import ntkcore
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock
-from ntkcore.features import GridLayout, _grid_pairs, allocate, allocate_exact
+from ntkcore.features import GridLayout, PairsLayout, _grid_pairs, allocate, allocate_exact
 from ntkcore.models import MLP
 from ntkcore.sketch import split_kronecker
 from tests.conftest import make_case
@@ -126,6 +126,32 @@ def test_grid_pairs_count_cells_by_enumeration():
         assert _grid_pairs(q, q_a) == (rows, cols)
     assert split_kronecker(12, 8, 6, cells=True) == (4, 3)
     assert split_kronecker(1, 8, 6, cells=True) == (1, 1)
+
+
+@pytest.mark.parametrize("ones", [False, True])
+@pytest.mark.parametrize("s, d_in, d_out, r, q", [(64, 27, 16, 10, 300), (4, 50, 40, 1, 64),
+                                                  (1, 9, 7, 3, 11)])
+def test_pairs_orders_agree_with_the_dense_weight(rng, monkeypatch, ones, s, d_in, d_out, r, q):
+    """Both contraction orders of a pairs block (factors first; each sample's weight first)
+    give gamma_i^T X alpha_i of the dense per-sample weight X (float64, to rounding); the
+    cost rule picks the weight order for a first convolution's shape and never for an index
+    factor."""
+    a = rng.standard_normal((5, s, d_in - ones))
+    g = rng.standard_normal((5, s, r, d_out))
+    block = KroneckerBlock(a, g, ones=ones)
+    layout = PairsLayout("gaussian", q, d_in, d_out)
+    sk = layout.sketches(0, 0, g)
+    x = np.einsum("nsro,nsd->nrod", g, np.concatenate([a, np.ones((5, s, 1))], -1) if ones else a)
+    om_a, om_g = sk[0].transposed(np.float64), sk[1].transposed(np.float64)  # (d_in, q), (d_out, q)
+    ref = np.einsum("oi,nrod,di->nri", om_g, x, om_a) * math.sqrt(q)
+    for order in (True, False):
+        monkeypatch.setattr(PairsLayout, "by_weights", lambda self, b, r, o=order: o)
+        np.testing.assert_allclose(layout.apply(block, sk), ref, rtol=0,
+                                   atol=1e-13 * np.abs(ref).max())
+    monkeypatch.undo()
+    assert layout.by_weights(block, r) == ((s, d_in, d_out, r) == (64, 27, 16, 10))
+    idx = KroneckerBlock(rng.integers(0, 1000, (5, s)), g, one_hot=1000)
+    assert not PairsLayout("gaussian", q, 1000, d_out).by_weights(idx, r)
 
 
 def test_full_grid_variance_is_the_closed_form(rng):
