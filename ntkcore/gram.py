@@ -222,7 +222,7 @@ def _kron_sizes(pair: _Pair, o: int, r: int, c: int) -> tuple[int, int, int, int
 
 # Tile products are ``x @ y.T``; a self-product ``x @ x.T`` is left as it is: NumPy detects it
 # and calls SYRK (half the flops), and GEMM on a contiguous copy of ``x.T`` was not faster
-# (``benchmarks/suites/gram.py``, "selfprod" rows).
+# (``benchmarks/gram.py``, ``SelfProduct``).
 @register_route
 class DenseRoute(Route):
     r""":class:`~ntkcore.DenseBlock` (N, O, P_b): one GEMM, :meth:`Mode.dense` (trace:

@@ -1,29 +1,14 @@
-r"""Two eNTK baselines built directly on ``torch.func``, for ``benchmarks/suites/ntk.py``.
+r"""eNTK and feature baselines built directly on ``torch.func`` (used by ``benchmarks/ntk.py``
+and the features and real-model benchmarks).
 
-``jacobian_contraction``
-    The textbook method: the per-sample Jacobian :math:`J \in \mathbb R^{N\times O\times P}`
-    of all parameters by ``vmap(jacrev(f))`` over samples (``functional_call``), then
-    :math:`\Theta = J_1 J_2^\top` by one GEMM.  Cost :math:`N O` backward passes and
-    :math:`2 N_1 N_2 O^k P` flops (k = 2 for ``full``, 1 for ``trace``/``diagonal``); memory
-    :math:`(N_1 + N_2) O P`.  When the Jacobians exceed ``max_jac_bytes`` the samples are split
-    into row blocks (Jacobian kept) and column blocks (Jacobian recomputed per row block; for
-    the symmetric kernel only blocks on and above the diagonal), so that the big cases fit in
-    memory at the price of recomputing some Jacobians (cheap next to the contraction).
-``ntk_vector_products``
-    The kernel without the Jacobian: for a batch of one-hot cotangents
-    :math:`e_{m,p}` (k, N2, O), :math:`u = J_2^\top e_{m,p}` by a vmapped ``torch.func.vjp``,
-    then :math:`J_1 u` by a vmapped ``torch.func.jvp`` gives the columns
-    :math:`\Theta[:, m, :, p]`.  Cost :math:`N_2 O` (vjp + jvp) passes over the batch; memory
-    :math:`k P` plus k batched activations.
-``gradient_projection``
-    Projected per-sample gradients (the ``features`` suite's baseline): ``vmap(grad)`` of
-    :math:`\sum_o f_o / \sqrt{O}` per sample, then a dense Gaussian projection generated in
-    chunks (TRAK without its CUDA kernel).
+- :func:`jacobian_contraction`: per-sample Jacobians :math:`J` (N, O, P) by ``vmap(jacrev)``,
+  then :math:`\Theta = J J^\top` by one GEMM (:math:`2 N^2 O^k P` flops, k = 2 in full mode).
+- :func:`ntk_vector_products`: kernel columns from vmapped vjp and jvp, :math:`N O` passes.
+- :func:`gradient_projection`: per-sample gradients projected by a dense Gaussian (TRAK without
+  its CUDA kernel).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
@@ -58,75 +43,55 @@ def _contract(j1: torch.Tensor, j2: torch.Tensor, mode: str) -> torch.Tensor:
     return (j1.permute(1, 0, 2) @ j2.permute(1, 2, 0)).permute(1, 2, 0)  # diagonal
 
 
-def jacobian_contraction(model: torch.nn.Module, x1: torch.Tensor,
-                         x2: torch.Tensor | None = None, *, mode: str = "full",
+def jacobian_contraction(model: torch.nn.Module, x: torch.Tensor, *, mode: str = "full",
                          max_jac_bytes: float = 4e9) -> torch.Tensor:
-    """The eNTK by materialised per-sample Jacobians (see the module docstring)."""
+    """The self-kernel eNTK by materialised per-sample Jacobians: all at once, or over
+    ``max_jac_bytes`` in sample blocks on and above the diagonal (the Jacobian of a column
+    block recomputed for each row block; tiles below the diagonal are transposes)."""
     with torch.no_grad():
-        o = int(model(x1[:1]).numel())
-    p = sum(v.numel() for v in _params(model).values())
-    per_sample = o * p * x1.element_size()
-    n1 = x1.shape[0]
-    n2 = n1 if x2 is None else x2.shape[0]
-    if per_sample * (n1 + (0 if x2 is None else n2)) <= max_jac_bytes:
-        j1 = per_sample_jacobian(model, x1)
-        j2 = j1 if x2 is None else per_sample_jacobian(model, x2)
-        return _contract(j1, j2, mode)
+        o = int(model(x[:1]).numel())
+    per_sample = o * sum(v.numel() for v in _params(model).values()) * x.element_size()
+    n = x.shape[0]
+    if per_sample * n <= max_jac_bytes:
+        j = per_sample_jacobian(model, x)
+        return _contract(j, j, mode)
     block = max(1, int(max_jac_bytes // (2 * per_sample)))
-    xc = x1 if x2 is None else x2
-    rows = []
-    cache: dict[tuple[int, int], torch.Tensor] = {}
-    for r0 in range(0, n1, block):
-        ji = per_sample_jacobian(model, x1[r0:r0 + block])
-        tiles = []
-        for c0 in range(0, n2, block):
-            if x2 is None and c0 < r0:
-                tiles.append(cache.pop((r0, c0)))
-                continue
-            jj = ji if (x2 is None and c0 == r0) else per_sample_jacobian(model, xc[c0:c0 + block])
-            t = _contract(ji, jj, mode)
-            tiles.append(t)
-            if x2 is None and c0 > r0:
-                swap = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
-                cache[(c0, r0)] = t.permute(swap)  # the tile below the diagonal
+    swap = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
+    rows, below = [], {}
+    for r0 in range(0, n, block):
+        ji = per_sample_jacobian(model, x[r0:r0 + block])
+        tiles = [below.pop((r0, c0)) for c0 in range(0, r0, block)]
+        for c0 in range(r0, n, block):
+            jj = ji if c0 == r0 else per_sample_jacobian(model, x[c0:c0 + block])
+            tiles.append(_contract(ji, jj, mode))
+            below[(c0, r0)] = tiles[-1].permute(swap)
             del jj
         rows.append(torch.cat(tiles, dim=1))
         del ji
     return torch.cat(rows, dim=0)
 
 
-def ntk_vector_products(model: torch.nn.Module, x1: torch.Tensor,
-                        x2: torch.Tensor | None = None, *, mode: str = "full",
+def ntk_vector_products(model: torch.nn.Module, x: torch.Tensor, *, mode: str = "full",
                         chunk: int = 32) -> torch.Tensor:
-    """The eNTK column by column from vjp and jvp (see the module docstring)."""
+    """The self-kernel eNTK, ``chunk`` columns at a time: vmapped vjp of one-hot cotangents
+    :math:`e` (k, N, O), then vmapped jvp, :math:`J (J^\top e)`."""
     pd = _params(model)
-    x2 = x1 if x2 is None else x2
-    n1, n2 = x1.shape[0], x2.shape[0]
+    n = x.shape[0]
 
-    def f1(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return functional_call(model, p, (x1,)).reshape(n1, -1)
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return functional_call(model, p, (x,)).reshape(n, -1)
 
-    def f2(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return functional_call(model, p, (x2,)).reshape(n2, -1)
-
-    out2, vjp_fn = vjp(f2, pd)
-    o = out2.shape[1]
-    cols = n2 * o
-    eye = torch.eye(cols, dtype=out2.dtype, device=out2.device)
-
-    def column(t: dict[str, torch.Tensor]) -> torch.Tensor:
-        return jvp(f1, (pd,), (t,))[1]
-
+    out, vjp_fn = vjp(f, pd)
+    o = out.shape[1]
+    eye = torch.eye(n * o, dtype=out.dtype, device=out.device)
     pieces = []
-    for c0 in range(0, cols, chunk):
-        cot = eye[c0:c0 + chunk].reshape(-1, n2, o)
-        (u,) = vmap(vjp_fn)(cot)
-        pieces.append(vmap(column)(u))  # (k, N1, O)
-    cols_t = torch.cat(pieces, dim=0).reshape(n2, o, n1, o)  # [m, p, n, o]
-    full = cols_t.permute(2, 0, 3, 1)  # [n, m, o, p]
+    for c0 in range(0, n * o, chunk):
+        (u,) = vmap(vjp_fn)(eye[c0:c0 + chunk].reshape(-1, n, o))
+        pieces.append(vmap(lambda t: jvp(f, (pd,), (t,))[1])(u))  # (k, N, O)
+    full = torch.cat(pieces, dim=0).reshape(n, o, n, o).permute(2, 0, 3, 1)  # [n, m, o, p]
     if mode == "full":
         return full
-    diag = torch.diagonal(full, dim1=2, dim2=3)  # (N1, N2, O)
+    diag = torch.diagonal(full, dim1=2, dim2=3)  # (N, N, O)
     return diag.sum(-1) if mode == "trace" else diag
 
 
@@ -150,18 +115,11 @@ def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
 def gradient_projection(model: torch.nn.Module, x: torch.Tensor, *, dim: int, seed: int = 0,
                         batch: int = 64, chunk_bytes: int = 1 << 28,
                         store_bytes: int = 1 << 29) -> torch.Tensor:
-    r"""(N, dim) features :math:`\Phi = G\,\Omega`: per-sample gradients ``G`` (N, P) of
-    :func:`per_sample_gradients`, projected by a dense Gaussian :math:`\Omega` (P, dim) with
-    i.i.d. :math:`N(0, 1/\mathrm{dim})` entries, so :math:`\mathbb{E}[\Phi\Phi^\top] = G
-    G^\top`: TRAK's projected gradients without its CUDA kernel (its ``BasicProjector``).
-
-    Samples go in batches of ``batch``; :math:`\Omega` is generated in row chunks of at most
-    ``chunk_bytes`` (chunk k from the seed ``(seed, k)``, so every batch sees the same
-    projection).  When all of :math:`\Omega` takes at most ``store_bytes`` it is generated once
-    per call and kept for the later batches; otherwise every batch regenerates it chunk by
-    chunk, as TRAK does.  Cost per sample: one backward pass and :math:`2 P\,\mathrm{dim}`
-    flops; per generation :math:`P\,\mathrm{dim}` normal draws.
-    """
+    r"""(N, dim) features :math:`\Phi = G\,\Omega`: :func:`per_sample_gradients` ``G`` (N, P)
+    times a Gaussian :math:`\Omega` (P, dim), entries :math:`N(0, 1/\mathrm{dim})`, so that
+    :math:`\mathbb{E}[\Phi\Phi^\top] = G G^\top`.  Samples go in batches of ``batch``;
+    :math:`\Omega` in row chunks of <= ``chunk_bytes`` (chunk k seeded ``(seed, k)``), kept
+    across batches when it all fits ``store_bytes``, else regenerated per batch (as TRAK)."""
     n = x.shape[0]
     p = sum(v.numel() for v in _params(model).values())
     dtype = x.dtype
@@ -190,10 +148,3 @@ def gradient_projection(model: torch.nn.Module, x: torch.Tensor, *, dim: int, se
         out[s0:s0 + batch] = acc
         del g
     return out
-
-
-def kernel_error(k: Any, ref: Any) -> float:
-    """Relative Frobenius error."""
-    k = torch.as_tensor(k, dtype=torch.float64)
-    ref = torch.as_tensor(ref, dtype=torch.float64)
-    return float(torch.linalg.vector_norm(k - ref) / torch.linalg.vector_norm(ref))

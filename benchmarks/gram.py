@@ -1,0 +1,206 @@
+r"""The eNTK contraction engine, ``ntkcore.gram`` on one layer's Kronecker factors: against the
+materialised Jacobian, per strategy on unfolded convolutions, under a memory budget, and the
+self-products behind a symmetric tile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (BACKENDS, CPU_BACKENDS, asarray, in_turns,
+                               require, roofline_share, to64, working_memory)
+
+CPU_GPU = [*CPU_BACKENDS, "torch-cuda"]
+
+
+def factors(n: int, s: int, d_in: int, d_out: int, o: int, seed: int) -> tuple[Any, Any]:
+    """Seeded float64 factors ``a`` (N, S, d_in) (last column 1 for a dense layer, S = 1: the
+    bias) and ``g`` (N, S, O, d_out), scaled to unit-order kernel entries."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, s, d_in)) / math.sqrt(d_in)
+    if s == 1:
+        a[:, :, -1] = 1.0
+    return a, rng.standard_normal((n, s, o, d_out)) / math.sqrt(d_out)
+
+
+def reference(n: int, s: int, d_in: int, d_out: int, o: int, mode: str,
+              sym: bool) -> tuple[np.ndarray, int]:
+    r"""float64 einsum of the factors on the leading r samples of each side (r <= 32):
+    :math:`\Theta[n,m,o,p] = \sum_{s,t}\langle g[n,s,o], g'[m,t,p]\rangle
+    \langle a[n,s], a'[m,t]\rangle`, summed over o = p in trace mode."""
+    r = max(2, min(32, n, int(math.sqrt(2e7 / (s * s * o * o)))))
+    a1, g1 = factors(n, s, d_in, d_out, o, 0)
+    a2, g2 = (a1, g1) if sym else factors(n, s, d_in, d_out, o, 1)
+    a1, g1, a2, g2 = a1[:r], g1[:r], a2[:r], g2[:r]
+    k = np.einsum("nsoi,mtpi,nsj,mtj->nmop", g1, g2, a1, a2, optimize=True)
+    return (np.einsum("nmoo->nm", k) if mode == "trace" else k), r
+
+
+class _Case:
+    """``self.fn``: the kernel of ``shape`` = (N, S, d_in, d_out, O, mode, symmetric)."""
+
+    timeout = 300
+    number, repeat, warmup_time, rounds = 1, 3, 0, 1
+
+    def build(self, backend: str, shape: tuple, strategy: str | None = None,
+              max_memory: Any = None, dense: bool = False) -> None:
+        """Kronecker blocks of seeded factors (J2 None for a self-kernel) or, with ``dense``,
+        the materialised Jacobian (N, O, d_in d_out) in a DenseBlock."""
+        import ntkcore
+        from ntkcore.gram import _gram
+
+        require(backend)
+        self.shape = shape
+        n, s, d_in, d_out, o, mode, sym = shape
+        js = []
+        for seed in (0,) if sym else (0, 1):
+            a, g = factors(n, s, d_in, d_out, o, seed)
+            if dense:  # in chunks of 64 samples, straight into float32
+                jac = np.concatenate([np.einsum("nsoi,nsj->noij", g[i:i + 64], a[i:i + 64])
+                                      .reshape(-1, o, d_in * d_out).astype(np.float32)
+                                      for i in range(0, n, 64)])
+                js.append(ntkcore.Jacobian([ntkcore.DenseBlock(asarray(jac, backend))]))
+            else:
+                js.append(ntkcore.Jacobian([ntkcore.KroneckerBlock(asarray(a, backend),
+                                                                   asarray(g, backend))]))
+        self.j = j1, j2 = js[0], (None if sym else js[1])
+        self.fn = lambda: _gram(j1, j2, mode=mode, max_memory=max_memory, strategy=strategy)
+
+    def track_error(self, *_: Any) -> float:
+        """Relative max error of the leading block (<= 32 x 32 samples) against the float64
+        einsum of the factors."""
+        ref, r = reference(*self.shape)
+        return float(np.abs(to64(self.fn())[:r, :r] - ref).max() / np.abs(ref).max())
+
+    track_error.unit = "relative"  # type: ignore[attr-defined]
+
+
+DENSE = {  # name -> (N, S, d_in, d_out, O, mode, symmetric); d_in includes the bias column
+    "N=1024 w=1024 O=1 trace": (1024, 1, 1025, 1024, 1, "trace", False),
+    "N=512 w=256 O=10 full sym": (512, 1, 257, 256, 10, "full", True),
+}
+
+
+class DenseLayer(_Case):
+    r"""A dense layer w+1 -> w on its Kronecker factors, :math:`(G G'^\top)\odot(A A'^\top)`;
+    GEMM fraction target >= 0.6 for cross kernels at N >= 1024.
+
+    GEMM fraction: :math:`2N^2(d_{in} + O^k d_{out})` flops (k = 2 in full mode, else 1; a
+    symmetric kernel counted whole) over the time, at the GEMM rate of the same rounds."""
+
+    params = (list(BACKENDS), list(DENSE))
+    param_names = ("backend", "case")
+
+    def setup(self, backend: str, case: str) -> None:
+        self.build(backend, DENSE[case])
+
+    def time_kronecker(self, *_: Any) -> None:
+        self.fn()
+
+    def track_gemm_fraction(self, backend: str, case: str) -> float:
+        n, _, d_in, d_out, o, mode, _ = DENSE[case]
+        flops = 2.0 * n * n * (d_in + (o * o if mode == "full" else o) * d_out)
+        return roofline_share(self.fn, flops, backend, rounds=3)
+
+    track_gemm_fraction.unit = "share"  # type: ignore[attr-defined]
+
+
+class VsDense(_Case):
+    """The Kronecker Gram against ``ntkcore.gram`` on the materialised Jacobian (N, O, (w+1) w)
+    of a dense layer, w = 256, O = 1, trace."""
+
+    params = (CPU_GPU, [512])
+    param_names = ("backend", "N")
+
+    def setup(self, backend: str, n: int) -> None:
+        self.build(backend, (n, 1, 257, 256, 1, "trace", False))
+        self.kron = self.fn
+        self.build(backend, self.shape, dense=True)
+        self.dense, self.fn = self.fn, self.kron
+
+    def time_kronecker(self, *_: Any) -> None:
+        self.kron()
+
+    def time_dense(self, *_: Any) -> None:
+        self.dense()
+
+    def track_speedup(self, *_: Any) -> float:
+        """Dense-block time over the Kronecker time, the two timed in turn."""
+        t = in_turns({"kron": self.kron, "dense": self.dense}, rounds=3)
+        return t["dense"] / t["kron"]
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+CONV = {  # unfolded patches: a (N, S, C_in k^2), g (N, S, O, C_out); trace self-kernels
+    "S=64 27->32 O=10 N=256": (256, 64, 27, 32, 10, "trace", True),
+    "S=4 512->512 O=1 N=512 tokens": (512, 4, 512, 512, 1, "trace", True),
+}
+
+
+class Conv(_Case):
+    """Convolution-like blocks (S positions per sample) per strategy: ``auto`` (the cost
+    model's choice), ``positions`` and ``materialise`` forced; plans over 20 GFLOP are
+    skipped.
+
+    The GEMM fraction is the plan's flops over the time and the GEMM rate."""
+
+    params = (CPU_GPU, list(CONV), ["auto", "positions", "materialise"])
+    param_names = ("backend", "case", "strategy")
+
+    def setup(self, backend: str, case: str, strategy: str) -> None:
+        from ntkcore.gram import plan_gram
+
+        forced = None if strategy == "auto" else strategy
+        self.build(backend, CONV[case], strategy=forced)
+        self.plan = plan_gram(*self.j, mode=CONV[case][5], strategy=forced)
+        if self.plan.flops > 20e9:
+            raise NotImplementedError("plan over 20 GFLOP: far off the cost model's choice")
+
+    def time_gram(self, *_: Any) -> None:
+        self.fn()
+
+    def track_gemm_fraction(self, backend: str, *_: Any) -> float:
+        return roofline_share(self.fn, float(self.plan.flops_all_tiles), backend, rounds=3)
+
+    track_gemm_fraction.unit = "share"  # type: ignore[attr-defined]
+
+
+class Budget(_Case):
+    """A dense-layer self-kernel, N = 4096, w = 1024, under ``max_memory="256MB"``: target
+    working memory <= 256 MB + the 64 MB kernel."""
+
+    params = (CPU_GPU,)
+    param_names = ("backend",)
+
+    def setup(self, backend: str) -> None:
+        self.build(backend, (4096, 1, 1025, 1024, 1, "trace", True), max_memory="256MB")
+
+    def track_working_memory(self, *_: Any) -> float:
+        return working_memory(self.fn)
+
+    track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
+
+
+class SelfProduct:
+    """The products behind a symmetric tile (NumPy, n = 2048, k = 512): ``x @ x.T`` (SYRK,
+    half the flops), ``x @ y.T`` on a copy (GEMM) and ``x @ copy(x.T)``; why ``ntkcore.gram``
+    leaves ``x @ x.T`` as it is."""
+
+    repeat, warmup_time = 5, 0.1
+
+    def setup(self) -> None:
+        self.x = np.random.default_rng(0).standard_normal((2048, 512)).astype(np.float32)
+        self.y = self.x.copy()
+
+    def time_syrk(self) -> None:
+        self.x @ self.x.T
+
+    def time_gemm(self) -> None:
+        self.x @ self.y.T
+
+    def time_contiguous_copy(self) -> None:
+        self.x @ np.ascontiguousarray(self.x.T)

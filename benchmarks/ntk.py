@@ -1,0 +1,254 @@
+r"""``ntkcore.ntk`` on PyTorch models (default initialisation, seed 0; inputs standard normal,
+seed 1; float32) against the ``torch.func`` baselines of ``benchmarks/baselines/torch_func.py``;
+the roofline share of the 8 x 1000 MLP on 1 and 2 threads; working memory under a budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Any
+
+from benchmarks.common import (in_turns, relerr, require, roofline_share, to64,
+                               working_memory)
+
+TORCH = ["torch", "torch-cuda"]
+N_REF = 32  # errors are taken on the kernel of the leading N_REF samples
+
+#: Layer widths of the dense-layer MLP kinds (every layer with a bias).
+MLP_WIDTHS: dict[str, tuple[int, ...]] = {
+    "mlp6x512": (256, *[512] * 6, 1),
+    "mlp8x1000": (256, *[1000] * 8, 1),
+    "mlp784": (784, 512, 512, 10),
+    "mlp_tiny": (8, 16, 16, 1),
+}
+
+
+def _transformer(torch: Any, d: int, hidden: int, out: int) -> Any:
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+            self.head = nn.Linear(d, out)
+
+        def forward(self, x: Any) -> Any:
+            att = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / math.sqrt(d), dim=-1)
+            h = self.ln1(x + self.o(att @ self.v(x)))
+            h = self.ln2(h + self.fc2(torch.tanh(self.fc1(h))))
+            return self.head(h.mean(1))
+
+    return Block()
+
+
+def build(kind: str, n: int, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
+    """The model (eval mode) and inputs (N, ...) of a kind, deterministic: the MLPs of
+    ``MLP_WIDTHS`` (tanh; relu for mlp784), ``cnn`` (Conv2d 3->32 k3 p1, tanh, Conv2d 32->64 k3
+    s2 p1, tanh, Linear -> 10 on 32 x 32 inputs), ``transformer`` (T = 16 tokens, d = 64,
+    hidden 128, O = 10) and ``*_tiny`` versions for tests."""
+    import torch
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    if kind in MLP_WIDTHS:
+        widths, act = MLP_WIDTHS[kind], (nn.ReLU if kind == "mlp784" else nn.Tanh)
+        layers: list[Any] = []
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
+            layers += [nn.Linear(a, b)] + ([act()] if i < len(widths) - 2 else [])
+        model, shape = nn.Sequential(*layers), (widths[0],)
+    elif kind in ("cnn", "cnn_tiny"):
+        c1, c2, hw = (32, 64, 32) if kind == "cnn" else (4, 6, 8)
+        model = nn.Sequential(nn.Conv2d(3, c1, 3, padding=1), nn.Tanh(),
+                              nn.Conv2d(c1, c2, 3, stride=2, padding=1), nn.Tanh(),
+                              nn.Flatten(), nn.Linear(c2 * (hw // 2) ** 2, 10))
+        shape = (3, hw, hw)
+    elif kind == "transformer":
+        model, shape = _transformer(torch, 64, 128, 10), (16, 64)
+    elif kind == "transformer_tiny":
+        model, shape = _transformer(torch, 8, 16, 3), (4, 8)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    tdtype = getattr(torch, dtype)
+    model = model.to(device=device, dtype=tdtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((n, *shape), generator=gen, dtype=torch.float64)
+    return model, x.to(device=device, dtype=tdtype)
+
+
+def mlp_roofline_flops(widths: tuple[int, ...] | list[int], n: int, mode: str) -> float:
+    r"""GEMM flops of the least work of the self-kernel eNTK of a dense MLP (the roofline's
+    numerator); widths :math:`d_0, \dots, d_L`, N samples, :math:`O = d_L`, 2 flops per
+    multiply-add:
+
+    .. math::
+
+        F &= 2N \sum_{l=1}^{L} d_{l-1} d_l \quad\text{(forward)}, \qquad
+        B = 2NO \sum_{l=2}^{L} d_l\, d_{l-1} \quad\text{(output gradients)},\\
+        G &= \sum_{l=1}^{L} \bigl[N(N+1)(d_{l-1} + 1) + M(M+1)\,K_l\bigr]
+        \quad\text{(Kronecker Grams)}
+
+    :math:`G`: symmetric products (``syrk``, :math:`n(n+1)k` for an (n, k) factor) of
+    :math:`A_l = [z_{l-1}, 1]` and :math:`G_l`: (NO, :math:`d_l`) in full mode (:math:`M = NO,
+    K_l = d_l`), (N, :math:`O d_l`) in trace mode (:math:`M = N, K_l = O d_l`)."""
+    if mode not in ("full", "trace"):
+        raise ValueError(f"mode must be 'full' or 'trace'; got {mode!r}")
+    d = [int(w) for w in widths]
+    o = d[-1]
+    fwd = 2.0 * n * sum(a * b for a, b in itertools.pairwise(d))
+    bwd = 2.0 * n * o * sum(d[l] * d[l - 1] for l in range(2, len(d)))
+    m = n * o if mode == "full" else n
+    gram = sum(n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * (d[l] if mode == "full"
+                                                                  else o * d[l])
+               for l in range(1, len(d)))
+    return fwd + bwd + gram
+
+
+class _Model:
+    """``self.ntkcore``: the eNTK of ``case`` = "kind N mode" (models: :func:`build`)."""
+
+    timeout = 300
+    number, repeat, warmup_time, rounds = 1, 3, 0, 1
+
+    def build(self, backend: str, case: str, max_memory: Any = None) -> None:
+        import ntkcore
+
+        require(backend)
+        self.device = "cuda" if backend == "torch-cuda" else "cpu"
+        self.kind, n, self.mode = case.split()
+        self.model, self.x = build(self.kind, int(n), "float32", self.device)
+        self.ntkcore = lambda: ntkcore.ntk(self.model, self.x, mode=self.mode,
+                                           max_memory=max_memory)
+
+    def time_ntkcore(self, *_: Any) -> None:
+        self.ntkcore()
+
+
+class VsTorchFunc(_Model):
+    """ntkcore against the torch.func per-sample Jacobian contraction (``vmap(jacrev)``, one
+    GEMM); targets >= 100x on the 6x512 MLP, >= 3x on the CNN.
+
+    Cases are ``kind N mode``; N is kept small where the baseline's Jacobian is large (the
+    784-512-512-10 MLP in full mode: N O P floats)."""
+
+    params = (TORCH, ["mlp6x512 128 trace", "mlp784 16 full", "cnn 16 full",
+                      "transformer 32 trace"])
+    param_names = ("backend", "case")
+
+    def setup(self, backend: str, case: str) -> None:
+        from benchmarks.baselines import torch_func
+
+        self.build(backend, case)
+        self.jacobian = lambda: torch_func.jacobian_contraction(self.model, self.x,
+                                                                mode=self.mode)
+
+    def time_jacobian(self, *_: Any) -> None:
+        self.jacobian()
+
+    def track_speedup(self, *_: Any) -> float:
+        """torch.func time over ntkcore's, timed in turn."""
+        t = in_turns({"ntkcore": self.ntkcore, "jacobian": self.jacobian}, rounds=3)
+        return t["jacobian"] / t["ntkcore"]
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+    def track_error(self, *_: Any) -> float:
+        """Relative Frobenius error of the leading (32, 32) block against the float64
+        torch.func Jacobian contraction of those samples."""
+        from benchmarks.baselines import torch_func
+
+        model, x = build(self.kind, N_REF, "float64", self.device)
+        ref = torch_func.jacobian_contraction(model, x, mode=self.mode)
+        m = min(N_REF, self.x.shape[0])
+        return relerr(self.ntkcore()[:m, :m], ref[:m, :m])
+
+    track_error.unit = "relative"  # type: ignore[attr-defined]
+
+    def track_working_memory(self, *_: Any) -> float:
+        return working_memory(self.ntkcore)
+
+    track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
+
+
+class VsVectorProducts(_Model):
+    """ntkcore against torch.func NTK-vector products (kernel columns from vmapped vjp and
+    jvp; its cost grows as N^2 O, so small N)."""
+
+    params = (TORCH, ["mlp6x512 32 trace", "transformer 8 trace"])
+    param_names = ("backend", "case")
+
+    def setup(self, backend: str, case: str) -> None:
+        from benchmarks.baselines import torch_func
+
+        self.build(backend, case)
+        self.vp = lambda: torch_func.ntk_vector_products(self.model, self.x, mode=self.mode)
+
+    def time_ntk_vp(self, *_: Any) -> None:
+        self.vp()
+
+    def track_speedup(self, *_: Any) -> float:
+        """NTK-vector-product time over ntkcore's, timed in turn."""
+        t = in_turns({"ntkcore": self.ntkcore, "vp": self.vp}, rounds=3)
+        return t["vp"] / t["ntkcore"]
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+
+class Roofline(_Model):
+    """The 8 x 1000 tanh MLP, N = 512, trace (O = 1): share of the roofline, target >= 0.8
+    (issue 32), on 1 and 2 threads (torch and BLAS pools).
+
+    The roofline time is :func:`mlp_roofline_flops` at the rate of a 2048^2 GEMM timed in
+    the same rounds."""
+
+    params = ([1, 2],)
+    param_names = ("threads",)
+
+    def setup(self, threads: int) -> None:
+        import torch
+        from threadpoolctl import threadpool_limits
+
+        torch.set_num_threads(threads)
+        self._limits = threadpool_limits(threads)
+        self.build("torch", "mlp8x1000 512 trace")
+
+    def track_roofline_share(self, threads: int) -> float:
+        flops = mlp_roofline_flops(MLP_WIDTHS["mlp8x1000"], 512, "trace")
+        return roofline_share(self.ntkcore, flops, "torch")
+
+    track_roofline_share.unit = "share"  # type: ignore[attr-defined]
+
+    def track_error(self, threads: int) -> float:
+        """Relative Frobenius error of the leading (32, 32) block against the independent
+        float64 per-layer formula (``benchmarks.peer.reference_ntk``)."""
+        from benchmarks.peer import reference_ntk
+
+        lin = [m for m in self.model if hasattr(m, "weight")]
+        ws, bs = ([to64(getattr(m, k).detach()) for m in lin] for k in ("weight", "bias"))
+        p = {"weights": ws, "biases": bs, "x": to64(self.x[:N_REF]), "scales": [1.0] * len(lin),
+             "beta": 1.0}
+        return relerr(self.ntkcore()[:N_REF, :N_REF], reference_ntk(p))
+
+    track_error.unit = "relative"  # type: ignore[attr-defined]
+
+
+class Budget(_Model):
+    """The 6 x 512 MLP, trace, under a memory budget: N = 1024 with ``max_memory="128MB"``;
+    the issue's N = 4096 with ``"1GB"`` (target: working memory <= 1e9 bytes) is opt-in,
+    ``NTKCORE_BENCH_LARGE=1``."""
+
+    params = (TORCH, [1024, 4096])
+    param_names = ("backend", "N")
+
+    def setup(self, backend: str, n: int) -> None:
+        if n > 1024 and os.environ.get("NTKCORE_BENCH_LARGE") != "1":
+            raise NotImplementedError("large case: set NTKCORE_BENCH_LARGE=1")
+        self.build(backend, f"mlp6x512 {n} trace", max_memory="128MB" if n <= 1024 else "1GB")
+
+    def track_working_memory(self, *_: Any) -> float:
+        return working_memory(self.ntkcore)
+
+    track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
