@@ -167,17 +167,11 @@ class VsTorchFunc(_Model):
 
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
-    def track_working_memory(self, *_: Any) -> float:
-        return working_memory(self.ntkcore)
-
-    track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
-
-
 class VsVectorProducts(_Model):
     """ntkcore against torch.func NTK-vector products (kernel columns from vmapped vjp and
     jvp; its cost grows as N^2 O, so small N)."""
 
-    params = (TORCH, ["mlp6x512 32 trace", "transformer 8 trace"])
+    params = (TORCH, ["mlp6x512 16 trace", "transformer 8 trace"])
     param_names = ("backend", "case")
 
     def setup(self, backend: str, case: str) -> None:

@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import gram, peer  # noqa: E402
-from benchmarks.common import relerr  # noqa: E402
+from benchmarks import gram, peer
+from benchmarks.common import relerr
 
 
 def _autodiff_kernel(p: dict, full: bool) -> np.ndarray:
