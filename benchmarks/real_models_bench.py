@@ -2,12 +2,9 @@ r"""Real architectures (issues 18 and 32): ``ntkcore.ntk`` (trace mode, float32)
 ``torch.func`` Jacobian contraction, and against the bound of what any exact reverse-mode eNTK
 must spend on the machine.
 
-The models are built by ``benchmarks/real_models.py`` (random init, eval mode, deterministic
-weights and inputs).  torchvision, timm and transformers are optional: a model whose package
-is missing is skipped.  The bound (:func:`bound_terms`) is the backward floor
-(:func:`backward_floor`: the forward pass and the output-gradient passes) plus the planned
-Gram's flops at the GEMM rate measured in the same rounds; ``track_bound_share`` is the bound
-over ntkcore's time.
+Models: ``benchmarks/real_models.py`` (random init; torchvision, timm, transformers optional:
+a model whose package is missing is skipped).  The bound (:func:`bound_terms`): the backward
+floor (:func:`backward_floor`) plus the planned Gram's flops at the GEMM rate of the same run.
 """
 
 from __future__ import annotations
@@ -18,14 +15,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import real_models as rm
 from benchmarks.common import gemm, in_turns, relerr, working_memory
+from ntkcore._memory import parse_memory
 
-#: samples of the float64 reference (``Error``)
-N_REF = 3
-#: torch.func is timed only where its N x O x P Jacobian takes at most this many bytes
-JAC_LIMIT = 2e9
-#: the full-size cases' memory budget (``max_memory`` of ``ntkcore.ntk``)
-FULL_BUDGET = "2GB"
+MODELS = ["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"]
+N_REF = 3  # samples of the float64 reference (``Error``)
+JAC_LIMIT = 2e9  # torch.func is timed only where its N x O x P Jacobian takes at most this
+#: the full-size cases' ``max_memory``: ViT-S/16 and ResNet-50 refuse 2 GB at N >= 8 (their
+#: smallest tile, 8 x 8 samples, needs 5.44 and 8.54 GB)
+FULL_BUDGET = {"bert_base": "2GB", "vit_s16": "6GB", "resnet50": "9GB"}
 
 
 def sizes(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> list[int]:
@@ -54,8 +53,7 @@ def backward_floor(m: Any, x: Any, batched: bool = False) -> Callable[[], Any]:
         ys: list[Any] = []
 
         def keep(mod: Any, args: Any, y: Any) -> None:
-            if isinstance(y, torch.Tensor) and y.requires_grad:
-                ys.append(y)
+            ys.extend([y] if isinstance(y, torch.Tensor) and y.requires_grad else [])
 
         handles = [mod.register_forward_hook(keep) for mod in owners]
         try:
@@ -86,8 +84,8 @@ def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
     :math:`t_{bound} = t_{floor} + F_{Gram} / r_{GEMM}` (the backward floor, then the
     planned Gram's flops at the measured GEMM rate in flop/s) and ``share`` =
     :math:`t_{bound} / t` (1: nothing is spent beyond the floor and the Gram's GEMM work)."""
-    gram_s = gram_flops / gemm_rate
-    return {"gram_s": gram_s, "bound_s": floor_s + gram_s, "share": (floor_s + gram_s) / time_s}
+    bound_s = floor_s + gram_flops / gemm_rate
+    return {"gram_s": bound_s - floor_s, "bound_s": bound_s, "share": bound_s / time_s}
 
 
 def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
@@ -102,7 +100,7 @@ def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
 
 
 def bound_share(ntk: Callable[[], Any], m: Any, x: Any, max_memory: Any = None,
-                rounds: int = 2, batched: bool = True) -> float:
+                rounds: int = 1, batched: bool = True) -> float:
     """Share of the bound (:func:`bound_terms`) reached by ``ntk``: ntkcore, both floors (the
     batched one left out where it raises, or unless ``batched``: it holds O copies of the
     activation gradients) and a GEMM timed in the same rounds; the faster floor counts."""
@@ -127,8 +125,6 @@ def reference(model: str, n: int, size: str = "bench") -> Any:
     import torch
     from torch.func import functional_call, jacrev, vmap
 
-    from benchmarks import real_models as rm
-
     m, x = rm.build(model, size, n=n, dtype="float64")
     pd = {k: v.detach() for k, v in m.named_parameters()}
     k = torch.zeros(n, n, dtype=torch.float64)
@@ -149,10 +145,7 @@ def _setup(model: str, size: str, n: int, threads: int | None = None) -> tuple[A
     its package is missing; sets torch's thread count."""
     import torch
 
-    from benchmarks import real_models as rm
-
-    why = rm.available(model)
-    if why:
+    if why := rm.available(model):
         raise NotImplementedError(why)
     if threads:
         torch.set_num_threads(threads)
@@ -160,19 +153,16 @@ def _setup(model: str, size: str, n: int, threads: int | None = None) -> tuple[A
 
 
 def _ntk(m: Any, x: Any, max_memory: Any = None) -> Callable[[], Any]:
-    import ntkcore
-
-    return lambda: ntkcore.ntk(m, x, mode="trace", max_memory=max_memory)
+    return lambda: __import__("ntkcore").ntk(m, x, mode="trace", max_memory=max_memory)
 
 
 class Kernel:
-    """ntkcore's trace kernel on the bench-size models: time, share of the bound and working
-    memory per model, N and torch thread count."""
+    """ntkcore's trace kernel on the bench-size models: time and share of the bound per model,
+    N and torch thread count."""
 
-    params = (["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"],
-              [16, 32], [1, 2])
+    params = (MODELS, [16, 32], [1, 2])
     param_names = ("model", "N", "threads")
-    number, repeat, warmup_time, rounds = 1, (1, 3, 8.0), 0, 1
+    number, repeat, warmup_time, rounds = 1, 1, 0, 1
     timeout = 300
 
     def setup(self, model: str, n: int, threads: int) -> None:
@@ -187,6 +177,18 @@ class Kernel:
         return bound_share(self.ntk, self.m, self.x)
 
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
+
+
+class Memory:
+    """ntkcore's working memory (resident-set growth of a call) on the bench-size models, one
+    thread (the thread count does not change what is held)."""
+
+    params = (MODELS, [16, 32])
+    param_names = ("model", "N")
+    timeout = 300
+
+    def setup(self, model: str, n: int) -> None:
+        self.ntk = _ntk(*_setup(model, "bench", n, 1))
 
     def track_working_memory(self, *_: Any) -> float:
         return working_memory(self.ntk)
@@ -203,7 +205,6 @@ class VsTorchFunc:
     timeout = 400
 
     def setup(self, model: str, n: int, threads: int) -> None:
-        from benchmarks import real_models as rm
         from benchmarks.baselines.torch_func import jacobian_contraction
 
         m, x = _setup(model, "bench", n, threads)
@@ -221,7 +222,7 @@ class VsTorchFunc:
 
     def track_speedup(self, *_: Any) -> float:
         """torch.func's time over ntkcore's, the two timed in turns."""
-        t = in_turns({"ntkcore": self.ntk, "torch.func": self.func}, rounds=2)
+        t = in_turns({"ntkcore": self.ntk, "torch.func": self.func}, rounds=1)
         return t["torch.func"] / t["ntkcore"]
 
     track_speedup.unit = "x"  # type: ignore[attr-defined]
@@ -230,7 +231,7 @@ class VsTorchFunc:
 class Error:
     """ntkcore's float32 trace kernel against a float64 dense torch.func reference, 3 samples."""
 
-    params = (["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"],)
+    params = (MODELS,)
     param_names = ("model",)
     timeout = 300
 
@@ -245,10 +246,12 @@ class Error:
 
 class FullSize:
     """Full-size models at random init (BERT-base at 128 tokens, ViT-S/16 and ResNet-50 at
-    224 px) under ``max_memory="2GB"``; opt-in: ``NTKCORE_BENCH_LARGE=1``.
+    224 px) under ``max_memory`` = :data:`FULL_BUDGET`; opt-in: ``NTKCORE_BENCH_LARGE=1``.
 
     Time per kernel entry (ntkcore's time over N^2), share of the bound, working memory over
-    the budget, and the bytes torch.func's dense float32 N x O x P Jacobian would take.
+    the budget, and the bytes torch.func's dense float32 N x O x P Jacobian would take.  A
+    model whose budget is over ``NTKCORE_BENCH_MAX_MEMORY`` (bytes or "4GB"; default: half
+    the available memory) is skipped.
     """
 
     params = (["bert_base", "vit_s16", "resnet50"], [8, 32, 128])
@@ -257,10 +260,16 @@ class FullSize:
     timeout = 1800
 
     def setup(self, model: str, n: int) -> None:
+        import psutil
+
         if os.environ.get("NTKCORE_BENCH_LARGE") != "1":
             raise NotImplementedError("set NTKCORE_BENCH_LARGE=1")
+        cap = os.environ.get("NTKCORE_BENCH_MAX_MEMORY", psutil.virtual_memory().available / 2)
+        self.budget = parse_memory(FULL_BUDGET[model])
+        if self.budget > parse_memory(cap):
+            raise NotImplementedError(f"max_memory {FULL_BUDGET[model]} is over {cap}")
         self.m, self.x = _setup(model, "full", n)
-        self.ntk = _ntk(self.m, self.x, FULL_BUDGET)
+        self.ntk = _ntk(self.m, self.x, self.budget)
 
     def track_time_per_entry(self, model: str, n: int) -> float:
         """Seconds of one call (the first: minutes at N = 128) over its N^2 kernel entries."""
@@ -271,23 +280,18 @@ class FullSize:
     track_time_per_entry.unit = "seconds"  # type: ignore[attr-defined]
 
     def track_bound_share(self, *_: Any) -> float:
-        return bound_share(self.ntk, self.m, self.x, FULL_BUDGET, rounds=1, batched=False)
+        return bound_share(self.ntk, self.m, self.x, self.budget, batched=False)
 
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
 
     def track_memory_over_budget(self, *_: Any) -> float:
         """Working memory over ``max_memory`` (at most about 1 when the budget holds)."""
-        from ntkcore._memory import parse_memory
-
-        return working_memory(self.ntk) / parse_memory(FULL_BUDGET)
+        return working_memory(self.ntk) / self.budget
 
     track_memory_over_budget.unit = "share"  # type: ignore[attr-defined]
 
     def track_dense_jacobian_bytes(self, model: str, n: int) -> float:
-        """N O P x 4 bytes: torch.func's float32 Jacobian (it fits where this is below the
-        available memory)."""
-        from benchmarks import real_models as rm
-
+        """N O P x 4 bytes: torch.func's float32 Jacobian (fits where under the free memory)."""
         p = sum(q.numel() for q in self.m.parameters())
         return float(n * rm.num_outputs(model, "full") * p * 4)
 
