@@ -96,15 +96,11 @@ def mlp_roofline_flops(widths: tuple[int, ...] | list[int], n: int, mode: str) -
     K_l = d_l`), (N, :math:`O d_l`) in trace mode (:math:`M = N, K_l = O d_l`)."""
     if mode not in ("full", "trace"):
         raise ValueError(f"mode must be 'full' or 'trace'; got {mode!r}")
-    d = [int(w) for w in widths]
-    o = d[-1]
-    fwd = 2.0 * n * sum(a * b for a, b in itertools.pairwise(d))
-    bwd = 2.0 * n * o * sum(d[l] * d[l - 1] for l in range(2, len(d)))
-    m = n * o if mode == "full" else n
-    gram = sum(n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * (d[l] if mode == "full"
-                                                                  else o * d[l])
-               for l in range(1, len(d)))
-    return fwd + bwd + gram
+    d, full = [int(w) for w in widths], mode == "full"
+    o, m = d[-1], n * d[-1] if full else n
+    fwd_bwd = 2.0 * n * (d[0] * d[1] + (1 + o) * sum(a * b for a, b in itertools.pairwise(d[1:])))
+    return fwd_bwd + sum(n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * d[l] * (1 if full else o)
+                         for l in range(1, len(d)))
 
 
 class _Model:
@@ -129,10 +125,7 @@ class _Model:
 
 class VsTorchFunc(_Model):
     """ntkcore against the torch.func per-sample Jacobian contraction (``vmap(jacrev)``, one
-    GEMM); targets >= 100x on the 6x512 MLP, >= 3x on the CNN.
-
-    Cases are ``kind N mode``; N is kept small where the baseline's Jacobian is large (the
-    784-512-512-10 MLP in full mode: N O P floats)."""
+    GEMM); targets >= 100x on the 6x512 MLP, >= 3x on the CNN (cases ``kind N mode``)."""
 
     params = (TORCH, ["mlp6x512 128 trace", "mlp784 16 full", "cnn 16 full",
                       "transformer 32 trace"])

@@ -1,10 +1,8 @@
-r"""ntkcore against neural-tangents' empirical NTK (structured derivatives, ``jax.jit``) on
-the same MLP weights.  neural-tangents 0.6.5 (jax 0.4.25, numpy < 2) runs in a venv of its own,
-``.venv-nt/`` from ``bash benchmarks/peers/make_venv.sh`` (or ``NTKCORE_NT_VENV``), where
-``benchmarks/peers/nt_runner.py`` serves it over a pipe; without the venv these are skipped.
-
-The MLP is in the NTK parameterisation, :math:`y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l`,
-:math:`z_l = \phi(y_l)`, :math:`f = y_L`, with :math:`W_l, b_l \sim N(0, 1)` drawn in float64.
+r"""ntkcore against neural-tangents' empirical NTK (structured derivatives, ``jax.jit``) on the
+same NTK-parameterised MLP, :math:`y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l`, :math:`W_l, b_l
+\sim N(0, 1)`.  neural-tangents 0.6.5 (jax 0.4.25, numpy < 2) runs in ``.venv-nt/`` (``bash
+benchmarks/peers/make_venv.sh``, or ``NTKCORE_NT_VENV``), served by ``peers/nt_runner.py``
+over a pipe; without that venv these benchmarks are skipped.
 """
 
 from __future__ import annotations
@@ -42,9 +40,9 @@ def problem(case: str, seed: int = 0) -> dict[str, Any]:
     """Weights (d_out, d_in), biases, inputs (N, d_0) in float64 and the case's settings."""
     widths, n, activation, mode = {**CASES, **TEST_CASES}[case]
     rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal((o, i)) for i, o in pairwise(widths)]
-    biases = [rng.standard_normal(o) for o in widths[1:]]
-    return {"weights": weights, "biases": biases, "x": rng.standard_normal((n, widths[0])),
+    return {"weights": [rng.standard_normal((o, i)) for i, o in pairwise(widths)],
+            "biases": [rng.standard_normal(o) for o in widths[1:]],
+            "x": rng.standard_normal((n, widths[0])),
             "scales": [1.0 / math.sqrt(i) for i in widths[:-1]], "beta": 1.0,
             "widths": widths, "n": n, "activation": activation, "mode": mode}
 
@@ -86,11 +84,9 @@ def need_venv() -> None:
 
 
 class Peer:
-    """neural-tangents' kernel function of problem ``p``, compiled in the peer venv.
-
-    ``time(k)``: seconds of k calls, timed inside the runner; ``kernel(rows)``: the kernel
-    (its leading ``[:rows, :rows]`` block when given) as float64 NumPy.  ``impl``: 1 Jacobian
-    contraction, 2 NTK-vector products, 3 structured derivatives."""
+    """neural-tangents' kernel function of ``p`` compiled in the venv (``impl`` 1: Jacobian
+    contraction, 2: NTK-vector products, 3: structured derivatives); ``time(k)``: seconds of k
+    calls timed in the runner; ``kernel(rows)``: float64, its leading block if ``rows``."""
 
     def __init__(self, p: dict[str, Any], dtype: str = "float32", impl: int = 3) -> None:
         need_venv()
@@ -116,7 +112,8 @@ class Peer:
             io.stdin.flush()  # type: ignore[union-attr]
         line = io.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            raise RuntimeError("neural-tangents runner stopped: " + io.stderr.read()[-1500:])  # type: ignore[union-attr]
+            err = io.stderr.read()  # type: ignore[union-attr]
+            raise RuntimeError("neural-tangents runner stopped: " + err[-1500:])
         return json.loads(line)
 
     def time(self, k: int) -> list[float]:
@@ -173,8 +170,7 @@ class VsNeuralTangents:
         wait(self.ntkcore())
 
     def track_speedup(self, *_: Any) -> float:
-        ours: list[float] = []
-        peer_times: list[float] = []
+        ours, peer_times = [], []
         with Peer(self.p) as peer:
             wait(self.ntkcore())
             for _ in range(5):

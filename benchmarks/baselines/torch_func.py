@@ -18,18 +18,14 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def per_sample_jacobian(model: torch.nn.Module, x: torch.Tensor,
-                        chunk: int | None = None) -> torch.Tensor:
+def per_sample_jacobian(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """(N, O, P): ``vmap(jacrev)`` over samples, all parameters flattened and concatenated."""
-    pd = _params(model)
 
     def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
         return functional_call(model, pd, (xn.unsqueeze(0),)).reshape(-1)
 
-    jf = vmap(jacrev(f), in_dims=(None, 0), chunk_size=chunk)
-    jac = jf(pd, x)
-    n = x.shape[0]
-    return torch.cat([v.reshape(n, v.shape[1], -1) for v in jac.values()], dim=2)
+    jac = vmap(jacrev(f), in_dims=(None, 0))(_params(model), x)
+    return torch.cat([v.reshape(x.shape[0], v.shape[1], -1) for v in jac.values()], dim=2)
 
 
 def _contract(j1: torch.Tensor, j2: torch.Tensor, mode: str) -> torch.Tensor:
@@ -96,10 +92,8 @@ def ntk_vector_products(model: torch.nn.Module, x: torch.Tensor, *, mode: str = 
 
 
 def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    r"""(N, P): ``vmap(grad)`` of the scalar :math:`\sum_o f_o(x_n) / \sqrt{O}` per sample (one
-    backward pass per sample; for O = 1 the output itself), all parameters flattened in the
-    order of ``model.named_parameters()``.  Its Gram matrix is the pseudo-NTK (the trace eNTK
-    when O = 1)."""
+    r"""(N, P): ``vmap(grad)`` of :math:`\sum_o f_o(x_n) / \sqrt{O}` per sample, parameters
+    flattened in ``named_parameters()`` order; its Gram matrix is the pseudo-NTK."""
     pd = _params(model)
     with torch.no_grad():
         o = int(model(x[:1]).numel())
@@ -108,8 +102,7 @@ def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
         return functional_call(model, pd, (xn.unsqueeze(0),)).sum() / o ** 0.5
 
     g = vmap(grad(f), in_dims=(None, 0))(pd, x)
-    n = x.shape[0]
-    return torch.cat([v.reshape(n, -1) for v in g.values()], dim=1)
+    return torch.cat([v.reshape(x.shape[0], -1) for v in g.values()], dim=1)
 
 
 def gradient_projection(model: torch.nn.Module, x: torch.Tensor, *, dim: int, seed: int = 0,

@@ -46,11 +46,8 @@ def main(spec_path):
             z = act(y) if i < n_layers - 1 else y
         return y
 
-    impl = {1: nt.NtkImplementation.JACOBIAN_CONTRACTION,
-            2: nt.NtkImplementation.NTK_VECTOR_PRODUCTS,
-            3: nt.NtkImplementation.STRUCTURED_DERIVATIVES}[int(spec["impl"])]
     fn = jax.jit(nt.empirical_ntk_fn(apply_fn, trace_axes=(-1,) if spec["mode"] == "trace"
-                                     else (), vmap_axes=0, implementation=impl))
+                                     else (), vmap_axes=0, implementation=int(spec["impl"])))
     t0 = time.perf_counter()
     fn(x, None, params).block_until_ready()
     print(json.dumps({"compile_s": time.perf_counter() - t0}), flush=True)
