@@ -4,11 +4,13 @@
 References are independent of the library's Jacobian machinery: dense per-sample Jacobians
 from ``torch.func`` (``vmap(jacrev)`` with respect to the parameters, differentiable in ``x``
 under ordinary autograd), contracted with ``einsum``, and ``torch.linalg.solve`` for the
-regression.  Peak memory is measured in fresh subprocesses by ``benchmarks._harness``.
+regression.  Peak memory is measured in fresh subprocesses by ``benchmarks.kip.memory``.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -382,21 +384,22 @@ def test_kip_loss_gradcheck_and_no_grad():
 # 4. peak memory of the backward does not grow with the number of targets
 # --------------------------------------------------------------------------------------------
 def test_backward_memory_does_not_grow_with_targets():
-    """Forward + backward of the KIP loss, each in a fresh process (``benchmarks.suites.kip``:
-    a tiny warm-up call, then the resident high-water mark of the measured call over the
-    resident set before it, via ``benchmarks._harness``).  From 100 to 1600 targets the
-    checkpointed path does not grow and the fused one stays at the same level, while the plain
-    autograd graph, which keeps every target's factors, does grow: the measurement is
-    sensitive enough to see it."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.suites import kip as suite
+    """Forward + backward of the KIP loss, each in a fresh process: ``benchmarks.kip.memory``
+    (``benchmarks.common.working_memory``: a warm-up call, then the growth of the resident set
+    while the measured call runs).  From 100 to 1600 targets the checkpointed path does not
+    grow and the fused one stays at the same level, while the plain autograd graph, which keeps
+    every target's factors, does grow: the measurement is sensitive enough to see it."""
+    code = ("import sys; from benchmarks.kip import case, memory; "
+            "print(memory(case(sys.argv[1], 'mlp', 20, int(sys.argv[2]), 'float64', 'cpu', "
+            "'1GB', 100)))")
 
     def peak(impl: str, n: int) -> float:
-        res = suite._fresh({"impl": impl, "model": "mlp", "n_support": 20, "n_target": n,
-                            "dtype": "float64", "device": "cpu", "max_memory": "1GB",
-                            "batch_size": 100})
-        assert res is not None, (impl, n)
-        return res["working_peak_bytes"] / 1e6
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+            "PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", code, impl, str(n)], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return float(proc.stdout.split()[-1]) / 1e6
 
     jobs = [("checkpointed", 100), ("checkpointed", 1600), ("fused", 1600), ("plain", 1600)]
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -1,0 +1,96 @@
+"""The trace eNTK of the same tanh MLP through ``ntkcore.models.MLP`` (hand-written Kronecker
+factors) on each array library, the torch provider on the equivalent ``nn.Sequential`` (the
+baseline) and the JAX provider on a hand-written ``apply_fn``."""
+
+import os
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+import ntkcore
+from benchmarks.common import BACKENDS, asarray, in_turns, relerr, require, roofline_share
+from benchmarks.kip import memory
+from benchmarks.panels import reference_ntk
+from ntkcore.models import MLP
+
+N_REF = 32
+# case -> (widths, N)
+CASES = {"MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384),
+         "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512)}  # the second one is opt-in
+
+
+def case(impl: str, backend: str, ws: list[Any], bs: list[Any], x_np: np.ndarray) -> Any:
+    """The zero-argument kernel call of ``impl`` ("mlp" or "provider") on ``backend``."""
+    x = asarray(x_np, backend)
+    if impl == "mlp":
+        net = MLP([asarray(w, backend) for w in ws], [asarray(b, backend) for b in bs],
+                  activation="tanh", parameterization="standard")
+        return lambda: ntkcore.ntk(net, x, mode="trace")
+    if backend.startswith("torch"):
+        import torch
+        layers: list[Any] = []
+        for w, b in zip(ws, bs, strict=True):
+            layers += [lin := torch.nn.Linear(w.shape[1], w.shape[0]), torch.nn.Tanh()]
+            lin.weight.data, lin.bias.data = asarray(w, backend), asarray(b, backend)
+        model = torch.nn.Sequential(*layers[:-1]).eval()
+        return lambda: ntkcore.ntk(model, x, mode="trace")
+    import jax.numpy as jnp
+    params = [(asarray(w, backend), asarray(b, backend)) for w, b in zip(ws, bs, strict=True)]
+
+    def apply_fn(p: Any, z: Any) -> Any:
+        for w, b in p[:-1]:
+            z = jnp.tanh(z @ w.T + b)
+        return z @ p[-1][0].T + p[-1][1]
+
+    return lambda: ntkcore.ntk((apply_fn, params), x, mode="trace")
+
+
+def flops(widths: tuple[int, ...], n: int) -> float:
+    r"""Trace-mode flops (O = 1), each layer's (N, N) Grams of :math:`[a, 1]` and g as full
+    GEMMs: :math:`2N^2\sum_l (d_{in}+1+d_{out})`."""
+    return float(n) * n * sum(2 * (a + 1 + b) for a, b in pairwise(widths))
+
+
+class TraceKernel:
+    """Trace eNTK of a tanh MLP per implementation ("mlp" or the library's "provider") and
+    library, ``MLP.random(..., seed=0, parameterization="standard")``, inputs N(0, 1) (seed 1);
+    ``track_speedup``: torch provider over this; ``track_error``: leading 32 x 32 samples
+    against :func:`benchmarks.panels.reference_ntk`.  8 x 1000: ``NTKCORE_BENCH_LARGE=1``."""
+    params = (["mlp", "provider"], list(BACKENDS), list(CASES))
+    param_names = ("impl", "backend", "case")
+    timeout, number, repeat, warmup_time, rounds = 300, 1, 2, 0, 1
+
+    def setup(self, impl: str, backend: str, name: str) -> None:
+        require(backend)
+        if impl == "provider" and backend in ("numpy", "cupy"):
+            raise NotImplementedError("no autodiff provider for " + backend)
+        if name != next(iter(CASES)) and os.environ.get("NTKCORE_BENCH_LARGE") != "1":
+            raise NotImplementedError("needs NTKCORE_BENCH_LARGE=1")
+        self.widths, n = CASES[name]
+        net = MLP.random(self.widths, xp=np, seed=0, parameterization="standard", dtype=float)
+        self.ws, self.bs = list(net.weights), list(net.biases)  # type: ignore[arg-type]
+        self.x = np.random.default_rng(1).standard_normal((n, self.widths[0]))
+        self.call = case(impl, backend, self.ws, self.bs, self.x)
+        self.device = "torch-cuda" if backend in ("torch-cuda", "cupy") else "torch"
+
+    def time_ntk(self, *_: Any) -> None:
+        self.call()
+
+    def track_speedup(self, *_: Any) -> float:
+        base = case("provider", self.device, self.ws, self.bs, self.x)
+        t = in_turns({"impl": self.call, "base": base}, rounds=2)
+        return t["base"] / t["impl"]
+
+    def track_error(self, *_: Any) -> float:
+        ref = reference_ntk(self.ws, self.bs, self.x[:N_REF], "tanh", "trace", [1.0] * 99)
+        return relerr(self.call()[:N_REF, :N_REF], ref)
+
+    def track_roofline_share(self, impl: str, backend: str, name: str) -> float:
+        return roofline_share(self.call, flops(self.widths, self.x.shape[0]), backend, rounds=2)
+
+    def track_working_memory(self, *_: Any) -> float:
+        return memory(self.call)
+
+    track_speedup.unit, track_error.unit = "x", "relative"  # type: ignore[attr-defined]
+    track_roofline_share.unit, track_working_memory.unit = "share", "bytes"  # type: ignore
