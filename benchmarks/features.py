@@ -129,7 +129,7 @@ class Throughput:
     """Seconds per call of trace features (dim = 1024) of N inputs, and their speed-up over the
     exact trace eNTK of the same inputs (whose cost grows like N^2, that of features like N)."""
 
-    params = (list(MODELS), [1024], list(LAYOUTS))
+    params = (list(MODELS), [512], list(LAYOUTS))
     param_names = ("model", "N", "kronecker")
     number, repeat, warmup_time, rounds, timeout = 1, 3, 0, 1, 300
 
