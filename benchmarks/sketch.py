@@ -43,7 +43,7 @@ class _Sketched:
 class Gram(_Sketched):
     r"""Sketched Gram of one block, q = P/k: dense (N = 256, P = 32768, 2% heavy columns;
     target speedup >= 3 at k >= 20) or Kronecker, d_in = d_out = 1024 at S positions (S = 1: a
-    dense layer, N = 512; S = 16: a convolution, N = 128; sketch
+    dense layer, N = 512; S = 16: a convolution, N = 64; sketch
     :math:`\Omega_A\otimes\Omega_G`)."""
 
     params = ([*CPU_BACKENDS, "torch-cuda"], ["dense", "kron S=1", "kron S=16"], METHODS,
@@ -59,7 +59,7 @@ class Gram(_Sketched):
             blocks, block = [rng.standard_normal((256, 1, 32768), dtype=np.float32)], DenseBlock
             blocks[0][:, :, :655] *= 10.0  # a few heavy parameters (where leverage helps)
         else:
-            (n, s), block = ((512, 1) if kind == "kron S=1" else (128, 16)), KroneckerBlock
+            (n, s), block = ((512, 1) if kind == "kron S=1" else (64, 16)), KroneckerBlock
             blocks = [rng.standard_normal(sh, dtype=np.float32) for sh in ((n, s, 1024),
                                                                           (n, s, 1, 1024))]
         jac = Jacobian([block(*(asarray(b, backend) for b in blocks))])

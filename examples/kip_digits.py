@@ -9,7 +9,7 @@ with the trace-mode eNTK of the network, fitted on the support set alone,
 predicts the labels of the training images.  The loss and its gradient with respect to the
 support images come from :func:`ntkcore.backends.torch_kip.kip_loss`, which visits the target
 images in chunks and never keeps their Jacobian factors, so the same script scales to large
-target sets (see ``benchmarks/kip.py``, class ``Seed``, for 60,000 MNIST-sized targets).
+target sets (see the case ``seed M=100 N=60000`` of ``benchmarks/kip.py``).
 
 Test accuracy of kernel regression on the support set is reported before (10 random training
 images per class) and after distillation, next to kernel regression on all training images.
