@@ -68,7 +68,7 @@ class TraceKernel:
         if name != next(iter(CASES)) and os.environ.get("NTKCORE_BENCH_LARGE") != "1":
             raise NotImplementedError("needs NTKCORE_BENCH_LARGE=1")
         self.widths, n = CASES[name]
-        net = MLP.random(self.widths, xp=np, seed=0, parameterization="standard", dtype=float)
+        net = MLP.random(self.widths, xp=np, seed=0, parameterization="standard", dtype=np.float64)
         self.ws, self.bs = list(net.weights), list(net.biases)  # type: ignore[arg-type]
         self.x = np.random.default_rng(1).standard_normal((n, self.widths[0]))
         self.call = case(impl, backend, self.ws, self.bs, self.x)
