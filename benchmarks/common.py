@@ -165,11 +165,11 @@ def _status(key: str) -> int:
 def working_memory(fn: Callable[[], Any]) -> float:
     """Bytes by which the resident set grows while ``fn()`` runs (Linux), its output included.
 
-    ``fn`` is called once as a warm-up (one-time library initialisation is not charged to it).
-    Then glibc is told to return large freed blocks to the kernel at once (``mallopt``
-    ``M_MMAP_THRESHOLD`` = 64 KiB, so a freed block is not silently reused from the heap), the
-    kernel's high-water mark ``VmHWM`` is reset (``/proc/self/clear_refs``), ``fn`` runs again
-    and the result is ``VmHWM - VmRSS`` before the call.  On CUDA it is the allocator's peak
+    glibc is told to map blocks of 64 KiB and more on their own and return them to the kernel
+    when freed (``mallopt`` ``M_MMAP_THRESHOLD``), so that no block freed by the warm-up call
+    (one-time library initialisation is not charged to ``fn``) is silently reused from the
+    heap; then the kernel's high-water mark ``VmHWM`` is reset (``/proc/self/clear_refs``),
+    ``fn`` runs again and the result is ``VmHWM - VmRSS`` before the call.  On CUDA it is the allocator's peak
     (``torch.cuda.max_memory_allocated`` after a reset) above what was allocated before.
     """
     torch = sys.modules.get("torch")
@@ -183,9 +183,9 @@ def working_memory(fn: Callable[[], Any]) -> float:
         return float(peak)
     if not sys.platform.startswith("linux"):
         raise NotImplementedError("working memory is read from /proc (Linux)")
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, before the warm-up
     out = wait(fn())
     del out
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

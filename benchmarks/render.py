@@ -2,10 +2,10 @@
 
     python -m benchmarks.render [--machine NAME] [--commit SHA] [--out docs/benchmarks.md]
 
-Without ``--commit`` the newest result file of the machine is used; every table of the page
-comes from that one file, and the page's heading names the machine, the commit and the date.
 A table is one benchmark class: its parameter combinations are the rows, its ``time_*`` and
-``track_*`` methods the columns; combinations that were skipped everywhere are left out.
+``track_*`` methods the columns (combinations skipped everywhere are left out), all from one
+result file, the newest that measured the class (or one of ``--commit``), named with its
+commit and date in the table's heading.
 """
 
 from __future__ import annotations
@@ -49,25 +49,24 @@ def fmt(value: Any, unit: str) -> str:
     return f"{v:.3g}"
 
 
-def load(machine: str | None = None, commit: str | None = None,
-         results: Path = RESULTS) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(machine facts, one result file, benchmark metadata) for ``machine`` (the only or the
-    first one) at ``commit`` (a prefix; default: the newest file)."""
+def load(machine: str | None = None, commit: str | None = None, results: Path = RESULTS
+         ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(machine facts, its result files, benchmark metadata) for ``machine`` (the only or the
+    first one), only the files of ``commit`` (a prefix) when given."""
     machines = sorted(p for p in results.iterdir() if (p / "machine.json").is_file())
     if machine is not None:
         machines = [p for p in machines if p.name == machine]
     if not machines:
         raise SystemExit(f"no asv results for machine {machine!r} in {results}")
     mdir = machines[0]
-    files = [p for p in mdir.glob("*.json") if p.name != "machine.json"]
-    docs = [json.loads(p.read_text()) for p in files]
+    docs = [json.loads(p.read_text()) for p in sorted(mdir.glob("*.json"))
+            if p.name != "machine.json"]
     if commit is not None:
         docs = [d for d in docs if d["commit_hash"].startswith(commit)]
     if not docs:
         raise SystemExit(f"no result file for commit {commit!r} in {mdir}")
-    doc = max(docs, key=lambda d: d.get("date", 0))
     meta = json.loads((results / "benchmarks.json").read_text())
-    return json.loads((mdir / "machine.json").read_text()), doc, meta
+    return json.loads((mdir / "machine.json").read_text()), docs, meta
 
 
 def _caption(module: str, cls: str) -> str:
@@ -79,25 +78,43 @@ def _caption(module: str, cls: str) -> str:
     return (obj.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
-def tables(doc: dict[str, Any], meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per class ``module.Class``: its parameter names, the parameter combinations and per
-    method the unit and the values (``None`` for skipped or failed)."""
-    cols = doc["result_columns"]
+def _measured(values: Any) -> bool:
+    vals = values if isinstance(values, list) else [values]
+    return any(v is not None and not (isinstance(v, float) and math.isnan(v)) for v in vals)
+
+
+def tables(docs: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per class ``module.Class``: its parameter names, the parameter combinations, per method
+    the unit and the values (``None`` for skipped or failed), and the result file they come
+    from: of the files that measured the class, the newest (one commit for the whole table)."""
+    newest: dict[str, dict[str, Any]] = {}
+    for doc in sorted(docs, key=lambda d: d.get("date", 0)):
+        for name, res in doc["results"].items():
+            if name in meta and isinstance(res, list) and _measured(res[0]):
+                newest[name.rpartition(".")[0]] = doc
     out: dict[str, dict[str, Any]] = {}
-    for name, res in sorted(doc["results"].items()):
-        if name not in meta or not isinstance(res, list):
-            continue
-        entry = dict(zip(cols, res))
-        module_cls, _, method = name.rpartition(".")
-        values = entry["result"]
-        params = entry.get("params") or []
-        combos = list(itertools.product(*params)) if params else [()]
-        if not isinstance(values, list):
-            values = [values]
-        t = out.setdefault(module_cls, {"names": meta[name].get("param_names", []),
-                                        "combos": combos, "methods": {}})
-        t["methods"][method] = (meta[name].get("unit", ""), values)
+    for module_cls, doc in sorted(newest.items()):
+        cols = doc["result_columns"]
+        for name, res in sorted(doc["results"].items()):
+            if name.rpartition(".")[0] != module_cls or name not in meta:
+                continue
+            entry = dict(zip(cols, res))
+            params = entry.get("params") or []
+            values = entry["result"] if isinstance(entry["result"], list) else [entry["result"]]
+            t = out.setdefault(module_cls, {
+                "names": meta[name].get("param_names", []), "doc": doc, "methods": {},
+                "combos": list(itertools.product(*params)) if params else [()]})
+            t["methods"][name.rpartition(".")[2]] = (meta[name].get("unit", ""), values)
     return out
+
+
+def source(doc: dict[str, Any]) -> str:
+    """``commit 1234abcd · 2026-12-06 · <python>``: where a table's numbers come from."""
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(doc.get("date", 0) / 1000, datetime.UTC)
+    py = doc.get("env_name", "").split("py_", 1)[-1].replace("_", "/")
+    return f"commit {doc['commit_hash'][:8]} · {when:%Y-%m-%d} · {py}"
 
 
 def markdown_table(t: dict[str, Any]) -> str:
@@ -151,28 +168,24 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
     return bool(drawn)
 
 
-def render(machine: dict[str, Any], doc: dict[str, Any], meta: dict[str, Any],
+def render(machine: dict[str, Any], docs: list[dict[str, Any]], meta: dict[str, Any],
            img_dir: Path | None = None, img_rel: str = "img") -> str:
-    """The page: header, the machine and commit, then a section per module, a table per
-    class (and a chart where :func:`chart` draws one)."""
-    facts = ", ".join(f"{k} {machine[k]}" for k in ("cpu", "num_cpu", "ram", "os", "arch")
-                      if machine.get(k))
-    date = doc.get("date")
-    when = ""
-    if date:
-        import datetime
-
-        when = datetime.datetime.fromtimestamp(date / 1000, datetime.UTC).strftime("%Y-%m-%d")
-    parts = [HEADER, f"## {machine.get('machine', '?')} · commit {doc['commit_hash'][:8]} · {when}",
-             "", f"Machine: {facts}.  Python {doc.get('python', '?')}, asv environment "
-             f"`{doc.get('env_name', '?')}`.  Every table below comes from this one run.", ""]
+    """The page: header, the machine, then a section per module and a table per class (each
+    from one result file, named in its heading; a chart where :func:`chart` draws one)."""
+    facts = dict(machine)
+    if str(facts.get("ram", "")).isdigit():
+        facts["ram"] = f"{int(facts['ram']) / 2**30:.0f} GiB"
+    facts_text = ", ".join(f"{k} {facts[k]}" for k in ("cpu", "num_cpu", "ram", "os", "arch")
+                           if facts.get(k))
+    parts = [HEADER, f"## Machine `{machine.get('machine', '?')}`", "", facts_text + ".", ""]
     module = None
-    for name, t in tables(doc, meta).items():
+    for name, t in tables(docs, meta).items():
         mod, _, cls = name.partition(".")
         if mod != module:
             module = mod
             parts += [f"### {mod}", ""]
-        parts += [f"#### {cls}", "", _caption(mod, cls), "", markdown_table(t), ""]
+        parts += [f"#### {cls} · {source(t['doc'])}", "", _caption(mod, cls), "",
+                  markdown_table(t), ""]
         if img_dir is not None and chart(t, name, img_dir / f"bench-{name}.png"):
             parts += [f"![{name}]({img_rel}/bench-{name}.png)", ""]
     return "\n".join(parts).rstrip() + "\n"
@@ -186,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-charts", action="store_true")
     args = ap.parse_args(argv)
-    machine, doc, meta = load(args.machine, args.commit, args.results)
+    machine, docs, meta = load(args.machine, args.commit, args.results)
     img = None if args.no_charts else args.out.parent / "img"
-    args.out.write_text(render(machine, doc, meta, img), encoding="utf-8")
+    args.out.write_text(render(machine, docs, meta, img), encoding="utf-8")
     print(args.out)
     return 0
 

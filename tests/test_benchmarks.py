@@ -100,22 +100,25 @@ def _results(tmp: Path) -> Path:
                "result_columns": cols, "version": 2, "results": {
                    "smw.VsDense.time_ntkcore": [[t * 1e-3, 2e-3, None, None], params, "v"],
                    "smw.VsDense.track_speedup": [[3.0, 30.0, float("nan"), None], params, "v"],
-                   "smw.Large.track_working_memory": [[3 * 2**30], [], "v"]}}
+                   "smw.Large.track_working_memory": [[3 * 2**30 if date == 1 else None],
+                                                      [], "v"]}}
         (tmp / "m1" / f"{commit[:8]}-existing.json").write_text(json.dumps(doc))
     return tmp
 
 
-def test_render_takes_one_result_file_and_drops_skipped_rows(tmp_path):
-    machine, doc, meta = render.load(results=_results(tmp_path))
-    assert doc["commit_hash"] == "b" * 40  # the newest
-    page = render.render(machine, doc, meta)
-    assert "m1 · commit bbbbbbbb" in page and "aaaaaaaa" not in page
+def test_render_takes_each_table_from_one_result_file(tmp_path):
+    """The newest file that measured a class gives the whole table and names its commit;
+    a class measured only in an older file comes from that file; skipped rows are dropped."""
+    machine, docs, meta = render.load(results=_results(tmp_path))
+    page = render.render(machine, docs, meta)
+    assert "#### VsDense · commit bbbbbbbb" in page
     assert "| numpy | 1000 | 500 µs | 3x |" in page
     assert "| numpy | 4000 | 2 ms | 30x |" in page
     assert "cupy" not in page  # skipped everywhere: no row
-    assert "3 GiB" in page
+    assert "#### Large · commit aaaaaaaa" in page and "3 GiB" in page
     _, old, _ = render.load(results=tmp_path, commit="aaaa")
-    assert "| numpy | 1000 | 9 ms | 3x |" in render.render(machine, old, meta)
+    page = render.render(machine, old, meta)
+    assert "| numpy | 1000 | 9 ms | 3x |" in page and "bbbbbbbb" not in page
 
 
 @pytest.mark.parametrize("value, unit, text", [
