@@ -44,7 +44,7 @@ from .torch_layers import (
     RecurrentRule,
     Summed,
     cat,
-    drop_zero_positions,
+    drop_zero_positions_all,
     recurrent_rule,
     rule_for,
 )
@@ -1228,9 +1228,11 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
                                     create_graph))
     if not create_graph:  # exact: positions with g == 0 add nothing (see drop_zero_positions);
-        # a recurrent block's positions are its time steps, kept whole
+        # a recurrent block's positions are its time steps, kept whole; one host sync for all
         recurrent = set(rnames.values())
-        blocks = {k: b if k in recurrent else drop_zero_positions(b) for k, b in blocks.items()}
+        names = [k for k in blocks if k not in recurrent]
+        blocks.update(zip(names, drop_zero_positions_all([blocks[k] for k in names]),
+                          strict=True))
     return Jacobian([blocks[name] for name in order])
 
 

@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntkcore.jacobian import DenseBlock, KroneckerBlock
+from ntkcore.jacobian import DenseBlock, KroneckerBlock, trusted_blocks
 
 __all__ = ["NORMALISE", "PLAIN", "RULES", "AffineRule", "BatchNormRule", "ConvRule",
            "EmbeddingRule", "GRURule", "GroupNormRule", "InstanceNormRule", "LSTMRule",
            "LayerNormRule", "LayerRule", "LinearRule", "RMSNormRule", "RNNRule", "RecurrentPass",
            "RecurrentRule", "Summed", "affine_sums", "cat", "drop_zero_positions",
-           "embedding_index", "recurrent_forward", "recurrent_rule", "rule_for", "with_ones"]
+           "drop_zero_positions_all", "embedding_index", "recurrent_forward", "recurrent_rule",
+           "rule_for", "with_ones"]
 
 
 class LayerRule:
@@ -169,7 +170,8 @@ class EmbeddingRule(LayerRule):
     def block(self, mod, inputs, gs, n, name, weight, bias):
         a = cat([embedding_index(a_c.reshape(n, -1), mod.padding_idx, mod.num_embeddings)
                  for a_c in inputs], 1)
-        return KroneckerBlock(a.contiguous(), cat(gs, 1), name, one_hot=mod.num_embeddings)
+        with trusted_blocks():  # indices the embedding took: no range check (a sync)
+            return KroneckerBlock(a.contiguous(), cat(gs, 1), name, one_hot=mod.num_embeddings)
 
 
 class AffineRule(LayerRule):
@@ -664,46 +666,90 @@ def drop_zero_positions(block: DenseBlock | KroneckerBlock,
     (a zero value may have a non-zero derivative) is returned as it is; at least one position
     stays.
     """
-    if not isinstance(block, KroneckerBlock) or block.num_positions == 1 or block.g.requires_grad:
-        return block
-    g = block.g
-    live = g[0].any(dim=(1, 2))  # (S,)
-    if bool(live.all()):
-        return block
-    dead = (~live).nonzero().flatten()
-    lo, last = dead[[0, -1]].tolist()
-    n, s, o, dout = g.shape
-    width = math.prod(block.a.shape[2:]) + o * dout  # elements of a and g at one position
-    priced = priced and n * s * width > PRICED_ELEMENTS
-    if priced:
-        price = _position_pricer(block)
-        # at best sample 0's dead positions go, after a read of their range
-        scan = SCAN_FLOPS * n * (last + 1 - lo) * o * dout
-        if price(s) - price(s - dead.numel()) <= scan + COPY_FLOPS * n * (s - dead.numel()) * width:
-            return block
-    # zero everywhere <=> max = min = 0 (a NaN propagates: live); amax and amin over the view
-    # read it without a copy, 3x faster than torch's any over several axes
-    part = g[:, lo:last + 1]
-    live[lo:last + 1] |= part.amax(dim=(0, 2, 3)).ne(0) | part.amin(dim=(0, 2, 3)).ne(0)
-    keep = live.nonzero().flatten()
-    if keep.numel() == live.numel():
-        return block
-    if keep.numel() == 0:
-        keep = keep.new_zeros(1)
-    k = keep.numel()
-    if priced and price(s) - price(k) <= COPY_FLOPS * n * k * width:
-        return block
-    return block.with_arrays(_take_positions(block.a, keep), _take_positions(g, keep))
+    return drop_zero_positions_all([block], priced)[0]
 
 
-def _take_positions(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Positions ``keep`` (axis 1) of ``x`` in a new array with ``x``'s order of axes in
-    memory (a channels-first g stays channels-first: the per-sample weights' batched GEMM
-    reads it as it would the whole g); one range is sliced, not gathered."""
+def _candidate(block: DenseBlock | KroneckerBlock) -> bool:
+    return isinstance(block, KroneckerBlock) and block.num_positions > 1 \
+        and not block.g.requires_grad
+
+
+def drop_zero_positions_all(blocks: list[DenseBlock | KroneckerBlock],
+                            priced: bool = True) -> list[DenseBlock | KroneckerBlock]:
+    """:func:`drop_zero_positions` of every block with at most two host synchronisations
+    for all of them (not two or more per block): each block's count, first and last dead
+    position of sample 0 are reduced on the device and read together (the only one when no
+    block has one: a CNN's every position is usually live); then the blocks with dead
+    positions worth a scan count, locate and gather their kept positions with one more read
+    (a stable sort in place of ``nonzero``, which would sync per block)."""
+    cands = [i for i, b in enumerate(blocks) if _candidate(b)]
+    if not cands:
+        return list(blocks)
+    lives = {i: blocks[i].g[0].any(dim=(1, 2)) for i in cands}  # (S,) each
+    read = _read_stats([~lives[i] for i in cands])  # sync 1: count, first, last dead
+    out = list(blocks)
+    scanned = {}  # i -> price function or None, for the blocks whose range is scanned
+    for i, (count, lo, last) in zip(cands, read, strict=True):
+        if not count:
+            continue
+        block, live = blocks[i], lives[i]
+        g = block.g
+        n, s, o, dout = g.shape
+        width = math.prod(block.a.shape[2:]) + o * dout  # elements of a and g at one position
+        price = _position_pricer(block) if priced and n * s * width > PRICED_ELEMENTS else None
+        if price is not None:
+            # at best sample 0's dead positions go, after a read of their range
+            scan = SCAN_FLOPS * n * (last + 1 - lo) * o * dout
+            if price(s) - price(s - count) <= scan + COPY_FLOPS * n * (s - count) * width:
+                continue
+        # zero everywhere <=> max = min = 0 (a NaN propagates: live); amax and amin over the
+        # view read it without a copy, 3x faster than torch's any over several axes
+        part = g[:, lo:last + 1]
+        live[lo:last + 1] |= part.amax(dim=(0, 2, 3)).ne(0) | part.amin(dim=(0, 2, 3)).ne(0)
+        scanned[i] = (price, width)
+    if not scanned:
+        return out
+    keys = list(scanned)
+    for i, (k, first, final) in zip(keys, _read_stats([lives[i] for i in keys]),
+                                    strict=True):  # sync 2: count, first, last live
+        block, live, (price, width) = blocks[i], lives[i], scanned[i]
+        n, s = block.g.shape[:2]
+        if k == s:
+            continue
+        if k == 0:  # at least one position stays
+            k, first, final = 1, 0, 0
+        if price is not None and price(s) - price(k) <= COPY_FLOPS * n * k * width:
+            continue
+        # the kept positions in order, without nonzero's sync: a stable sort puts them first
+        keep = None if final - first + 1 == k else \
+            torch.sort((~live).to(torch.int32), stable=True).indices[:k]
+        out[i] = block.with_arrays(_take_positions(block.a, first, k, keep),
+                                   _take_positions(block.g, first, k, keep))
+    return out
+
+
+def _read_stats(masks: list[torch.Tensor]) -> list[list[int]]:
+    """``[count, first, last]`` of the True entries of each 1-d boolean mask (first and last
+    meaningless where count is 0), read to the host together: one synchronisation."""
+    stats = []
+    for m in masks:
+        v = m.to(torch.int32)
+        # argmax gives the first maximum
+        stats.append(torch.stack([v.sum(dtype=torch.int64), v.argmax(),
+                                  (v.shape[0] - 1) - v.flip(0).argmax()]))
+    return torch.stack([t.to(stats[0].device) for t in stats]).tolist()
+
+
+def _take_positions(x: torch.Tensor, first: int, k: int, keep: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """Positions ``keep`` (axis 1; None: the range ``first:first + k``) of ``x`` in a new
+    array with ``x``'s order of axes in memory (a channels-first g stays channels-first: the
+    per-sample weights' batched GEMM reads it as it would the whole g); a range is sliced, not
+    gathered."""
     order = sorted(range(x.ndim), key=lambda d: -x.stride(d))
     xs = x.permute(order)
-    axis, first, k = order.index(1), int(keep[0]), keep.numel()
-    if int(keep[-1]) - first + 1 == k:
+    axis = order.index(1)
+    if keep is None:
         part = xs.narrow(axis, first, k).contiguous()
     else:
         part = xs.index_select(axis, keep).contiguous()
@@ -928,8 +974,9 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
     if g.requires_grad or a.requires_grad:  # differentiable: no out= writes
         dw = torch.einsum("nsogc,nsgk->nogck", gg, a4).reshape(n, o, cout, cg_in)
         # DenseBlock layout: [weight.flatten(), bias]
-        return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])], -1),
-                          name, columns, size)
+        with trusted_blocks():  # columns built above: increasing, in range
+            return DenseBlock(cat([dw.reshape(n, o, -1), *([g.sum(dim=1)] if bias else [])],
+                                  -1), name, columns, size)
     # written once into the block (N, O, [weight.flatten(), bias]): the block is N O C_out
     # C_in/G k numbers, often tens of MB in fresh pages; the two extra passes over it (the
     # einsum's layout copy, the concatenation with the bias) made building these blocks
@@ -945,4 +992,5 @@ def _grouped_conv_block(a: torch.Tensor, g: torch.Tensor, groups: int, name: str
         w.copy_(torch.einsum("nsogc,nsgk->nogck", gg, a4))
     if bias:
         torch.sum(g, dim=1, out=out[..., width:])
-    return DenseBlock(out, name, columns, size)
+    with trusted_blocks():  # columns built above: increasing, in range
+        return DenseBlock(out, name, columns, size)

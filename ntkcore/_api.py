@@ -24,8 +24,8 @@ import array_api_compat
 
 from ._memory import PROBE_SAMPLES, Budget, batch_samples, itemsize, resolve_budget
 from ._typing import Array
+from ._validation import FiniteFlags, first_nonfinite, namespace_of
 from ._validation import check_finite as _check_finite_array
-from ._validation import first_nonfinite, namespace_of
 from .errors import BudgetTooSmallError
 from .gram import block_shapes, gram, min_budget, useful_tile
 from .jacobian import Jacobian
@@ -505,21 +505,35 @@ def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
     grid = TileGrid(int(x1.shape[0]), int(xc.shape[0]), block, symmetric=symmetric)
     tiles: dict[tuple[int, int], Array] = {}
     rest = budget.share(2)
+    # NaN/Inf: one flag per tile kept on the device and read once at the end (one host sync
+    # per call, not per tile); a bad tile is recomputed with gram's own check for its message
+    flags, order = FiniteFlags(xp), []
+
+    def tile(i: int, j: int, ji: Jacobian, check: bool) -> Array:
+        jj = None if symmetric and j == i else _jacobians(call2, xc, *grid.cols[j], batch)
+        return gram(ji, jj, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
+                    check_finite=check)
+
     with progress_steps(progress, len(grid.schedule()), "ntk") as step:
         for i, (r0, r1) in enumerate(grid.rows):
             first = probe if probe is not None and r0 == 0 and \
                 probe.num_samples <= r1 - r0 else None
             ji = _jacobians(call, x1, r0, r1, batch, first)
             probe = first = None
-            for j in grid.row_tiles(i):
-                # on the diagonal of a symmetric kernel, ji against itself
-                jj = None if symmetric and j == i else _jacobians(call2, xc, *grid.cols[j],
-                                                                  batch)
-                tiles[(i, j)] = gram(ji, jj, mode=mode, layerwise=layerwise, max_memory=rest,
-                                     dtype=dtype, check_finite=check_finite)
-                del jj
+            for j in grid.row_tiles(i):  # on the diagonal of a symmetric kernel, ji with itself
+                tiles[(i, j)] = tile(i, j, ji, False)
+                if check_finite:
+                    flags.add(tiles[(i, j)])
+                    order.append((i, j))
                 step()
             del ji
+    bad = flags.first_bad() if order else None
+    if bad is not None:
+        i, j = order[bad]
+        tiles.clear()
+        tile(i, j, _jacobians(call, x1, *grid.rows[i], batch), True)  # raises gram's error
+        raise ValueError(f"the kernel of samples {grid.rows[i]} x {grid.cols[j]} holds Inf "
+                         "or NaN")
     return grid.assemble(xp, tiles, mode, 1 if layerwise else 0)
 
 

@@ -105,6 +105,38 @@ def all_finite(xp: Any, x: Array) -> bool:
         raise
 
 
+class FiniteFlags:
+    """Finiteness checks deferred to one host synchronisation: :meth:`add` keeps a 0-d
+    device boolean per array (no sync), :meth:`first_bad` reads them all at once."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp, self.flags = xp, []
+
+    def add(self, x: Array) -> None:
+        """Record whether ``x`` holds no NaN or Inf (exact, evaluated on the device)."""
+        xp = self.xp
+        if xp.isdtype(x.dtype, ("real floating", "complex floating")):
+            self.flags.append((len(self.flags), xp.all(xp.isfinite(x))))
+        else:
+            self.flags.append((len(self.flags), None))
+
+    def first_bad(self) -> int | None:
+        """The index (order of :meth:`add`) of the first array with NaN or Inf, else None (also
+        when the values are unknown: traced under ``jax.jit``).  One host sync for all."""
+        xp = self.xp
+        known = [(i, f) for i, f in self.flags if f is not None]
+        if not known:
+            return None
+        try:
+            if bool(xp.all(xp.stack([f for _, f in known]))):
+                return None
+        except Exception as exc:
+            if _unreadable(exc):
+                return None
+            raise
+        return next(i for i, f in known if not bool(f))  # the error path: one read each
+
+
 def check_finite(xp: Any, x: Array, name: str) -> None:
     """Raise ValueError if ``x`` holds NaN or Inf."""
     if not all_finite(xp, x):

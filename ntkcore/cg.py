@@ -17,6 +17,7 @@ import array_api_compat
 
 from ._typing import Array
 from ._validation import (
+    FiniteFlags,
     all_finite,
     check_array,
     check_scalar,
@@ -328,14 +329,15 @@ def pivoted_cholesky_preconditioner(
     trace = float(xp.sum(d))
     cols: list[Array] = []
     pivots: list[int] = []
+    flags = FiniteFlags(xp)  # the columns' NaN/Inf check: one read after the loop
     for _ in range(r):
-        i = int(xp.argmax(d))
-        di = float(d[i])
+        i_dev, di_dev = xp.argmax(d), xp.max(d)  # both queued, then read: the pivot's sync
+        i = int(i_dev)
+        di = float(di_dev)
         if di <= max(rel_tol * trace, 0.0) or di <= 0:
             break
         col = xp.astype(op.columns([i], like)[:, 0], like.dtype)  # K[:, i]
-        if not all_finite(xp, col):
-            raise ValueError(f"{name} contains NaN or Inf (in column {i})")
+        flags.add(col)
         if cols:
             lmat = xp.stack(cols, axis=1)  # (N, m)
             col = col - lmat @ lmat[i, :]
@@ -343,6 +345,9 @@ def pivoted_cholesky_preconditioner(
         cols.append(li)
         pivots.append(i)
         d = d - li * li
+    bad = flags.first_bad()
+    if bad is not None:  # (a NaN column made the later pivots meaningless, not an error)
+        raise ValueError(f"{name} contains NaN or Inf (in column {pivots[bad]})")
     dev = array_api_compat.device(like)
     lmat = (xp.stack(cols, axis=1) if cols
             else xp.zeros((n, 0), dtype=like.dtype, device=dev))
@@ -601,7 +606,8 @@ def _pcg(xp: Any, a: LinearOperator, precond: Any, tol: float, maxiter: int, nam
         xmat = xmat + step * p
         r = r - step * ap
         res = xp.where(active, xp.linalg.vector_norm(r, axis=0) / ynorm_safe, res)
-        worst = float(xp.max(res))
+        any_ok = xp.any(ok)  # queued before the read below: its own read then waits for nothing
+        worst = float(xp.max(res))  # the iteration's host sync (convergence)
         history.append(worst)
         if not math.isfinite(worst):
             raise ValueError(
@@ -610,7 +616,7 @@ def _pcg(xp: Any, a: LinearOperator, precond: Any, tol: float, maxiter: int, nam
                 "NaN/Inf entries")
         if callback is not None:
             callback(len(history), worst)
-        if worst <= tol or not bool(xp.any(ok)):
+        if worst <= tol or not bool(any_ok):
             break
         z = precond.apply(r) if precond is not None else r
         rz_new = xp.sum(r * z, axis=0)

@@ -20,7 +20,7 @@ from array_api_compat import device
 
 from ._estimator import Regressor, as_floating_arrays, lazy_module_attributes
 from ._typing import Array
-from ._validation import check_array, check_scalar, namespace_of, promote
+from ._validation import check_array, check_finite, check_scalar, namespace_of, promote
 from .backend import Backend
 from .errors import NotPositiveDefiniteError
 from .regression import (
@@ -54,11 +54,12 @@ def _rows(xp: Any, phi: Array, name: str, tail: tuple[int, ...] | None = None) -
     return xp.reshape(phi, (math.prod(shape[:-1]), shape[-1]))
 
 
-def _targets(xp: Any, y: Array, phi: Array) -> Array:
-    """``y_train`` checked against ``phi_train`` (N, D) / (N, O, D), as columns (N O, K)."""
+def _targets(xp: Any, y: Array, phi: Array, finite: bool = True) -> Array:
+    """``y_train`` checked against ``phi_train`` (N, D) / (N, O, D), as columns (N O, K)
+    (``finite``: also for NaN/Inf)."""
     lead = tuple(phi.shape[:-1])
     what = "(N, O) or (N, O, K)" if len(lead) == 2 else "(N,) or (N, K)"
-    check_array(xp, y, "y_train", (len(lead), len(lead) + 1), what)
+    check_array(xp, y, "y_train", (len(lead), len(lead) + 1), what, finite=finite)
     if tuple(y.shape[:len(lead)]) != lead:
         raise ValueError(f"y_train must have shape {what} with {lead} from phi_train of shape "
                          f"{tuple(phi.shape)}; got shape {tuple(y.shape)}")
@@ -122,10 +123,14 @@ def _stream_moments(model: Any, x: Array | None, y: Array, spec: Any, max_memory
     def reserve(dim: int, item: int) -> float:
         return item * (PRIMAL_COPIES * dim * dim + 2 * dim * cols)
 
+    # y is checked for NaN/Inf once here, not per batch (one host sync per call)
+    check_finite(array_api_compat.array_namespace(y), y, "y_train")
     g = c = None
-    for _, start, stop, phi in batches(spec, model, x, max_memory, progress, reserve):
+    for _, start, stop, phi in batches(spec, model, x, max_memory, progress, reserve,
+                                       defer_check=True):
         xp, backend = namespace_of(features=phi, y_train=y)
-        rows, yb = promote(xp, _rows(xp, phi, "features"), _targets(xp, y[start:stop, ...], phi))
+        rows, yb = promote(xp, _rows(xp, phi, "features"),
+                           _targets(xp, y[start:stop, ...], phi, finite=False))
         gb, cb = rows.T @ rows, rows.T @ yb
         g, c = (gb, cb) if g is None else (g + gb, c + cb)
         tail = tuple(phi.shape[1:])
@@ -476,7 +481,7 @@ class _FeatureRidge(Regressor):
 
         spec, progress = self._features_spec
         parts = [self.predict(phi) for _, _, _, phi in batches(spec, model, x, max_memory,
-                                                               progress)]
+                                                               progress, defer_check=True)]
         xp = array_api_compat.array_namespace(parts[0])
         return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 

@@ -20,7 +20,7 @@ import array_api_compat
 from ._api import check_model_finite, provider_call
 from ._memory import CALL_OVERHEAD, PROBE_SAMPLES, batch_samples, itemsize, resolve_budget
 from ._typing import Array
-from ._validation import all_finite, check_size, namespace_of
+from ._validation import FiniteFlags, all_finite, check_size, namespace_of
 from ._validation import check_finite as _check_finite_array
 from .backend import get_backend
 from .errors import BudgetTooSmallError
@@ -509,7 +509,8 @@ def features(model: Any, x: Array | None = None, *, dim: int, method: str = "aut
     spec = FeatureSpec(dim, method, seed, mode, params, probe, kronecker, check_finite)
     plans: list[Projection] = []
     parts = []
-    for batch_plans, _, _, phi in batches(spec, model, x, max_memory, progress):
+    for batch_plans, _, _, phi in batches(spec, model, x, max_memory, progress,
+                                          defer_check=True):
         plans = batch_plans
         parts.append(phi)
     xp = array_api_compat.array_namespace(parts[0])
@@ -544,9 +545,14 @@ def feature_batches(model: Any, x: Array | None = None, *, dim: int, method: str
 
 
 def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = None,
-            progress: Any = None, reserve: Callable[[int, int], float] | None = None
-            ) -> Iterator[tuple[list[Projection], int, int, Array]]:
-    """:func:`feature_batches` of a checked :class:`FeatureSpec`."""
+            progress: Any = None, reserve: Callable[[int, int], float] | None = None,
+            defer_check: bool = False) -> Iterator[tuple[list[Projection], int, int, Array]]:
+    """:func:`feature_batches` of a checked :class:`FeatureSpec`.
+
+    ``defer_check``: the features' NaN/Inf check (``spec.check_finite``) is one host sync
+    after the last batch (the same ValueError, naming the first bad batch, raised from the
+    generator's end) instead of one per batch, for a consumer that reads every batch before
+    it returns anything (``features``, ``FeatureRidge``'s streams)."""
     call, n, backend = _jacobians_by_range(spec, model, x)
     check_finite, mode = spec.check_finite, spec.mode
     first = call(0, min(n, PROBE_SAMPLES))
@@ -578,6 +584,13 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
     # sketch_jacobian does, in the namespace and on the device of the first batch
     sketches = [p.sketches(spec.seed, b, block.arrays()[0])
                 for b, (p, block) in enumerate(zip(plans, first.blocks, strict=True))]
+
+    def bad(start: int, stop: int) -> ValueError:
+        return ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
+                          "(a non-finite Jacobian: an overflow or a non-finite "
+                          "activation); pass check_finite=False to skip this check")
+
+    flags, ranges = FiniteFlags(xp), []
     with progress_steps(progress, 1 + len(stops), "features") as step:
         j, start, stop = first, 0, first.num_samples
         for nxt in [*stops, None]:
@@ -587,15 +600,19 @@ def batches(spec: FeatureSpec, model: Any, x: Array | None, max_memory: Any = No
             out = [p.apply(block, sk) for p, sk, block in zip(plans, sketches, j.blocks,
                                                               strict=True)]
             phi = out[0] if len(out) == 1 else xp.concat(out, axis=2)
-            if check_finite and not all_finite(xp, phi):
-                raise ValueError(f"the features of samples {start}:{stop} contain NaN or Inf "
-                                 "(a non-finite Jacobian: an overflow or a non-finite "
-                                 "activation); pass check_finite=False to skip this check")
+            if check_finite and defer_check:
+                flags.add(phi)
+                ranges.append((start, stop))
+            elif check_finite and not all_finite(xp, phi):
+                raise bad(start, stop)
             yield plans, start, stop, (phi[:, 0, :] if mode.sums_outputs else phi)
             step()
             if nxt is not None:
                 start, stop = stop, nxt
                 j = call(start, stop)
+    first_bad = flags.first_bad() if ranges else None
+    if first_bad is not None:
+        raise bad(*ranges[first_bad])
 
 
 # -- error model ----------------------------------------------------------------------------

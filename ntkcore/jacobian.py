@@ -21,6 +21,8 @@ Everything here is pure array API: the blocks hold arrays of one namespace and d
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -164,14 +166,15 @@ class DenseBlock:
         return concrete(xp.all(self.columns == other.columns)) == 1.0
 
     def select(self, idx: Any) -> DenseBlock:
-        return replace(self, jac=_take_samples(self.jac, idx))
+        return self.with_arrays(_take_samples(self.jac, idx))
 
     def with_arrays(self, jac: Array) -> DenseBlock:
         """The same block with other arrays (same layout, same stored columns)."""
-        return replace(self, jac=jac)
+        with trusted_blocks():  # the columns were checked
+            return replace(self, jac=jac)
 
     def astype(self, dtype: Any) -> DenseBlock:
-        return replace(self, jac=array_api_compat.array_namespace(self.jac).astype(self.jac,
+        return self.with_arrays(array_api_compat.array_namespace(self.jac).astype(self.jac,
                                                                                   dtype))
 
 
@@ -193,8 +196,9 @@ def _check_columns(xp: Any, columns: Any, size: int | None, stored: int, label: 
     if size is None or not isinstance(size, int) or size < stored:
         raise ValueError(f"{label}: columns need size, the block's number of parameters "
                          f"(an int >= {stored}); got {size!r}")
-    if stored and concrete(xp.all(columns[1:] > columns[:-1]) & (columns[0] >= 0)
-                           & (columns[-1] < size)) == 0.0:  # unknown (traced): unchecked
+    if stored and not _TRUSTED.get() and concrete(
+            xp.all(columns[1:] > columns[:-1]) & (columns[0] >= 0)
+            & (columns[-1] < size)) == 0.0:  # unknown (traced): unchecked
         raise ValueError(f"{label} columns must be strictly increasing parameter indices "
                          f"in [0, {size})")
 
@@ -302,13 +306,16 @@ class KroneckerBlock:
 
     def with_arrays(self, a: Array, g: Array) -> KroneckerBlock:
         """The same block (name, index factor) with other arrays of the same layout."""
+        if a is self.a:  # a checked index factor is not checked again
+            with trusted_blocks():
+                return replace(self, a=a, g=g)
         return replace(self, a=a, g=g)
 
     def astype(self, dtype: Any) -> KroneckerBlock:
         """The factors in ``dtype`` (an index factor stays integer)."""
         xp = array_api_compat.array_namespace(self.g)
         a = self.a if self.one_hot is not None else xp.astype(self.a, dtype)
-        return replace(self, a=a, g=xp.astype(self.g, dtype))
+        return self.with_arrays(a, xp.astype(self.g, dtype))
 
     def explicit_a(self) -> Array:
         """The stored factor with an implicit ones column (``ones``) made explicit,
@@ -377,10 +384,29 @@ class KroneckerBlock:
         return xp.reshape(w, (self.num_params,))
 
     def select(self, idx: Any) -> KroneckerBlock:
-        return replace(self, a=_take_samples(self.a, idx), g=_take_samples(self.g, idx))
+        with trusted_blocks():  # samples of a checked index factor
+            return replace(self, a=_take_samples(self.a, idx), g=_take_samples(self.g, idx))
 
 
 Block = DenseBlock | KroneckerBlock
+
+
+_TRUSTED = contextvars.ContextVar("ntkcore_trusted_blocks", default=False)
+
+
+@contextlib.contextmanager
+def trusted_blocks() -> Iterator[None]:
+    """Blocks built inside skip the value checks of a KroneckerBlock's index factor (range)
+    and a DenseBlock's stored columns (increasing, in range), a host synchronisation each,
+    per batch and layer: for values valid by construction, derived from a checked block's (a
+    selection of samples, a concatenation, the same array) or built by a provider (the torch
+    provider's embedding indices, which the embedding has taken, and grouped convolutions'
+    columns)."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
 
 
 def _check_index_factor(a: Array, d: Any, label: str) -> Any:
@@ -398,12 +424,13 @@ def _check_index_factor(a: Array, d: Any, label: str) -> Any:
     if not xp.isdtype(a.dtype, "integral"):
         raise TypeError(f"{label} factor a must have an integer dtype with one_hot; got "
                         f"{a.dtype}")
-    if math.prod(a.shape) > 0:
-        try:
-            lo, hi = int(xp.min(a)), int(xp.max(a))
+    if math.prod(a.shape) > 0 and not _TRUSTED.get():
+        try:  # one host read; the bounds only for the message
+            bad = bool((xp.min(a) < -1) | (xp.max(a) >= d))
         except Exception:  # traced (JAX): the values cannot be looked at
             return xp
-        if lo < -1 or hi >= d:
+        if bad:
+            lo, hi = int(xp.min(a)), int(xp.max(a))
             raise ValueError(f"{label} factor a holds indices in [{lo}, {hi}]; one_hot={d} "
                              f"allows [-1, {d - 1}] (-1: a zero row)")
     return xp
@@ -730,12 +757,14 @@ class Jacobian:
                 p[i] = ()
             if kind is DenseBlock:
                 cols = columns[i]
-                blocks.append(DenseBlock(arrays[0], names[i]) if cols is None
-                              or cols.columns is None
-                              else DenseBlock(arrays[0], names[i], cols.columns, cols.size))
+                with trusted_blocks():  # checked columns
+                    blocks.append(DenseBlock(arrays[0], names[i]) if cols is None
+                                  or cols.columns is None
+                                  else DenseBlock(arrays[0], names[i], cols.columns, cols.size))
                 continue
-            blocks.append(kind(*arrays, names[i]) if one_hot is None and not ones
-                          else kind(*arrays, names[i], one_hot=one_hot, ones=ones))
+            with trusted_blocks():  # checked blocks' indices, padded with -1
+                blocks.append(kind(*arrays, names[i]) if one_hot is None and not ones
+                              else kind(*arrays, names[i], one_hot=one_hot, ones=ones))
         return Jacobian(blocks)
 
 
