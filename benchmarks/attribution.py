@@ -1,19 +1,16 @@
-r"""TRAK attribution: ``ntkcore.attribution.TRAK`` against traker 0.3.2 and exact TRAK (the
-unprojected eNTK) by the linear datamodeling score (LDS) on scikit-learn digits; the fit's speed.
-
-traker is no dependency of ntkcore: it runs in a child process of ``.venv-traker``'s Python (``bash
-benchmarks/peers/make_traker_venv.sh``); without that venv its combinations are skipped.
-"""
+r"""TRAK attribution: ``ntkcore.attribution.TRAK`` against traker 0.3.2 and exact TRAK by the
+linear datamodeling score (LDS) on scikit-learn digits, and the fit's speed.  traker runs in a
+child process of ``.venv-traker`` (``bash benchmarks/peers/make_traker_venv.sh``), else skipped."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +27,8 @@ TP = {"mlp": 1437, "bert": 256, "resnet18": 64}  # throughput: N per model (dim 
 
 
 def digits() -> tuple[Any, Any, Any, Any]:
-    """``(x_train (1437, 1, 8, 8) float32, y_train int64, x_test (360, 1, 8, 8), y_test)``: a
-    seeded split of scikit-learn's digits, standardised by the training pixels' statistics."""
+    """Seeded train/test split (1437/360) of scikit-learn's digits, (N, 1, 8, 8) float32,
+    standardised by the training pixels."""
     import torch
     from sklearn.datasets import load_digits
     x, y = load_digits(return_X_y=True)
@@ -43,8 +40,8 @@ def digits() -> tuple[Any, Any, Any, Any]:
 
 
 def make_net(arch: str, seed: int) -> Any:
-    """The digits MLP (64-128-10, ReLU) or CNN (Conv 1-16 3x3, Conv 16-32 3x3 stride 2, Linear
-    512-10, ReLU), PyTorch's initialisation under ``seed``; both take (N, 1, 8, 8)."""
+    """The digits MLP (64-128-10) or CNN (Conv 1-16, Conv 16-32 stride 2, Linear 512-10),
+    ReLU, seeded init; input (N, 1, 8, 8)."""
     import torch
     nn = torch.nn
     torch.manual_seed(seed)
@@ -88,9 +85,8 @@ def nets(states: list[Any], arch: str, k: int) -> list[Any]:
 
 
 def trained(arch: str) -> dict[str, Any]:
-    """``SUBSETS`` models trained on random halves of the training digits (their masks (S, N)
-    and test margins (S, M)), the ``CKPTS`` attributed checkpoints' state dicts (whole training
-    set, seeds 0, 1, ...) and the ridge scale tr(K)/N of checkpoint 0's exact eNTK."""
+    """``SUBSETS`` models trained on random halves of the digits (masks (S, N), test margins
+    (S, M)), ``CKPTS`` checkpoints on the whole set and tr(K)/N of checkpoint 0's exact eNTK."""
     import torch
 
     import ntkcore
@@ -122,8 +118,8 @@ _cache.timeout = 1200  # type: ignore[attr-defined]
 
 def ntkcore_scores(states: list[Any], arch: str, dim: int | None, seed: int, k: int,
                    reg: float = 0.0) -> Any:
-    """``TRAK(first k checkpoints, dim=dim, seed=seed, reg=reg).fit(train).score(test)``, (M,
-    N); ``dim=None`` is exact TRAK (the kernel form of the float64 eNTK)."""
+    """``TRAK(first k checkpoints, dim, seed, reg).fit(train).score(test)``, (M, N);
+    ``dim=None``: exact TRAK (float64)."""
     from ntkcore.attribution import TRAK
     x, y, x_te, y_te = digits()
     ms = nets(states, arch, k)
@@ -161,9 +157,8 @@ def traker_scores(states: list[Any], arch: str, dim: int, seed: int, k: int) -> 
 
 
 def lds(scores: Any, masks: np.ndarray, marg: np.ndarray) -> float:
-    r"""Linear datamodeling score of scores T (M, N): the Spearman correlation, over the subset
-    models s, of the prediction :math:`(T\,\mathrm{mask}_s)_m` with model s's margin on test
-    sample m, averaged over m.  ``masks`` (S, N), ``marg`` (S, M)."""
+    r"""Linear datamodeling score of scores T (M, N): Spearman over subset models s of
+    :math:`(T\,\mathrm{mask}_s)_m` with model s's margin on test sample m, averaged over m."""
     pred = np.asarray(scores, dtype=np.float64) @ masks.T.astype(np.float64)  # (M, S)
     if not np.all(np.isfinite(pred)):
         return float("nan")
@@ -171,8 +166,7 @@ def lds(scores: Any, masks: np.ndarray, marg: np.ndarray) -> float:
 
 
 def rank_corr(a: Any, b: Any) -> float:
-    """Spearman correlation of row m of ``a`` with row m of ``b``, averaged over the rows (a
-    constant row counts 0)."""
+    """Row-wise Spearman correlation of ``a`` and ``b``, averaged (a constant row: 0)."""
     from scipy.stats import rankdata
     ra, rb = (rankdata(np.asarray(v, dtype=np.float64), axis=1) for v in (a, b))
     ra, rb = ra - ra.mean(1, keepdims=True), rb - rb.mean(1, keepdims=True)
@@ -181,8 +175,7 @@ def rank_corr(a: Any, b: Any) -> float:
 
 
 class TrakerChild:
-    """A child process of the traker venv's Python answering JSON lines: ``op`` "scores" (saved
-    to a file) or "fit" (one featurize + finalize of a throughput case, built once)."""
+    """The traker venv's Python answering JSON lines: ``op`` "scores" or "fit"."""
 
     def __init__(self) -> None:
         if not TRAKER_PY.exists():
@@ -258,17 +251,14 @@ class _Digits:
 class LDS(_Digits):
     """LDS of TRAK scores on the digits: ntkcore, traker and exact TRAK, lambda = 0.
 
-    50 models per architecture are trained once (``setup_cache``) on random halves of the 1,437
-    training digits, their margins on the 360 test digits recorded; scores of the first
-    ``checkpoints`` of 5 models trained on the whole set, seed 0; exact TRAK has no ``dim``.
-    """
+    Subset models: 50 per architecture on random halves of the 1,437 training digits
+    (``setup_cache``); scores of the first ``checkpoints`` of 5 full-set models."""
 
     params = (["mlp", "cnn"], ["ntkcore", "traker", "exact"], DIMS, [1, CKPTS])
     param_names = ("model", "method", "dim", "checkpoints")
 
     def track_lds(self, cache: Any, model: str, method: str, dim: int, k: int) -> float:
         return self.lds(scores(method, self.states, model, dim, 0, k))
-
     track_lds.unit = "LDS"  # type: ignore[attr-defined]
 
 
@@ -281,7 +271,6 @@ class LDSSpread(_Digits):
     def track_lds_spread(self, cache: Any, model: str, method: str, dim: int) -> float:
         v = [self.lds(scores(method, self.states, model, dim, s, 1)) for s in SEEDS]
         return max(v) - min(v)
-
     track_lds_spread.unit = "LDS"  # type: ignore[attr-defined]
 
 
@@ -294,7 +283,6 @@ class LDSLambda(_Digits):
     def track_lds(self, cache: Any, model: str, method: str, lam: float) -> float:
         dim = None if method == "exact" else 1024
         return self.lds(ntkcore_scores(self.states, model, dim, 0, CKPTS, reg=lam * self.scale))
-
     track_lds.unit = "LDS"  # type: ignore[attr-defined]
 
 
@@ -310,17 +298,11 @@ class Agreement(_Digits):
         a, b = pair.split("/")
         return rank_corr(scores(a, self.states, "mlp", DIMS[0], 0, 1),
                          scores(b, self.states, "mlp", DIMS[0], int(a == b), 1))
-
     track_rank_corr.unit = "Spearman"  # type: ignore[attr-defined]
 
 
-def _have(pkg: str) -> bool:
-    return importlib.util.find_spec(pkg) is not None
-
-
 def tp_model(model: str, n: int) -> tuple[Any, Any, Any]:
-    """(classifier, inputs (n, ...), labels (n,)), float32: the digits MLP (random init) or a
-    model of ``benchmarks/real_models.py`` (synthetic inputs)."""
+    """(classifier, inputs, labels), float32: the digits MLP or a real model."""
     import torch
     if model == "mlp":  # n = 1437: the training digits
         return (make_net("mlp", 0).eval(), *digits()[:2])
@@ -333,8 +315,8 @@ def tp_model(model: str, n: int) -> tuple[Any, Any, Any]:
 
 
 def traker_fit(model: str, n: int, dim: int, bs: int) -> Any:
-    """A call fitting traker's training side on a throughput case: ``featurize`` in batches of
-    ``bs`` on a fresh store, then ``finalize_features`` (X^T X, its inverse, X (X^T X)^-1)."""
+    """traker's training side on a throughput case: ``featurize`` in batches of ``bs``
+    on a fresh store, then ``finalize_features``."""
     net, x, y = tp_model(model, n)
 
     def fit() -> None:
@@ -351,10 +333,8 @@ def traker_fit(model: str, n: int, dim: int, bs: int) -> Any:
 class Throughput:
     """Fit of TRAK's training side, ntkcore against traker (dim 1024, float32, CPU).
 
-    ntkcore ``TRAK(model, dim=1024, max_memory="1GB").fit(x, y)``; traker ``featurize`` in
-    batches of 32 + ``finalize_features``.  Models (``TP``: N): the digits MLP, the BERT-style
-    classifier (transformers) and resnet18 (torchvision) of ``benchmarks/real_models.py``.
-    """
+    traker: ``featurize`` in batches of 32 + ``finalize_features``; models (``TP``: N): the digits
+    MLP and the BERT and resnet18 of ``benchmarks/real_models.py``."""
 
     params = (list(TP),)
     param_names = ("model",)
@@ -362,7 +342,7 @@ class Throughput:
 
     def setup(self, model: str) -> None:
         from ntkcore.attribution import TRAK
-        if not _have({"bert": "transformers", "resnet18": "torchvision"}.get(model, "torch")):
+        if not find_spec({"bert": "transformers", "resnet18": "torchvision"}.get(model, "torch")):
             raise NotImplementedError(f"{model} needs a package that is not installed")
         net, x, y = tp_model(model, TP[model])
         self.fit = lambda: TRAK(net, dim=1024, seed=0, max_memory="1GB").fit(x, y)
@@ -379,27 +359,23 @@ class Throughput:
             t = in_turns({"ntkcore": self.fit, "traker": lambda: child(op="fit", case=case)},
                          rounds=3, budget_s=120)
         return t["traker"] / t["ntkcore"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
     def track_working_memory(self, model: str) -> float:
         return working_memory(self.fit)
-
     track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
 
 
 class ScaleResume:
     """resnet18 TRAK fit of N = 50,000 at dim 4096 in 4 GB, killed and resumed from its store.
 
-    Opt-in (~30 min): runs only with ``NTKCORE_BENCH_LARGE=1`` (and torchvision).  The fit
-    (synthetic inputs, random init; a child process) is SIGKILLed 60 s after the store's first
-    chunk is done and rerun, keeping the finished chunks; tracked: both runs' wall time.
-    """
+    Opt-in (~30 min): ``NTKCORE_BENCH_LARGE=1``.  The fit is SIGKILLed 60 s after its store's first
+    chunk and rerun; tracked: both runs' wall time."""
 
     timeout, rounds, repeat, number, warmup_time = 7200, 1, 1, 1, 0
 
     def setup(self) -> None:
-        if os.environ.get("NTKCORE_BENCH_LARGE") != "1" or not _have("torchvision"):
+        if os.environ.get("NTKCORE_BENCH_LARGE") != "1" or not find_spec("torchvision"):
             raise NotImplementedError("opt-in: NTKCORE_BENCH_LARGE=1 (and torchvision)")
 
     def track_scale_resume_seconds(self) -> float:
@@ -432,7 +408,6 @@ class ScaleResume:
         if proc.returncode != 0:
             raise RuntimeError(f"the resumed fit failed ({proc.returncode})")
         return time.perf_counter() - t0
-
     track_scale_resume_seconds.unit = "seconds"  # type: ignore[attr-defined]
 
 

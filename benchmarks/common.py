@@ -1,18 +1,10 @@
 """What every asv benchmark module of ntkcore shares: backends, timing in turns, the GEMM rate
 and working memory.
 
-asv runs each benchmark in a process of its own, calls ``setup(*params)`` first (raising
-``NotImplementedError`` there skips the combination) and records what ``time_*``,
-``peakmem_*`` and ``track_*`` methods measure.  The quantities asv does not measure itself are
-``track_*`` methods built from the functions here:
-
-- :func:`in_turns` times several callables one call each per round, so that the slow and fast
-  phases of a shared machine fall on all of them; a ratio of its medians (ntkcore against
-  torch.func, against the GEMM of the same rounds) is stable where two separate timings are not;
-- :func:`gemm_rate` is the GEMM throughput that roofline shares divide by;
-- :func:`working_memory` is the growth of the resident set while a call runs, beyond what its
-  inputs and the model already hold (``VmHWM`` reset through ``/proc/self/clear_refs``).
-"""
+asv runs each benchmark in a process of its own after ``setup(*params)`` (``NotImplementedError``
+skips it).  :func:`in_turns` times callables one call each per round, so a ratio of its medians is
+stable on a shared machine; :func:`gemm_rate` is what roofline shares divide by;
+:func:`working_memory` is the resident-set growth of a call."""
 
 from __future__ import annotations
 
@@ -32,9 +24,8 @@ CPU_BACKENDS = ("numpy", "torch")
 
 
 def require(backend: str) -> Any:
-    """The namespace module of ``backend`` or ``NotImplementedError`` (asv: skipped) when the
-    library or its device is missing here, or when the environment variable
-    ``NTKCORE_BENCH_BACKENDS`` (comma-separated) does not list it."""
+    """The module of ``backend``, or ``NotImplementedError`` (skipped) when its library or device
+    is missing or ``NTKCORE_BENCH_BACKENDS`` (comma-separated) does not list it."""
     chosen = os.environ.get("NTKCORE_BENCH_BACKENDS")
     if chosen and backend not in chosen.split(","):
         raise NotImplementedError(f"{backend} is not in NTKCORE_BENCH_BACKENDS")
@@ -110,11 +101,8 @@ def wait(out: Any) -> Any:
 
 def in_turns(fns: dict[str, Callable[[], Any]], rounds: int = 5,
              budget_s: float = 60.0) -> dict[str, float]:
-    """Median seconds of each of ``fns``, called in turn, one call each per round.
-
-    After a warm-up call each, up to ``rounds`` rounds run; no round starts that would take the
-    total past ``budget_s`` (judging by the last round), and at least one always runs.
-    """
+    """Median seconds of each of ``fns``, called in turn one call each per round, after a
+    warm-up; at most ``rounds`` rounds, none starting past ``budget_s``, at least one."""
     for fn in fns.values():
         wait(fn())
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -165,13 +153,9 @@ def _status(key: str) -> int:
 def working_memory(fn: Callable[[], Any]) -> float:
     """Bytes by which the resident set grows while ``fn()`` runs (Linux), its output included.
 
-    glibc is told to map blocks of 64 KiB and more on their own and return them to the kernel
-    when freed (``mallopt`` ``M_MMAP_THRESHOLD``), so that no block freed by the warm-up call
-    (one-time library initialisation is not charged to ``fn``) is silently reused from the
-    heap; then the kernel's high-water mark ``VmHWM`` is reset (``/proc/self/clear_refs``),
-    ``fn`` runs again and the result is ``VmHWM - VmRSS`` before the call.  On CUDA it is the allocator's peak
-    (``torch.cuda.max_memory_allocated`` after a reset) above what was allocated before.
-    """
+    After a warm-up (glibc's mmap threshold at 64 KiB: freed blocks go back to the kernel),
+    ``VmHWM`` is reset; the result is ``VmHWM - VmRSS`` before the call.  On CUDA: the
+    allocator's peak above what was allocated before."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         wait(fn())

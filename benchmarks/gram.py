@@ -1,7 +1,5 @@
 r"""The eNTK contraction engine, ``ntkcore.gram`` on one layer's Kronecker factors: against the
-materialised Jacobian, per strategy on unfolded convolutions, under a memory budget, and the
-self-products behind a symmetric tile.
-"""
+materialised Jacobian, per strategy on convolutions, under a memory budget, symmetric tiles."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ def factors(n: int, s: int, d_in: int, d_out: int, o: int, seed: int) -> tuple[A
 
 def reference(n: int, s: int, d_in: int, d_out: int, o: int, mode: str,
               sym: bool) -> tuple[np.ndarray, int]:
-    r"""float64 einsum of the factors on the leading r samples of each side (r <= 32):
-    :math:`\Theta[n,m,o,p] = \sum_{s,t}\langle g[n,s,o], g'[m,t,p]\rangle
-    \langle a[n,s], a'[m,t]\rangle`, summed over o = p in trace mode."""
+    r"""float64 :math:`\Theta[n,m,o,p] = \sum_{s,t}\langle g[n,s,o], g'[m,t,p]\rangle
+    \langle a[n,s], a'[m,t]\rangle` on the leading r <= 32 samples (trace: summed over o = p)."""
     r = max(2, min(32, n, int(math.sqrt(2e7 / (s * s * o * o)))))
     a1, g1 = factors(n, s, d_in, d_out, o, 0)
     a2, g2 = (a1, g1) if sym else factors(n, s, d_in, d_out, o, 1)
@@ -47,8 +44,8 @@ class _Case:
 
     def build(self, backend: str, shape: tuple, strategy: str | None = None,
               max_memory: Any = None, dense: bool = False) -> None:
-        """Kronecker blocks of seeded factors (J2 None for a self-kernel) or, with ``dense``,
-        the materialised Jacobian (N, O, d_in d_out) in a DenseBlock."""
+        """Kronecker blocks of seeded factors (J2 None for a self-kernel) or (``dense``) the
+        materialised Jacobian (N, O, d_in d_out) in a DenseBlock."""
         import ntkcore
         from ntkcore.gram import _gram
 
@@ -70,11 +67,9 @@ class _Case:
         self.fn = lambda: _gram(j1, j2, mode=mode, max_memory=max_memory, strategy=strategy)
 
     def track_error(self, *_: Any) -> float:
-        """Relative max error of the leading block (<= 32 x 32 samples) against the float64
-        einsum of the factors."""
+        """Relative max error of the leading block against the float64 einsum of the factors."""
         ref, r = reference(*self.shape)
         return float(np.abs(to64(self.fn())[:r, :r] - ref).max() / np.abs(ref).max())
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
 
@@ -85,11 +80,10 @@ DENSE = {  # name -> (N, S, d_in, d_out, O, mode, symmetric); d_in includes the 
 
 
 class DenseLayer(_Case):
-    r"""A dense layer w+1 -> w on its Kronecker factors, :math:`(G G'^\top)\odot(A A'^\top)`;
-    GEMM fraction target >= 0.6 for cross kernels at N >= 1024.
+    r"""A dense layer w+1 -> w on its Kronecker factors, :math:`(G G'^\top)\odot(A A'^\top)`.
 
-    GEMM fraction: :math:`2N^2(d_{in} + O^k d_{out})` flops (k = 2 in full mode, else 1; a
-    symmetric kernel counted whole) over the time, at the GEMM rate of the same rounds."""
+    GEMM fraction: :math:`2N^2(d_{in} + O^k d_{out})` flops (k = 2 in full mode, else 1) over the
+    time, at the GEMM rate of the same rounds."""
 
     params = (list(BACKENDS), list(DENSE))
     param_names = ("backend", "case")
@@ -104,7 +98,6 @@ class DenseLayer(_Case):
         n, _, d_in, d_out, o, mode, _ = DENSE[case]
         flops = 2.0 * n * n * (d_in + (o * o if mode == "full" else o) * d_out)
         return roofline_share(self.fn, flops, backend, rounds=3)
-
     track_gemm_fraction.unit = "share"  # type: ignore[attr-defined]
 
 
@@ -131,7 +124,6 @@ class VsDense(_Case):
         """Dense-block time over the Kronecker time, the two timed in turn."""
         t = in_turns({"kron": self.kron, "dense": self.dense}, rounds=3)
         return t["dense"] / t["kron"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
 
@@ -142,11 +134,8 @@ CONV = {  # unfolded patches: a (N, S, C_in k^2), g (N, S, O, C_out); trace self
 
 
 class Conv(_Case):
-    """Convolution-like blocks (S positions per sample) per strategy: ``auto`` (the cost
-    model's choice), ``positions`` and ``materialise`` forced; plans over 20 GFLOP are
-    skipped.
-
-    The GEMM fraction is the plan's flops over the time and the GEMM rate."""
+    """Convolution-like blocks (S positions per sample) per strategy: ``auto``, ``positions``,
+    ``materialise`` (plans over 20 GFLOP skipped); GEMM fraction: plan flops / time / GEMM rate."""
 
     params = (CPU_GPU, list(CONV), ["auto", "positions", "materialise"])
     param_names = ("backend", "case", "strategy")
@@ -165,7 +154,6 @@ class Conv(_Case):
 
     def track_gemm_fraction(self, backend: str, *_: Any) -> float:
         return roofline_share(self.fn, float(self.plan.flops_all_tiles), backend, rounds=3)
-
     track_gemm_fraction.unit = "share"  # type: ignore[attr-defined]
 
 
@@ -181,14 +169,11 @@ class Budget(_Case):
 
     def track_working_memory(self, *_: Any) -> float:
         return working_memory(self.fn)
-
     track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
 
 
 class SelfProduct:
-    """The products behind a symmetric tile (NumPy, n = 2048, k = 512): ``x @ x.T`` (SYRK,
-    half the flops), ``x @ y.T`` on a copy (GEMM) and ``x @ copy(x.T)``; why ``ntkcore.gram``
-    leaves ``x @ x.T`` as it is."""
+    """Products behind a symmetric tile (NumPy, 2048 x 512): ``x @ x.T`` (SYRK), GEMM on a copy."""
 
     repeat, warmup_time = 5, 0.1
 

@@ -17,10 +17,9 @@ CASES = {"tiny M=8 N=64": ("tiny", 8, 64), "seed M=100 N=500": ("seed", 100, 500
 
 def build(model: str, n_support: int, n_target: int, dtype: str = "float32",
           device: str = "cpu") -> dict[str, Any]:
-    """Model (eval, seed 0), support images (requires grad), targets, one-hot labels; ``model``:
-    ``"seed"`` (a user's out-of-memory report: Conv2d(1, 64, 3, padding=1), ReLU, Conv2d(64,
-    64, 3, padding=1), ReLU, Linear(64*28*28, 10) on 1x28x28), ``"tiny"`` (4 channels, 8x8) or
-    ``"mlp"`` (32-128-128-10 tanh)."""
+    """Model (eval, seed 0), support images (requires grad), targets, one-hot labels; ``"seed"``:
+    two 3x3 convs (64 channels) + Linear on 1x28x28 (a user's OOM report), ``"tiny"``: 4 channels,
+    8x8, ``"mlp"``: 32-128-128-10 tanh."""
     import torch
     from torch import nn
     torch.manual_seed(0)
@@ -65,21 +64,14 @@ def case(impl: str, model: str, n_support: int, n_target: int, dtype: str = "flo
     return lambda: torch.autograd.grad(loss(), xs)[0]
 
 
-def memory(fn: Any) -> float:
-    """:func:`benchmarks.common.working_memory`, glibc's mmap threshold lowered before the
-    warm-up call too (the measured call cannot reuse heap blocks the warm-up freed)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
-    return working_memory(fn)
+memory = working_memory  # the name tests/test_kip.py imports
 
 
 class Loss:
-    """KIP loss + support gradient of a two-layer conv net per implementation; ``track_error``:
-    max-abs deviation from the float64 plain gradient over its max-abs.
+    """KIP loss + support gradient per implementation; error: max-abs deviation from the
+    float64 plain gradient over its max-abs.
 
-    The seed cases (M = 100) need ``NTKCORE_BENCH_LARGE=1``: N = 500 takes minutes; N = 60,000
-    (a user's report; target: under 6 GB, its Jacobian would be 129 TB) most of an hour fused on
-    2 cores, 3x that checkpointed; plain is skipped there (only time_*/track_working_memory)."""
+    Seed cases (M = 100): ``NTKCORE_BENCH_LARGE=1`` (N = 60,000: most of an hour; plain skipped)."""
     params = (["torch", "torch-cuda"], list(IMPLS), list(CASES))
     param_names = ("backend", "impl", "case")
     timeout, number, repeat, warmup_time, rounds = 6 * 3600, 1, 2, 0, 1

@@ -1,7 +1,5 @@
-r"""``ntkcore.ntk`` on PyTorch models (default initialisation, seed 0; inputs standard normal,
-seed 1; float32) against the ``torch.func`` baselines of ``benchmarks/baselines/torch_func.py``;
-the roofline share of the 8 x 1000 MLP on 1 and 2 threads; working memory under a budget.
-"""
+r"""``ntkcore.ntk`` on PyTorch models (seeded, float32) against the ``torch.func`` baselines of
+``benchmarks/baselines/torch_func.py``; roofline share of the 8 x 1000 MLP; memory in a budget."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from benchmarks.common import (in_turns, relerr, require, roofline_share, to64,
 TORCH = ["torch", "torch-cuda"]
 N_REF = 32  # errors are taken on the kernel of the leading N_REF samples
 
-#: Layer widths of the dense-layer MLP kinds (every layer with a bias).
-MLP_WIDTHS: dict[str, tuple[int, ...]] = {
+MLP_WIDTHS: dict[str, tuple[int, ...]] = {  # the dense MLP kinds (biases everywhere)
     "mlp6x512": (256, *[512] * 6, 1),
     "mlp8x1000": (256, *[1000] * 8, 1),
     "mlp784": (784, 512, 512, 10),
@@ -46,10 +43,8 @@ def _transformer(torch: Any, d: int, hidden: int, out: int) -> Any:
 
 
 def build(kind: str, n: int, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """The model (eval mode) and inputs (N, ...) of a kind, deterministic: the MLPs of
-    ``MLP_WIDTHS`` (tanh; relu for mlp784), ``cnn`` (Conv2d 3->32 k3 p1, tanh, Conv2d 32->64 k3
-    s2 p1, tanh, Linear -> 10 on 32 x 32 inputs), ``transformer`` (T = 16 tokens, d = 64,
-    hidden 128, O = 10) and ``*_tiny`` versions for tests."""
+    """Model (eval) and inputs (N, ...) of a kind: the tanh MLPs of ``MLP_WIDTHS`` (relu:
+    mlp784), ``cnn`` (two 3x3 convs, 32 x 32 inputs), ``transformer`` (T = 16, d = 64, O = 10)."""
     import torch
 
     nn = torch.nn
@@ -80,20 +75,16 @@ def build(kind: str, n: int, dtype: str = "float32", device: str = "cpu") -> tup
 
 
 def mlp_roofline_flops(widths: tuple[int, ...] | list[int], n: int, mode: str) -> float:
-    r"""GEMM flops of the least work of the self-kernel eNTK of a dense MLP (the roofline's
-    numerator); widths :math:`d_0, \dots, d_L`, N samples, :math:`O = d_L`, 2 flops per
-    multiply-add:
+    r"""GEMM flops (2 per multiply-add) of the least work of a dense MLP's self-kernel eNTK,
+    widths :math:`d_0..d_L`, :math:`O = d_L`:
 
     .. math::
 
-        F &= 2N \sum_{l=1}^{L} d_{l-1} d_l \quad\text{(forward)}, \qquad
-        B = 2NO \sum_{l=2}^{L} d_l\, d_{l-1} \quad\text{(output gradients)},\\
-        G &= \sum_{l=1}^{L} \bigl[N(N+1)(d_{l-1} + 1) + M(M+1)\,K_l\bigr]
-        \quad\text{(Kronecker Grams)}
+        F = 2N \sum_{l=1}^{L} d_{l-1} d_l,\quad B = 2NO \sum_{l=2}^{L} d_l d_{l-1},\quad
+        G = \sum_{l} \bigl[N(N+1)(d_{l-1} + 1) + M(M+1)\,K_l\bigr]
 
-    :math:`G`: symmetric products (``syrk``, :math:`n(n+1)k` for an (n, k) factor) of
-    :math:`A_l = [z_{l-1}, 1]` and :math:`G_l`: (NO, :math:`d_l`) in full mode (:math:`M = NO,
-    K_l = d_l`), (N, :math:`O d_l`) in trace mode (:math:`M = N, K_l = O d_l`)."""
+    (forward, output gradients, ``syrk`` Grams of :math:`[z_{l-1}, 1]` and :math:`G_l`); full mode
+    :math:`M = NO, K_l = d_l`, trace mode :math:`M = N, K_l = O d_l`."""
     if mode not in ("full", "trace"):
         raise ValueError(f"mode must be 'full' or 'trace'; got {mode!r}")
     d, full = [int(w) for w in widths], mode == "full"
@@ -124,8 +115,7 @@ class _Model:
 
 
 class VsTorchFunc(_Model):
-    """ntkcore against the torch.func per-sample Jacobian contraction (``vmap(jacrev)``, one
-    GEMM); targets >= 100x on the 6x512 MLP, >= 3x on the CNN (cases ``kind N mode``)."""
+    """ntkcore against torch.func's per-sample Jacobian contraction (cases ``kind N mode``)."""
 
     params = (TORCH, ["mlp6x512 128 trace", "mlp784 16 full", "cnn 16 full",
                       "transformer 32 trace"])
@@ -145,24 +135,21 @@ class VsTorchFunc(_Model):
         """torch.func time over ntkcore's, timed in turn."""
         t = in_turns({"ntkcore": self.ntkcore, "jacobian": self.jacobian}, rounds=3)
         return t["jacobian"] / t["ntkcore"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
     def track_error(self, *_: Any) -> float:
-        """Relative Frobenius error of the leading (32, 32) block against the float64
-        torch.func Jacobian contraction of those samples."""
+        """Relative error of the leading 32 x 32 block against float64 torch.func."""
         from benchmarks.baselines import torch_func
 
         model, x = build(self.kind, N_REF, "float64", self.device)
         ref = torch_func.jacobian_contraction(model, x, mode=self.mode)
         m = min(N_REF, self.x.shape[0])
         return relerr(self.ntkcore()[:m, :m], ref[:m, :m])
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
+
 class VsVectorProducts(_Model):
-    """ntkcore against torch.func NTK-vector products (kernel columns from vmapped vjp and
-    jvp; its cost grows as N^2 O, so small N)."""
+    """ntkcore against torch.func NTK-vector products (cost N^2 O: small N)."""
 
     params = (TORCH, ["mlp6x512 16 trace", "transformer 8 trace"])
     param_names = ("backend", "case")
@@ -180,16 +167,13 @@ class VsVectorProducts(_Model):
         """NTK-vector-product time over ntkcore's, timed in turn."""
         t = in_turns({"ntkcore": self.ntkcore, "vp": self.vp}, rounds=3)
         return t["vp"] / t["ntkcore"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
 
 class Roofline(_Model):
-    """The 8 x 1000 tanh MLP, N = 512, trace (O = 1): share of the roofline, target >= 0.8
-    (issue 32), on 1 and 2 threads (torch and BLAS pools).
+    """The 8 x 1000 tanh MLP, N = 512, trace: share of the roofline on 1 and 2 threads.
 
-    The roofline time is :func:`mlp_roofline_flops` at the rate of a 2048^2 GEMM timed in
-    the same rounds."""
+    Roofline time: :func:`mlp_roofline_flops` at the rate of a 2048^2 GEMM timed in turns."""
 
     params = ([1, 2],)
     param_names = ("threads",)
@@ -205,12 +189,10 @@ class Roofline(_Model):
     def track_roofline_share(self, threads: int) -> float:
         flops = mlp_roofline_flops(MLP_WIDTHS["mlp8x1000"], 512, "trace")
         return roofline_share(self.ntkcore, flops, "torch")
-
     track_roofline_share.unit = "share"  # type: ignore[attr-defined]
 
     def track_error(self, threads: int) -> float:
-        """Relative Frobenius error of the leading (32, 32) block against the independent
-        float64 per-layer formula (``benchmarks.peer.reference_ntk``)."""
+        """Leading 32 x 32 block against :func:`benchmarks.peer.reference_ntk` (float64)."""
         from benchmarks.peer import reference_ntk
 
         lin = [m for m in self.model if hasattr(m, "weight")]
@@ -218,14 +200,12 @@ class Roofline(_Model):
         p = {"weights": ws, "biases": bs, "x": to64(self.x[:N_REF]), "scales": [1.0] * len(lin),
              "beta": 1.0}
         return relerr(self.ntkcore()[:N_REF, :N_REF], reference_ntk(p))
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
 
 class Budget(_Model):
-    """The 6 x 512 MLP, trace, under a memory budget: N = 1024 with ``max_memory="128MB"``;
-    the issue's N = 4096 with ``"1GB"`` (target: working memory <= 1e9 bytes) is opt-in,
-    ``NTKCORE_BENCH_LARGE=1``."""
+    """The 6 x 512 MLP, trace: N = 1024 in ``max_memory="128MB"``; N = 4096 in "1GB" is
+    opt-in (``NTKCORE_BENCH_LARGE=1``)."""
 
     params = (TORCH, [1024, 4096])
     param_names = ("backend", "N")
@@ -237,5 +217,4 @@ class Budget(_Model):
 
     def track_working_memory(self, *_: Any) -> float:
         return working_memory(self.ntkcore)
-
     track_working_memory.unit = "bytes"  # type: ignore[attr-defined]

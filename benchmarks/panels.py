@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import ntkcore
+from benchmarks import peer
 from benchmarks.common import CPU_BACKENDS, asarray, in_turns, relerr, require
 from ntkcore.models import MLP
 
@@ -21,39 +22,15 @@ CASES = {"MLP 8x1000 tanh N=512 trace": ((256, *[1000] * 8, 1), 512, "tanh", "tr
 
 def reference_ntk(ws: list[np.ndarray], bs: list[np.ndarray], x: np.ndarray, act: str,
                   mode: str, scales: list[float]) -> np.ndarray:
-    r"""eNTK of an MLP in float64 from the per-layer formula (independent of ntkcore).
-
-    Forward :math:`y_l = c_l W_l z_{l-1} + b_l`, :math:`z_l = \phi(y_l)`; backward
-    :math:`g_L = I_O`, :math:`g_{l-1} = (g_l c_l W_l) \odot \phi'(y_{l-1})`; layer l adds
-    :math:`\langle g_l[n,o], g_l[m,p]\rangle \langle a_n, a_m\rangle`,
-    :math:`a = [c_l z_{l-1}, 1]`, to :math:`\Theta[n, m, o, p]`.  Returns (N, N) summed over
-    o = p (``trace``) or (N, N, O, O) (``full``).
-    """
-    zs, dphi = [x], []
-    for l, (w, b) in enumerate(zip(ws, bs, strict=True)):
-        y = scales[l] * zs[-1] @ w.T + b
-        if l < len(ws) - 1:
-            zs.append(np.tanh(y) if act == "tanh" else np.maximum(y, 0.0))
-            dphi.append(1.0 - zs[-1] ** 2 if act == "tanh" else (y > 0).astype(y.dtype))
-    n, o = x.shape[0], ws[-1].shape[0]
-    g = np.broadcast_to(np.eye(o), (n, o, o)).copy()  # d f_o / d y_L
-    k = np.zeros((n, n, o, o) if mode == "full" else (n, n))
-    for l in reversed(range(len(ws))):
-        a = np.concatenate([scales[l] * zs[l], np.ones((n, 1))], axis=1)
-        if mode == "full":
-            k += np.einsum("nok,mpk->nmop", g, g) * (a @ a.T)[:, :, None, None]
-        else:
-            k += np.einsum("nok,mok->nm", g, g) * (a @ a.T)
-        if l > 0:
-            g = (g @ (scales[l] * ws[l])) * dphi[l - 1][:, None, :]
-    return k
+    """float64 eNTK of the MLP (:func:`benchmarks.peer.reference_ntk`, biases unscaled)."""
+    return peer.reference_ntk({"weights": ws, "biases": bs, "x": x, "scales": scales,
+                               "beta": 1.0, "activation": act, "mode": mode})
 
 
 class SymmetricGram:
-    """Row panels against one product per diagonal tile, ``ntkcore.models.MLP`` (NTK
-    parameterisation, weights and inputs standard normal, seed 0); ``track_error``: leading
-    32 x 32 samples against :func:`reference_ntk`; ``track_flops_share``: the plan's flops over
-    those of computing every tile (what the symmetry saves)."""
+    """Row panels against one product per diagonal tile, ``ntkcore.models.MLP`` (NTK).
+
+    Error: leading 32 x 32 against :func:`reference_ntk`; flops share: plan flops over all tiles."""
     params, param_names = ([*CPU_BACKENDS, "torch-cuda", "cupy"], list(CASES)), ("backend", "case")
     timeout, number, repeat, warmup_time, rounds = 300, 1, 2, 0, 1
 
@@ -71,7 +48,7 @@ class SymmetricGram:
         self.gram = lambda: ntkcore.gram(jac, mode=self.mode)
 
     def teardown(self, *_: Any) -> None:
-        GRAM.SYMMETRIC_MAX_PANELS = self.default
+        GRAM.SYMMETRIC_MAX_PANELS = getattr(self, "default", GRAM.SYMMETRIC_MAX_PANELS)
 
     def gram_with(self, panels: int) -> Any:
         GRAM.SYMMETRIC_MAX_PANELS = panels

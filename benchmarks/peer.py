@@ -1,9 +1,6 @@
-r"""ntkcore against neural-tangents' empirical NTK (structured derivatives, ``jax.jit``) on the
-same NTK-parameterised MLP, :math:`y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l`, :math:`W_l, b_l
-\sim N(0, 1)`.  neural-tangents 0.6.5 (jax 0.4.25, numpy < 2) runs in ``.venv-nt/`` (``bash
-benchmarks/peers/make_venv.sh``, or ``NTKCORE_NT_VENV``), served by ``peers/nt_runner.py``
-over a pipe; without that venv these benchmarks are skipped.
-"""
+r"""ntkcore against neural-tangents' empirical NTK (structured derivatives, ``jax.jit``) on the NTK
+MLP :math:`y_l = W_l z_{l-1} / \sqrt{d_{l-1}} + b_l`, :math:`W_l, b_l \sim N(0, 1)`.  The peer
+runs in ``.venv-nt/`` (``bash benchmarks/peers/make_venv.sh``), else these are skipped."""
 
 from __future__ import annotations
 
@@ -48,13 +45,10 @@ def problem(case: str, seed: int = 0) -> dict[str, Any]:
 
 
 def reference_ntk(p: dict[str, Any]) -> np.ndarray:
-    r"""The eNTK in float64 from the per-layer formula, independent of ntkcore.
-
-    Forward :math:`y_l = c_l W_l z_{l-1} + \beta b_l`, :math:`z_l = \phi(y_l)`; backward
+    r"""float64 eNTK from the per-layer formula: :math:`y_l = c_l W_l z_{l-1} + \beta b_l`,
     :math:`g_L = I_O`, :math:`g_{l-1} = (g_l c_l W_l) \odot \phi'(y_{l-1})`; layer l adds
     :math:`\langle g_l[n,o], g_l[m,p]\rangle \langle a_n, a_m\rangle`, :math:`a = [c_l z_{l-1},
-    \beta]`.  Returns (N, N) (summed over o = p) in trace mode, and the (m, m, O, O) block of
-    the leading m = min(N, N_REF) samples in full mode."""
+    \beta]`.  (N, N) in trace mode, the leading (N_REF, N_REF, O, O) block in full mode."""
     ws, bs, x, cs, beta = p["weights"], p["biases"], p["x"], p["scales"], p["beta"]
     full, tanh = p.get("mode") == "full", p.get("activation", "tanh") == "tanh"
     zs, dphi = [x[:N_REF] if full else x], []
@@ -77,16 +71,15 @@ def venv_python() -> Path:
 
 
 def need_venv() -> None:
-    """``NotImplementedError`` (asv: skipped) when the peer venv is missing."""
+    """Skip (``NotImplementedError``) without the peer venv."""
     if not venv_python().exists():
         raise NotImplementedError(f"no neural-tangents venv at {venv_python().parent.parent}"
                                   " (bash benchmarks/peers/make_venv.sh)")
 
 
 class Peer:
-    """neural-tangents' kernel function of ``p`` compiled in the venv (``impl`` 1: Jacobian
-    contraction, 2: NTK-vector products, 3: structured derivatives); ``time(k)``: seconds of k
-    calls timed in the runner; ``kernel(rows)``: float64, its leading block if ``rows``."""
+    """neural-tangents' kernel of ``p`` (``impl`` 1: Jacobian contraction, 2: NTK-vector
+    products, 3: structured derivatives) compiled in the venv, served over a pipe."""
 
     def __init__(self, p: dict[str, Any], dtype: str = "float32", impl: int = 3) -> None:
         need_venv()
@@ -141,12 +134,10 @@ def crop(k: Any, p: dict[str, Any]) -> Any:
 
 
 class VsNeuralTangents:
-    """ntkcore (``ntkcore.models.MLP`` on each backend) against neural-tangents impl 3;
-    target >= 1.5x.
+    """ntkcore (``ntkcore.models.MLP`` on each backend) against neural-tangents impl 3.
 
-    The speed-up is the peer's median time over ntkcore's, the two called in turn (one call
-    each per round, after a 0.3 s pause that lets the other library's BLAS threads stop
-    spinning); the peer's calls are timed inside its process and exclude compilation."""
+    Speed-up: the peer's median time (timed in its process, no compilation) over ntkcore's, one
+    call each in turn after a 0.3 s pause (the other library's BLAS threads stop spinning)."""
 
     params = (["numpy", "torch", "jax"], list(CASES))
     param_names = ("backend", "case")
@@ -181,19 +172,15 @@ class VsNeuralTangents:
                 time.sleep(0.3)
                 peer_times += peer.time(1)
         return statistics.median(peer_times) / statistics.median(ours)
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
     def track_error(self, *_: Any) -> float:
-        """ntkcore's relative error against :func:`reference_ntk` (full mode: leading
-        block)."""
+        """ntkcore's relative error against :func:`reference_ntk`."""
         return relerr(crop(self.ntkcore(), self.p), reference_ntk(self.p))
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
     def track_peer_error(self, backend: str, case: str) -> float:
-        """neural-tangents' relative error against :func:`reference_ntk` (once per case:
-        numpy row)."""
+        """neural-tangents' relative error (numpy row only)."""
         from asv_runner.benchmarks.mark import SkipNotImplemented
 
         if backend != "numpy":
@@ -201,5 +188,4 @@ class VsNeuralTangents:
         with Peer(self.p) as peer:
             k = peer.kernel(N_REF if self.p["mode"] == "full" else None)
         return relerr(k, reference_ntk(self.p))
-
     track_peer_error.unit = "relative"  # type: ignore[attr-defined]

@@ -1,6 +1,5 @@
-"""The trace eNTK of the same tanh MLP through ``ntkcore.models.MLP`` (hand-written Kronecker
-factors) on each array library, the torch provider on the equivalent ``nn.Sequential`` (the
-baseline) and the JAX provider on a hand-written ``apply_fn``."""
+"""The trace eNTK of a tanh MLP: ``ntkcore.models.MLP`` on each array library, the torch
+provider on the same ``nn.Sequential`` (baseline) and the JAX provider on an ``apply_fn``."""
 
 import os
 from itertools import pairwise
@@ -10,14 +9,13 @@ import numpy as np
 
 import ntkcore
 from benchmarks.common import BACKENDS, asarray, in_turns, relerr, require, roofline_share
-from benchmarks.kip import memory
+from benchmarks.common import working_memory as memory
 from benchmarks.panels import reference_ntk
 from ntkcore.models import MLP
 
 N_REF = 32
-# case -> (widths, N)
 CASES = {"MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384),
-         "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512)}  # the second one is opt-in
+         "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512)}  # case -> (widths, N); the second is opt-in
 
 
 def case(impl: str, backend: str, ws: list[Any], bs: list[Any], x_np: np.ndarray) -> Any:
@@ -53,10 +51,10 @@ def flops(widths: tuple[int, ...], n: int) -> float:
 
 
 class TraceKernel:
-    """Trace eNTK of a tanh MLP per implementation ("mlp" or the library's "provider") and
-    library, ``MLP.random(..., seed=0, parameterization="standard")``, inputs N(0, 1) (seed 1);
-    ``track_speedup``: torch provider over this; ``track_error``: leading 32 x 32 samples
-    against :func:`benchmarks.panels.reference_ntk`.  8 x 1000: ``NTKCORE_BENCH_LARGE=1``."""
+    """Trace eNTK of a tanh MLP per implementation ("mlp" or "provider") and library.
+
+    Speed-up: torch provider over this; error: leading 32 x 32 samples against
+    :func:`benchmarks.panels.reference_ntk`.  8 x 1000: ``NTKCORE_BENCH_LARGE=1``."""
     params = (["mlp", "provider"], list(BACKENDS), list(CASES))
     param_names = ("impl", "backend", "case")
     timeout, number, repeat, warmup_time, rounds = 300, 1, 2, 0, 1

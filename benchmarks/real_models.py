@@ -1,23 +1,10 @@
-"""Real architectures at random init, shared by ``tests/test_real_models.py`` and the
-asv benchmarks of ``benchmarks/real_models_bench.py`` (issue 18).
+"""Real architectures at random init (torchvision, timm, transformers and a GRU written here),
+at a "tiny" size (tests), a "bench" size and, for :data:`FULL_MODELS`, a "full" size; shared by
+``tests/test_real_models.py`` and ``benchmarks/real_models_bench.py``.
 
-Nobody on the project wrote these models: torchvision ``resnet18``, timm
-``vit_tiny_patch16_224`` (image 32, patch 8, depth 2), timm ``convnext_atto``, timm
-``efficientnet_b0``, Hugging Face ``BertForSequenceClassification`` (hidden 64, 2 layers,
-2 heads) and an Embedding-GRU classifier written here (with an explicit ``h0``).  Each comes at
-a ``"tiny"`` size (tests: a few samples, small images and sequences) and a ``"bench"`` size (the
-issue's benchmark), in eval mode, with deterministic weights and inputs.  Issue 32's full-size
-models, :data:`FULL_MODELS`, come at a ``"full"`` size only: BERT-base (hidden 768, 12 layers,
-12 heads, intermediate 3072, 128 tokens, O = 2), timm ``vit_small_patch16_224`` and
-torchvision ``resnet50`` on 224 x 224 images (O = 10).
-
-The optional packages (``pip install torch==2.13.0 -e ".[real-models]"``: the ``real-models``
-extra of ``pyproject.toml``) are imported by :func:`import_optional`.  The PyPI wheel of
-torchvision 0.28.0 is a CUDA build: next to the CPU torch wheel its compiled ops do not load,
-and ``import torchvision`` (also imported by timm and transformers) fails with ``operator
-torchvision::nms does not exist`` while registering their fake kernels.  Only then are the two
-operator schemas it needs (``nms`` and ``qnms``) defined, with no kernel (calling them raises),
-and the import is retried; the model definitions are pure Python and work.
+torchvision 0.28.0's PyPI wheel is a CUDA build whose import fails next to the CPU torch
+(``torchvision::nms does not exist``): :func:`import_optional` then defines the two schemas it
+needs (no kernel) and retries.
 """
 
 from __future__ import annotations
@@ -31,26 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Model names in the issue's order.
 MODELS = ("resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru")
-#: The package each model needs (``None``: torch alone).
-#: The full-size models of issue 32 (size ``"full"`` only).
 FULL_MODELS = ("bert_base", "vit_s16", "resnet50")
 PACKAGE = {"resnet18": "torchvision", "vit_tiny": "timm", "convnext_atto": "timm",
            "efficientnet_b0": "timm", "bert": "transformers", "gru": None,
            "bert_base": "transformers", "vit_s16": "timm", "resnet50": "torchvision"}
 
-# the schemas torchvision's import registers fake kernels for (torchvision/_meta_registrations)
 _TV_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
                "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-_TV_LIB: Any = None  # the torch.library.Library holding them (kept alive: it owns the schemas)
-
-
-def _is_missing_tv_op(exc: BaseException) -> bool:
-    """Whether ``exc`` is torchvision's import failing on an op of its CUDA build that the CPU
-    torch does not have (the only failure :func:`import_optional` repairs)."""
-    msg = str(exc)
-    return isinstance(exc, RuntimeError) and "torchvision::" in msg and "does not exist" in msg
+_TV_LIB: Any = None  # kept alive: it owns the schemas
 
 
 def _define_tv_ops() -> None:
@@ -73,31 +49,23 @@ def _has_op(name: str) -> bool:
     return True
 
 
-def _forget(package: str) -> None:
-    """Drop a half-imported ``package`` from ``sys.modules`` so that it can be imported again."""
-    for k in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-        del sys.modules[k]
-
-
 def import_optional(package: str) -> Any:
-    """``import package`` (torchvision, timm or transformers); ``ImportError`` when it is
-    absent.  torchvision is imported first when installed (timm imports it, and transformers
-    does lazily, on first use of a model class), defining the two torchvision op schemas only
-    when its import fails for exactly that reason; any other error propagates."""
+    """``import package``; torchvision first (timm and transformers import it), repaired as
+    the module docstring says when it fails for that reason only."""
     _import_torchvision()
     return importlib.import_module(package)
 
 
 def _import_torchvision() -> Any:
-    """torchvision, or None when it is not installed (see :func:`import_optional`)."""
     if importlib.util.find_spec("torchvision") is None:
         return None
     try:
         return importlib.import_module("torchvision")
     except RuntimeError as exc:
-        if not _is_missing_tv_op(exc):
+        if "torchvision::" not in str(exc) or "does not exist" not in str(exc):
             raise
-    _forget("torchvision")
+    for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+        del sys.modules[k]
     _define_tv_ops()
     return importlib.import_module("torchvision")
 
@@ -114,9 +82,8 @@ def available(name: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# the models
-# --------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Size:
     """One size of a model: its constructor arguments and the input shape of one sample."""
@@ -132,10 +99,9 @@ SIZES: dict[str, dict[str, Size]] = {
     "vit_tiny": {"tiny": Size(image=16, classes=3), "bench": Size(image=32, classes=10)},
     "convnext_atto": {"tiny": Size(image=32, classes=3), "bench": Size(image=32, classes=10)},
     "efficientnet_b0": {"tiny": Size(image=32, classes=3), "bench": Size(image=32, classes=10)},
-    "bert": {"tiny": Size(seq=6, vocab=50, classes=3), "bench": Size(seq=16, vocab=1000,
-                                                                      classes=2)},
-    "gru": {"tiny": Size(seq=5, vocab=20, classes=3), "bench": Size(seq=32, vocab=1000,
-                                                                    classes=10)},
+    "bert": {"tiny": Size(seq=6, vocab=50, classes=3),
+             "bench": Size(seq=16, vocab=1000, classes=2)},
+    "gru": {"tiny": Size(seq=5, vocab=20, classes=3), "bench": Size(seq=32, vocab=1000)},
     "bert_base": {"full": Size(seq=128, vocab=30522, classes=2)},
     "vit_s16": {"full": Size(image=224, classes=10)},
     "resnet50": {"full": Size(image=224, classes=10)},
@@ -178,9 +144,8 @@ def _bert(s: Size, hidden: int = 64, layers: int = 2, heads: int = 2, inter: int
 
 
 class GRUClassifier(nn.Module):
-    """Embedding (V, 32) -> GRU (32 -> 64, one layer, batch first, explicit zero ``h0``) ->
-    Linear (64 -> O) on the last hidden state; input token ids (N, T).  (With the default
-    ``hx`` torch.func cannot run ``nn.GRU`` in torch 2.13.)"""
+    """Embedding (V, 32) -> GRU (32 -> 64, explicit zero ``h0``: torch.func cannot run the
+    default ``hx``) -> Linear (64 -> O) on the last hidden state; token ids (N, T)."""
 
     def __init__(self, vocab: int, classes: int, emb: int = 32, hidden: int = 64) -> None:
         super().__init__()
@@ -190,8 +155,7 @@ class GRUClassifier(nn.Module):
 
     def forward(self, ids: Any) -> Any:
         e = self.emb(ids)
-        # zeros made *from* e: a fresh torch.zeros is not batched under torch.func.vmap, and
-        # the GRU kernel then rejects the per-sample call's (1, 1, H) state
+        # made from e: a fresh torch.zeros is not batched under vmap
         h0 = torch.zeros_like(e[:, 0, :1]).expand(-1, self.gru.hidden_size).unsqueeze(0)
         _, h = self.gru(e, h0)
         return self.head(h[-1])
@@ -213,15 +177,9 @@ _BUILD = {
 
 def build(name: str, size: str = "tiny", n: int = 2, dtype: str = "float32",
           device: str = "cpu", seed: int = 0) -> tuple[Any, Any]:
-    """Model ``name`` at ``size`` ("tiny", "bench"; "full" for :data:`FULL_MODELS`) in eval
-    mode, and N inputs.
-
-    Weights: the library's random init under ``torch.manual_seed(seed)``, then the running
-    statistics of BatchNorm layers and the affine parameters of normalisation layers drawn
-    away from their defaults (ones / zeros would hide a wrong scale/shift Jacobian).  Inputs:
-    standard normal images (N, 3, H, W) or token ids (N, T) from a generator seeded with
-    ``seed + 1``.
-    """
+    """Model ``name`` at ``size`` in eval mode (random init under ``seed``, normalisation
+    statistics and affine parameters drawn away from 1/0) and N inputs: normal images (N, 3, H,
+    W) or token ids (N, T), seeded with ``seed + 1``."""
     if name not in _BUILD:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS + FULL_MODELS}")
     s = SIZES[name][size]
@@ -259,18 +217,12 @@ def num_outputs(name: str, size: str = "tiny") -> int:
     return SIZES[name][size].classes
 
 
-# --------------------------------------------------------------------------------------------
-# which blocks the provider builds
-# --------------------------------------------------------------------------------------------
+
+
 @dataclass
 class BlockReport:
-    """The blocks of a model's Jacobian: how many of each kind, and which parameters still go
-    through the ``torch.func`` (or per-sample autograd) pass.
-
-    ``kinds``: block class name -> (blocks, parameters); ``torch_func``: names of the blocks
-    built by that pass (DenseBlocks); ``dense_params``: parameters in DenseBlocks of any origin;
-    ``func_params``: parameters in the ``torch.func`` blocks; ``total``: all parameters.
-    """
+    """A model's Jacobian blocks: ``kinds`` class name -> (blocks, parameters), the blocks
+    built by the ``torch.func`` pass and the parameters in DenseBlocks / those blocks / all."""
 
     kinds: dict[str, tuple[int, int]]
     torch_func: list[str]
@@ -296,10 +248,8 @@ class BlockReport:
 
 
 def block_report(model: Any, x: Any) -> BlockReport:
-    """Run the torch provider on ``model``, ``x`` and report its blocks (see
-    :class:`BlockReport`).  The ``torch.func`` blocks are those whose parameter groups reach
-    the provider's ``_dense_blocks`` (wrapped for the duration of this call; not for use while
-    other threads run the provider)."""
+    """The :class:`BlockReport` of the torch provider on ``model``, ``x`` (the ``torch.func``
+    blocks: those reaching ``_dense_blocks``, wrapped during the call; not thread-safe)."""
     import ntkcore.backends.torch_jacobian as tj
 
     seen: list[str] = []

@@ -1,11 +1,6 @@
-r"""Real architectures (issues 18 and 32): ``ntkcore.ntk`` (trace mode, float32) against
-``torch.func`` Jacobian contraction, and against the bound of what any exact reverse-mode eNTK
-must spend on the machine.
-
-Models: ``benchmarks/real_models.py`` (random init; torchvision, timm, transformers optional:
-a model whose package is missing is skipped).  The bound (:func:`bound_terms`): the backward
-floor (:func:`backward_floor`) plus the planned Gram's flops at the GEMM rate of the same run.
-"""
+r"""Real architectures of ``benchmarks/real_models.py`` (a missing package skips its model):
+``ntkcore.ntk`` (trace, float32) against ``torch.func`` Jacobian contraction and against the
+bound of any exact reverse-mode eNTK (:func:`bound_terms`)."""
 
 from __future__ import annotations
 
@@ -19,32 +14,24 @@ from benchmarks import real_models as rm
 from benchmarks.common import gemm, in_turns, relerr, working_memory
 from ntkcore._memory import parse_memory
 
-MODELS = ["resnet18", "vit_tiny", "convnext_atto", "efficientnet_b0", "bert", "gru"]
+MODELS = list(rm.MODELS)
 N_REF = 3  # samples of the float64 reference (``Error``)
 JAC_LIMIT = 2e9  # torch.func is timed only where its N x O x P Jacobian takes at most this
-#: the full-size cases' ``max_memory``: ViT-S/16 and ResNet-50 refuse 2 GB at N >= 8 (their
-#: smallest tile, 8 x 8 samples, needs 5.44 and 8.54 GB)
+#: ViT-S/16 and ResNet-50 refuse 2 GB at N >= 8 (an 8 x 8 tile needs 5.44 and 8.54 GB)
 FULL_BUDGET = {"bert_base": "2GB", "vit_s16": "6GB", "resnet50": "9GB"}
 
 
 def sizes(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> list[int]:
-    r"""16, 32 and :math:`N_{fit} = \lfloor \text{jac\_bytes} / (O P\, \text{itemsize})
-    \rfloor` (at most ``max_n``, at least 1), sorted, without duplicates: the sample counts
-    at which torch.func's Jacobian of P parameters and O outputs still fits ``jac_bytes``."""
+    """Sorted {16, 32, N_fit}, N_fit = jac_bytes // (O P itemsize) in [1, max_n]: the largest N
+    whose torch.func Jacobian fits ``jac_bytes``."""
     n_fit = max(1, min(max_n, int(jac_bytes // (o * p * itemsize))))
     return sorted({16, 32, n_fit})
 
 
 def backward_floor(m: Any, x: Any, batched: bool = False) -> Callable[[], Any]:
-    r"""The work every exact reverse-mode eNTK needs, as a zero-argument call.
-
-    The forward pass with autograd, then the backward passes giving
-    :math:`\partial f_o / \partial y` for every output o = 1..O at the output y of every
-    module that owns a parameter (activation gradients only, no weight gradient): one pass
-    per output, or (``batched``) one ``is_grads_batched`` pass over all O (raises on ops
-    without a batching rule).  ntkcore's torch provider needs these gradients for its factors
-    and ``jacrev`` computes them on its way to the weight gradients.
-    """
+    r"""The work every exact reverse-mode eNTK needs, as a call: the forward pass, then
+    :math:`\partial f_o / \partial y` for every output o at the output y of every module owning
+    a parameter (no weight gradient), one backward per o or (``batched``) one batched pass."""
     import torch
 
     owners = [mod for mod in m.modules() if any(True for _ in mod.parameters(recurse=False))]
@@ -80,18 +67,14 @@ def backward_floor(m: Any, x: Any, batched: bool = False) -> Callable[[], Any]:
 
 def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
                 time_s: float) -> dict[str, float]:
-    r"""The bound of issue 32 and the share of it reached in ``time_s`` seconds:
-    :math:`t_{bound} = t_{floor} + F_{Gram} / r_{GEMM}` (the backward floor, then the
-    planned Gram's flops at the measured GEMM rate in flop/s) and ``share`` =
-    :math:`t_{bound} / t` (1: nothing is spent beyond the floor and the Gram's GEMM work)."""
+    r""":math:`t_{bound} = t_{floor} + F_{Gram} / r_{GEMM}` and ``share`` = :math:`t_{bound} / t`
+    (1: nothing spent beyond the backward floor and the planned Gram's GEMM work)."""
     bound_s = floor_s + gram_flops / gemm_rate
     return {"gram_s": bound_s - floor_s, "bound_s": bound_s, "share": bound_s / time_s}
 
 
 def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
-    """Flops of the Gram ntkcore plans (trace mode): ``plan_gram(J).flops`` of the provider's
-    Jacobian, the tiles it computes (checked against ``torch.utils.flop_counter`` in
-    ``tests/test_gram_flops.py``)."""
+    """``plan_gram(J, mode="trace").flops`` of the provider's Jacobian."""
     from ntkcore.backends.torch_jacobian import jacobian
 
     import ntkcore
@@ -101,9 +84,8 @@ def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
 
 def bound_share(ntk: Callable[[], Any], m: Any, x: Any, max_memory: Any = None,
                 rounds: int = 1, batched: bool = True) -> float:
-    """Share of the bound (:func:`bound_terms`) reached by ``ntk``: ntkcore, both floors (the
-    batched one left out where it raises, or unless ``batched``: it holds O copies of the
-    activation gradients) and a GEMM timed in the same rounds; the faster floor counts."""
+    """Share of the bound reached by ``ntk``, timed in turns with both floors (the faster
+    counts; the batched one unless it raises or not ``batched``) and a GEMM."""
     floors = {"floor": backward_floor(m, x)}
     try:
         if batched:
@@ -119,9 +101,8 @@ def bound_share(ntk: Callable[[], Any], m: Any, x: Any, max_memory: Any = None,
 
 
 def reference(model: str, n: int, size: str = "bench") -> Any:
-    r"""float64 trace kernel of the first ``n`` samples, one output at a time
-    (:math:`\sum_o J_o J_o^\top`, :math:`J_o` (N, P) by ``vmap(jacrev)`` of
-    ``functional_call``: N P doubles at a time instead of N O P)."""
+    r"""float64 trace kernel :math:`\sum_o J_o J_o^\top` of ``n`` samples, :math:`J_o` (N, P) by
+    ``vmap(jacrev)`` one output at a time."""
     import torch
     from torch.func import functional_call, jacrev, vmap
 
@@ -141,8 +122,6 @@ def reference(model: str, n: int, size: str = "bench") -> Any:
 
 
 def _setup(model: str, size: str, n: int, threads: int | None = None) -> tuple[Any, Any]:
-    """The model and N inputs in float32, or ``NotImplementedError`` (asv: skipped) when
-    its package is missing; sets torch's thread count."""
     import torch
 
     if why := rm.available(model):
@@ -157,8 +136,7 @@ def _ntk(m: Any, x: Any, max_memory: Any = None) -> Callable[[], Any]:
 
 
 class Kernel:
-    """ntkcore's trace kernel on the bench-size models: time and share of the bound per model,
-    N and torch thread count."""
+    """ntkcore's trace kernel on the bench-size models: time and share of the bound."""
 
     params = (MODELS, [16, 32], [1, 2])
     param_names = ("model", "N", "threads")
@@ -175,13 +153,11 @@ class Kernel:
     def track_bound_share(self, *_: Any) -> float:
         """Bound time (floor + planned Gram flops at the GEMM rate) over ntkcore's time."""
         return bound_share(self.ntk, self.m, self.x)
-
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
 
 
 class Memory:
-    """ntkcore's working memory (resident-set growth of a call) on the bench-size models, one
-    thread (the thread count does not change what is held)."""
+    """ntkcore's working memory on the bench-size models, one thread."""
 
     params = (MODELS, [16, 32])
     param_names = ("model", "N")
@@ -192,13 +168,11 @@ class Memory:
 
     def track_working_memory(self, *_: Any) -> float:
         return working_memory(self.ntk)
-
     track_working_memory.unit = "bytes"  # type: ignore[attr-defined]
 
 
 class VsTorchFunc:
-    """ntkcore against torch.func's dense Jacobian contraction (``vmap(jacrev)`` then one GEMM),
-    where the float32 N x O x P Jacobian takes at most 2 GB (vit_tiny, BERT, GRU)."""
+    """ntkcore against torch.func's Jacobian contraction where its N x O x P Jacobian <= 2 GB."""
 
     params = (["vit_tiny", "bert", "gru"], [16, 32], [1, 2])
     param_names = ("model", "N", "threads")
@@ -224,7 +198,6 @@ class VsTorchFunc:
         """torch.func's time over ntkcore's, the two timed in turns."""
         t = in_turns({"ntkcore": self.ntk, "torch.func": self.func}, rounds=1)
         return t["torch.func"] / t["ntkcore"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
 
@@ -240,18 +213,13 @@ class Error:
 
     def track_error(self, model: str) -> float:
         return relerr(_ntk(self.m, self.x)(), reference(model, N_REF))
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
 
 class FullSize:
-    """Full-size models at random init (BERT-base at 128 tokens, ViT-S/16 and ResNet-50 at
-    224 px) under ``max_memory`` = :data:`FULL_BUDGET`; opt-in: ``NTKCORE_BENCH_LARGE=1``.
+    """Full-size models under ``max_memory`` = :data:`FULL_BUDGET`; opt-in: NTKCORE_BENCH_LARGE=1.
 
-    Time per kernel entry (ntkcore's time over N^2), share of the bound, working memory over
-    the budget, and the bytes torch.func's dense float32 N x O x P Jacobian would take.  A
-    model whose budget is over ``NTKCORE_BENCH_MAX_MEMORY`` (bytes or "4GB"; default: half
-    the available memory) is skipped.
+    Skipped where the budget is over ``NTKCORE_BENCH_MAX_MEMORY`` (default: half the free memory).
     """
 
     params = (["bert_base", "vit_s16", "resnet50"], [8, 32, 128])
@@ -272,27 +240,23 @@ class FullSize:
         self.ntk = _ntk(self.m, self.x, self.budget)
 
     def track_time_per_entry(self, model: str, n: int) -> float:
-        """Seconds of one call (the first: minutes at N = 128) over its N^2 kernel entries."""
+        """Seconds of one call over its N^2 kernel entries."""
         t0 = time.perf_counter()
         self.ntk()
         return (time.perf_counter() - t0) / n**2
-
     track_time_per_entry.unit = "seconds"  # type: ignore[attr-defined]
 
     def track_bound_share(self, *_: Any) -> float:
         return bound_share(self.ntk, self.m, self.x, self.budget, batched=False)
-
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
 
     def track_memory_over_budget(self, *_: Any) -> float:
         """Working memory over ``max_memory`` (at most about 1 when the budget holds)."""
         return working_memory(self.ntk) / self.budget
-
     track_memory_over_budget.unit = "share"  # type: ignore[attr-defined]
 
     def track_dense_jacobian_bytes(self, model: str, n: int) -> float:
-        """N O P x 4 bytes: torch.func's float32 Jacobian (fits where under the free memory)."""
+        """N O P x 4 bytes: torch.func's float32 Jacobian."""
         p = sum(q.numel() for q in self.m.parameters())
         return float(n * rm.num_outputs(model, "full") * p * 4)
-
     track_dense_jacobian_bytes.unit = "bytes"  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ import numpy as np
 
 import ntkcore
 from benchmarks.common import BACKENDS, asarray, in_turns, relerr, require, to64
-from benchmarks.kip import memory
+from benchmarks.common import working_memory as memory
 
 REG, D_IN, K_OUT = 0.1, 16, 10
 
@@ -107,10 +107,9 @@ def backward_case(impl: str, backend: str, p: dict[str, np.ndarray]) -> Any:
 
 
 class Backward:
-    """Loss :math:`\\|K_*(K+\\lambda I)^{-1}Y - Y_*\\|_F^2` + gradient wrt K and K_* (as in a KIP
-    loop): ntkcore against autograd through ``linalg.solve``; target ``track_memory_ratio``
-    (ntkcore's working memory over the solve's) < 1.  ``track_error``: the symmetric part of
-    dK (a Cholesky reads one triangle) against :func:`reference_grad`."""
+    r"""Loss :math:`\|K_*(K+\lambda I)^{-1}Y - Y_*\|_F^2` + gradient wrt K, K_*: ntkcore
+    against autograd through ``linalg.solve``; error: symmetric part of dK against
+    :func:`reference_grad`."""
     params, param_names = (["torch", "jax", "torch-cuda"], [1000, 2000]), ("backend", "N")
     timeout, repeat, warmup_time = 180, (1, 5, 10.0), 0.2
 

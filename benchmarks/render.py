@@ -1,12 +1,9 @@
-"""docs/benchmarks.md (and its charts) from the asv results of one machine and one commit.
+"""docs/benchmarks.md (and its charts) from the asv results of one machine.
 
     python -m benchmarks.render [--machine NAME] [--commit SHA] [--out docs/benchmarks.md]
 
-A table is one benchmark class: its parameter combinations are the rows, its ``time_*`` and
-``track_*`` methods the columns (combinations skipped everywhere are left out), all from one
-result file, the newest that measured the class (or one of ``--commit``), named with its
-commit and date in the table's heading.
-"""
+A table per benchmark class (rows: parameter combinations, columns: ``time_*``/``track_*``),
+from the newest result file that measured it (or ``--commit``'s), named in its heading."""
 
 from __future__ import annotations
 
@@ -51,8 +48,8 @@ def fmt(value: Any, unit: str) -> str:
 
 def load(machine: str | None = None, commit: str | None = None, results: Path = RESULTS
          ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(machine facts, its result files, benchmark metadata) for ``machine`` (the only or the
-    first one), only the files of ``commit`` (a prefix) when given."""
+    """(machine facts, its result files, benchmark metadata) for ``machine`` (default: the
+    first), only ``commit``'s files (a prefix) when given."""
     machines = sorted(p for p in results.iterdir() if (p / "machine.json").is_file())
     if machine is not None:
         machines = [p for p in machines if p.name == machine]
@@ -84,9 +81,8 @@ def _measured(values: Any) -> bool:
 
 
 def tables(docs: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per class ``module.Class``: its parameter names, the parameter combinations, per method
-    the unit and the values (``None`` for skipped or failed), and the result file they come
-    from: of the files that measured the class, the newest (one commit for the whole table)."""
+    """Per ``module.Class``: parameter names and combinations, per method (unit, values),
+    and the newest result file that measured the class."""
     newest: dict[str, dict[str, Any]] = {}
     for doc in sorted(docs, key=lambda d: d.get("date", 0)):
         for name, res in doc["results"].items():
@@ -131,8 +127,7 @@ def markdown_table(t: dict[str, Any]) -> str:
 
 
 def chart(t: dict[str, Any], title: str, path: Path) -> bool:
-    """Time against N (log-log), a line per other parameter combination, when the class has
-    a parameter named N and a ``time_*`` method; False when there is nothing to draw."""
+    """Time against N (log-log), a line per other parameter combination; False if none."""
     names = list(t["names"])
     times = [m for m in t["methods"] if m.startswith("time_")]
     if "N" not in names or not times:
@@ -170,8 +165,7 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
 
 def render(machine: dict[str, Any], docs: list[dict[str, Any]], meta: dict[str, Any],
            img_dir: Path | None = None, img_rel: str = "img") -> str:
-    """The page: header, the machine, then a section per module and a table per class (each
-    from one result file, named in its heading; a chart where :func:`chart` draws one)."""
+    """The page: header, machine, a section per module, a table (and chart) per class."""
     facts = dict(machine)
     if str(facts.get("ram", "")).isdigit():
         facts["ram"] = f"{int(facts['ram']) / 2**30:.0f} GiB"
@@ -192,7 +186,8 @@ def render(machine: dict[str, Any], docs: list[dict[str, Any]], meta: dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.render", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.render",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--machine")
     ap.add_argument("--commit")
     ap.add_argument("--results", type=Path, default=RESULTS)

@@ -12,9 +12,8 @@ SENG = {"seng": {"update_freq": 1}, "seng_freq10": {"update_freq": 10},
 
 
 def steps_case(model_name: str, optimizer: str, device: str = "cpu") -> Any:
-    """A call running 10 training steps (zero_grad, forward, cross-entropy, backward, step) on
-    fixed mini-batches of 128 standardised digits (float32, seed 0): the MLP 64-64-10 (tanh)
-    or the CNN (two 3x3 convolutions, 8 and 16 channels)."""
+    """A call of 10 training steps on fixed batches of 128 standardised digits (float32, seed 0):
+    the MLP 64-64-10 (tanh) or the CNN (3x3 convolutions, 8 and 16 channels)."""
     import torch
     from ntkcore.backends.torch import SENG as Seng
     from sklearn.datasets import load_digits
@@ -58,7 +57,6 @@ class Steps:
     def track_speedup(self, *_: Any) -> float:
         t = in_turns({"sgd": self.calls["sgd"], "seng": self.calls["seng_freq10"]})
         return t["sgd"] / t["seng"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
 

@@ -1,10 +1,7 @@
-r"""Sketched against exact: ``gram(sketch_jacobian(J, q))`` against ``gram(J)``, and
-``smw_solve(..., sketch=(method, q))`` against the exact SMW solve.  Where 3x at q <= P/20 is out
-of reach: a one-position Kronecker block's exact Gram is two cheap SYRKs, the sketch shrinks them
-by :math:`(d_A+d_G)/(q_A+q_G)` = 4.5 at most and the N x N Hadamard product not at all (2.3-2.7x,
-3.5x at P/100); leverage needs a pass over the block for its norms (about 3x, dense block); the
-SENG direction :math:`(g - Ub)/\lambda` needs a pass over U whatever the sketch, bounding
-leverage SMW by (2 passes + SYRK) / (2 passes): 1.1-1.7x, uniform 3-4x."""
+r"""Sketched against exact: ``gram(sketch_jacobian(J, q))`` against ``gram(J)`` and
+``smw_solve(..., sketch=(method, q))`` against the exact SMW solve.  Limits: a Kronecker block's
+sketch shrinks its SYRKs by :math:`(d_A+d_G)/(q_A+q_G)` <= 4.5 but not the N x N Hadamard product;
+leverage needs a pass for its norms; SENG's :math:`(g - Ub)/\lambda` a pass over U."""
 
 from typing import Any
 
@@ -41,10 +38,9 @@ class _Sketched:
 
 
 class Gram(_Sketched):
-    r"""Sketched Gram of one block, q = P/k: dense (N = 256, P = 32768, 2% heavy columns;
-    target speedup >= 3 at k >= 20) or Kronecker, d_in = d_out = 1024 at S positions (S = 1: a
-    dense layer, N = 512; S = 16: a convolution, N = 64; sketch
-    :math:`\Omega_A\otimes\Omega_G`)."""
+    r"""Sketched Gram of one block, q = P/k: dense (N = 256, P = 32768, 2% heavy columns) or
+    Kronecker, d_in = d_out = 1024 at S positions (S = 1: N = 512; S = 16: N = 64), sketch
+    :math:`\Omega_A\otimes\Omega_G`."""
 
     params = ([*CPU_BACKENDS, "torch-cuda"], ["dense", "kron S=1", "kron S=16"], METHODS,
               [20])

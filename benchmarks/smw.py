@@ -74,14 +74,12 @@ class VsDense:
 
         t = in_turns({"ntkcore": self.ntkcore, "dense": self.dense})
         return t["dense"] / t["ntkcore"]
-
     track_speedup.unit = "x"  # type: ignore[attr-defined]
 
     def track_error(self, backend: str, p: int, rho: int) -> float:
         """Relative error of d against a float64 dense solve."""
         u, g = to64(self.u), to64(self.g)
         return relerr(self.ntkcore(), np.linalg.solve(LAM * np.eye(p) + u @ u.T, g))
-
     track_error.unit = "relative"  # type: ignore[attr-defined]
 
 
@@ -107,7 +105,6 @@ class Large:
 
     def track_roofline_share(self, backend: str, size: str) -> float:
         return roofline_share(self.solve, least_flops(self.p, self.rho), backend, rounds=3)
-
     track_roofline_share.unit = "share"  # type: ignore[attr-defined]
 
     def track_residual(self, *_: Any) -> float:
@@ -120,10 +117,8 @@ class Large:
             r = LAM * d[s:s + step] + to64(self.u[s:s + step]) @ utd - g[s:s + step]
             res2 += float(r @ r)
         return float(np.sqrt(res2) / np.linalg.norm(g))
-
     track_residual.unit = "relative"  # type: ignore[attr-defined]
 
     def track_working_memory(self, *_: Any) -> float:
         return working_memory(self.solve)
-
     track_working_memory.unit = "bytes"  # type: ignore[attr-defined]

@@ -1,12 +1,6 @@
-r"""eNTK and feature baselines built directly on ``torch.func`` (used by ``benchmarks/ntk.py``
-and the features and real-model benchmarks).
-
-- :func:`jacobian_contraction`: per-sample Jacobians :math:`J` (N, O, P) by ``vmap(jacrev)``,
-  then :math:`\Theta = J J^\top` by one GEMM (:math:`2 N^2 O^k P` flops, k = 2 in full mode).
-- :func:`ntk_vector_products`: kernel columns from vmapped vjp and jvp, :math:`N O` passes.
-- :func:`gradient_projection`: per-sample gradients projected by a dense Gaussian (TRAK without
-  its CUDA kernel).
-"""
+r"""eNTK and feature baselines on ``torch.func``: :func:`jacobian_contraction` (``vmap(jacrev)``
+then :math:`\Theta = J J^\top`, :math:`2 N^2 O^k P` flops), :func:`ntk_vector_products` (vjp then
+jvp, N O passes), :func:`gradient_projection` (TRAK's projection, dense Gaussian)."""
 
 from __future__ import annotations
 
@@ -41,9 +35,8 @@ def _contract(j1: torch.Tensor, j2: torch.Tensor, mode: str) -> torch.Tensor:
 
 def jacobian_contraction(model: torch.nn.Module, x: torch.Tensor, *, mode: str = "full",
                          max_jac_bytes: float = 4e9) -> torch.Tensor:
-    """The self-kernel eNTK by materialised per-sample Jacobians: all at once, or over
-    ``max_jac_bytes`` in sample blocks on and above the diagonal (the Jacobian of a column
-    block recomputed for each row block; tiles below the diagonal are transposes)."""
+    """The self-kernel eNTK from per-sample Jacobians: all at once, or over
+    ``max_jac_bytes`` in sample blocks on and above the diagonal (below: transposes)."""
     with torch.no_grad():
         o = int(model(x[:1]).numel())
     per_sample = o * sum(v.numel() for v in _params(model).values()) * x.element_size()
@@ -69,8 +62,7 @@ def jacobian_contraction(model: torch.nn.Module, x: torch.Tensor, *, mode: str =
 
 def ntk_vector_products(model: torch.nn.Module, x: torch.Tensor, *, mode: str = "full",
                         chunk: int = 32) -> torch.Tensor:
-    """The self-kernel eNTK, ``chunk`` columns at a time: vmapped vjp of one-hot cotangents
-    :math:`e` (k, N, O), then vmapped jvp, :math:`J (J^\top e)`."""
+    """Self-kernel eNTK ``chunk`` columns at a time: :math:`J (J^\top e)`, vmapped vjp then jvp."""
     pd = _params(model)
     n = x.shape[0]
 
@@ -92,8 +84,7 @@ def ntk_vector_products(model: torch.nn.Module, x: torch.Tensor, *, mode: str = 
 
 
 def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    r"""(N, P): ``vmap(grad)`` of :math:`\sum_o f_o(x_n) / \sqrt{O}` per sample, parameters
-    flattened in ``named_parameters()`` order; its Gram matrix is the pseudo-NTK."""
+    r"""(N, P): ``vmap(grad)`` of :math:`\sum_o f_o(x_n) / \sqrt{O}`; its Gram is the pseudo-NTK."""
     pd = _params(model)
     with torch.no_grad():
         o = int(model(x[:1]).numel())
@@ -108,11 +99,10 @@ def per_sample_gradients(model: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
 def gradient_projection(model: torch.nn.Module, x: torch.Tensor, *, dim: int, seed: int = 0,
                         batch: int = 64, chunk_bytes: int = 1 << 28,
                         store_bytes: int = 1 << 29) -> torch.Tensor:
-    r"""(N, dim) features :math:`\Phi = G\,\Omega`: :func:`per_sample_gradients` ``G`` (N, P)
-    times a Gaussian :math:`\Omega` (P, dim), entries :math:`N(0, 1/\mathrm{dim})`, so that
-    :math:`\mathbb{E}[\Phi\Phi^\top] = G G^\top`.  Samples go in batches of ``batch``;
-    :math:`\Omega` in row chunks of <= ``chunk_bytes`` (chunk k seeded ``(seed, k)``), kept
-    across batches when it all fits ``store_bytes``, else regenerated per batch (as TRAK)."""
+    r""":math:`\Phi = G\,\Omega` (N, dim): :func:`per_sample_gradients` times a Gaussian
+    :math:`\Omega` (P, dim) of :math:`N(0, 1/\mathrm{dim})` entries, so that
+    :math:`\mathbb{E}[\Phi\Phi^\top] = G G^\top`; :math:`\Omega` in seeded row chunks, kept if it
+    fits ``store_bytes`` (else redrawn per batch)."""
     n = x.shape[0]
     p = sum(v.numel() for v in _params(model).values())
     dtype = x.dtype

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
-# Create the private virtual environment in which traker (TRAK's reference implementation) runs.
-#
-# traker 0.3.2 is the peer of ntkcore.attribution in the `attribution` benchmark suite.  It is
-# never a dependency of ntkcore: it lives in its own venv next to the same CPU torch as the
-# project (fast_jl, its CUDA projector, is not installed; on a CPU traker uses BasicProjector).
-# Usage: bash benchmarks/peers/make_traker_venv.sh [VENV_DIR]
-# (default: .venv-traker in the repository root, which is git-ignored).
+# The venv of traker 0.3.2 (TRAK's reference, peer of benchmarks/attribution.py; no dependency
+# of ntkcore), same CPU torch, no fast_jl (BasicProjector on a CPU).
+# Usage: bash benchmarks/peers/make_traker_venv.sh [VENV_DIR]  (default: .venv-traker, git-ignored)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"

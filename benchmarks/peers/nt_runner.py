@@ -1,14 +1,8 @@
-"""Serve neural-tangents' empirical NTK of an MLP; runs INSIDE the peer venv (.venv-nt), started
-by ``benchmarks/peer.py`` (``Peer``) as ``.venv-nt/bin/python nt_runner.py SPEC``, so it imports
-nothing from ntkcore or benchmarks (numpy < 2, jax 0.4.25).  The model uses ``lax.dot_general``
-and ``vmap_axes=0``, the conditions for implementation 3's structured rules: ``y_l = c_l
-dot_general(z_{l-1}, W_l) + beta b_l``, ``z_l = phi(y_l)``, ``f = y_L``, ``W_l`` (d_out, d_in).
-
-SPEC (JSON): input (npz: W0.., b0.., x), n_layers, activation, scales, beta, impl (1/2/3),
-mode, dtype.  After compiling (first call) it prints ``{"compile_s": ...}``, then answers each
-stdin line with a JSON line: ``time K`` (``{"times": [...]}``), ``kernel ROWS PATH`` (np.save
-of the kernel, its [:ROWS, :ROWS] block if ROWS > 0); ``quit`` stops it.
-"""
+"""Serve neural-tangents' empirical NTK of an MLP from INSIDE the peer venv (``Peer`` of
+``benchmarks/peer.py`` starts it as ``.venv-nt/bin/python nt_runner.py SPEC``; no ntkcore import).
+``lax.dot_general`` layers and ``vmap_axes=0`` let implementation 3 use its structured rules.
+It prints ``{"compile_s": ...}``, then answers the stdin lines ``time K``, ``kernel ROWS PATH``
+and ``quit``."""
 
 import json
 import sys
