@@ -18,9 +18,8 @@
 # pytest-gpu.xml, asv-cuda.log, asv-results/, docs/}.  Copy asv-results/gpu-*/ into
 # benchmarks/results/asv/ and run `python -m benchmarks.render --machine gpu-<model>`.
 #
-# Time budget (seconds, overridable by environment): PYTEST_BUDGET=150 for the tests,
-# BENCH_BUDGET=300 for the benchmarks, so the whole
-# script stays under 8 minutes including start-up.
+# Budgets (seconds, overridable by environment): PYTEST_BUDGET=150, BENCH_BUDGET=300: the
+# whole script stays under 8 minutes including start-up.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,22 +74,8 @@ if ! "$PY" -c "import ntkcore.backends" 2>>"$OUT/install.log"; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m pip freeze > "$OUT/pip-freeze.txt" 2>/dev/null
-"$PY" - <<'PY' 2>&1 | tee -a "$SUMMARY"
-import importlib
-for name in ("ntkcore", "numpy", "scipy", "torch", "cupy", "jax", "array_api_compat",
-             "hypothesis", "pytest", "tqdm", "threadpoolctl", "psutil", "matplotlib"):
-    try:
-        mod = importlib.import_module(name)
-        print(f"  {name:18s} {getattr(mod, '__version__', '?')}")
-    except Exception as exc:
-        print(f"  {name:18s} MISSING ({type(exc).__name__})")
-try:
-    import torch
-    print("  torch.cuda:", torch.cuda.is_available(),
-          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-except Exception:
-    pass
-PY
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda:', torch.cuda.is_available())" \
+    2>&1 | tee -a "$SUMMARY"
 
 # -- 2. GPU tests, TF32 off ---------------------------------------------------------------
 say "pytest -m gpu (TF32 off, budget ${PYTEST_BUDGET}s)"
