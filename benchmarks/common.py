@@ -107,7 +107,7 @@ def in_turns(fns: dict[str, Callable[[], Any]], rounds: int = 5,
         wait(fn())
     times: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
-    for r in range(rounds):
+    for _ in range(rounds):
         t_round = time.perf_counter()
         for k, fn in fns.items():
             t0 = time.perf_counter()

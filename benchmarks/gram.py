@@ -8,8 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (BACKENDS, CPU_BACKENDS, asarray, in_turns,
-                               require, roofline_share, to64, working_memory)
+from benchmarks.common import (
+    BACKENDS,
+    CPU_BACKENDS,
+    asarray,
+    in_turns,
+    require,
+    roofline_share,
+    to64,
+    working_memory,
+)
 
 CPU_GPU = [*CPU_BACKENDS, "torch-cuda"]
 

@@ -8,8 +8,7 @@ import math
 import os
 from typing import Any
 
-from benchmarks.common import (in_turns, relerr, require, roofline_share, to64,
-                               working_memory)
+from benchmarks.common import in_turns, relerr, require, roofline_share, to64, working_memory
 
 TORCH = ["torch", "torch-cuda"]
 N_REF = 32  # errors are taken on the kernel of the leading N_REF samples

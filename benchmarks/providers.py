@@ -15,7 +15,7 @@ from ntkcore.models import MLP
 
 N_REF = 32
 CASES = {"MLP 6x512 tanh N=384": ((256, *[512] * 6, 1), 384),
-         "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512)}  # case -> (widths, N); the second is opt-in
+         "MLP 8x1000 tanh N=512": ((256, *[1000] * 8, 1), 512)}  # (widths, N); 2nd opt-in
 
 
 def case(impl: str, backend: str, ws: list[Any], bs: list[Any], x_np: np.ndarray) -> Any:

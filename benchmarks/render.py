@@ -72,7 +72,7 @@ def _caption(module: str, cls: str) -> str:
         obj = getattr(importlib.import_module(f"benchmarks.{module}"), cls)
     except Exception:  # a module of a library that is missing here: no caption
         return ""
-    return (obj.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    return " ".join((obj.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 def _measured(values: Any) -> bool:
@@ -94,7 +94,7 @@ def tables(docs: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, dict[s
         for name, res in sorted(doc["results"].items()):
             if name.rpartition(".")[0] != module_cls or name not in meta:
                 continue
-            entry = dict(zip(cols, res))
+            entry = dict(zip(cols, res, strict=False))
             params = entry.get("params") or []
             values = entry["result"] if isinstance(entry["result"], list) else [entry["result"]]
             t = out.setdefault(module_cls, {
@@ -142,7 +142,7 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
     drawn = 0
     for m in times:
         lines: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
-        for combo, v in zip(t["combos"], t["methods"][m][1]):
+        for combo, v in zip(t["combos"], t["methods"][m][1], strict=False):
             if v is not None and not (isinstance(v, float) and math.isnan(v)):
                 rest = combo[:k] + combo[k + 1:]
                 lines.setdefault(rest, []).append((float(str(combo[k]).strip("'")), v))
@@ -150,7 +150,7 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
             if len(pts) > 1:
                 pts.sort()
                 label = " ".join([m[5:], *(str(r).strip("'") for r in rest)])
-                ax.loglog(*zip(*pts), marker="o", label=label)
+                ax.loglog(*zip(*pts, strict=True), marker="o", label=label)
                 drawn += 1
     if drawn:
         import textwrap

@@ -8,8 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (CPU_BACKENDS, asarray, relerr, require, roofline_share, to64,
-                               working_memory)
+from benchmarks.common import (
+    CPU_BACKENDS,
+    asarray,
+    relerr,
+    require,
+    roofline_share,
+    to64,
+    working_memory,
+)
 
 LAM = 0.1
 
@@ -32,7 +39,7 @@ def least_flops(p: int, rho: int) -> float:
 class VsDense:
     """ntkcore against the dense solve a user would write, P where P x P still fits."""
 
-    params = (list(CPU_BACKENDS) + ["torch-cuda", "cupy"], [1000, 4000], [64])
+    params = ([*CPU_BACKENDS, "torch-cuda", "cupy"], [1000, 4000], [64])
     param_names = ("backend", "P", "rho")
     timeout = 120
 
@@ -87,7 +94,7 @@ class Large:
     """Sizes where a P x P matrix is impossible: the roofline share is the target (>= 0.7 at
     P = 4e6, rho = 256, float32)."""
 
-    params = (list(CPU_BACKENDS) + ["torch-cuda", "cupy"], ["1e6 x 64", "1e6 x 256", "4e6 x 256"])
+    params = ([*CPU_BACKENDS, "torch-cuda", "cupy"], ["1e6 x 64", "1e6 x 256", "4e6 x 256"])
     param_names = ("backend", "P x rho")
     timeout = 300
     number, repeat, warmup_time, rounds = 1, 3, 0, 1
