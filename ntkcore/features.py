@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import array_api_compat
@@ -174,7 +174,10 @@ class PairsLayout(Projection):
     r"""A Kronecker block's ``dim`` features as independent pairs of Gaussian factor rows
     :math:`\gamma_i, \alpha_i`: :math:`\phi_i = \gamma_i^\top X \alpha_i / \sqrt{q}` for the
     per-sample weight :math:`X = \sum_s g_s a_s^\top` (2q factor rows, cost
-    :math:`O(S q (d_\text{in} + d_\text{out}))` per sample and output)."""
+    :math:`O(S q (d_\text{in} + d_\text{out}))` per sample and output).  ``khatri_rao``: the
+    plan's choice of :meth:`by_weights` for the block's shape (set by the planner)."""
+
+    khatri_rao: bool = False
 
     def __post_init__(self) -> None:
         if not self.q_a:  # the rows of the factor sketches
@@ -218,7 +221,7 @@ class PairsLayout(Projection):
         :math:`\gamma_i \otimes \alpha_i` (d_out d_in, q): one GEMM."""
         dtype = block.g.dtype
         xp = array_api_compat.array_namespace(block.g)
-        if self.by_weights(block, block.num_outputs):
+        if self.khatri_rao:
             om_a, om_g = sketches[0].transposed(dtype), sketches[1].transposed(dtype)
             kr = xp.reshape(om_g[:, None, :] * om_a[None, :, :], (-1, self.dim))
             return (block.to_dense() @ kr) * math.sqrt(self.dim)
@@ -226,13 +229,16 @@ class PairsLayout(Projection):
         return xp.sum(g_s * a_s[:, :, None, :], axis=1) * math.sqrt(self.dim)
 
     def nbytes(self) -> int:
-        return 16 * (self.q_a * self.n + self.q_g * self.d_out)
+        """The factor sketches (float64 draws and a cast copy) and, where :meth:`by_weights`
+        forms it, the Khatri-Rao sketch (at most :data:`KHATRI_RAO_NUMBERS`, 8 bytes)."""
+        kr = self.d_out * self.n * self.dim if self.khatri_rao else 0
+        return 16 * (self.q_a * self.n + self.q_g * self.d_out) + 8 * kr
 
     def batch_numbers(self, block: Any, r: int) -> int:
         """The projected factors a_s (S, q_A), g_s (S, R, q_G) and the products (S, R, q);
-        by weights X (R, d_out d_in) and the features (R, q)."""
-        if self.by_weights(block, r):
-            return r * (block.d_out * block.d_in + self.dim)
+        by weights [a, 1] (S, d_in), X (R, d_out d_in) and the features (R, q)."""
+        if self.khatri_rao:
+            return block.num_positions * block.d_in + r * (block.d_out * block.d_in + self.dim)
         return block.num_positions * (self.q_a + 2 * r * self.q_g) + r * self.dim
 
     def _pairs(self) -> tuple[int, int]:
@@ -314,7 +320,10 @@ def _plan(J: Jacobian, dim: int, method: str, weights: Sequence[float] | None,
         if q == width:
             plans.append(Projection("exact", q, width))
         elif isinstance(block, KroneckerBlock):
-            plans.append(LAYOUTS[kronecker](kronecker, q, block.d_in, block.d_out))
+            plan = LAYOUTS[kronecker](kronecker, q, block.d_in, block.d_out)
+            if type(plan) is PairsLayout and plan.by_weights(block, block.num_outputs):
+                plan = replace(plan, khatri_rao=True)
+            plans.append(plan)
         else:
             kind = method
             if kind == "auto":
