@@ -21,6 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import array_api_compat
 
+from ._cache import LRUCache
 from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
@@ -823,8 +824,7 @@ def _pair_chunk(pb: _Problem, chosen: list[str], r: int, c: int) -> int:
 
 #: Plans by problem shape: repeated calls on same-shaped Jacobians (SENG refreshes, KIP
 #: steps, kernel tiles) skip the cost model's Python evaluation (a few hundred us).
-_PLAN_CACHE: dict[tuple[Any, ...], GramPlan] = {}
-_PLAN_CACHE_SIZE = 256
+_PLAN_CACHE: LRUCache[GramPlan] = LRUCache(256)
 _BUDGET_BITS = 6
 
 
@@ -857,12 +857,7 @@ def _cached_plan(pb: _Problem, budget: Budget) -> GramPlan:
            SYMMETRIC_SPLIT_FLOPS_PER_ENTRY, tuple(SYMMETRIC_MIN_TILE.items()),
            tuple(SYMMETRIC_PANEL_ROWS.items()), SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS,
            PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK, tuple(ROUTES.values()))
-    plan = _PLAN_CACHE.get(key)
-    if plan is None:
-        plan = _make_plan(replace(pb, budget=plan_budget))
-        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.clear()
-        _PLAN_CACHE[key] = plan
+    plan = _PLAN_CACHE.get(key, lambda: _make_plan(replace(pb, budget=plan_budget)))
     return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
 
 

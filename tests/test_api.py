@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 import ntkcore
+from ntkcore._cache import LRUCache
 from tests.tolerances import kernel_tol
 
 DT = torch.float64
@@ -228,7 +229,7 @@ def test_default_budget_shares_the_plan_when_free_memory_moves(monkeypatch):
     x = torch.randn(5, 4, dtype=DT)
     free = [24 * 2**30 + 2**28]
     monkeypatch.setattr(TorchBackend, "free_memory", lambda self, device: free[0])
-    monkeypatch.setattr(gram_module, "_PLAN_CACHE", {})
+    monkeypatch.setattr(gram_module, "_PLAN_CACHE", LRUCache(4))
     calls = []
     real = gram_module._make_plan
     monkeypatch.setattr(gram_module, "_make_plan", lambda *a: calls.append(a) or real(*a))

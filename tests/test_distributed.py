@@ -661,18 +661,3 @@ def test_jax_graph_build_calls_no_model():
     ref = np.einsum("nop,mop->nm", jd, jd)
     n = jd.shape[2] + 2 * (3 + 4 + 2)  # products per entry, and the fan-ins of each factor
     assert np.max(np.abs(got - ref)) <= kernel_tol(np.float32, n) * np.max(np.abs(ref))
-
-
-def test_cache_get_makes_once_and_stays_bounded():
-    """``cache_get`` makes a missing entry once, returns the cached one after, and clears
-    the cache before it would hold a tenth entry (workers keep it for a whole run)."""
-    pytest.importorskip("dask")
-    from ntkcore.distributed._ntk import cache_get
-
-    cache: dict = {}
-    made = []
-    for key in range(9):
-        assert cache_get(cache, key, lambda k=key: made.append(k) or k * 10) == key * 10
-    assert cache_get(cache, 3, lambda: made.append("again")) == 30 and len(made) == 9
-    assert len(cache) == 9
-    assert cache_get(cache, 9, lambda: 90) == 90 and list(cache) == [9]

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ntkcore
+from ntkcore._cache import LRUCache
 from ntkcore._memory import DEFAULT_FRACTION, default_budget, parse_memory
 from ntkcore.gram import BudgetTooSmallError, _gram, plan_gram
 from ntkcore.tiling import panel_bounds
@@ -691,6 +692,8 @@ def test_plans_are_reused_by_shape(monkeypatch, rng):
     import sys
 
     gram_module = sys.modules["ntkcore.gram"]
+    # a cache of this test's own: what other tests in this worker planned must not matter
+    monkeypatch.setattr(gram_module, "_PLAN_CACHE", LRUCache(3))
     spec = {"O": 2, "blocks": [("kron", 1, 4, 3), ("dense", 5)]}
     j1 = to_jacobian_np(make_factors(spec, 9, rng))
     j2 = to_jacobian_np(make_factors(spec, 9, rng))

@@ -16,6 +16,7 @@ import dask.array as da
 import distributed
 import numpy as np
 
+from .._cache import LRUCache
 from .._memory import parse_memory
 from .._validation import check_size
 from ..modes import Mode, check_mode
@@ -55,25 +56,17 @@ def _np_dtype(dtype: Any) -> np.dtype:
         return np.dtype(str(dtype).rsplit(".", 1)[-1])
 
 
-_LOADED: dict[str, Any] = {}  # per worker process: token -> unpickled object
+_LOADED: LRUCache[Any] = LRUCache(9)  # per worker process: token -> unpickled object
 
 
 def _identity(blob: bytes) -> bytes:
     return blob
 
 
-def cache_get(cache: dict[Any, Any], key: Any, make: Any) -> Any:
-    """``cache[key]``, made by ``make()`` when missing (a cache of at most 9 entries)."""
-    obj = cache.get(key)
-    if obj is None:
-        if len(cache) > 8:
-            cache.clear()
-        obj = cache[key] = make()
-    return obj
 
 
 def _load(token: str, blob: bytes) -> Any:
-    return cache_get(_LOADED, token, lambda: cloudpickle.loads(blob))
+    return _LOADED.get(token, lambda: cloudpickle.loads(blob))
 
 
 def _worker_limit() -> int:

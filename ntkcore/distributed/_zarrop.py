@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import zarr
 
+from .._cache import LRUCache
 from .._validation import check_size
 from ..cg import LinearOperator
 from ..tiling import TileGrid, bounds
 from ._cluster import get_client
-from ._ntk import back_to_namespace, cache_get, to_numpy
+from ._ntk import back_to_namespace, to_numpy
 
 _ROWS = 64  # rows per upcast block: 64 x 4000 float64 = 2 MB, stays in cache
 _local = threading.local()  # per worker thread: open Zarr arrays
@@ -46,8 +47,9 @@ def _plan(loc: Any, arr: Any) -> dict[str, Any]:
 
 
 def _zarr_array(loc: Any) -> Any:
-    return cache_get(_local.__dict__.setdefault("arrays", {}), loc if isinstance(loc, str)
-                   else id(loc), lambda: zarr.open_array(store=loc, path="kernel", mode="r"))
+    arrays = _local.__dict__.setdefault("arrays", LRUCache(9))
+    return arrays.get(loc if isinstance(loc, str) else id(loc),
+                      lambda: zarr.open_array(store=loc, path="kernel", mode="r"))
 
 
 def _read_tile(plan: dict[str, Any], i: int, j: int) -> np.ndarray:
