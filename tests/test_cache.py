@@ -45,7 +45,7 @@ def test_threads_share_one_bounded_cache():
                 key = (k + offset) % 20
                 assert cache.get(key, lambda key=key: key * 2) == key * 2
                 assert len(cache) <= 8
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
