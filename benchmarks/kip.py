@@ -47,6 +47,7 @@ def case(impl: str, model: str, n_support: int, n_target: int, dtype: str = "flo
          device: str = "cpu", max_memory: Any = "2GB", batch_size: int | None = None) -> Any:
     """A call of the KIP loss of ``impl`` + its gradient wrt the support images (returned)."""
     import torch
+
     from ntkcore.backends.torch_kip import kip_loss
     p = build(model, n_support, n_target, dtype, device)
     net, xs, ys, xt, yt = p["model"], p["xs"], p["ys"], p["xt"], p["yt"]

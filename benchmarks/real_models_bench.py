@@ -75,9 +75,8 @@ def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
 
 def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
     """``plan_gram(J, mode="trace").flops`` of the provider's Jacobian."""
-    from ntkcore.backends.torch_jacobian import jacobian
-
     import ntkcore
+    from ntkcore.backends.torch_jacobian import jacobian
 
     return float(ntkcore.plan_gram(jacobian(m, x), mode="trace", max_memory=max_memory).flops)
 

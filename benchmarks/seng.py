@@ -15,9 +15,10 @@ def steps_case(model_name: str, optimizer: str, device: str = "cpu") -> Any:
     """A call of 10 training steps on fixed batches of 128 standardised digits (float32, seed 0):
     the MLP 64-64-10 (tanh) or the CNN (3x3 convolutions, 8 and 16 channels)."""
     import torch
-    from ntkcore.backends.torch import SENG as Seng
     from sklearn.datasets import load_digits
     from torch import nn
+
+    from ntkcore.backends.torch import SENG as Seng
     x, y = load_digits(return_X_y=True)
     xs = torch.as_tensor((x - x.mean(0)) / (x.std(0) + 1e-6), dtype=torch.float32,
                          device=device).reshape(-1, 1, 8, 8)

@@ -75,9 +75,10 @@ intersphinx_mapping = {
 intersphinx_timeout = 10
 
 
-# Pages written by other tools that may be absent from a checkout: docs/benchmarks.md (rendered
-# by `python -m benchmarks.render` from asv's results) and docs/distributed.md.  Their toctree entries are
-# dropped when the file is missing, so that `sphinx-build -W` does not fail on a fresh clone.
+# Pages written by other tools that may be absent from a checkout: docs/benchmarks.md
+# (rendered by `python -m benchmarks.render` from asv's results) and docs/distributed.md.  Their
+# toctree entries are dropped when the file is missing, so that `sphinx-build -W` does not
+# fail on a fresh clone.
 OPTIONAL_PAGES = ("benchmarks", "distributed")
 _HERE = Path(__file__).resolve().parent
 

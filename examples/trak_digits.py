@@ -70,13 +70,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ntkcore.backends.torch_attribution import OneOutput, pack
 from scipy.stats import spearmanr
 from torch import nn
 
 import ntkcore
 from ntkcore.attribution import TRAK
 from ntkcore.attribution import Margin as MarginFunction
+from ntkcore.backends.torch_attribution import OneOutput, pack
 from ntkcore.cli.demo import demo_data, demo_model
 from ntkcore.cli.output import (
     OutputError,

@@ -341,9 +341,8 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     block (issue 18's memory budgets)."""
     import weakref
 
-    from ntkcore.backends.torch_jacobian import jacobian
-
     import ntkcore._api as api
+    from ntkcore.backends.torch_jacobian import jacobian
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(DT)

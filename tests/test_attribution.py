@@ -477,5 +477,5 @@ def test_store_refuses_another_probe(tmp_path):
     store = tmp_path / "trak"
     TRAK(net, dim=12, seed=3, probe=(xa[:8], ya[:8]), store=store).fit(xa, ya)
     TRAK(net, dim=12, seed=3, probe=(xa[:8], ya[:8]), store=store).fit(xa, ya)  # resumes
-    with pytest.raises(ValueError, match="probe|differ|fingerprint"):
+    with pytest.raises(ValueError, match=r"probe|differ|fingerprint"):
         TRAK(net, dim=12, seed=3, probe=(xa[8:16], ya[8:16]), store=store).fit(xa, ya)

@@ -283,7 +283,6 @@ def test_demo_out_symlink_is_refused(private_tmp, capsys):
 def test_write_new_never_follows_a_link_planted_during_the_write(tmp_path):
     """The file is written beside the target and renamed over it: a link planted at the
     target after the check is replaced, not followed; a failed write leaves nothing."""
-    import os
 
     from ntkcore.cli.output import write_new, write_text
 

@@ -87,7 +87,6 @@ def test_torch_model_every_route(monkeypatch, tiny_tiles, mode, panels, mirror_b
     import sys
 
     from ntkcore.backends.torch import jacobian
-
     from ntkcore.gram import _gram
 
     if panels:

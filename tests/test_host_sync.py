@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from ntkcore.backends.torch_layers import drop_zero_positions, drop_zero_positions_all  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ntkcore  # noqa: E402
+from ntkcore.backends.torch_layers import drop_zero_positions, drop_zero_positions_all  # noqa: E402
 from ntkcore.jacobian import KroneckerBlock  # noqa: E402
 
 SYNC_OPS = ("aten._local_scalar_dense.", "aten.nonzero.", "aten.masked_select.",

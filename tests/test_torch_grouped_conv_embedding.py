@@ -18,11 +18,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from torch import nn
 
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, ntk, smw_solve
 from ntkcore.analysis import layer_traces
+from ntkcore.backends.torch_jacobian import jacobian, to_block_order
 from ntkcore.features import feature_variance, features
 from ntkcore.gram import _gram
 from ntkcore.lowrank import low_rank

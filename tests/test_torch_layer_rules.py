@@ -12,12 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import ntkcore  # noqa: E402
+from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.backends import torch_layers  # noqa: E402
 from ntkcore.backends.torch_jacobian import jacobian, to_block_order  # noqa: E402
 from ntkcore.backends.torch_layers import LayerRule, with_ones  # noqa: E402
-
-import ntkcore  # noqa: E402
-from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.sketch import sketch_jacobian  # noqa: E402
 from tests.test_torch_provider import dense_reference, reference, rel  # noqa: E402
 
