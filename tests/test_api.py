@@ -321,16 +321,16 @@ def test_probe_is_cached_per_model_and_input_signature(monkeypatch):
     jd = mlp.jacobian(x).to_dense()  # (N, O, P), checked against autograd in test_models
     ref_k = np.einsum("nok,mok->nm", jd, jd)  # independent of ntkcore.gram
     k1 = ntkcore.ntk(model, x, mode="trace")
-    assert calls == [8, 20]  # probe, then all samples at once
+    assert calls == [1, 20]  # probe (one sample: PROBE_SAMPLES), then all samples at once
     k2 = ntkcore.ntk(model, x, mode="trace")
-    assert calls == [8, 20, 20]  # probe skipped
+    assert calls == [1, 20, 20]  # probe skipped
     np.testing.assert_allclose(k1, ref_k, rtol=1e-12)
     np.testing.assert_array_equal(k2, k1)  # the cache changes nothing but the call count
     ntkcore.ntk(model, x[:, :3].astype(np.float32), mode="trace")  # new dtype: probes again
-    assert calls[3:] == [8, 20]
+    assert calls[3:] == [1, 20]
     # another model object of the same architecture has its own entry
     ntkcore.ntk(Counted(mlp), x, mode="trace")
-    assert calls[5:] == [8, 20]
+    assert calls[5:] == [1, 20]
 
 
 @pytest.mark.parametrize("path", ["held", "streamed"])

@@ -563,7 +563,7 @@ def _stream_case(backend, rng, mode, n=40):
 @pytest.mark.parametrize("mode", ["trace", "full"])
 def test_fit_model_streams_and_equals_fit_on_features(backend, rng, mode):
     """fit_model accumulates Phi^T Phi and Phi^T y over sample batches (here the smallest
-    budget: a first batch of 8 samples, then one at a time) and equals fit(features(...)) on
+    budget: one sample at a time, the first being the probe) and equals fit(features(...)) on
     the whole features; predict_model streams the test features of the same projection."""
     net, x, y, x_s = _stream_case(backend, rng, mode)
     kw = dict(dim=12, seed=4, mode=mode)
@@ -575,7 +575,7 @@ def test_fit_model_streams_and_equals_fit_on_features(backend, rng, mode):
     calls = []
     est = ntkcore.FeatureRidge(alpha=0.1).fit_model(
         net, bx, by, max_memory=info.value.needed, progress=lambda d, t: calls.append(d), **kw)
-    assert calls == list(range(1, 34))  # 8 + 32 samples: 33 batches
+    assert calls == list(range(1, 41))  # 8 + 32 samples, one at a time: 40 batches
     assert backend.is_native(est.coef_) and est.n_features_in_ == 12
     p = backend.to_numpy(phi).reshape(-1, 12)
     tol = _tol(np.linalg.cond(p.T @ p + 0.1 * np.eye(12)), len(p))

@@ -34,7 +34,7 @@ Z = 5.0  # standard errors allowed per entry
 # One set of shapes for the MLP tests, so that JAX's eager operations (one XLA compile per
 # primitive and shape, kept in memory for the process: --dist loadfile runs this file in one)
 # are compiled once for the whole file: N_X samples go as a first batch of
-# ntkcore._memory.PROBE_SAMPLES = 8 and a rest of 2 (or one at a time); probes have 8 samples.
+# ntkcore._memory.PROBE_SAMPLES = 1 and a rest of 9 (or one at a time); probes have 8 samples.
 N_X, N_PROBE = 10, 8
 
 
@@ -222,11 +222,11 @@ def test_one_space_for_every_x(backend, rng, mode):
     np.testing.assert_allclose(np.concatenate(parts), phi, rtol=0, atol=tol)
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.features(net, x, dim=24, seed=5, mode=mode, max_memory=1)
-    calls = []  # the smallest budget: a first batch of 8 samples, then one at a time (2 here)
+    calls = []  # the smallest budget: one sample at a time (the first is the probe)
     batched = backend.to_numpy(ntkcore.features(net, x, dim=24, seed=5, mode=mode,
                                                 max_memory=info.value.needed,
                                                 progress=lambda d, t: calls.append((d, t))))
-    assert calls == [(i, N_X - 7) for i in range(1, N_X - 6)]
+    assert calls == [(i, N_X) for i in range(1, N_X + 1)]
     np.testing.assert_allclose(batched, phi, rtol=0, atol=tol)
 
 
@@ -590,8 +590,8 @@ def test_nonfinite_jacobian_is_reported(rng):
     a, g, jac = _factors(rng)
     jac[2, 0, 3] = np.inf
     J = _jacobian(make_case("numpy"), a, g, jac)
-    with pytest.raises(ValueError, match="samples 0:5 contain NaN or Inf"):
-        ntkcore.features(J, dim=8)
+    with pytest.raises(ValueError, match="samples 1:5 contain NaN or Inf"):
+        ntkcore.features(J, dim=8)  # the probe (sample 0), then samples 1:5
 
 
 def test_differentiable_in_the_inputs_torch():
