@@ -776,9 +776,18 @@ def _front(a: torch.Tensor, ax: int, create_graph: bool) -> torch.Tensor:
     return a if create_graph else a.detach()
 
 
+def _output_columns(outputs: tuple[int, int] | None, o: int) -> slice:
+    """The flattened output columns ``outputs`` selects (all when None), checked against O."""
+    if outputs is None:
+        return slice(0, o)
+    if outputs[1] > o:
+        raise ValueError(f"outputs={outputs!r} is beyond the model's {o} outputs")
+    return slice(*outputs)
+
+
 def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
                   o: int, pseudo: bool, chunk_size: int | None,
-                  create_graph: bool) -> dict[str, DenseBlock]:
+                  create_graph: bool, cols: slice | None = None) -> dict[str, DenseBlock]:
     """DenseBlocks of ``groups`` (block name, parameter names): ``vmap`` over chunks of samples
     of ``jacrev`` w.r.t. those parameters, or plain autograd (:func:`_dense_blocks_graph`)
     with ``create_graph`` or where ``torch.func`` raises a RuntimeError (a recurrent layer
@@ -786,8 +795,9 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     raises the model's own error if any; out-of-memory errors are not retried."""
     from torch.func import functional_call, jacrev, vmap
 
+    cols = slice(0, o) if cols is None else cols
     if create_graph:
-        return _dense_blocks_graph(model, x, groups, o, pseudo)
+        return _dense_blocks_graph(model, x, groups, o, pseudo, cols=cols)
     named = dict(model.named_parameters())
     names = [n for _, ns in groups for n in ns]
     pdict = {k: named[k].detach() for k in names}
@@ -795,13 +805,14 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
 
     def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, pd, (xn.unsqueeze(0),), strict=False).reshape(-1)
-        return (out.sum() * scale).reshape(1) if pseudo else out
+        return (out.sum() * scale).reshape(1) if pseudo else out[cols]
 
     jf = vmap(jacrev(f), in_dims=(None, 0))
     n = x.shape[0]
     p_total = sum(named[k].numel() for k in names)
     if chunk_size is None:  # keep each chunk's Jacobian around 64 MB
-        chunk_size = max(1, min(n, (2**26) // max(1, o * p_total * x.element_size())))
+        width = 1 if pseudo else len(range(o)[cols])
+        chunk_size = max(1, min(n, (2**26) // max(1, width * p_total * x.element_size())))
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     try:
         with torch.no_grad(), _quiet_sdpa_batching():
@@ -812,7 +823,7 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     except torch.cuda.OutOfMemoryError:
         raise
     except RuntimeError:  # no batching rule, or data-dependent control flow
-        return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False)
+        return _dense_blocks_graph(model, x, groups, o, pseudo, create_graph=False, cols=cols)
     return _grouped(groups, {k: cat(v, 0) for k, v in pieces.items()})
 
 
@@ -858,7 +869,8 @@ def _grouped(groups: list[tuple[str, list[str]]],
 
 
 def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, list[str]]],
-                        o: int, pseudo: bool, create_graph: bool = True) -> dict[str, DenseBlock]:
+                        o: int, pseudo: bool, create_graph: bool = True,
+                        cols: slice | None = None) -> dict[str, DenseBlock]:
     """DenseBlocks by plain autograd, one backward per sample and output (differentiable in
     ``x`` when ``create_graph``: ``vmap`` under an outer graph gives wrong gradients with
     respect to ``x`` for some ops, LayerNorm in torch 2.13; meant for small support sets)."""
@@ -872,6 +884,8 @@ def _dense_blocks_graph(model: nn.Module, x: torch.Tensor, groups: list[tuple[st
             out = model(x[i:i + 1]).reshape(-1)
             if pseudo:
                 out = (out.sum() * scale).reshape(1)
+            elif cols is not None:
+                out = out[cols]
             last = out.shape[0] - 1
             if out.requires_grad:
                 per_o = [torch.autograd.grad(out[k], ps, create_graph=create_graph,
@@ -900,6 +914,7 @@ def jacobian(
     chunk_size: int | None = None,
     create_graph: bool | None = None,
     backward: str = "auto",
+    outputs: tuple[int, int] | None = None,
 ) -> Jacobian:
     r"""The per-sample Jacobian of a torch model, with Kronecker structure where it exists.
 
@@ -927,6 +942,12 @@ def jacobian(
         How the O output-gradient passes run: one ``is_grads_batched`` pass or a loop of O
         passes over all samples ("auto": the loop when the model has convolutions, whose
         vmapped backward is slow, or O <= 2; batched otherwise).  Same flops either way.
+    outputs : (int, int), optional
+        ``(start, stop)``: the Jacobian of the outputs ``start:stop`` of the flattened O only
+        (O' = stop - start outputs, O' backward passes; the factors' output-gradient part
+        shrinks by O' / O).  How :func:`ntkcore.ntk` computes a trace or diagonal kernel in
+        output chunks when the factors of all O outputs do not fit its budget.  Not with
+        ``pseudo``.
 
     Returns
     -------
@@ -961,6 +982,14 @@ def jacobian(
     on one model are safe (:func:`model_lock`).
     """
     check_inputs(model, x=x)
+    if outputs is not None:
+        if pseudo:
+            raise ValueError("outputs cannot be combined with pseudo=True (one output)")
+        if (not isinstance(outputs, tuple) or len(outputs) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in outputs)
+                or not 0 <= outputs[0] < outputs[1]):
+            raise ValueError(f"outputs must be a pair of ints (start, stop) with "
+                             f"0 <= start < stop; got {outputs!r}")
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
@@ -969,10 +998,10 @@ def jacobian(
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
         check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
-                               walk)
+                               walk, outputs=outputs)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
             jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
-                                   backward, walk, tables=jac)
+                                   backward, walk, tables=jac, outputs=outputs)
         return jac
 
 
@@ -1200,8 +1229,8 @@ def _block_order(selected: list[str], owners: dict[str, tuple[str, str]],
 
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
-                     backward: str, walk: _Walk,
-                     tables: frozenset[str] | None = None) -> Jacobian | frozenset[str]:
+                     backward: str, walk: _Walk, tables: frozenset[str] | None = None,
+                     outputs: tuple[int, int] | None = None) -> Jacobian | frozenset[str]:
     """:func:`jacobian` under the model's lock (``walk`` taken under it): find units, record,
     probe, gradients, assemble, then the dense blocks.  With ``tables`` None (the first pass)
     it may return the positional tables (:func:`_shared_tables`) to run it again with."""
@@ -1213,20 +1242,21 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                         _remembered_tables(model)[0] if tables is None else tables)
     out = _record_forward(model, x, found)
     n, o = int(x.shape[0]), int(math.prod(out.shape[1:]))
+    cols = _output_columns(outputs, o)
     plan = _probe(model, x, walk, selected, found, out, first)
     if isinstance(plan, frozenset):
         return plan
     order, dense_groups, rnames = _block_order(selected, walk.owners, plan)
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if plan.kron or plan.rkron or plan.fcalls:
-        grads = _gradients(model, out.reshape(n, o), plan, found.units, pseudo, create_graph,
-                           backward)
+        grads = _gradients(model, out.reshape(n, o)[:, cols], plan, found.units, pseudo,
+                           create_graph, backward)
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
         del grads
     del out, found, plan  # the recorded calls go before the dense pass
     if dense_groups:
         blocks.update(_dense_blocks(model, x, list(dense_groups.items()), o, pseudo, chunk_size,
-                                    create_graph))
+                                    create_graph, cols))
     if not create_graph:  # exact: positions with g == 0 add nothing (see drop_zero_positions);
         # a recurrent block's positions are its time steps, kept whole; one host sync for all
         recurrent = set(rnames.values())

@@ -250,7 +250,8 @@ def explain_failure(exc: BaseException, model: Any, name: str, x: Any,
                          f"{cause}); pass inputs of one per-sample shape") from exc
 
 
-#: The probe's findings (factor bytes per sample, block shapes, O, item size) per model
+#: The probe's findings (factor bytes per sample, block shapes, O, item size, the bytes per
+#: sample without an output axis) per model
 #: (weakly: entries die with it) and input signature (:func:`_probe_key`).  For a model called
 #: repeatedly (a training or distillation loop, a benchmark) the probe's fixed cost (a forward
 #: and a backward pass with hooks, several milliseconds for a small MLP) is paid once.  The
@@ -348,9 +349,20 @@ def provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
     """The provider's Jacobian of ``x``, samples of the input called ``name`` (``x_full``);
     a failure is explained by :func:`explain_failure`."""
     try:
-        j = provider.jacobian(model, x, **options)
+        if "outputs" in options:  # an output chunk (_output_chunk): the capability's function
+            j = provider.capabilities["outputs"]()(model, x, **options)
+        else:
+            j = provider.jacobian(model, x, **options)
     except Exception as exc:
         explain_failure(exc, model, name, x_full, x1)
+        if getattr(x, "ndim", None) == 1 and int(x.shape[0]) < int(x_full.shape[0]):
+            # Scalar samples (a 1-d input) that the model does not take, most likely one
+            # unbatched sample: the provider's diagnosis of the whole input (one cheap
+            # call on N scalars) names it, where the probe's slice of it would not.
+            try:
+                provider.jacobian(model, x_full, **options)
+            except Exception as whole:
+                raise whole from exc
         raise
     if not isinstance(j, Jacobian):
         raise TypeError(f"provider {provider.name!r} returned {type(j).__name__}, "
@@ -384,7 +396,7 @@ def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, 
         return cached, None
     probe = call(x1[0:min(int(x1.shape[0]), PROBE_SAMPLES), ...])
     cached = (probe.nbytes / probe.num_samples, block_shapes(probe), probe.num_outputs,
-              itemsize(probe.xp, probe.dtype))
+              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / probe.num_samples)
     if key is not None:
         _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
     return cached, probe
@@ -420,8 +432,36 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     one_grad = _check_checkpoint(checkpoint, x1, x2, provider)
     cached, probe = _probe(provider, model, call, x1, pseudo, params)
     per_sample = cached[0]
-    _check_budget(budget, cached, n1, n2, x2 is not None, mode, layerwise, dtype, xp)
+    cross = x2 is not None
+    if _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] > budget:
+        chunkable = not one_grad and "outputs" in provider.capabilities and \
+            mode.output_chunks and cached[2] > 1
+        k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp) \
+            if chunkable else None
+        if k is None:  # raises, quoting the smallest budget (of one output at a time if any)
+            _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
+                          cross, mode, layerwise, dtype, xp)
+            raise AssertionError("unreachable: _check_budget raised")
+        return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
+                                 batch_size, mode, layerwise, dtype, progress, xp, check_finite)
     # The budget suffices; from here on, a planner that finds its share too small raises.
+    box, probe = [probe], None  # the only reference: freed once used (_held_or_streamed)
+    return _held_or_streamed(call, call2, box, per_sample, budget, one_grad, provider, model,
+                             x1, x2, mode, layerwise, pseudo, params, dtype, batch_size,
+                             checkpoint, progress, xp, check_finite)
+
+
+def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
+                      box: list[Jacobian | None], per_sample: float, budget: Budget,
+                      one_grad: bool, provider: Any, model: Any, x1: Any, x2: Any, mode: Mode,
+                      layerwise: bool, pseudo: bool, params: Any, dtype: Any, batch_size: Any,
+                      checkpoint: Any, progress: Any, xp: Any, check_finite: bool) -> Array:
+    """The kernel of a budget that suffices: the provider's checkpointed kernel (one side
+    requiring grad), all factors held, or :func:`_streamed` (see :func:`_kernel`).  ``box``
+    holds the probe's Jacobian (or None), its only reference."""
+    probe = box.pop()
+    n1 = int(x1.shape[0])
+    n2 = n1 if x2 is None else int(x2.shape[0])
     checkpointed = provider.capabilities.get("checkpointed_ntk")
     try:
         if one_grad and checkpointed is not None and (checkpoint is True or (
@@ -429,6 +469,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                 > budget / 4)):
             # One side requires grad and the other is large: the provider's checkpointed
             # target factors (torch: ntkcore.backends.torch_kip), loaded lazily.
+            probe = None
             try:
                 return checkpointed()(model, x1, x2, mode=mode, layerwise=layerwise,
                                       pseudo=pseudo, params=params, max_memory=budget,
@@ -468,7 +509,20 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     either ``M >= 2 F`` (``F``: all factors) or ``M >= 4 m b`` (blocks of ``m`` samples of
     ``b`` bytes each).
     """
-    per_sample, shapes, o, item = cached
+    need, g, per_sample = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)
+    if budget < need:
+        raise BudgetTooSmallError(
+            f"{budget.given} ({budget} bytes) is too small for the smallest useful tile "
+            f"of this kernel ({useful_tile(n1)} x {useful_tile(n2)} "
+            f"samples: {per_sample:.0f} bytes of Jacobian factors per sample, {g} bytes to "
+            f"contract the tile): pass max_memory >= {need} bytes", budget, need)
+
+
+def _budget_need(cached: tuple[Any, ...], n1: int, n2: int, cross: bool, mode: str,
+                 layerwise: bool, dtype: Any, xp: Any) -> tuple[int, int, float]:
+    """``(M, g, b)``: the smallest budget :func:`_check_budget` accepts for the probe's facts
+    ``cached``, the contraction's need ``g`` and the factor bytes per sample ``b``."""
+    per_sample, shapes, o, item = cached[:4]
     if dtype is not None:
         try:
             resolved = getattr(xp, dtype) if isinstance(dtype, str) else dtype
@@ -479,13 +533,89 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
                    itemsize=item)
     m = max(useful_tile(n1), useful_tile(n2))
     factors = per_sample * (n1 + (n2 if cross else 0))
-    need = max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample)))
-    if budget < need:
-        raise BudgetTooSmallError(
-            f"{budget.given} ({budget} bytes) is too small for the smallest useful tile "
-            f"of this kernel ({useful_tile(n1)} x {useful_tile(n2)} "
-            f"samples: {per_sample:.0f} bytes of Jacobian factors per sample, {g} bytes to "
-            f"contract the tile): pass max_memory >= {need} bytes", budget, need)
+    return max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample))), g, per_sample
+
+
+def _chunk_facts(cached: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+    """The probe's facts for a Jacobian of ``k`` of its O outputs: the factors without an
+    output axis whole, the rest scaled by ``k / O``."""
+    per_sample, shapes, o, item, shared = cached
+    return (shared + (per_sample - shared) * k / o, shapes, k, item, shared)
+
+
+def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
+                  mode: Mode, layerwise: bool, dtype: Any, xp: Any) -> int | None:
+    r"""Outputs per chunk for a kernel whose factors of all O outputs do not fit ``budget``,
+    or None (one output does not fit either, or ``mode`` is not a sum or a concatenation
+    over outputs: full mode pairs every output with every other).
+
+    The trace and diagonal kernels are made of the outputs one at a time,
+
+    .. math:: \Theta_{trace} = \sum_{c} \sum_{o \in c} J_o J_o'^T, \qquad
+              \Theta_{diag}[:, :, c] = (J_o J_o'^T)_{o \in c},
+
+    and a Jacobian of the outputs of chunk ``c`` (``k`` backward passes) holds the
+    Kronecker factors ``a`` whole and the output-gradient factors ``g`` and dense rows
+    for ``k`` outputs only: ``b_k = b_a + (b - b_a) k / O`` bytes per sample.  Of the ``k``
+    whose ``b_k`` passes :func:`_check_budget` (one per chunk count, ``k = ceil(O / c)``),
+    the one computing the fewest sample passes is taken: ``ceil(O / k)`` chunks, each
+    computing :func:`_samples_computed` sample Jacobians of a forward and ``k`` backward
+    passes (a backward counted as two forwards).  Few chunks save forward passes and the
+    repeated input-factor Grams ``a a'^T``; chunks small enough for all samples' factors to
+    be held save the recomputation of sample blocks."""
+    o = cached[2]
+    if not mode.output_chunks or o < 2:
+        return None
+    best: tuple[float, int] | None = None
+    for c in range(1, o + 1):  # chunk counts; each k = ceil(O / c) once
+        k = -(-o // c)
+        if c > 1 and k == -(-o // (c - 1)):
+            continue
+        facts = _chunk_facts(cached, k)
+        if _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)[0] > budget:
+            continue
+        cost = -(-o // k) * _samples_computed(facts[0], budget, n1, n2, cross) * (1 + 2 * k)
+        if best is None or cost < best[0]:
+            best = (cost, k)
+    return None if best is None else best[1]
+
+
+def _samples_computed(per_sample: float, budget: Budget, n1: int, n2: int,
+                      cross: bool) -> float:
+    """Sample Jacobians a kernel computes: each sample once when all factors are held
+    (``F <= M / 2``); else, in blocks of ``m = (M / 4) / b`` samples (:func:`_streamed`), the
+    row blocks once and the column blocks once per row block (on and above the diagonal of
+    a self-kernel)."""
+    if per_sample * (n1 + (n2 if cross else 0)) <= budget / 2:
+        return n1 + (n2 if cross else 0)
+    m = max(1, int(budget / 4 // max(1.0, per_sample)))
+    rows = -(-n1 // m)
+    if cross:
+        return n1 + rows * n2
+    return n1 + (rows - 1) * n1 / 2
+
+
+def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any, x1: Any,
+                      x2: Any, options: dict[str, Any], budget: Budget, batch_size: Any,
+                      mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
+                      check_finite: bool) -> Array:
+    """The kernel from the provider's Jacobians of ``k`` outputs at a time
+    (:func:`_output_chunk`): each chunk's kernel as :func:`_kernel` computes a kernel whose
+    factors fit (held or streamed), joined by ``mode.join_output_chunks`` (trace: summed;
+    diagonal: concatenated along the output axis).  ``progress`` is reported per chunk."""
+    o, parts = cached[2], []
+    per_sample = _chunk_facts(cached, k)[0]
+    for c0 in range(0, o, k):
+        opts = {**options, "outputs": (c0, min(o, c0 + k))}
+        call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
+        call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
+                                                          x2, x1, opts)
+        parts.append(_held_or_streamed(call, call2, [None], per_sample, budget, False, provider,
+                                       model, x1, x2, mode, layerwise, False, None, dtype,
+                                       batch_size, False, progress, xp, check_finite))
+        if mode.sums_outputs and len(parts) == 2:  # a running sum: two kernels alive at most
+            parts = [mode.join_output_chunks(xp, parts)]
+    return mode.join_output_chunks(xp, parts)
 
 
 def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian], x1: Any,

@@ -603,6 +603,14 @@ class Jacobian:
                    for b in self.blocks for a in b.arrays())
 
     @property
+    def shared_nbytes(self) -> int:
+        """Bytes of the factors without an output axis (the Kronecker blocks' ``a``): the part
+        of :attr:`nbytes` that a Jacobian of fewer outputs keeps whole; the rest scales with
+        :attr:`num_outputs`."""
+        return sum(math.prod(b.a.shape) * itemsize(self._xp, b.a.dtype)
+                   for b in self.blocks if isinstance(b, KroneckerBlock))
+
+    @property
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(b.num_params for b in self.blocks)
 

@@ -60,6 +60,14 @@ class Mode(str):
     kernel: ClassVar[bool] = True
     #: Whether the model's outputs are contracted first (the pseudo-NTK).
     pseudo: ClassVar[bool] = False
+    #: Whether the kernel is joined from kernels of chunks of the outputs
+    #: (:meth:`join_output_chunks`): the factors of a few outputs at a time then suffice.
+    output_chunks: ClassVar[bool] = False
+
+    def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
+        """The kernel from the kernels of consecutive chunks of the outputs."""
+        raise ValueError(f"mode {self!r} pairs every output with every other: its kernel is "
+                         "not joined from chunks of the outputs")
 
     def feature_jacobian(self, j: Any) -> Any:
         """The Jacobian whose rows :func:`ntkcore.features` projects in this mode: ``j``
@@ -299,6 +307,14 @@ class TraceMode(Mode):
     sums_outputs = True
     tile_is_kernel = True
     matrix_diagonal_mode = "trace"
+    output_chunks = True
+
+    def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
+        # sum_o over all outputs = sum over chunks of sum_o within the chunk
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def feature_jacobian(self, j: Any) -> Any:
         return j.merged_outputs()
@@ -340,6 +356,11 @@ class DiagonalMode(Mode):
     name = "diagonal"
     tail_axes = (2,)
     input_copies = 2
+    output_chunks = True
+
+    def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
+        # the output axis is last, with and without a leading layer axis
+        return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-1)
 
     def dense(self, xp: Any, j1: Array, j2: Array, same: bool) -> Array:
         # O batched GEMMs (O, r, P) @ (O, P, c) -> (O, r, c) -> (r, c, O)

@@ -42,7 +42,11 @@ class Provider:
         What the provider offers beyond the Jacobian, each a loader like ``load``.  Known
         capability: ``"checkpointed_ntk"``, loading ``f(model, x1, x2, *, mode, layerwise,
         pseudo, params, max_memory, dtype, batch_size) -> kernel`` for one input requiring
-        grad (used by :func:`ntkcore.ntk`'s ``checkpoint`` option).
+        grad (used by :func:`ntkcore.ntk`'s ``checkpoint`` option); ``"outputs"``, loading
+        ``jacobian(model, x, *, outputs=(start, stop), **options)``, the Jacobian of the
+        flattened outputs ``start:stop`` only (used by :func:`ntkcore.ntk` to compute trace
+        and diagonal kernels in output chunks when the factors of all outputs exceed the
+        budget).
     """
 
     name: str
@@ -132,7 +136,8 @@ def _is_mlp(model: Any) -> bool:
 
 register_provider(
     "torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"),
-    capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk")})
+    capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk"),
+                  "outputs": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
 register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.

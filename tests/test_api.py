@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -370,3 +371,105 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     assert not alive[-1]  # the last contraction (the only one when held) runs without it
     ref = ref_kernel(m, x, None, "trace")
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
+
+
+class _ConvNet(nn.Module):
+    """Convolutions and a Linear head (Kronecker blocks) and a LayerNorm (a dense block):
+    10 outputs, whose output-gradient factors dominate the factor bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 8, 3, stride=2),
+                                  nn.Tanh(), nn.Flatten(), nn.LayerNorm(8 * 6 * 6),
+                                  nn.Linear(8 * 6 * 6, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_torch_jacobian_of_an_output_range():
+    """``outputs=(start, stop)`` gives the Jacobian of those flattened outputs only: the rows
+    of the whole Jacobian, whose products equal the dense autograd Jacobian's, with the input
+    factors whole and the rest cut."""
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    torch.manual_seed(0)
+    m = _ConvNet().to(DT)
+    x = torch.randn(3, 3, 16, 16, dtype=DT)
+    ref = ref_jac(m, x)  # (N, O, P)
+    whole = jacobian(m, x)
+    for start, stop in [(0, 10), (2, 5), (9, 10)]:
+        j = jacobian(m, x, outputs=(start, stop))
+        assert j.num_outputs == stop - start
+        jd = j.to_dense()  # (N, O', P) in the block layout (bias columns interleaved)
+        assert rel(jd, whole.to_dense()[:, start:stop]) <= 1e-14  # other batch shapes: rounding
+        gram_ref = torch.einsum("nok,mpk->nomp", ref[:, start:stop], ref[:, start:stop])
+        assert rel(torch.einsum("nok,mpk->nomp", jd, jd), gram_ref) <= 1e-14
+        assert j.shared_nbytes == whole.shared_nbytes > 0
+        assert j.nbytes - j.shared_nbytes < whole.nbytes - whole.shared_nbytes or stop == 10
+    for bad, match in [((3, 3), "0 <= start < stop"), ((0, 11), "beyond the model's 10"),
+                       ([0, 2], "pair of ints"), ((0.0, 2), "pair of ints")]:
+        with pytest.raises(ValueError, match=match):
+            jacobian(m, x, outputs=bad)
+    with pytest.raises(ValueError, match="pseudo"):
+        jacobian(m, x, outputs=(0, 2), pseudo=True)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("mode", ["trace", "diagonal"])
+def test_output_chunks_when_the_factors_of_all_outputs_do_not_fit(monkeypatch, mode, cross):
+    """A budget too small for the factors of all 10 outputs (refused before) computes the
+    trace / diagonal kernel from Jacobians of a few outputs at a time, as the float64
+    reference gives it; the smallest such budget is the one quoted by the error below it;
+    full mode, which pairs all outputs, is still refused."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    torch.manual_seed(1)
+    m = _ConvNet().to(DT)
+    x1 = torch.randn(12, 3, 16, 16, dtype=DT)
+    x2 = torch.randn(5, 3, 16, 16, dtype=DT) if cross else None
+    ref = ref_kernel(m, x1, x2, mode)
+    tol = kernel_tol(DT, ref_jac(m, x1[:1]).shape[-1]) * ref.abs().max()
+    with pytest.raises(ntkcore.BudgetTooSmallError) as full:
+        ntkcore.ntk(m, x1, x2, mode="full", max_memory=1000)
+    with pytest.raises(ntkcore.BudgetTooSmallError) as info:
+        ntkcore.ntk(m, x1, x2, mode=mode, max_memory=1000)
+    least = info.value.needed
+    assert least < full.value.needed
+    with pytest.raises(ntkcore.BudgetTooSmallError, match=f"max_memory >= {least} bytes"):
+        ntkcore.ntk(m, x1, x2, mode=mode, max_memory=least - 1)
+    with pytest.raises(ntkcore.BudgetTooSmallError):
+        ntkcore.ntk(m, x1, x2, mode="full", max_memory=least)
+    seen = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, x):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, x)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    for budget in (least, 2 * least):
+        seen.clear()
+        k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=budget)
+        assert k.shape == ref.shape
+        assert (k - ref).abs().max() <= tol
+        chunks = sorted({c for c in seen if c is not None})
+        assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == 10
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))  # a partition of 0:10
+    # a budget for all outputs at once: no chunks
+    seen.clear()
+    ntkcore.ntk(m, x1, x2, mode=mode, max_memory=full.value.needed)
+    assert set(seen) == {None}
+
+
+def test_full_mode_is_not_joined_from_output_chunks():
+    from ntkcore.modes import check_mode
+
+    assert not check_mode("full").output_chunks
+    with pytest.raises(ValueError, match="pairs every output"):
+        check_mode("full").join_output_chunks(np, [np.zeros((2, 2, 3, 3))])
+    parts = [np.ones((2, 3, 1)), 2 * np.ones((2, 3, 2))]
+    assert check_mode("diagonal").join_output_chunks(np, parts).shape == (2, 3, 3)
+    assert np.all(check_mode("trace").join_output_chunks(np, [np.ones(2), np.ones(2)]) == 2)

@@ -123,7 +123,8 @@ def test_toy_rules_in_features_and_sketches(rules, dense_calls):
     k_ref = torch.einsum("nok,mok->nm", *[dense_reference(reference(model, x))] * 2)
     # features of the model are those of its Jacobian, and estimate the trace kernel
     phi = torch.as_tensor(ntkcore.features(model, x, dim=4000, seed=3))
-    assert torch.equal(phi, torch.as_tensor(ntkcore.features(j, dim=4000, seed=3)))
+    # (the model's in provider calls of 1 + 4 samples: the factors round as another batch's)
+    assert rel(phi, torch.as_tensor(ntkcore.features(j, dim=4000, seed=3))) < 1e-12
     assert rel(phi @ phi.T, k_ref) < 0.2
     # a sketch keeping every parameter is exact; a smaller one estimates the kernel
     full = sketch_jacobian(j, j.num_params, method="uniform", replace=False, seed=0)
