@@ -17,8 +17,9 @@ from ntkcore._memory import parse_memory
 MODELS = list(rm.MODELS)
 N_REF = 3  # samples of the float64 reference (``Error``)
 JAC_LIMIT = 2e9  # torch.func is timed only where its N x O x P Jacobian takes at most this
-#: ViT-S/16 and ResNet-50 refuse 2 GB at N >= 8 (an 8 x 8 tile needs 5.44 and 8.54 GB)
-FULL_BUDGET = {"bert_base": "2GB", "vit_s16": "6GB", "resnet50": "9GB"}
+#: ``max_memory`` of the full-size models (ViT-S/16 and ResNet-50 in output chunks where the
+#: factors of their 10 outputs do not fit)
+FULL_BUDGET = "6GB"
 
 
 def sizes(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> list[int]:
@@ -216,46 +217,171 @@ class Error:
 
 
 class FullSize:
-    """Full-size models under ``max_memory`` = :data:`FULL_BUDGET`; opt-in: NTKCORE_BENCH_LARGE=1.
+    """Full-size models (``rm.FULL_MODELS``) under ``max_memory`` = :data:`FULL_BUDGET`; opt-in:
+    NTKCORE_BENCH_LARGE=1; the N measured: NTKCORE_BENCH_FULL_N (default "8,32,128").
 
-    Skipped where the budget is over ``NTKCORE_BENCH_MAX_MEMORY`` (default: half the free memory).
+    Each case is measured once (:func:`full_size_case`, minutes per call): the track functions
+    read the numbers of that one call.  Skipped where the budget is over
+    ``NTKCORE_BENCH_MAX_MEMORY`` (default: half the free memory).
     """
 
-    params = (["bert_base", "vit_s16", "resnet50"], [8, 32, 128])
+    params = (list(rm.FULL_MODELS), [8, 32, 128])
     param_names = ("model", "N")
     number, repeat, warmup_time, rounds = 1, 1, 0, 1
-    timeout = 1800
+    timeout = 3600
 
     def setup(self, model: str, n: int) -> None:
         import psutil
 
         if os.environ.get("NTKCORE_BENCH_LARGE") != "1":
             raise NotImplementedError("set NTKCORE_BENCH_LARGE=1")
+        wanted = os.environ.get("NTKCORE_BENCH_FULL_N", "8,32,128").split(",")
+        if str(n) not in wanted:
+            raise NotImplementedError(f"N={n} is not in NTKCORE_BENCH_FULL_N")
         cap = os.environ.get("NTKCORE_BENCH_MAX_MEMORY", psutil.virtual_memory().available / 2)
-        self.budget = parse_memory(FULL_BUDGET[model])
-        if self.budget > parse_memory(cap):
-            raise NotImplementedError(f"max_memory {FULL_BUDGET[model]} is over {cap}")
-        self.m, self.x = _setup(model, "full", n)
-        self.ntk = _ntk(self.m, self.x, self.budget)
+        if parse_memory(FULL_BUDGET) > parse_memory(cap):
+            raise NotImplementedError(f"max_memory {FULL_BUDGET} is over {cap}")
+        self.case = full_size_case(model, n)
 
-    def track_time_per_entry(self, model: str, n: int) -> float:
-        """Seconds of one call over its N^2 kernel entries."""
-        t0 = time.perf_counter()
-        self.ntk()
-        return (time.perf_counter() - t0) / n**2
+    def track_time_per_entry(self, *_: Any) -> float:
+        """Seconds of one call over its N^2 kernel entries (the probe, paid once per model
+        and input signature, not included: ``probe_s``)."""
+        return self.case["time_s"] / self.case["n"] ** 2
     track_time_per_entry.unit = "seconds"  # type: ignore[attr-defined]
 
     def track_bound_share(self, *_: Any) -> float:
-        return bound_share(self.ntk, self.m, self.x, self.budget, batched=False)
+        """The bound (:func:`bound_terms`: the floor, in sample batches of at most 16, plus
+        the least Gram flops at the GEMM rate) over the call's time."""
+        return self.case["share"]
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
 
     def track_memory_over_budget(self, *_: Any) -> float:
-        """Working memory over ``max_memory`` (at most about 1 when the budget holds)."""
-        return working_memory(self.ntk) / self.budget
+        """Working memory of the call over ``max_memory`` (at most about 1 when it holds)."""
+        return self.case["memory"] / parse_memory(FULL_BUDGET)
     track_memory_over_budget.unit = "share"  # type: ignore[attr-defined]
 
-    def track_dense_jacobian_bytes(self, model: str, n: int) -> float:
-        """N O P x 4 bytes: torch.func's float32 Jacobian."""
-        p = sum(q.numel() for q in self.m.parameters())
-        return float(n * rm.num_outputs(model, "full") * p * 4)
+    def track_dense_jacobian_bytes(self, *_: Any) -> float:
+        """N O P x 4 bytes: torch.func's float32 Jacobian (over the budget in every case)."""
+        return self.case["dense_jacobian_bytes"]
     track_dense_jacobian_bytes.unit = "bytes"  # type: ignore[attr-defined]
+
+    def track_output_chunks(self, *_: Any) -> float:
+        """Output chunks of the call (1: all outputs at once)."""
+        return self.case["chunks"]
+    track_output_chunks.unit = "chunks"  # type: ignore[attr-defined]
+
+
+def full_size_case(model: str, n: int) -> dict[str, Any]:
+    """One measured ntkcore call on a full-size model, and its bound, remembered for the
+    benchmark processes of one asv run (a JSON file named after the parent process).
+
+    In order: the probe (a one-sample kernel, timed as ``probe_s``), then the call with the
+    resident set's high-water mark reset (its working memory, as
+    :func:`benchmarks.common.working_memory` reads it, without the warm-up), the floor
+    (:func:`backward_floor` over sample batches of at most 16, after one warm-up batch), a
+    GEMM (median of 3) and the least Gram flops (:func:`least_gram_flops`)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import ntkcore
+
+    path = Path(tempfile.gettempdir()) / f"ntkcore-fullsize-{os.getppid()}-{model}-{n}.json"
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    budget = parse_memory(FULL_BUDGET)
+    m, x = _setup(model, "full", n)
+    chunks: list[Any] = []
+    t0 = time.perf_counter()
+    ntkcore.ntk(m, x[:1], mode="trace", max_memory=budget)
+    probe_s = time.perf_counter() - t0
+    from ntkcore import _api
+
+    real = _api.provider_call
+
+    def counting(*args: Any) -> Any:
+        chunks.append(args[5].get("outputs"))
+        return real(*args)
+
+    _api.provider_call = counting
+    try:
+        k, memory, time_s = _measured(lambda: ntkcore.ntk(m, x, mode="trace", max_memory=budget))
+    finally:
+        _api.provider_call = real
+    del k
+    floor_s = 0.0
+    for i in range(0, n, 16):
+        f = backward_floor(m, x[i:i + 16])
+        if i == 0:
+            f()  # warm-up
+        t1 = time.perf_counter()
+        f()
+        floor_s += time.perf_counter() - t1
+    g, g_flops = gemm("torch")
+    rate = g_flops / sorted(_timed(g) for _ in range(3))[1]
+    flops = least_gram_flops(m, x)
+    o = rm.num_outputs(model, "full")
+    case = {"model": model, "n": n, "time_s": time_s, "probe_s": probe_s, "memory": memory,
+            "floor_s": floor_s, "gemm_rate": rate, "gram_flops": flops,
+            **bound_terms(floor_s, flops, rate, time_s),
+            "chunks": max(1, len({c for c in chunks if c is not None})),
+            "dense_jacobian_bytes": float(n * o * sum(q.numel() for q in m.parameters()) * 4)}
+    path.write_text(json.dumps(case))
+    return case
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _measured(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``(fn(), working memory in bytes, seconds)``: the resident set's growth over the call
+    (Linux: ``VmHWM`` reset through ``clear_refs``; glibc's mmap threshold at 64 KiB)."""
+    import ctypes
+
+    from benchmarks.common import _status
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return out, float(_status("VmHWM") - before), seconds
+
+
+def least_gram_flops(m: Any, x: Any) -> float:
+    """``plan_gram(J, mode="trace").flops`` for ``x``'s N samples with all factors held (no
+    budget), planned on the provider's one-sample Jacobian broadcast to N samples (views:
+    the planner reads shapes, and the indices of embeddings, which are the real ones): the
+    Gram of the bound, without the N-sample factors (gigabytes at full size).  Checked
+    against the plan of the real N-sample Jacobian in ``tests/test_real_models.py``."""
+    import torch
+
+    import ntkcore
+    from ntkcore.backends.torch_jacobian import jacobian
+    from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+
+    n = int(x.shape[0])
+    j = jacobian(m, x[:1])
+    index = [i for i, b in enumerate(j.blocks) if isinstance(b, KroneckerBlock)
+             and b.one_hot is not None]
+    # index blocks (embeddings): the real indices of all N samples, whose coincidences the
+    # planner prices; from one-output Jacobians of batches of 8 (the indices are small)
+    ids: dict[int, list[Any]] = {i: [] for i in index}
+    for s in range(0, n, 8) if index else ():
+        part = jacobian(m, x[s:s + 8], outputs=(0, 1))
+        for i in index:
+            ids[i].append(part.blocks[i].a)
+        del part
+
+    def wide(t: Any) -> Any:
+        return t.expand(n, *t.shape[1:])
+
+    blocks = [b.with_arrays(torch.cat(ids[i]) if i in ids else wide(b.a), wide(b.g))
+              if isinstance(b, KroneckerBlock) else DenseBlock(wide(b.jac), b.name)
+              for i, b in enumerate(j.blocks)]
+    return float(ntkcore.plan_gram(Jacobian(blocks), mode="trace", max_memory=2**62).flops)
