@@ -275,9 +275,8 @@ def full_size_case(model: str, n: int) -> dict[str, Any]:
     """One measured ntkcore call on a full-size model, and its bound, remembered for the
     benchmark processes of one asv run (a JSON file named after the parent process).
 
-    In order: the probe (a one-sample kernel, timed as ``probe_s``), then the call with the
-    resident set's high-water mark reset (its working memory, as
-    :func:`benchmarks.common.working_memory` reads it, without the warm-up), the floor
+    In order: the probe (a one-sample kernel, timed as ``probe_s``), the timed call (and its
+    output chunks), the call again for its working memory (:func:`_working_memory`), the floor
     (:func:`backward_floor` over sample batches of at most 16, after one warm-up batch), a
     GEMM (median of 3) and the least Gram flops (:func:`least_gram_flops`)."""
     import json
@@ -303,12 +302,15 @@ def full_size_case(model: str, n: int) -> dict[str, Any]:
         chunks.append(args[5].get("outputs"))
         return real(*args)
 
+    def call() -> Any:
+        return ntkcore.ntk(m, x, mode="trace", max_memory=budget)
+
     _api.provider_call = counting
     try:
-        k, memory, time_s = _measured(lambda: ntkcore.ntk(m, x, mode="trace", max_memory=budget))
+        time_s = _timed(call)
     finally:
         _api.provider_call = real
-    del k
+    memory = _working_memory(call)  # a second call: glibc's settings slow the allocations
     floor_s = 0.0
     for i in range(0, n, 16):
         f = backward_floor(m, x[i:i + 16])
@@ -336,9 +338,10 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _measured(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``(fn(), working memory in bytes, seconds)``: the resident set's growth over the call
-    (Linux: ``VmHWM`` reset through ``clear_refs``; glibc's mmap threshold at 64 KiB)."""
+def _working_memory(fn: Callable[[], Any]) -> float:
+    """Bytes by which the resident set grows during ``fn()``: as
+    :func:`benchmarks.common.working_memory` (glibc's mmap threshold at 64 KiB, ``VmHWM``
+    reset), without its warm-up call (the timed call was one)."""
     import ctypes
 
     from benchmarks.common import _status
@@ -347,10 +350,10 @@ def _measured(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    t0 = time.perf_counter()
     out = fn()
-    seconds = time.perf_counter() - t0
-    return out, float(_status("VmHWM") - before), seconds
+    peak = _status("VmHWM") - before
+    del out
+    return float(peak)
 
 
 def least_gram_flops(m: Any, x: Any) -> float:
