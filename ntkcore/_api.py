@@ -27,7 +27,7 @@ from ._typing import Array
 from ._validation import FiniteFlags, first_nonfinite, namespace_of
 from ._validation import check_finite as _check_finite_array
 from .errors import BudgetTooSmallError
-from .gram import block_shapes, gram, min_budget, useful_tile
+from .gram import block_shapes, cheapest_flops, gram, min_budget, useful_tile
 from .jacobian import Jacobian
 from .modes import Mode, check_mode
 from .providers import find_provider
@@ -410,7 +410,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     provider call on ``k`` samples is taken to need ``3 k b``.  If the factors of all samples
     fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
     otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
-    factors.  Stacking drops each batch once stacked and the probe is released once copied,
+    factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).  Stacking drops each batch once stacked and the probe is released once copied,
     so nothing outside the charged figures stays alive (the kernel itself is not counted).
     A budget too small for a useful tile raises :class:`ntkcore.BudgetTooSmallError` right
     after the probe (:func:`_check_budget`)."""
@@ -433,15 +433,16 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     cached, probe = _probe(provider, model, call, x1, pseudo, params)
     per_sample = cached[0]
     cross = x2 is not None
-    if _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] > budget:
-        chunkable = not one_grad and "outputs" in provider.capabilities and \
-            mode.output_chunks and cached[2] > 1
-        k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp) \
-            if chunkable else None
-        if k is None:  # raises, quoting the smallest budget (of one output at a time if any)
-            _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
-                          cross, mode, layerwise, dtype, xp)
-            raise AssertionError("unreachable: _check_budget raised")
+    held = per_sample * (n1 + (n2 if cross else 0)) <= budget / 2 and \
+        _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
+    chunkable = not held and not one_grad and "outputs" in provider.capabilities and \
+        mode.output_chunks and cached[2] > 1
+    k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp) \
+        if chunkable else None
+    if k is None:  # raises, quoting the smallest budget (of one output at a time if any)
+        _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
+                      cross, mode, layerwise, dtype, xp)
+    elif k < cached[2]:  # output chunks cost fewer passes than streamed sample blocks
         return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
                                  batch_size, mode, layerwise, dtype, progress, xp, check_finite)
     # The budget suffices; from here on, a planner that finds its share too small raises.
@@ -545,9 +546,10 @@ def _chunk_facts(cached: tuple[Any, ...], k: int) -> tuple[Any, ...]:
 
 def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
                   mode: Mode, layerwise: bool, dtype: Any, xp: Any) -> int | None:
-    r"""Outputs per chunk for a kernel whose factors of all O outputs do not fit ``budget``,
-    or None (one output does not fit either, or ``mode`` is not a sum or a concatenation
-    over outputs: full mode pairs every output with every other).
+    r"""Outputs per chunk (O: all at once) for a kernel whose factors of all O outputs are
+    not held within ``budget`` (streamed in sample blocks, or refused), or None (not even
+    one output fits, or ``mode`` is not a sum or a concatenation over outputs: full mode
+    pairs every output with every other).
 
     The trace and diagonal kernels are made of the outputs one at a time,
 
@@ -558,26 +560,48 @@ def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     Kronecker factors ``a`` whole and the output-gradient factors ``g`` and dense rows
     for ``k`` outputs only: ``b_k = b_a + (b - b_a) k / O`` bytes per sample.  Of the ``k``
     whose ``b_k`` passes :func:`_check_budget` (one per chunk count, ``k = ceil(O / c)``),
-    the one computing the fewest sample passes is taken: ``ceil(O / k)`` chunks, each
-    computing :func:`_samples_computed` sample Jacobians of a forward and ``k`` backward
-    passes (a backward counted as two forwards).  Few chunks save forward passes and the
-    repeated input-factor Grams ``a a'^T``; chunks small enough for all samples' factors to
-    be held save the recomputation of sample blocks."""
+    the one of the fewest flops (:func:`_chunks_cost`; ties go to fewer chunks) is taken.
+    Few chunks save forward passes and the repeated input-factor Grams ``a a'^T``; chunks
+    small enough for all samples' factors to be held save the recomputation of sample
+    blocks (:func:`_samples_computed`): BERT-base at N = 32 under 6 GB, streamed in blocks of
+    12 samples (64 sample Jacobians of three passes), takes two chunks of one output held
+    whole (2 x 32 Jacobians of two passes)."""
     o = cached[2]
     if not mode.output_chunks or o < 2:
         return None
     best: tuple[float, int] | None = None
-    for c in range(1, o + 1):  # chunk counts; each k = ceil(O / c) once
+    for c in range(1, o + 1):  # chunk counts (1: all outputs); each k = ceil(O / c) once
         k = -(-o // c)
         if c > 1 and k == -(-o // (c - 1)):
             continue
         facts = _chunk_facts(cached, k)
         if _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)[0] > budget:
             continue
-        cost = -(-o // k) * _samples_computed(facts[0], budget, n1, n2, cross) * (1 + 2 * k)
+        cost = _chunks_cost(cached[1], k, o, _samples_computed(facts[0], budget, n1, n2,
+                                                                cross), n1, n2, mode)
         if best is None or cost < best[0]:
             best = (cost, k)
     return None if best is None else best[1]
+
+
+def _chunks_cost(shapes: tuple[Any, ...], k: int, o: int, samples: float, n1: int, n2: int,
+                 mode: Mode) -> float:
+    r"""Flops of a kernel computed in ``ceil(O / k)`` chunks of ``k`` outputs, each computing
+    ``samples`` sample Jacobians and the Gram of its outputs:
+
+    .. math:: C_k = \lceil O / k \rceil \bigl[s_k F (1 + k) + \textstyle\sum_b G_b(k)\bigr]
+
+    with ``F`` the forward flops of a sample through the parameterised layers (``2 S d_in
+    d_out`` per Kronecker block, ``2 P`` per dense one; a pass of output gradients, which
+    needs input gradients only, costs about as much) and ``G_b(k)`` the cheapest route's
+    flops of block ``b`` on an ``n x n`` tile of ``k`` outputs
+    (:func:`ntkcore.gram.cheapest_flops`, ``n`` the geometric mean of the two sides): the
+    input-factor Grams of the "positions" route are paid once per chunk."""
+    forward = sum(2.0 * sh.num_positions * sh.a_width * sh.d_out if sh.kron
+                  else 2.0 * sh.num_params for sh in shapes)
+    n = max(1, round(math.sqrt(n1 * n2)))
+    gram_flops = sum(cheapest_flops(sh, n, k, mode) for sh in shapes)
+    return -(-o // k) * (samples * forward * (1 + k) + gram_flops)
 
 
 def _samples_computed(per_sample: float, budget: Budget, n1: int, n2: int,
@@ -701,8 +725,11 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
     max_memory : int, float or str, optional
         Working-memory budget in bytes (or ``"1GB"``) for Jacobian factors and contractions,
         the kernel itself aside (docs/reliability.md, "Memory budgets").  Default: a quarter of the
-        device's free memory.  Too small for a tile of ``min(N, 8)`` samples a side: a
-        ``ValueError`` stating the smallest budget that works.
+        device's free memory.  Where the factors of all samples do not fit, the kernel is
+        computed in sample blocks or, in "trace" and "diagonal" mode for providers with the
+        ``"outputs"`` capability (torch), a few outputs at a time, whichever costs fewer
+        flops.  Too small for a tile of ``min(N, 8)`` samples a side: a ``ValueError``
+        stating the smallest budget that works.
     params : optional
         Provider-specific parameter subset (torch: parameter names or tensors).
     progress : None, callable, True or "tqdm"

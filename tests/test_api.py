@@ -365,6 +365,7 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
 
     monkeypatch.setattr(api, "_jacobians", spy_jacobians)
     monkeypatch.setattr(api, "gram", spy_gram)
+    monkeypatch.setattr(api, "_output_chunk", lambda *a: None)  # sample blocks, not outputs
     k = ntkcore.ntk(m, x, mode="trace", max_memory=budget)
     assert probe and alive
     assert (len(alive) == 1) == (path == "held")
@@ -458,10 +459,47 @@ def test_output_chunks_when_the_factors_of_all_outputs_do_not_fit(monkeypatch, m
         chunks = sorted({c for c in seen if c is not None})
         assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == 10
         assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))  # a partition of 0:10
-    # a budget for all outputs at once: no chunks
+    # a budget that holds the factors of all outputs: no chunks
     seen.clear()
-    ntkcore.ntk(m, x1, x2, mode=mode, max_memory=full.value.needed)
+    ntkcore.ntk(m, x1, x2, mode=mode, max_memory=10**9)
     assert set(seen) == {None}
+
+
+def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
+    """A budget that admits all outputs in sample blocks (streamed) but holds one output's
+    factors of every sample: the chunks (fewer sample passes, _samples_computed) are taken,
+    and the kernel is the same."""
+    import sys
+
+    from ntkcore.modes import check_mode
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    torch.manual_seed(2)
+    m = _ConvNet().to(DT)
+    x = torch.randn(24, 3, 16, 16, dtype=DT)
+    ref = ref_kernel(m, x, None, "trace")
+    tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * ref.abs().max()
+    (b, shapes, o, item, shared), _ = api._probe(
+        api.find_provider(m), m, lambda xx: api.find_provider(m).jacobian(m, xx), x, False,
+        None)
+    one = shared + (b - shared) / o
+    budget = api.Budget(int(2.2 * 24 * one))  # one output's factors held, all outputs' not
+    assert b * 24 > budget / 2
+    k = api._output_chunk(budget, (b, shapes, o, item, shared), 24, 24, False,
+                          check_mode("trace"), False, None, None)
+    assert k is not None and k < o
+    seen = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, xx):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, xx)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
+    assert None not in seen and len(set(seen)) == -(-o // k)
+    assert (got - ref).abs().max() <= tol
 
 
 def test_full_mode_is_not_joined_from_output_chunks():
