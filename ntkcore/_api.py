@@ -405,13 +405,14 @@ def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, 
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
             checkpoint: Any = "auto", check_finite: bool = True) -> Array:
-    """:func:`ntk` within the budget ``M``.  A probe on the first samples measures the factor
+    """:func:`ntk` within the budget ``M``.  A probe on the first sample measures the factor
     bytes per sample ``b`` (remembered per model and input signature, :data:`_PER_SAMPLE`); a
     provider call on ``k`` samples is taken to need ``3 k b``.  If the factors of all samples
     fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
     otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
-    factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).  Stacking drops each batch once stacked and the probe is released once copied,
-    so nothing outside the charged figures stays alive (the kernel itself is not counted).
+    factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).
+    Stacking drops each batch once stacked and the probe is released once copied, so
+    nothing outside the charged figures stays alive (the kernel itself is not counted).
     A budget too small for a useful tile raises :class:`ntkcore.BudgetTooSmallError` right
     after the probe (:func:`_check_budget`)."""
     mode = _check_options(mode, layerwise, batch_size, checkpoint, check_finite)
