@@ -511,3 +511,32 @@ def test_full_mode_is_not_joined_from_output_chunks():
     parts = [np.ones((2, 3, 1)), 2 * np.ones((2, 3, 2))]
     assert check_mode("diagonal").join_output_chunks(np, parts).shape == (2, 3, 3)
     assert np.all(check_mode("trace").join_output_chunks(np, [np.ones(2), np.ones(2)]) == 2)
+
+
+@pytest.mark.parametrize("mode", ["trace", "diagonal"])
+def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
+    """Per-layer kernels (leading block axis) joined from output chunks equal those of one
+    call with all outputs (the chunks sum, or concatenate along the last axis)."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    torch.manual_seed(3)
+    m = _ConvNet().to(DT)
+    x = torch.randn(12, 3, 16, 16, dtype=DT)
+    ref = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=10**9)
+    with pytest.raises(ntkcore.BudgetTooSmallError) as info:
+        ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=1000)
+    seen = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, xx):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, xx)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    got = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=info.value.needed)
+    assert len({c for c in seen if c is not None}) > 1
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * \
+        ref.abs().max()
