@@ -374,6 +374,19 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
 
 
+def _spy_output_ranges(monkeypatch, api) -> list:
+    """The ``outputs`` option of every provider call of ``ntk`` from now on (None: all)."""
+    seen: list = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, x):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, x)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    return seen
+
+
 class _ConvNet(nn.Module):
     """Convolutions and a Linear head (Kronecker blocks) and a LayerNorm (a dense block):
     10 outputs, whose output-gradient factors dominate the factor bytes."""
@@ -443,14 +456,7 @@ def test_output_chunks_when_the_factors_of_all_outputs_do_not_fit(monkeypatch, m
         ntkcore.ntk(m, x1, x2, mode=mode, max_memory=least - 1)
     with pytest.raises(ntkcore.BudgetTooSmallError):
         ntkcore.ntk(m, x1, x2, mode="full", max_memory=least)
-    seen = []
-    real = api.provider_call
-
-    def counting(provider, model, name, x_full, x1_, options, x):
-        seen.append(options.get("outputs"))
-        return real(provider, model, name, x_full, x1_, options, x)
-
-    monkeypatch.setattr(api, "provider_call", counting)
+    seen = _spy_output_ranges(monkeypatch, api)
     for budget in (least, 2 * least):
         seen.clear()
         k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=budget)
@@ -489,14 +495,7 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
     k = api._output_chunk(budget, (b, shapes, o, item, shared), 24, 24, False,
                           check_mode("trace"), False, None, None)
     assert k is not None and k < o
-    seen = []
-    real = api.provider_call
-
-    def counting(provider, model, name, x_full, x1_, options, xx):
-        seen.append(options.get("outputs"))
-        return real(provider, model, name, x_full, x1_, options, xx)
-
-    monkeypatch.setattr(api, "provider_call", counting)
+    seen = _spy_output_ranges(monkeypatch, api)
     got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
     assert None not in seen and len(set(seen)) == -(-o // k)
     assert (got - ref).abs().max() <= tol
@@ -527,14 +526,7 @@ def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
     ref = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=10**9)
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=1000)
-    seen = []
-    real = api.provider_call
-
-    def counting(provider, model, name, x_full, x1_, options, xx):
-        seen.append(options.get("outputs"))
-        return real(provider, model, name, x_full, x1_, options, xx)
-
-    monkeypatch.setattr(api, "provider_call", counting)
+    seen = _spy_output_ranges(monkeypatch, api)
     got = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=info.value.needed)
     assert len({c for c in seen if c is not None}) > 1
     assert got.shape == ref.shape
