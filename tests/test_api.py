@@ -416,9 +416,13 @@ def test_torch_jacobian_of_an_output_range():
         j = jacobian(m, x, outputs=(start, stop))
         assert j.num_outputs == stop - start
         jd = j.to_dense()  # (N, O', P) in the block layout (bias columns interleaved)
-        assert rel(jd, whole.to_dense()[:, start:stop]) <= 1e-14  # other batch shapes: rounding
+        # entries are sums over a convolution's positions (at most 14 x 14 x 3 x 3 x 8 terms),
+        # computed in other batch shapes than the whole Jacobian's: rounding, not equality
+        terms = 14 * 14 * 3 * 3 * 8
+        assert rel(jd, whole.to_dense()[:, start:stop]) <= kernel_tol(DT, terms, 2)
         gram_ref = torch.einsum("nok,mpk->nomp", ref[:, start:stop], ref[:, start:stop])
-        assert rel(torch.einsum("nok,mpk->nomp", jd, jd), gram_ref) <= 1e-14
+        assert rel(torch.einsum("nok,mpk->nomp", jd, jd), gram_ref) <= \
+            kernel_tol(DT, jd.shape[-1] + terms, 2)
         assert j.shared_nbytes == whole.shared_nbytes > 0
         assert j.nbytes - j.shared_nbytes < whole.nbytes - whole.shared_nbytes or stop == 10
     for bad, match in [((3, 3), "0 <= start < stop"), ((0, 11), "beyond the model's 10"),
@@ -530,5 +534,8 @@ def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
     got = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=info.value.needed)
     assert len({c for c in seen if c is not None}) > 1
     assert got.shape == ref.shape
-    assert (got - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * \
-        ref.abs().max()
+    tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1])
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+    # and independently: the layers' kernels add up to the dense float64 reference
+    dense = ref_kernel(m, x, None, mode)
+    assert (got.sum(0) - dense).abs().max() <= tol * dense.abs().max()
