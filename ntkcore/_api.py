@@ -434,16 +434,17 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     cached, probe = _probe(provider, model, call, x1, pseudo, params)
     per_sample = cached[0]
     cross = x2 is not None
-    held = per_sample * (n1 + (n2 if cross else 0)) <= budget / 2 and \
-        _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
+    fits = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
+    held = fits and per_sample * (n1 + (n2 if cross else 0)) <= budget / 2
     chunkable = not held and not one_grad and "outputs" in provider.capabilities and \
         mode.output_chunks and cached[2] > 1
     k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp) \
         if chunkable else None
-    if k is None:  # raises, quoting the smallest budget (of one output at a time if any)
+    if k is None and (chunkable or not fits):
+        # raises, quoting the smallest budget (of one output at a time if any)
         _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
                       cross, mode, layerwise, dtype, xp)
-    elif k < cached[2]:  # output chunks cost fewer passes than streamed sample blocks
+    elif k is not None and k < cached[2]:  # chunks cost fewer flops than sample blocks
         return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
                                  batch_size, mode, layerwise, dtype, progress, xp, check_finite)
     # The budget suffices; from here on, a planner that finds its share too small raises.
