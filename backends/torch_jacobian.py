@@ -802,10 +802,11 @@ def _dense_blocks(model: nn.Module, x: torch.Tensor, groups: list[tuple[str, lis
     names = [n for _, ns in groups for n in ns]
     pdict = {k: named[k].detach() for k in names}
     scale = 1.0 / math.sqrt(o)
+    whole = cols == slice(0, o)  # no slicing op in the graph for all outputs
 
     def f(pd: dict[str, torch.Tensor], xn: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, pd, (xn.unsqueeze(0),), strict=False).reshape(-1)
-        return (out.sum() * scale).reshape(1) if pseudo else out[cols]
+        return (out.sum() * scale).reshape(1) if pseudo else out if whole else out[cols]
 
     jf = vmap(jacrev(f), in_dims=(None, 0))
     n = x.shape[0]
@@ -1249,8 +1250,9 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     order, dense_groups, rnames = _block_order(selected, walk.owners, plan)
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if plan.kron or plan.rkron or plan.fcalls:
-        grads = _gradients(model, out.reshape(n, o)[:, cols], plan, found.units, pseudo,
-                           create_graph, backward)
+        out2 = out.reshape(n, o) if outputs is None else out.reshape(n, o)[:, cols]
+        grads = _gradients(model, out2, plan, found.units, pseudo, create_graph, backward)
+        del out2
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
         del grads
     del out, found, plan  # the recorded calls go before the dense pass

@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
+_MISSING = object()
 
 
 class LRUCache(Generic[V]):
@@ -30,9 +31,10 @@ class LRUCache(Generic[V]):
     def get(self, key: Hashable, make: Callable[[], V]) -> V:
         """The entry of ``key``, made by ``make()`` and inserted when missing."""
         with self._lock:
-            if key in self._entries:
+            value = self._entries.get(key, _MISSING)
+            if value is not _MISSING:
                 self._entries.move_to_end(key)
-                return self._entries[key]
+                return value  # type: ignore[return-value]
         value = make()
         with self._lock:
             self._entries[key] = value
