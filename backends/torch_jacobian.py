@@ -44,6 +44,7 @@ from .torch_layers import (
     RecurrentRule,
     Summed,
     cat,
+    dense_is_smaller,
     drop_zero_positions_all,
     recurrent_rule,
     rule_for,
@@ -916,6 +917,7 @@ def jacobian(
     create_graph: bool | None = None,
     backward: str = "auto",
     outputs: tuple[int, int] | None = None,
+    dense_if_smaller: bool = False,
 ) -> Jacobian:
     r"""The per-sample Jacobian of a torch model, with Kronecker structure where it exists.
 
@@ -949,6 +951,15 @@ def jacobian(
         shrinks by O' / O).  How :func:`ntkcore.ntk` computes a trace or diagonal kernel in
         output chunks when the factors of all O outputs do not fit its budget.  Not with
         ``pseudo``.
+    dense_if_smaller : bool
+        Give a linear layer or an ungrouped convolution whose per-sample gradient (N, O, P_b)
+        is no larger than its Kronecker factors (``torch_layers.dense_is_smaller``: shapes
+        only, e.g. a stem convolution over many positions) as that DenseBlock, in the
+        DenseBlock layout ``[weight.flatten(), bias]``, reduced from each backward pass's
+        output gradients while they are in cache (g (N, S, O, d_out) is never stored).  Its
+        Gram then costs no more than the factors' cheapest route; :func:`ntkcore.ntk` asks
+        for this (provider capability ``"dense_if_smaller"``).  Default False: every such
+        layer a KroneckerBlock, as ``SENG`` and the block-structure tests expect.
 
     Returns
     -------
@@ -993,16 +1004,19 @@ def jacobian(
                              f"0 <= start < stop; got {outputs!r}")
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
+    if not isinstance(dense_if_smaller, bool):
+        raise TypeError(f"dense_if_smaller must be True or False; got {dense_if_smaller!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     with provider_pass(model):
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
         check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
-                               walk, outputs=outputs)
+                               walk, outputs=outputs, dense=dense_if_smaller)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
             jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
-                                   backward, walk, tables=jac, outputs=outputs)
+                                   backward, walk, tables=jac, outputs=outputs,
+                                   dense=dense_if_smaller)
         return jac
 
 
@@ -1164,10 +1178,12 @@ def _probe(model: nn.Module, x: torch.Tensor, walk: _Walk, selected: list[str],
 
 
 def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[str, _Unit],
-               pseudo: bool, create_graph: bool, backward: str) -> _Gradients:
+               pseudo: bool, create_graph: bool, backward: str, dense: bool) -> _Gradients:
     """Step 4: the output gradients of every structured call (:func:`_output_grads`): the
     module calls', the recurrent gate pre-activations' (:math:`u = W_{ih} x + b_{ih}` of
-    every layer, direction and call) and the functional calls'."""
+    every layer, direction and call) and the functional calls'.  ``dense``: a module whose
+    per-sample gradient is no larger than its factors (``torch_layers.dense_is_smaller``)
+    has each pass's g reduced to it (:meth:`LayerRule.gradient_sums`)."""
     n, o = out2.shape
     if backward == "auto":  # vmap's per-op batching costs more than a second pass at O = 2
         slow = tuple(t for r in RULES.values() for t in r.unbatched)
@@ -1177,7 +1193,11 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
     targets = []
     for p, calls in plan.kron.items():
         u = units[p]
-        targets += [_Target(c.y, ax, u.module, u.rule, u.rule.reducer(
+        widths = u.rule.factor_widths(u.module, u.has_weight, u.has_bias) if dense else None
+        reducer = u.rule.gradient_sums if widths is not None and dense_is_smaller(
+            *widths, sum(c.y.numel() // (n * widths[1]) for c, _ in calls),
+            1 if pseudo else o) else u.rule.reducer
+        targets += [_Target(c.y, ax, u.module, u.rule, reducer(
             u.module, _front(c.a, ax, create_graph), n, u.has_weight, u.has_bias))
             for c, ax in calls]
     targets += [_Target(r.u, 0, ru.module) for ru in plan.rkron.values()
@@ -1231,7 +1251,8 @@ def _block_order(selected: list[str], owners: dict[str, tuple[str, str]],
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
                      backward: str, walk: _Walk, tables: frozenset[str] | None = None,
-                     outputs: tuple[int, int] | None = None) -> Jacobian | frozenset[str]:
+                     outputs: tuple[int, int] | None = None,
+                     dense: bool = False) -> Jacobian | frozenset[str]:
     """:func:`jacobian` under the model's lock (``walk`` taken under it): find units, record,
     probe, gradients, assemble, then the dense blocks.  With ``tables`` None (the first pass)
     it may return the positional tables (:func:`_shared_tables`) to run it again with."""
@@ -1251,7 +1272,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     blocks: dict[str, DenseBlock | KroneckerBlock] = {}
     if plan.kron or plan.rkron or plan.fcalls:
         out2 = out.reshape(n, o) if outputs is None else out.reshape(n, o)[:, cols]
-        grads = _gradients(model, out2, plan, found.units, pseudo, create_graph, backward)
+        grads = _gradients(model, out2, plan, found.units, pseudo, create_graph, backward,
+                           dense)
         del out2
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
         del grads

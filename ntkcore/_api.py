@@ -280,8 +280,8 @@ def _shape_signature(model: Any) -> Any:
         return None
 
 
-def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
-               params: Any) -> tuple[Any, tuple[Any, ...]] | None:
+def _probe_key(provider: str, model: Any, x: Any, pseudo: bool, params: Any,
+               dense: bool = False) -> tuple[Any, tuple[Any, ...]] | None:
     """``(model, signature)``: where :data:`_PER_SAMPLE` keeps this call's probe, or ``None``
     when it cannot (a model not weakly referenceable or not hashable)."""
     if params is None:
@@ -294,7 +294,7 @@ def _probe_key(provider: str, model: Any, x: Any, pseudo: bool,
         except TypeError:
             return None
     signature = (provider, tuple(x.shape[1:]), str(x.dtype), str(array_api_compat.device(x)),
-                 pseudo, pkey, _shape_signature(model))
+                 pseudo, pkey, _shape_signature(model), dense)
     try:
         weakref.ref(model)
         hash((model, signature))
@@ -351,6 +351,8 @@ def provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
     try:
         if "outputs" in options:  # an output chunk (_output_chunk): the capability's function
             j = provider.capabilities["outputs"]()(model, x, **options)
+        elif "dense_if_smaller" in options:
+            j = provider.capabilities["dense_if_smaller"]()(model, x, **options)
         else:
             j = provider.jacobian(model, x, **options)
     except Exception as exc:
@@ -386,11 +388,11 @@ def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
 
 
 def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, pseudo: bool,
-           params: Any) -> tuple[tuple[Any, ...], Jacobian | None]:
+           params: Any, dense: bool = False) -> tuple[tuple[Any, ...], Jacobian | None]:
     """``(facts, probe)``: factor bytes per sample, block shapes, O and item size of the
     model on ``x1``'s leading samples (remembered per model and input signature,
     :data:`_PER_SAMPLE`), and the probe's Jacobian when it was computed now."""
-    key = _probe_key(provider.name, model, x1, pseudo, params)
+    key = _probe_key(provider.name, model, x1, pseudo, params, dense)
     cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
     if cached is not None:
         return cached, None
@@ -425,13 +427,19 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         check_model_finite(model)
     budget = resolve_budget(max_memory, backend, array_api_compat.device(x1))
     options: dict[str, Any] = {"params": params, **({"pseudo": True} if pseudo else {})}
+    if "dense_if_smaller" in provider.capabilities and (
+            x2 is None or tuple(x2.shape[1:]) == tuple(x1.shape[1:])):
+        # the same sample shape on both sides: the same blocks dense (shapes decide), which a
+        # cross kernel needs; the kernel is the same, cheaper and with fewer bytes
+        options["dense_if_smaller"] = True
     call = functools.partial(provider_call, provider, model, "x1", x1, x1, options)
     call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
                                                       x2, x1, options)
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
     one_grad = _check_checkpoint(checkpoint, x1, x2, provider)
-    cached, probe = _probe(provider, model, call, x1, pseudo, params)
+    cached, probe = _probe(provider, model, call, x1, pseudo, params,
+                           bool(options.get("dense_if_smaller")))
     per_sample = cached[0]
     cross = x2 is not None
     fits = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
@@ -731,7 +739,9 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         computed in sample blocks or, in "trace" and "diagonal" mode for providers with the
         ``"outputs"`` capability (torch), a few outputs at a time, whichever costs fewer
         flops.  Too small for a tile of ``min(N, 8)`` samples a side: a ``ValueError``
-        stating the smallest budget that works.
+        stating the smallest budget that works.  Providers with the ``"dense_if_smaller"``
+        capability (torch) give a layer whose per-sample gradient is smaller than its
+        factors as that gradient (when ``x2`` is None or has ``x1``'s sample shape).
     params : optional
         Provider-specific parameter subset (torch: parameter names or tensors).
     progress : None, callable, True or "tqdm"

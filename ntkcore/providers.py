@@ -46,7 +46,11 @@ class Provider:
         ``jacobian(model, x, *, outputs=(start, stop), **options)``, the Jacobian of the
         flattened outputs ``start:stop`` only (used by :func:`ntkcore.ntk` to compute trace
         and diagonal kernels in output chunks when the factors of all outputs exceed the
-        budget).
+        budget); ``"dense_if_smaller"``, loading ``jacobian(model, x, *,
+        dense_if_smaller=True, **options)`` (with ``outputs=`` too where the provider has
+        that capability), a Jacobian whose blocks may be the dense per-sample gradient where
+        that is smaller than their factors, chosen from shapes alone, never from N (used by
+        :func:`ntkcore.ntk`, whose kernels are the same either way).
     """
 
     name: str
@@ -137,7 +141,8 @@ def _is_mlp(model: Any) -> bool:
 register_provider(
     "torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"),
     capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk"),
-                  "outputs": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
+                  "outputs": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
+                  "dense_if_smaller": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
 register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.
