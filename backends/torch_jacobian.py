@@ -1097,6 +1097,7 @@ class _Gradients:
     modules: dict[str, list[Any]]
     recurrent: dict[str, list[torch.Tensor]]
     functional: list[Any]
+    pass_nbytes: int = 0  # the output gradients alive at once (one pass, or all O batched)
 
 
 def _find_units(model: nn.Module, walk: _Walk, selected: list[str],
@@ -1113,26 +1114,53 @@ def _find_units(model: nn.Module, walk: _Walk, selected: list[str],
     return _Found(units, rec, cands, tables, tabs)
 
 
-def _record_forward(model: nn.Module, x: torch.Tensor, found: _Found) -> torch.Tensor:
+@contextlib.contextmanager
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> Iterator[list[int]]:
+    """Counts, into the one-element list it yields, the bytes of the distinct storages that
+    the forward saves for backward, the model's parameters and buffers and ``x`` aside (they
+    exist anyway): the forward's working memory while the backward passes run."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    total = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+    # after the forward: a lazy module's parameters have storage only from its first call
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x)
+           if t.layout == torch.strided
+           and not isinstance(t, nn.parameter.UninitializedTensorMixin)}
+    total[0] = sum(v for k, v in seen.items() if k not in own)
+
+
+def _record_forward(model: nn.Module, x: torch.Tensor,
+                    found: _Found) -> tuple[torch.Tensor, int]:
     """Step 2: the hooked forward, recording the calls of ``found``; again with copies when
-    the model modified a recorded tensor in place (and from the start once it did)."""
+    the model modified a recorded tensor in place (and from the start once it did).  Also
+    the bytes it saved for backward (:func:`_saved_bytes`)."""
     cloned = _modifies_in_place(model)
-    out = _run_forward(model, x, found.units, clone=cloned, uses=found.recorder(cloned),
-                       rec=found.rec)
+    with _saved_bytes(model, x) as saved:
+        out = _run_forward(model, x, found.units, clone=cloned, uses=found.recorder(cloned),
+                           rec=found.rec)
     uses = found.uses
     if not cloned and (any(c.a._version != c.a_version or c.y._version != c.y_version
                            for u in found.units.values() for c in u.calls)
                        or (uses is not None and any(c.modified() for c in uses.calls))):
         _modifies_in_place(model, True)
-        out = _run_forward(model, x, found.units, clone=True, uses=found.recorder(True),
-                           rec=found.rec)
+        with _saved_bytes(model, x) as saved:
+            out = _run_forward(model, x, found.units, clone=True, uses=found.recorder(True),
+                               rec=found.rec)
     n = int(x.shape[0])
     if out.ndim < 1 or out.shape[0] != n:
         raise ValueError(f"the model output must lead with the sample axis N={n}; got shape "
                          f"{tuple(out.shape)}: the first axis of x (shape {tuple(x.shape)}) "
                          "is the sample axis; for a single sample add it: x.unsqueeze(0) "
                          "(or x[None])")
-    return out
+    return out, saved[0]
 
 
 def _probe(model: nn.Module, x: torch.Tensor, walk: _Walk, selected: list[str],
@@ -1194,21 +1222,26 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
     for p, calls in plan.kron.items():
         u = units[p]
         widths = u.rule.factor_widths(u.module, u.has_weight, u.has_bias) if dense else None
-        reducer = u.rule.gradient_sums if widths is not None and dense_is_smaller(
-            *widths, sum(c.y.numel() // (n * widths[1]) for c, _ in calls),
-            1 if pseudo else o) else u.rule.reducer
-        targets += [_Target(c.y, ax, u.module, u.rule, reducer(
-            u.module, _front(c.a, ax, create_graph), n, u.has_weight, u.has_bias))
-            for c, ax in calls]
+        o_g = 1 if pseudo else o
+        if widths is not None and dense_is_smaller(
+                *widths, sum(c.y.numel() // (n * widths[1]) for c, _ in calls), o_g):
+            reducers = [u.rule.gradient_sums(u.module, _front(c.a, ax, create_graph), n, o_g,
+                                             u.has_weight, u.has_bias) for c, ax in calls]
+        else:
+            reducers = [u.rule.reducer(u.module, _front(c.a, ax, create_graph), n,
+                                       u.has_weight, u.has_bias) for c, ax in calls]
+        targets += [_Target(c.y, ax, u.module, u.rule, r)
+                    for (c, ax), r in zip(calls, reducers, strict=True)]
     targets += [_Target(r.u, 0, ru.module) for ru in plan.rkron.values()
                 for passes in ru.calls for r in passes]
     targets += [_Target(c.y, ax, reduce=term_sums(c, ax, create_graph), functional=True)
                 for c, ax in plan.fcalls]
     gs = iter(_output_grads(out2, targets, pseudo, create_graph, batched))
+    alive = 1 if pseudo or not batched else o  # one pass's gradients alive, or all O
     return _Gradients(
         {p: [next(gs) for _ in calls] for p, calls in plan.kron.items()},
         {p: [next(gs) for passes in ru.calls for _ in passes] for p, ru in plan.rkron.items()},
-        list(gs))
+        list(gs), alive * sum(t.y.numel() * t.y.element_size() for t in targets))
 
 
 def _assemble(plan: _Plan, units: dict[str, _Unit], grads: _Gradients,
@@ -1262,7 +1295,8 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     first = tables is None
     found = _find_units(model, walk, selected,
                         _remembered_tables(model)[0] if tables is None else tables)
-    out = _record_forward(model, x, found)
+    out, saved = _record_forward(model, x, found)
+    work = saved
     n, o = int(x.shape[0]), int(math.prod(out.shape[1:]))
     cols = _output_columns(outputs, o)
     plan = _probe(model, x, walk, selected, found, out, first)
@@ -1276,6 +1310,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                            dense)
         del out2
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
+        work += grads.pass_nbytes
         del grads
     del out, found, plan  # the recorded calls go before the dense pass
     if dense_groups:
@@ -1287,7 +1322,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
         names = [k for k in blocks if k not in recurrent]
         blocks.update(zip(names, drop_zero_positions_all([blocks[k] for k in names]),
                           strict=True))
-    return Jacobian([blocks[name] for name in order])
+    return Jacobian([blocks[name] for name in order], work_nbytes=work)
 
 
 def _functional_plan(uses: ParamUses, probe: list[Any], reachable: set[Any],

@@ -82,12 +82,14 @@ class LayerRule:
         kept.  ``a``: the call's input, samples in front."""
         return None
 
-    def gradient_sums(self, mod: nn.Module, a: torch.Tensor, n: int, weight: bool,
+    def gradient_sums(self, mod: nn.Module, a: torch.Tensor, n: int, o: int, weight: bool,
                       bias: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A map g (N, S, L, d_out) -> (N, L, P_b): one call's contribution to the per-sample
         gradient of the selected parameters, in DenseBlock layout ``[weight.flatten(),
-        bias]`` (``a``: the call's input, samples in front), or None where the rule has
-        none.  Used by :func:`dense_is_smaller` blocks, applied pass by pass."""
+        bias]`` (``a``: the call's input, samples in front; O outputs in all), or None where
+        the rule has none.  Used by :func:`dense_is_smaller` blocks, applied pass by pass;
+        what it keeps across the passes must be no larger than the block it forms (the
+        budget of ``ntk`` charges the Jacobian's bytes only)."""
         return None
 
     def factor_widths(self, mod: nn.Module, weight: bool,
@@ -129,8 +131,8 @@ class LinearRule(LayerRule):
     def factor_widths(self, mod, weight, bias):
         return (mod.in_features + int(bias) if weight else 1), mod.out_features
 
-    def gradient_sums(self, mod, a, n, weight, bias):
-        a3 = a.reshape(n, -1, mod.in_features) if weight else None
+    def gradient_sums(self, mod, a, n, o, weight, bias):
+        a3 = a.reshape(n, -1, mod.in_features) if weight else None  # a view: no memory
 
         def sums(g: torch.Tensor) -> torch.Tensor:  # g (N, S, L, d_out)
             lead = g.shape[2]
@@ -174,8 +176,8 @@ class ConvRule(LayerRule):
         k = mod.in_channels * math.prod(mod.kernel_size)
         return (k + int(bias) if weight else 1), mod.out_channels
 
-    def gradient_sums(self, mod, a, n, weight, bias):
-        return conv_gradient_sums(mod, a, n, weight, bias)
+    def gradient_sums(self, mod, a, n, o, weight, bias):
+        return conv_gradient_sums(mod, a, n, o, weight, bias)
 
     def block(self, mod, inputs, gs, n, name, weight, bias):
         if isinstance(gs[0], Summed):
@@ -689,32 +691,83 @@ def weight_sums(gt: torch.Tensor, a: torch.Tensor | None, n: int, lead: int,
     return cat(pieces, -1)
 
 
-def conv_gradient_sums(mod: Any, a: torch.Tensor, n: int, weight: bool,
+def conv_gradient_sums(mod: Any, a: torch.Tensor, n: int, o: int, weight: bool,
                        bias: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     r"""The map g (N, S, L, C_out) -> (N, L, C_out C_in prod(k) [+ C_out]) of one call of an
-    ungrouped convolution ``mod`` with input ``a`` (N, C_in, *L_in):
+    ungrouped convolution ``mod`` with input ``a`` (N, C_in, *L_in), O outputs in all:
 
     .. math:: \partial f_l(x_n) / \partial W = \sum_s g[n, s, l, :]\,P[n, s, :]^\top,
               \qquad \partial f_l(x_n) / \partial b = \sum_s g[n, s, l, :]
 
-    with P the unfolded patches (N, S, C_in prod(k)), formed once for all passes
-    (``F.unfold`` where it applies, read transposed; else :func:`conv_patches`), and g read in
-    its (N, L, C_out, S) storage: one batched GEMM a pass (:func:`weight_sums`).  Measured on
-    one thread against the weight gradient of one convolution with N groups
-    (``convolution_backward``, no patches): the GEMM is as fast or faster per pass (3x at
-    C_in = 3), the unfolding once is amortised over the O passes."""
+    with P the unfolded patches (N, S, K), K = C_in prod(k), and g read in its (N, L, C_out,
+    S) storage.  Where P is no larger than the block (S K <= O C_out K, or a view: a 1 x 1
+    convolution of stride 1), P is formed once for all passes and each pass is one batched
+    GEMM (:func:`weight_sums`); else each pass is the weight gradient of one convolution with
+    N groups (:func:`_grouped_weight_gradient`), which never forms P: P held across the O
+    passes would be memory the Jacobian does not show (ResNet-50's first stages: S K is
+    5-20 times O C_out K), which the budget of ``ntk`` does not charge.  Measured on one
+    thread: the GEMM is as fast or faster a pass (3x at C_in = 3), the grouped convolution
+    equal within 10% on ResNet-50's layers, 1.4x slower on its stem."""
     p = None
     if weight:
-        p = (F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,
-                      stride=mod.stride).transpose(1, 2) if _unfolds(mod)
-             else conv_patches(mod, a, False))
+        nd = len(mod.kernel_size)
+        pads = [_conv_padding(mod, i) for i in range(nd)]
+        one = math.prod(mod.kernel_size) == 1 and all(v == 1 for v in mod.stride) and \
+            not any(lo or hi for lo, hi in pads)
+        if one:  # the input itself, read transposed
+            p = a.reshape(n, a.shape[1], -1).transpose(1, 2)
+        elif math.prod(_out_lens(mod, a.shape[2:], pads)) <= o * mod.out_channels:
+            p = (F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,
+                          stride=mod.stride).transpose(1, 2) if _unfolds(mod)
+                 else conv_patches(mod, a, False))
+    grouped = _grouped_weight_gradient(mod, a, n) if weight and p is None else None
 
     def sums(g: torch.Tensor) -> torch.Tensor:  # g (N, S, L, C) viewing (N, L, C, S)
         lead = g.shape[2]
         gv = g.permute(0, 2, 3, 1).reshape(n, -1, g.shape[1])  # (N, L C, S)
-        return weight_sums(gv, None if p is None else p.to(g.dtype), n, lead, bias)
+        if grouped is None:
+            return weight_sums(gv, None if p is None else p.to(g.dtype), n, lead, bias)
+        pieces = [grouped(gv, lead)]
+        if bias:
+            pieces.append(gv.sum(-1).reshape(n, lead, -1))
+        return cat(pieces, -1)
 
     return sums
+
+
+def _grouped_weight_gradient(mod: Any, a: torch.Tensor,
+                             n: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    r"""gv (N, L C_out, S) -> (N, L, C_out C_in prod(k)): the per-sample weight gradients of an
+    ungrouped convolution as the weight gradient of one convolution with N groups, input
+    (1, N C_in, *L_in), output gradient (1, N L C_out, *L_out) and weight (N L C_out, C_in,
+    *k) (``convolution_backward``, weight only; the weight's values are not read).  Padding
+    other than zeros on both sides alike is applied to ``a`` first."""
+    nd = len(mod.kernel_size)
+    pads = [_conv_padding(mod, i) for i in range(nd)]
+    numeric = mod.padding_mode == "zeros" and all(lo == hi for lo, hi in pads)
+    x, padding = a, [lo for lo, _ in pads]
+    if not numeric:
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        x, padding = F.pad(a, [v for lo_hi in reversed(pads) for v in lo_hi], mode=mode), [0] * nd
+    lens = _out_lens(mod, a.shape[2:], pads)
+    x1 = x.reshape(1, -1, *x.shape[2:])  # (1, N C_in, *L_in)
+
+    def grad(gv: torch.Tensor, lead: int) -> torch.Tensor:
+        go = gv.reshape(1, -1, *lens)
+        w = go.new_empty(1).expand(go.shape[1], a.shape[1], *mod.kernel_size)
+        gw = torch.ops.aten.convolution_backward(
+            go, x1.to(gv.dtype), w, None, list(mod.stride), padding, list(mod.dilation), False,
+            [0] * nd, n, [False, True, False])[1]
+        return gw.reshape(n, lead, -1)
+
+    return grad
+
+
+def _out_lens(mod: Any, lens: Any, pads: list[tuple[int, int]]) -> list[int]:
+    """The output lengths of convolution ``mod`` on input lengths ``lens``, padded by
+    ``pads`` (before, after) per axis."""
+    return [(int(lens[i]) + lo + hi - mod.dilation[i] * (mod.kernel_size[i] - 1) - 1)
+            // mod.stride[i] + 1 for i, (lo, hi) in enumerate(pads)]
 
 
 def _unfolds(mod: Any) -> bool:

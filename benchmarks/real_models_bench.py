@@ -75,11 +75,29 @@ def bound_terms(floor_s: float, gram_flops: float, gemm_rate: float,
 
 
 def gram_flops(m: Any, x: Any, max_memory: Any = None) -> float:
-    """``plan_gram(J, mode="trace").flops`` of the provider's Jacobian."""
+    """The least of ``plan_gram(J, mode="trace").flops`` of the provider's Jacobian with
+    Kronecker factors, and of its ``dense_if_smaller`` form plus the flops of forming those
+    dense blocks (:func:`forming_flops`): the Gram work of the bound, whichever exact form
+    costs less."""
     import ntkcore
     from ntkcore.backends.torch_jacobian import jacobian
 
-    return float(ntkcore.plan_gram(jacobian(m, x), mode="trace", max_memory=max_memory).flops)
+    jk, jd = jacobian(m, x), jacobian(m, x, dense_if_smaller=True)
+    return min(float(ntkcore.plan_gram(j, mode="trace", max_memory=max_memory).flops)
+               + forming_flops(jk, j) for j in (jk, jd))
+
+
+def forming_flops(jk: Any, jd: Any) -> float:
+    r""":math:`2 N S O P_b` for every block that is a KroneckerBlock in ``jk`` (S positions) and
+    a DenseBlock in ``jd`` (the same Jacobian with ``dense_if_smaller``): forming the
+    per-sample gradients, work the "materialise" route counts in its flops and the provider
+    does in its passes for a dense block.  0 for ``jd = jk``."""
+    from ntkcore.jacobian import DenseBlock, KroneckerBlock
+
+    n, o = jk.num_samples, jk.num_outputs
+    return float(sum(2 * n * bk.num_positions * o * bd.num_params
+                     for bk, bd in zip(jk.blocks, jd.blocks, strict=True)
+                     if isinstance(bk, KroneckerBlock) and isinstance(bd, DenseBlock)))
 
 
 def bound_share(ntk: Callable[[], Any], m: Any, x: Any, max_memory: Any = None,
@@ -365,11 +383,11 @@ def _working_memory(fn: Callable[[], Any]) -> float:
 
 
 def least_gram_flops(m: Any, x: Any) -> float:
-    """``plan_gram(J, mode="trace").flops`` for ``x``'s N samples with all factors held (no
-    budget), planned on the provider's one-sample Jacobian broadcast to N samples (views:
-    the planner reads shapes, and the indices of embeddings, which are the real ones): the
-    Gram of the bound, without the N-sample factors (gigabytes at full size).  Checked
-    against the plan of the real N-sample Jacobian in ``tests/test_real_models.py``."""
+    """:func:`gram_flops` for ``x``'s N samples with all factors held (no budget), planned on
+    the provider's one-sample Jacobians broadcast to N samples (views: the planner reads
+    shapes, and the indices of embeddings, which are the real ones): the Gram of the bound,
+    without the N-sample factors (gigabytes at full size).  Checked against the plan of the
+    real N-sample Jacobian in ``tests/test_real_models.py``."""
     import torch
 
     import ntkcore
@@ -377,8 +395,8 @@ def least_gram_flops(m: Any, x: Any) -> float:
     from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
 
     n = int(x.shape[0])
-    j = jacobian(m, x[:1])
-    index = [i for i, b in enumerate(j.blocks) if isinstance(b, KroneckerBlock)
+    jk, jd = jacobian(m, x[:1]), jacobian(m, x[:1], dense_if_smaller=True)
+    index = [i for i, b in enumerate(jk.blocks) if isinstance(b, KroneckerBlock)
              and b.one_hot is not None]
     # index blocks (embeddings): the real indices of all N samples, whose coincidences the
     # planner prices; from one-output Jacobians of batches of 8 (the indices are small)
@@ -392,7 +410,11 @@ def least_gram_flops(m: Any, x: Any) -> float:
     def wide(t: Any) -> Any:
         return t.expand(n, *t.shape[1:])
 
-    blocks = [b.with_arrays(torch.cat(ids[i]) if i in ids else wide(b.a), wide(b.g))
-              if isinstance(b, KroneckerBlock) else DenseBlock(wide(b.jac), b.name)
-              for i, b in enumerate(j.blocks)]
-    return float(ntkcore.plan_gram(Jacobian(blocks), mode="trace", max_memory=2**62).flops)
+    def broadcast(j: Any) -> Any:
+        return Jacobian([b.with_arrays(torch.cat(ids[i]) if i in ids else wide(b.a), wide(b.g))
+                         if isinstance(b, KroneckerBlock) else DenseBlock(wide(b.jac), b.name)
+                         for i, b in enumerate(j.blocks)])
+
+    wk = broadcast(jk)
+    return min(float(ntkcore.plan_gram(w, mode="trace", max_memory=2**62).flops)
+               + forming_flops(wk, w) for w in (wk, broadcast(jd)))

@@ -398,7 +398,8 @@ def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, 
         return cached, None
     probe = call(x1[0:min(int(x1.shape[0]), PROBE_SAMPLES), ...])
     cached = (probe.nbytes / probe.num_samples, block_shapes(probe), probe.num_outputs,
-              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / probe.num_samples)
+              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / probe.num_samples,
+              probe.work_nbytes / probe.num_samples)
     if key is not None:
         _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
     return cached, probe
@@ -408,8 +409,10 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
             params: Any, progress: Any, dtype: Any, pseudo: bool, batch_size: Any,
             checkpoint: Any = "auto", check_finite: bool = True) -> Array:
     """:func:`ntk` within the budget ``M``.  A probe on the first sample measures the factor
-    bytes per sample ``b`` (remembered per model and input signature, :data:`_PER_SAMPLE`); a
-    provider call on ``k`` samples is taken to need ``3 k b``.  If the factors of all samples
+    bytes per sample ``b`` and the provider's working bytes per sample ``w`` (its forward's
+    saved tensors and a backward pass's gradients, :attr:`Jacobian.work_nbytes`; remembered
+    per model and input signature, :data:`_PER_SAMPLE`); a provider call on ``k`` samples is
+    taken to need ``k (3 b + w)``.  If the factors of all samples
     fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
     otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
     factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).
@@ -459,17 +462,19 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     box, probe = [probe], None  # the only reference: freed once used (_held_or_streamed)
     return _held_or_streamed(call, call2, box, per_sample, budget, one_grad, provider, model,
                              x1, x2, mode, layerwise, pseudo, params, dtype, batch_size,
-                             checkpoint, progress, xp, check_finite)
+                             checkpoint, progress, xp, check_finite, work=cached[5])
 
 
 def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
                       box: list[Jacobian | None], per_sample: float, budget: Budget,
                       one_grad: bool, provider: Any, model: Any, x1: Any, x2: Any, mode: Mode,
                       layerwise: bool, pseudo: bool, params: Any, dtype: Any, batch_size: Any,
-                      checkpoint: Any, progress: Any, xp: Any, check_finite: bool) -> Array:
+                      checkpoint: Any, progress: Any, xp: Any, check_finite: bool,
+                      work: float = 0.0) -> Array:
     """The kernel of a budget that suffices: the provider's checkpointed kernel (one side
     requiring grad), all factors held, or :func:`_streamed` (see :func:`_kernel`).  ``box``
-    holds the probe's Jacobian (or None), its only reference."""
+    holds the probe's Jacobian (or None), its only reference; ``work``: the provider's
+    working bytes per sample (:attr:`Jacobian.work_nbytes`), charged to each call."""
     probe = box.pop()
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
@@ -491,8 +496,8 @@ def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Ja
         if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
             box, probe = [probe], None  # _streamed drops the probe after its first row block
             return _streamed(call, call2, x1, x2, box, per_sample, budget, batch_size, mode,
-                             layerwise, dtype, progress, xp, check_finite)
-        batch = batch_size or batch_samples(per_sample, budget / 2)
+                             layerwise, dtype, progress, xp, check_finite, work)
+        batch = batch_size or batch_samples(per_sample, budget / 2, work)
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
         probe = None  # j1 holds its samples (a copy, when stacked): not charged twice
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
@@ -549,9 +554,10 @@ def _budget_need(cached: tuple[Any, ...], n1: int, n2: int, cross: bool, mode: s
 
 def _chunk_facts(cached: tuple[Any, ...], k: int) -> tuple[Any, ...]:
     """The probe's facts for a Jacobian of ``k`` of its O outputs: the factors without an
-    output axis whole, the rest scaled by ``k / O``."""
-    per_sample, shapes, o, item, shared = cached
-    return (shared + (per_sample - shared) * k / o, shapes, k, item, shared)
+    output axis whole, the rest scaled by ``k / O``; the provider's working bytes (its
+    forward, one pass's gradients) whole."""
+    per_sample, shapes, o, item, shared, work = cached
+    return (shared + (per_sample - shared) * k / o, shapes, k, item, shared, work)
 
 
 def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
@@ -638,7 +644,7 @@ def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any
     factors fit (held or streamed), joined by ``mode.join_output_chunks`` (trace: summed;
     diagonal: concatenated along the output axis).  ``progress`` is reported per chunk."""
     o, parts = cached[2], []
-    per_sample = _chunk_facts(cached, k)[0]
+    per_sample, work = _chunk_facts(cached, k)[0], cached[5]
     for c0 in range(0, o, k):
         opts = {**options, "outputs": (c0, min(o, c0 + k))}
         call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
@@ -646,7 +652,8 @@ def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any
                                                           x2, x1, opts)
         parts.append(_held_or_streamed(call, call2, [None], per_sample, budget, False, provider,
                                        model, x1, x2, mode, layerwise, False, None, dtype,
-                                       batch_size, False, progress, xp, check_finite))
+                                       batch_size, False, progress, xp, check_finite,
+                                       work=work))
         if mode.sums_outputs and len(parts) == 2:  # a running sum: two kernels alive at most
             parts = [mode.join_output_chunks(xp, parts)]
     return mode.join_output_chunks(xp, parts)
@@ -655,7 +662,7 @@ def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any
 def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian], x1: Any,
               x2: Any, box: list[Jacobian | None], per_sample: float, budget: Budget,
               batch_size: Any, mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
-              check_finite: bool) -> Array:
+              check_finite: bool, work: float = 0.0) -> Array:
     """Kernel in (row, column) sample blocks: the row block's factors computed once, the
     column blocks' per row block (for ``x2=None`` only the blocks on and above the diagonal).
 
@@ -663,7 +670,7 @@ def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
     freed after the first row block instead of being held, uncharged, to the end."""
     probe = box.pop()
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
-    batch = batch_size or batch_samples(per_sample, budget / 4)
+    batch = batch_size or batch_samples(per_sample, budget / 4, work)
     symmetric = x2 is None
     xc = x1 if symmetric else x2
     grid = TileGrid(int(x1.shape[0]), int(xc.shape[0]), block, symmetric=symmetric)

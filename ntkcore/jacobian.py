@@ -525,12 +525,19 @@ class Jacobian:
         N, O and P (the sum of the blocks' sizes).
     names : tuple of str
         One label per block (for layerwise reports).
+    work_nbytes : int
+        Bytes a provider held besides the blocks while computing them (the torch provider:
+        its forward's tensors saved for backward and one backward pass's output gradients),
+        0 where unknown.  :func:`ntkcore.ntk` charges them per sample to each provider call
+        (from its one-sample probe); they are not part of :attr:`nbytes`.
     """
 
     blocks: tuple[Block, ...]
     _xp: Any = field(init=False, repr=False, compare=False)
+    work_nbytes: int = field(default=0, compare=False)
 
-    def __init__(self, blocks: Sequence[Block]) -> None:
+    def __init__(self, blocks: Sequence[Block], work_nbytes: int = 0) -> None:
+        object.__setattr__(self, "work_nbytes", int(work_nbytes))
         blocks = tuple(blocks)
         if not blocks:
             raise ValueError("Jacobian needs at least one block")

@@ -490,14 +490,14 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
     x = torch.randn(24, 3, 16, 16, dtype=DT)
     ref = ref_kernel(m, x, None, "trace")
     tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * ref.abs().max()
-    (b, shapes, o, item, shared), _ = api._probe(  # the facts as ntk's probe takes them
+    (b, shapes, o, item, shared, work), _ = api._probe(  # the facts as ntk's probe takes them
         api.find_provider(m), m,
         lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True), x, False,
         None, True)
     one = shared + (b - shared) / o
     budget = api.Budget(int(2.2 * 24 * one))  # one output's factors held, all outputs' not
     assert b * 24 > budget / 2
-    k = api._output_chunk(budget, (b, shapes, o, item, shared), 24, 24, False,
+    k = api._output_chunk(budget, (b, shapes, o, item, shared, work), 24, 24, False,
                           check_mode("trace"), False, None, None)
     assert k is not None and k < o
     seen = _spy_output_ranges(monkeypatch, api)
@@ -540,3 +540,59 @@ def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
     # and independently: the layers' kernels add up to the dense float64 reference
     dense = ref_kernel(m, x, None, mode)
     assert (got.sum(0) - dense).abs().max() <= tol * dense.abs().max()
+
+
+class _WideActivations(nn.Module):
+    """Few parameters, a large parameter-free activation saved for backward: the provider's
+    working memory per sample (40,000 numbers of tanh output) far above its factors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 2)
+        self.out = nn.Linear(2, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x).repeat(1, 20000)).reshape(x.shape[0], 20000, 2)
+        return self.out(h.mean(1))
+
+
+def test_torch_work_nbytes_counts_saved_tensors_and_one_pass():
+    """``Jacobian.work_nbytes`` of an MLP: the tanh output Linear 2 saves (N H) and the
+    output gradients of the two Linear layers' outputs, one pass of O = 1 (N (H + 1)),
+    written out by hand; parameters and x are not counted."""
+    from ntkcore.backends.torch_jacobian import jacobian
+
+    m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).to(DT)
+    j = jacobian(m, torch.randn(3, 5, dtype=DT))
+    assert j.work_nbytes == 8 * (3 * 7 + 3 * (7 + 1))
+
+
+def test_provider_calls_are_charged_the_providers_working_memory(monkeypatch):
+    """A budget holding every sample's factors: each provider call takes at most
+    ``budget / 2 / (3 b + w)`` samples, ``w`` the probe's working bytes per sample, where
+    ``3 b`` alone would have taken all 64 in one call; the kernel is unchanged."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    torch.manual_seed(0)
+    m = _WideActivations().to(DT)
+    x = torch.randn(64, 8, dtype=DT)
+    ref = ntkcore.ntk(m, x, mode="trace")
+    facts, _ = api._probe(api.find_provider(m), m,
+                          lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True),
+                          x, False, None, True)
+    b, w = facts[0], facts[5]
+    assert w > 100 * b
+    budget = 4 * 64 * 3 * b + 8 * w  # factors held; 3 b k alone admits all 64 samples a call
+    assert 3 * b * 64 <= budget / 2
+    sizes: list = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, xx):
+        sizes.append(int(xx.shape[0]))
+        return real(provider, model, name, x_full, x1_, options, xx)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
+    assert max(sizes) <= max(1, int(budget / 2 // (3 * b + w))) < 64
+    assert (got - ref).abs().max() <= kernel_tol(DT, 64) * ref.abs().max()

@@ -56,7 +56,8 @@ def _stem() -> nn.Module:
 
 
 MODELS = {
-    # (model, per-sample input shape, blocks expected dense)
+    # (model, per-sample input shape, blocks expected dense); S > O C_out: the per-pass
+    # grouped convolution (torch_layers._grouped_weight_gradient)
     "stem": (_stem, (3, 16, 16), {"0", "2"}),
     "reflect_dilated": (lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=2, dilation=2, padding_mode="reflect", bias=False),
@@ -67,6 +68,14 @@ MODELS = {
     "conv3d": (lambda: nn.Sequential(
         nn.Conv3d(1, 2, 2, stride=(1, 2, 2)), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 3 * 3, 2)),
         (1, 6, 6, 6), {"0"}),
+    # S <= O C_out: the patches formed once (F.unfold; conv_patches for circular padding)
+    "patches": (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(),
+                                      nn.Linear(8, 3)), (1, 4, 4), {"0"}),
+    "patches_circular": (lambda: nn.Sequential(
+        nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular"), nn.Tanh(), nn.Flatten(),
+        nn.Linear(8, 3)), (1, 4), {"0"}),
+    "pointwise": (lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.Tanh(), nn.Flatten(),
+                                        nn.Linear(3 * 8 * 8, 2)), (2, 8, 8), {"0"}),
     "tokens": (Tokens, (64, 4), {"lin", "head"}),  # head: O d_out d_in = 4 <= 1 (4 + 1)
     "tied": (Tied, (3, 8, 8), {"conv"}),
 }
@@ -195,3 +204,25 @@ def test_bad_flag():
     model, x = _built("stem")
     with pytest.raises(TypeError, match="dense_if_smaller"):
         jacobian(model, x, dense_if_smaller=1)
+
+
+@pytest.mark.parametrize(("name", "patches"), [("stem", False), ("tied", False),
+                                               ("patches", True), ("patches_circular", True),
+                                               ("pointwise", False)])
+def test_patches_are_kept_only_where_no_larger_than_the_block(monkeypatch, name, patches):
+    """Patches (N, S, K) held across the passes are memory the Jacobian does not show: they
+    are formed only where S <= O C_out (a 1 x 1 convolution of stride 1 reads its input as
+    they are); elsewhere each pass is a grouped convolution's weight gradient."""
+    from ntkcore.backends import torch_layers
+
+    formed = []
+    real_unfold, real_patches = torch.nn.functional.unfold, torch_layers.conv_patches
+    monkeypatch.setattr(torch.nn.functional, "unfold",
+                        lambda *a, **k: formed.append("unfold") or real_unfold(*a, **k))
+    monkeypatch.setattr(torch_layers, "conv_patches",
+                        lambda *a, **k: formed.append("patches") or real_patches(*a, **k))
+    model, x = _built(name)
+    j = jacobian(model, x, dense_if_smaller=True)
+    assert bool(formed) == patches
+    ref = to_block_order(model, j, reference(model, x))
+    assert rel(j.to_dense(), ref) < kernel_tol(DT, j.num_params, computations=2)
