@@ -918,6 +918,7 @@ def jacobian(
     backward: str = "auto",
     outputs: tuple[int, int] | None = None,
     dense_if_smaller: bool = False,
+    measure_work: bool = False,
 ) -> Jacobian:
     r"""The per-sample Jacobian of a torch model, with Kronecker structure where it exists.
 
@@ -960,6 +961,12 @@ def jacobian(
         Gram then costs no more than the factors' cheapest route; :func:`ntkcore.ntk` asks
         for this (provider capability ``"dense_if_smaller"``).  Default False: every such
         layer a KroneckerBlock, as ``SENG`` and the block-structure tests expect.
+    measure_work : bool
+        Set :attr:`ntkcore.Jacobian.work_nbytes`: the bytes of the tensors the forward saved
+        for backward (the model's parameters, buffers and ``x`` aside) and of the output
+        gradients alive at once (one pass's, or all O batched).  A hook on every saved
+        tensor: ``ntk`` asks for it in its one-sample probe only (capability
+        ``"work_nbytes"``).  Default: 0.
 
     Returns
     -------
@@ -1004,19 +1011,21 @@ def jacobian(
                              f"0 <= start < stop; got {outputs!r}")
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
-    if not isinstance(dense_if_smaller, bool):
-        raise TypeError(f"dense_if_smaller must be True or False; got {dense_if_smaller!r}")
+    for flag, value in (("dense_if_smaller", dense_if_smaller), ("measure_work", measure_work)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be True or False; got {value!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     with provider_pass(model):
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
         check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,
-                               walk, outputs=outputs, dense=dense_if_smaller)
+                               walk, outputs=outputs, dense=dense_if_smaller,
+                               measure=measure_work)
         if not isinstance(jac, Jacobian):  # positional tables found: once more, with them
             jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph,
                                    backward, walk, tables=jac, outputs=outputs,
-                                   dense=dense_if_smaller)
+                                   dense=dense_if_smaller, measure=measure_work)
         return jac
 
 
@@ -1115,10 +1124,14 @@ def _find_units(model: nn.Module, walk: _Walk, selected: list[str],
 
 
 @contextlib.contextmanager
-def _saved_bytes(model: nn.Module, x: torch.Tensor) -> Iterator[list[int]]:
+def _saved_bytes(model: nn.Module, x: torch.Tensor, measure: bool) -> Iterator[list[int]]:
     """Counts, into the one-element list it yields, the bytes of the distinct storages that
     the forward saves for backward, the model's parameters and buffers and ``x`` aside (they
-    exist anyway): the forward's working memory while the backward passes run."""
+    exist anyway): the forward's working memory while the backward passes run.  Nothing
+    (0) unless ``measure``: the hook costs about 0.1 ms a call on a small MLP."""
+    if not measure:
+        yield [0]
+        return
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -1137,13 +1150,13 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor) -> Iterator[list[int]]:
     total[0] = sum(v for k, v in seen.items() if k not in own)
 
 
-def _record_forward(model: nn.Module, x: torch.Tensor,
-                    found: _Found) -> tuple[torch.Tensor, int]:
+def _record_forward(model: nn.Module, x: torch.Tensor, found: _Found,
+                    measure: bool = False) -> tuple[torch.Tensor, int]:
     """Step 2: the hooked forward, recording the calls of ``found``; again with copies when
     the model modified a recorded tensor in place (and from the start once it did).  Also
-    the bytes it saved for backward (:func:`_saved_bytes`)."""
+    the bytes it saved for backward (:func:`_saved_bytes`; 0 unless ``measure``)."""
     cloned = _modifies_in_place(model)
-    with _saved_bytes(model, x) as saved:
+    with _saved_bytes(model, x, measure) as saved:
         out = _run_forward(model, x, found.units, clone=cloned, uses=found.recorder(cloned),
                            rec=found.rec)
     uses = found.uses
@@ -1151,7 +1164,7 @@ def _record_forward(model: nn.Module, x: torch.Tensor,
                            for u in found.units.values() for c in u.calls)
                        or (uses is not None and any(c.modified() for c in uses.calls))):
         _modifies_in_place(model, True)
-        with _saved_bytes(model, x) as saved:
+        with _saved_bytes(model, x, measure) as saved:
             out = _run_forward(model, x, found.units, clone=True, uses=found.recorder(True),
                                rec=found.rec)
     n = int(x.shape[0])
@@ -1223,11 +1236,12 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
         u = units[p]
         widths = u.rule.factor_widths(u.module, u.has_weight, u.has_bias) if dense else None
         o_g = 1 if pseudo else o
+        reducers: list[Any] = [None]
         if widths is not None and dense_is_smaller(
                 *widths, sum(c.y.numel() // (n * widths[1]) for c, _ in calls), o_g):
             reducers = [u.rule.gradient_sums(u.module, _front(c.a, ax, create_graph), n, o_g,
                                              u.has_weight, u.has_bias) for c, ax in calls]
-        else:
+        if widths is None or None in reducers:  # the rule declined: g kept (or its reducer)
             reducers = [u.rule.reducer(u.module, _front(c.a, ax, create_graph), n,
                                        u.has_weight, u.has_bias) for c, ax in calls]
         targets += [_Target(c.y, ax, u.module, u.rule, r)
@@ -1284,8 +1298,8 @@ def _block_order(selected: list[str], owners: dict[str, tuple[str, str]],
 def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: bool,
                      chunk_size: int | None, create_graph: bool | None,
                      backward: str, walk: _Walk, tables: frozenset[str] | None = None,
-                     outputs: tuple[int, int] | None = None,
-                     dense: bool = False) -> Jacobian | frozenset[str]:
+                     outputs: tuple[int, int] | None = None, dense: bool = False,
+                     measure: bool = False) -> Jacobian | frozenset[str]:
     """:func:`jacobian` under the model's lock (``walk`` taken under it): find units, record,
     probe, gradients, assemble, then the dense blocks.  With ``tables`` None (the first pass)
     it may return the positional tables (:func:`_shared_tables`) to run it again with."""
@@ -1295,7 +1309,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     first = tables is None
     found = _find_units(model, walk, selected,
                         _remembered_tables(model)[0] if tables is None else tables)
-    out, saved = _record_forward(model, x, found)
+    out, saved = _record_forward(model, x, found, measure)
     work = saved
     n, o = int(x.shape[0]), int(math.prod(out.shape[1:]))
     cols = _output_columns(outputs, o)
@@ -1310,7 +1324,7 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
                            dense)
         del out2
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
-        work += grads.pass_nbytes
+        work += grads.pass_nbytes if measure else 0
         del grads
     del out, found, plan  # the recorded calls go before the dense pass
     if dense_groups:

@@ -691,8 +691,15 @@ def weight_sums(gt: torch.Tensor, a: torch.Tensor | None, n: int, lead: int,
     return cat(pieces, -1)
 
 
+#: :func:`conv_gradient_sums` declines (the layer keeps its Kronecker factors) where the
+#: patches are not kept and C_in prod(k) is below this: one grouped convolution's weight
+#: gradient a pass was 3x slower than a GEMM with the patches at C_in prod(k) = 27 (a small
+#: CNN's first layer, one thread), and the small CNN's whole ``ntk`` call 10% slower.
+GROUPED_WEIGHT_MIN_WIDTH = 32
+
+
 def conv_gradient_sums(mod: Any, a: torch.Tensor, n: int, o: int, weight: bool,
-                       bias: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+                       bias: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
     r"""The map g (N, S, L, C_out) -> (N, L, C_out C_in prod(k) [+ C_out]) of one call of an
     ungrouped convolution ``mod`` with input ``a`` (N, C_in, *L_in), O outputs in all:
 
@@ -707,7 +714,8 @@ def conv_gradient_sums(mod: Any, a: torch.Tensor, n: int, o: int, weight: bool,
     passes would be memory the Jacobian does not show (ResNet-50's first stages: S K is
     5-20 times O C_out K), which the budget of ``ntk`` does not charge.  Measured on one
     thread: the GEMM is as fast or faster a pass (3x at C_in = 3), the grouped convolution
-    equal within 10% on ResNet-50's layers, 1.4x slower on its stem."""
+    equal within 10% on ResNet-50's layers, 1.4x slower on its stem; None (declined) below
+    :data:`GROUPED_WEIGHT_MIN_WIDTH`."""
     p = None
     if weight:
         nd = len(mod.kernel_size)
@@ -720,6 +728,9 @@ def conv_gradient_sums(mod: Any, a: torch.Tensor, n: int, o: int, weight: bool,
             p = (F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,
                           stride=mod.stride).transpose(1, 2) if _unfolds(mod)
                  else conv_patches(mod, a, False))
+    if weight and p is None and mod.in_channels * math.prod(mod.kernel_size) < \
+            GROUPED_WEIGHT_MIN_WIDTH:
+        return None  # the grouped convolution is slow here, the patches too large: factors
     grouped = _grouped_weight_gradient(mod, a, n) if weight and p is None else None
 
     def sums(g: torch.Tensor) -> torch.Tensor:  # g (N, S, L, C) viewing (N, L, C, S)

@@ -353,6 +353,8 @@ def provider_call(provider: Any, model: Any, name: str, x_full: Any, x1: Any,
             j = provider.capabilities["outputs"]()(model, x, **options)
         elif "dense_if_smaller" in options:
             j = provider.capabilities["dense_if_smaller"]()(model, x, **options)
+        elif "measure_work" in options:
+            j = provider.capabilities["work_nbytes"]()(model, x, **options)
         else:
             j = provider.jacobian(model, x, **options)
     except Exception as exc:
@@ -441,7 +443,9 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
     one_grad = _check_checkpoint(checkpoint, x1, x2, provider)
-    cached, probe = _probe(provider, model, call, x1, pseudo, params,
+    probe_call = call if "work_nbytes" not in provider.capabilities else functools.partial(
+        provider_call, provider, model, "x1", x1, x1, {**options, "measure_work": True})
+    cached, probe = _probe(provider, model, probe_call, x1, pseudo, params,
                            bool(options.get("dense_if_smaller")))
     per_sample = cached[0]
     cross = x2 is not None

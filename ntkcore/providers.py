@@ -50,7 +50,10 @@ class Provider:
         dense_if_smaller=True, **options)`` (with ``outputs=`` too where the provider has
         that capability), a Jacobian whose blocks may be the dense per-sample gradient where
         that is smaller than their factors, chosen from shapes alone, never from N (used by
-        :func:`ntkcore.ntk`, whose kernels are the same either way).
+        :func:`ntkcore.ntk`, whose kernels are the same either way); ``"work_nbytes"``,
+        loading ``jacobian(model, x, *, measure_work=True, **options)`` (the other options
+        as above), a Jacobian whose :attr:`~ntkcore.Jacobian.work_nbytes` is set (used by
+        :func:`ntkcore.ntk`'s one-sample probe).
     """
 
     name: str
@@ -142,7 +145,8 @@ register_provider(
     "torch", _is_torch_module, _loader("ntkcore.backends.torch_jacobian", "jacobian"),
     capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk"),
                   "outputs": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
-                  "dense_if_smaller": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
+                  "dense_if_smaller": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
+                  "work_nbytes": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
 register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.

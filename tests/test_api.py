@@ -492,7 +492,8 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
     tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * ref.abs().max()
     (b, shapes, o, item, shared, work), _ = api._probe(  # the facts as ntk's probe takes them
         api.find_provider(m), m,
-        lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True), x, False,
+        lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True,
+                                                  measure_work=True), x, False,
         None, True)
     one = shared + (b - shared) / o
     budget = api.Budget(int(2.2 * 24 * one))  # one output's factors held, all outputs' not
@@ -563,8 +564,9 @@ def test_torch_work_nbytes_counts_saved_tensors_and_one_pass():
     from ntkcore.backends.torch_jacobian import jacobian
 
     m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).to(DT)
-    j = jacobian(m, torch.randn(3, 5, dtype=DT))
-    assert j.work_nbytes == 8 * (3 * 7 + 3 * (7 + 1))
+    x = torch.randn(3, 5, dtype=DT)
+    assert jacobian(m, x, measure_work=True).work_nbytes == 8 * (3 * 7 + 3 * (7 + 1))
+    assert jacobian(m, x).work_nbytes == 0  # not measured unless asked (a hook a tensor)
 
 
 def test_provider_calls_are_charged_the_providers_working_memory(monkeypatch):
@@ -579,7 +581,8 @@ def test_provider_calls_are_charged_the_providers_working_memory(monkeypatch):
     x = torch.randn(64, 8, dtype=DT)
     ref = ntkcore.ntk(m, x, mode="trace")
     facts, _ = api._probe(api.find_provider(m), m,
-                          lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True),
+                          lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True,
+                                                                    measure_work=True),
                           x, False, None, True)
     b, w = facts[0], facts[5]
     assert w > 100 * b

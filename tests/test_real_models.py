@@ -260,10 +260,9 @@ def test_least_gram_flops_equals_the_plan_of_the_real_jacobian(name):
                           nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).double()
         x = torch.randn(12, 3, 16, 16, dtype=DT)
     assert least_gram_flops(m, x) == gram_flops(m, x, 2**62)
-    # the least of the two exact forms: never above the Kronecker plan; for the convnet both
-    # convolutions are dense (5 x 4 x 28 <= 196 (28 + 20), 5 x 4 x 37 <= 36 (37 + 20)), their
-    # forming counted over the positions of the Kronecker form (13 x 13 of the first's 14 x
-    # 14 reach the strided second; 6 x 6)
+    # the least of the two exact forms: never above the Kronecker plan; for the convnet the
+    # second convolution is dense (5 x 4 x 37 <= 36 (37 + 20)), its forming counted over its
+    # 6 x 6 positions (the first, C_in k = 27, is declined: GROUPED_WEIGHT_MIN_WIDTH)
     import ntkcore
     from benchmarks.real_models_bench import forming_flops
     from ntkcore.backends.torch_jacobian import jacobian
@@ -272,4 +271,4 @@ def test_least_gram_flops_equals_the_plan_of_the_real_jacobian(name):
     kron = ntkcore.plan_gram(jk, mode="trace", max_memory=2**62).flops
     assert gram_flops(m, x, 2**62) <= kron
     if name == "convnet":
-        assert forming_flops(jk, jd) == 2 * 12 * 5 * (169 * 4 * 28 + 36 * 4 * 37)
+        assert forming_flops(jk, jd) == 2 * 12 * 5 * 36 * 4 * 37
