@@ -87,9 +87,10 @@ class LayerRule:
         """A map g (N, S, L, d_out) -> (N, L, P_b): one call's contribution to the per-sample
         gradient of the selected parameters, in DenseBlock layout ``[weight.flatten(),
         bias]`` (``a``: the call's input, samples in front; O outputs in all), or None where
-        the rule has none.  Used by :func:`dense_is_smaller` blocks, applied pass by pass;
-        what it keeps across the passes must be no larger than the block it forms (the
-        budget of ``ntk`` charges the Jacobian's bytes only)."""
+        the rule has none (or declines for this call).  Used by :func:`dense_is_smaller`
+        blocks, applied pass by pass; what it keeps across the passes must be no larger than
+        the block it forms (the budget of ``ntk`` charges the Jacobian's bytes and the
+        forward's working memory, not this)."""
         return None
 
     def factor_widths(self, mod: nn.Module, weight: bool,
@@ -1008,9 +1009,7 @@ GROUPED_OUTER_MAX_POSITIONS = 4
 def _unfoldable(mod: nn.Module, gs: list[torch.Tensor]) -> bool:
     """A 2-d convolution whose patches ``F.unfold`` forms (zero padding given as numbers) and
     whose per-group GEMMs pay (:data:`GROUPED_GEMM_MIN_POSITIONS`, ``..._MAX_TAPS``)."""
-    return (isinstance(mod, nn.Conv2d) and mod.padding_mode == "zeros"
-            and not isinstance(mod.padding, str)
-            and math.prod(mod.kernel_size) <= GROUPED_GEMM_MAX_TAPS
+    return (_unfolds(mod) and math.prod(mod.kernel_size) <= GROUPED_GEMM_MAX_TAPS
             and min(int(g_c.shape[1]) for g_c in gs) >= GROUPED_GEMM_MIN_POSITIONS)
 
 

@@ -47,10 +47,11 @@ class Provider:
         flattened outputs ``start:stop`` only (used by :func:`ntkcore.ntk` to compute trace
         and diagonal kernels in output chunks when the factors of all outputs exceed the
         budget); ``"dense_if_smaller"``, loading ``jacobian(model, x, *,
-        dense_if_smaller=True, **options)`` (with ``outputs=`` too where the provider has
-        that capability), a Jacobian whose blocks may be the dense per-sample gradient where
-        that is smaller than their factors, chosen from shapes alone, never from N (used by
-        :func:`ntkcore.ntk`, whose kernels are the same either way); ``"work_nbytes"``,
+        dense_if_smaller=True, **options)`` (with ``outputs=`` and ``measure_work=`` too
+        where the provider has those capabilities), a Jacobian whose blocks may be the
+        dense per-sample gradient where that is smaller than their factors, chosen from
+        shapes alone, never from N (used by :func:`ntkcore.ntk`, whose kernels are the same
+        either way); ``"work_nbytes"``,
         loading ``jacobian(model, x, *, measure_work=True, **options)`` (the other options
         as above), a Jacobian whose :attr:`~ntkcore.Jacobian.work_nbytes` is set (used by
         :func:`ntkcore.ntk`'s one-sample probe).
