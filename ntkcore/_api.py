@@ -414,7 +414,9 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     bytes per sample ``b`` and the provider's working bytes per sample ``w`` (its forward's
     saved tensors and a backward pass's gradients, :attr:`Jacobian.work_nbytes`; remembered
     per model and input signature, :data:`_PER_SAMPLE`); a provider call on ``k`` samples is
-    taken to need ``k (3 b + w)`` (:func:`_beyond`).  If the factors of all samples
+    taken to need ``k (3 b + w)``: ``w`` is alive beside the ``2 b`` of copies that assemble
+    the result, so it is added to them (the larger of the two let ResNet-50 at 224 px, N =
+    32, reach 1.03 times a 6 GB budget; the sum, 0.80).  If the factors of all samples
     fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
     otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
     factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).
@@ -469,16 +471,6 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
                              checkpoint, progress, xp, check_finite, work=cached[5])
 
 
-def _beyond(per_sample: float, work: float) -> float:
-    """Bytes per sample a provider call needs beyond ``CALL_OVERHEAD`` times its factors
-    ``per_sample`` (its result and the copies that assemble it): the provider's measured
-    working bytes ``work`` (its forward's saved tensors and output gradients), alive at the
-    same time as those copies, so added to them: ``k (3 b + w)`` for ``k`` samples.  Taking
-    the larger of ``2 b`` and ``w`` instead let ResNet-50 at 224 px (N = 32, dense early
-    convolutions) reach 1.03 times a 6 GB budget; with the sum, 0.79."""
-    return work
-
-
 def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
                       box: list[Jacobian | None], per_sample: float, budget: Budget,
                       one_grad: bool, provider: Any, model: Any, x1: Any, x2: Any, mode: Mode,
@@ -511,7 +503,7 @@ def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Ja
             box, probe = [probe], None  # _streamed drops the probe after its first row block
             return _streamed(call, call2, x1, x2, box, per_sample, budget, batch_size, mode,
                              layerwise, dtype, progress, xp, check_finite, work)
-        batch = batch_size or batch_samples(per_sample, budget / 2, _beyond(per_sample, work))
+        batch = batch_size or batch_samples(per_sample, budget / 2, work)
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
         probe = None  # j1 holds its samples (a copy, when stacked): not charged twice
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
@@ -684,7 +676,7 @@ def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
     freed after the first row block instead of being held, uncharged, to the end."""
     probe = box.pop()
     block = max(1, int(budget / 4 // max(1.0, per_sample)))
-    batch = batch_size or batch_samples(per_sample, budget / 4, _beyond(per_sample, work))
+    batch = batch_size or batch_samples(per_sample, budget / 4, work)
     symmetric = x2 is None
     xc = x1 if symmetric else x2
     grid = TileGrid(int(x1.shape[0]), int(xc.shape[0]), block, symmetric=symmetric)
