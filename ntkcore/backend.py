@@ -23,6 +23,10 @@ Device = Any
 #: Elements of the one-hot chunk that the standard-only :meth:`Backend.scatter_add` forms at
 #: a time.
 ONE_HOT_CHUNK = 1 << 22
+#: :meth:`Backend.transient_bytes` of host memory: well below glibc's largest mmap
+#: threshold (32 MB); 8 MB slabs removed ResNet-18's Gram page faults where 16 MB left half
+#: (``benchmarks/real_models_bench.py``, N = 32).
+HOST_TRANSIENT_BYTES = 8 << 20
 
 
 @runtime_checkable
@@ -190,6 +194,18 @@ class Backend:
     def free_memory(self, device: Device) -> int | None:
         """Bytes that can still be allocated on ``device``; ``None`` when unknown."""
         return None
+
+    def transient_bytes(self, device: Device) -> int | None:
+        """The largest transient array the engines form at once on ``device`` (the Gram's
+        per-sample weights are formed in slabs of at most this); None: no limit.
+
+        Host memory: :data:`HOST_TRANSIENT_BYTES`.  glibc's malloc maps an array above its
+        mmap threshold (at most 32 MB) anew on every call and returns freed memory at the
+        top of the heap to the system, so a large transient costs a page fault every 4 KiB
+        it touches (about 1.7 us each on the 2-core Xeon of ``docs/real-models.md``), while
+        slabs below the threshold are recycled.  A GPU's caching allocator keeps its
+        blocks: no limit there."""
+        return None if self.is_gpu(device) else HOST_TRANSIENT_BYTES
 
     def synchronize(self, device: Device) -> None:
         """Wait until all work queued on ``device`` has finished (for honest timings)."""

@@ -8,6 +8,7 @@ The dense reference is built here, independently of ``Jacobian.to_dense``:
 from __future__ import annotations
 
 import re
+import sys
 import tracemalloc
 
 import numpy as np
@@ -296,6 +297,50 @@ def test_kronecker_strategies_agree(backend, rng, mode):
                                    atol=1e-11)
         np.testing.assert_allclose(backend.to_numpy(pos), reference(f1, ff, mode), rtol=1e-10,
                                    atol=1e-10)
+
+
+def test_materialise_slab_bounds():
+    """Slabs of d_out rows: as many rows as fit the limit, one at least, all without one."""
+    slabs = type(sys.modules["ntkcore.gram"].ROUTES["materialise"]).slabs
+    assert slabs(5, 10, 25) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert slabs(5, 10, 3) == [slice(i, i + 1) for i in range(5)]
+    assert slabs(5, 10, None) == slabs(5, 10, 50) == [slice(0, 5)]
+
+
+@pytest.mark.parametrize("panels", [False, True])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
+    """Per-sample weights formed a few rows of d_out at a time (host memory:
+    ``Backend.transient_bytes``) give the float64 reference, self and cross, in panels, with
+    an index factor; every slab's weights stay within the limit."""
+    limit_jax(backend, mode)
+    if panels:
+        if backend.name == "jax":
+            pytest.skip("no slice assignment: diagonal tiles are never split into panels")
+        force_panels(monkeypatch)
+    gram_module = sys.modules["ntkcore.gram"]
+    route = type(gram_module.ROUTES["materialise"])
+    spec = {"O": 2, "blocks": [("kron", 3, 4, 5), ("kron", 2, 3, 7)]}
+    f1, f2 = make_factors(spec, 6, rng), make_factors(spec, 4, rng, positions=[5, 1])
+    j1, j2 = to_jacobian(backend, f1), to_jacobian(backend, f2)
+    rows = 2  # d_out rows per slab: 6 samples x 2 outputs x 4 (or 3) inputs x 2 rows
+    limit = 6 * 2 * 4 * rows * 8
+    # every backend, GPUs included (which have no limit of their own)
+    monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
+                        lambda self, device: limit)
+    seen = []
+    weights = route._weights
+
+    def spy(xp, ag, slab):
+        seen.append(slab.stop - slab.start)
+        return weights(xp, ag, slab)
+
+    monkeypatch.setattr(route, "_weights", staticmethod(spy))
+    for jj, ff in ((None, f1), (j2, f2)):
+        k = _gram(j1, jj, mode=mode, strategy="materialise")
+        np.testing.assert_allclose(backend.to_numpy(k), reference(f1, ff, mode), rtol=1e-10,
+                                   atol=1e-10)
+    assert seen and max(seen) <= rows and 1 in seen  # 5 and 7 rows: remainders of one
 
 
 def test_cost_model_picks_the_cheaper_strategy(rng):
