@@ -184,6 +184,33 @@ def test_norm_block_equals_dense_reference(name, dense_calls):
     assert dense_calls == []
 
 
+@pytest.mark.parametrize("params", [None, ["norm.bias"], ["norm.weight"]])
+@pytest.mark.parametrize("name, fused", [("batchnorm2d", True), ("groupnorm", True),
+                                         ("instancenorm3d", True), ("batchnorm1d-conv", False)])
+def test_fused_channel_sums(name, fused, params, monkeypatch):
+    """A channels-first norm layer with at least ``FUSED_SUMS_MIN_POSITIONS`` positions (4 x 4,
+    3 x 3 x 3) takes its sums from ``native_batch_norm_backward`` a pass, fewer (a length-4
+    signal) from multiply-and-sum; both equal the float64 reference, weight and bias alone
+    too."""
+    from ntkcore.backends import torch_layers
+
+    calls = []
+    original = torch_layers._channel_sums
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(torch_layers, "_channel_sums", spy)
+    model, x, _, _ = MODELS[name]()
+    j = jacobian(model, x, params=params, backward="loop")
+    ref = reference(model, x, params)
+    assert rel(j.to_dense(), to_block_order(model, j, ref, params)) < tol_for(j.num_params, 3)
+    assert bool(calls) is fused
+    assert all(shape[1] == 1 and shape[-1] >= torch_layers.FUSED_SUMS_MIN_POSITIONS
+               for shape in calls)
+
+
 @pytest.mark.parametrize("params", [["norm.weight"], ["norm.bias"], ["conv.bias", "norm.bias"]])
 def test_parameter_subsets(params, dense_calls):
     model, x, _, _ = MODELS["groupnorm"]()
