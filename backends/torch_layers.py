@@ -854,7 +854,7 @@ def drop_zero_positions_all(blocks: list[DenseBlock | KroneckerBlock],
     cands = [i for i, b in enumerate(blocks) if _candidate(b)]
     if not cands:
         return list(blocks)
-    lives = {i: blocks[i].g[0].any(dim=(1, 2)) for i in cands}  # (S,) each
+    lives = {i: _live(blocks[i].g[0]) for i in cands}  # (S,) each
     read = _read_stats([~lives[i] for i in cands])  # sync 1: count, first, last dead
     out = list(blocks)
     scanned = {}  # i -> price function or None, for the blocks whose range is scanned
@@ -895,6 +895,14 @@ def drop_zero_positions_all(blocks: list[DenseBlock | KroneckerBlock],
         out[i] = block.with_arrays(_take_positions(block.a, first, k, keep),
                                    _take_positions(block.g, first, k, keep))
     return out
+
+
+def _live(g0: torch.Tensor) -> torch.Tensor:
+    """(S,): whether sample 0's g (S, O, d_out) is nonzero anywhere at each position.  Zero
+    everywhere <=> max = min = 0 (a NaN propagates: live); amax and amin read a strided
+    view without a copy, where ``any`` over two axes took 2.4 ms for ResNet-50's (196, 10,
+    1024) (1 % of its Jacobian)."""
+    return g0.amax(dim=(1, 2)).ne(0) | g0.amin(dim=(1, 2)).ne(0)
 
 
 def _read_stats(masks: list[torch.Tensor]) -> list[list[int]]:
