@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-from .torch_layers import NORMALISE, Summed, cat, embedding_index, with_ones
+from .torch_layers import NORMALISE, Reducer, Summed, cat, embedding_index, into, with_ones
 
 __all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
            "structured_groups"]
@@ -669,7 +669,7 @@ def _grads_view(g: torch.Tensor, y: torch.Tensor, ax: int) -> torch.Tensor:
 
 
 def term_sums(c: Call, ax: int,
-              create_graph: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+              create_graph: bool) -> Reducer | None:
     r"""For a call every term of which follows the dense rule (no Linear, no table rows): the
     map from its output gradients g (N, S, L, d) (Linear layout, any number L of outputs) to
     its terms' :func:`_dense_term` sums concatenated along the last axis, in ``c.terms``
@@ -699,10 +699,10 @@ def term_sums(c: Call, ax: int,
         hh = c.xhat(h) if c.xhat is not None else h
         scaled = hh.broadcast_to(c.y.shape).movedim(ax, 0).unsqueeze(1)
 
-    def reduce(g: torch.Tensor) -> torch.Tensor:
+    def reduce(g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         gv = _grads_view(g, c.y, ax)
-        return cat([_dense_term(t, gv, scaled if t.role == "scale" else None, c.y, ax,
-                                ready=True) for t in c.terms], -1)
+        return into(cat([_dense_term(t, gv, scaled if t.role == "scale" else None, c.y, ax,
+                                     ready=True) for t in c.terms], -1), out)
 
     return reduce
 

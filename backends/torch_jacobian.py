@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import re
 import threading
@@ -42,6 +43,7 @@ from .torch_layers import (
     LayerRule,
     RecurrentPass,
     RecurrentRule,
+    Reducer,
     Summed,
     cat,
     dense_is_smaller,
@@ -678,7 +680,7 @@ class _Target:
     axis: int = 0
     mod: nn.Module | None = None
     rule: LayerRule = PLAIN
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce: Reducer | None = None
     functional: bool = False
 
     def shape(self, gr: torch.Tensor, n: int, lead: int) -> torch.Tensor:
@@ -751,9 +753,13 @@ def _output_grads(out2: torch.Tensor, targets: list[_Target], pseudo: bool,
         grads = torch.autograd.grad(out2, ys, cot[k], create_graph=create_graph,
                                     retain_graph=create_graph or k < o - 1, allow_unused=True,
                                     materialize_grads=True)
+        # from the second of many passes on, a reducer writes into its slot of the buffer
+        slots = [None if k == 0 or o <= 2 or create_graph or not _writes_into(t.reduce)
+                 else gs[i][:, k:k + 1] for i, t in enumerate(targets)]
         g1s = [t.shape(gr[None], n, 1) if t.reduce is None  # (N, S, 1, d) views
-               else t.reduce(t.shape(gr[None], n, 1))  # (N, 1, W)
-               for gr, t in zip(grads, targets, strict=True)]
+               else t.reduce(t.shape(gr[None], n, 1)) if slot is None  # (N, 1, W)
+               else t.reduce(t.shape(gr[None], n, 1), out=slot)
+               for gr, t, slot in zip(grads, targets, slots, strict=True)]
         del grads
         if o <= 2:  # one concatenation a block costs less than O copies into a buffer (BERT)
             kept.append(g1s)
@@ -761,13 +767,26 @@ def _output_grads(out2: torch.Tensor, targets: list[_Target], pseudo: bool,
         for i, (g1, t) in enumerate(zip(g1s, targets, strict=True)):
             if k == 0:  # many outputs: each pass copied into its slot while it is in cache
                 gs.append(t.buffer(g1, n, o))
-            (gs[i][:, k:k + 1] if t.reduce is not None else gs[i][:, :, k:k + 1]).copy_(g1)
-        del g1s
+            if slots[i] is None:
+                (gs[i][:, k:k + 1] if t.reduce is not None else gs[i][:, :, k:k + 1]).copy_(g1)
+        del g1s, slots
     for i, t in enumerate(targets if kept else ()):
         gs.append(t.join([p[i] for p in kept]))
         for p in kept:
             p[i] = None  # each pass's gradient goes once its block is assembled
     return [g if t.reduce is None else Summed(g) for g, t in zip(gs, targets, strict=True)]
+
+
+def _writes_into(reduce: Reducer | None) -> bool:
+    """Whether a reducer takes the ``out`` slot (:data:`torch_layers.Reducer`; a rule's own
+    ``lambda g: ...`` does not, and gets its result copied)."""
+    code = getattr(reduce, "__code__", None)
+    return code is not None and _takes_out(code)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_out(code: Any) -> bool:
+    return "out" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
 
 
 def _front(a: torch.Tensor, ax: int, create_graph: bool) -> torch.Tensor:

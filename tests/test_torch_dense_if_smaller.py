@@ -234,3 +234,32 @@ def test_patches_are_kept_only_where_no_larger_than_the_block(monkeypatch, name,
     assert bool(formed) == patches
     ref = to_block_order(model, j, reference(model, x))
     assert rel(j.to_dense(), ref) < kernel_tol(DT, j.num_params, computations=2)
+
+
+@pytest.mark.parametrize("name", ["patches", "patches_circular", "stem"])
+def test_passes_written_into_their_slots(monkeypatch, name):
+    """O = 3 loop passes: from the second pass on, the GEMM of the patches (or the grouped
+    convolution's result) is written into the pass's slot of the (N, O, P_b) array, and the
+    Jacobian still equals torch.func's."""
+    from ntkcore.backends import torch_layers
+
+    slots = []
+    original = torch_layers.weight_sums
+
+    def spy(*args, **kwargs):
+        out = args[5] if len(args) > 5 else kwargs.get("out")
+        slots.append(out is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_layers, "weight_sums", spy)
+    copies = []
+    into = torch_layers.into
+    monkeypatch.setattr(torch_layers, "into",
+                        lambda r, out: copies.append(out is not None) or into(r, out))
+    model, x = _built(name)
+    j = jacobian(model, x, dense_if_smaller=True, backward="loop")
+    ref = reference(model, x)
+    assert rel(j.to_dense(), to_block_order(model, j, ref)) < \
+        kernel_tol(DT, j.num_params, computations=2)
+    written = slots if name != "stem" else copies  # stem: the grouped convolution, copied
+    assert written.count(True) >= 2 and written.count(False) >= 1  # passes 2, 3 and pass 1
