@@ -20,16 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock
 
-from .torch_layers import (
-    NORMALISE,
-    Reducer,
-    Summed,
-    cat,
-    embedding_index,
-    into,
-    scaled_sums,
-    with_ones,
-)
+from .torch_layers import NORMALISE, Reducer, Summed, cat, embedding_index, into, with_ones
 
 __all__ = ["CALLED_BY_PARENT", "Call", "ParamUses", "Term", "functional_blocks", "sample_axes",
            "structured_groups"]
@@ -723,18 +714,14 @@ def _dense_term(t: Term, gv: torch.Tensor, h: torch.Tensor | None, y: torch.Tens
     already broadcast to y with the samples in front and an output axis, (N, 1, *rest))."""
     place = [s for i, s in enumerate(t.place) if i != ax]
     rest = [s for i, s in enumerate(y.shape) if i != ax]
-    dims = [2 + i for i, (pl, r) in enumerate(zip(place, rest, strict=True)) if pl == 1 and r > 1]
     if t.role == "piece":  # no h
         d = t.dim - (t.dim > ax)
         gv = gv.narrow(2 + d, t.lo, t.hi - t.lo)
         rest[d] = t.hi - t.lo
     elif h is not None:  # ready: h is already (N, 1, *rest)
-        hv = (h if ready else h.broadcast_to(y.shape).movedim(ax, 0).unsqueeze(1)).to(gv.dtype)
-        if dims and dims == list(range(dims[0], gv.ndim)):  # the trailing axes summed
-            fused = scaled_sums(gv, hv, dims[0] - 2)
-            if fused is not None:
-                return fused
-        gv = gv * hv
+        gv = gv * (h if ready else h.broadcast_to(y.shape).movedim(ax, 0).unsqueeze(1)).to(
+            gv.dtype)
+    dims = [2 + i for i, (pl, r) in enumerate(zip(place, rest, strict=True)) if pl == 1 and r > 1]
     red = gv.sum(dims) if dims else gv
     return red.reshape(red.shape[0], red.shape[1], -1)
 

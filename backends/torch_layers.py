@@ -1025,25 +1025,6 @@ def affine_sums(rule: AffineRule, mod: nn.Module, a_in: torch.Tensor, n: int, we
     return reduce
 
 
-def scaled_sums(gv: torch.Tensor, h: torch.Tensor, keep: int) -> torch.Tensor | None:
-    r""":math:`\sum_s g[n, 0, k, s]\,h[n, 0, k, s]` over the trailing axes of gv (N, 1, *K,
-    *S) and h (broadcastable to it), K the ``keep`` axes after the output axis: (N, 1,
-    prod(K)), from one ``native_batch_norm_backward`` over the N prod(K) rows (input h, mean 0,
-    inverse deviation 1: its weight gradient is this sum), as :func:`affine_sums` does for a
-    norm module.  None where that does not pay or apply: more than one output (L > 1), fewer
-    than :data:`FUSED_SUMS_MIN_POSITIONS` positions, or on an autograd graph."""
-    n, lead = gv.shape[0], gv.shape[1]
-    s = math.prod(gv.shape[2 + keep:])
-    if lead != 1 or s < FUSED_SUMS_MIN_POSITIONS or gv.requires_grad or h.requires_grad:
-        return None
-    rows = gv.reshape(1, -1, s)
-    zero, one = rows.new_zeros(rows.shape[1]), rows.new_ones(rows.shape[1])
-    gw = torch.ops.aten.native_batch_norm_backward(
-        rows, h.expand_as(gv).reshape(1, -1, s), one, None, None, zero, one, True, 0.0,
-        [False, True, False])[1]
-    return gw.reshape(n, 1, -1)
-
-
 def _channel_sums(gv: torch.Tensor, x: torch.Tensor | None, bias: bool) -> torch.Tensor:
     r""":func:`affine_sums` of one pass, gv (N, 1, C, S) and :math:`\hat x` (N, C, *L) or
     None, by ``native_batch_norm_backward`` on the rows (n, c)."""

@@ -268,7 +268,7 @@ class PassSums(nn.Module):
     """conv -> BatchNorm2d (a hooked module) -> a GroupNorm subclass with its own forward (a
     functional call) -> layer-scale ``gamma`` (a product in the graph) -> tanh -> Linear (O)."""
 
-    def __init__(self, o: int, side: int = 3):
+    def __init__(self, o: int):
         super().__init__()
 
         class Half(nn.GroupNorm):
@@ -279,7 +279,7 @@ class PassSums(nn.Module):
         self.bn = nn.BatchNorm2d(4)
         self.gn = Half(2, 4)
         self.gamma = nn.Parameter(torch.randn(4, 1, 1))
-        self.fc = nn.Linear(4 * side * side, o)
+        self.fc = nn.Linear(4 * 9, o)
 
     def forward(self, x):
         return self.fc(torch.tanh(self.gn(self.bn(self.conv(x))) * self.gamma).flatten(1))
@@ -315,32 +315,6 @@ def test_norm_gradients_reduced_pass_by_pass(o, how, monkeypatch, dense_calls):
     assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
         tol_for(j.num_params, o)
     assert dense_calls == []
-
-
-@pytest.mark.parametrize("side, fused", [(5, True), (3, False)])
-def test_functional_scaled_sums_fused(side, fused, monkeypatch):
-    """The dense rule's products summed over the positions (the functional group norm's
-    weight, the layer scale ``gamma``) come from ``native_batch_norm_backward`` a pass where
-    there are at least ``FUSED_SUMS_MIN_POSITIONS`` positions (5 x 5), from multiply-and-sum
-    below (3 x 3); both equal the float64 reference (O = 3, loop passes)."""
-    from ntkcore.backends import torch_functional, torch_layers
-
-    results = []
-    original = torch_layers.scaled_sums
-
-    def spy(*args):
-        r = original(*args)
-        results.append(r is not None)
-        return r
-
-    monkeypatch.setattr(torch_functional, "scaled_sums", spy)
-    model = _randomise(PassSums(3, side))
-    x = torch.randn(4, 2, side, side, dtype=DT)
-    j = jacobian(model, x, backward="loop")
-    assert rel(j.to_dense(), to_block_order(model, j, reference(model, x))) < \
-        tol_for(j.num_params, 3)
-    # the group norm's weight and gamma, three passes each
-    assert results.count(True) == (6 if fused else 0) and len(results) == 6
 
 
 @pytest.mark.parametrize("o", [2, 5])
