@@ -163,6 +163,7 @@ class _Plan:
     # ("kron" / "bias", index into layers), and its name
     f_flat: Callable[..., Any]
     batched: Callable[..., Any]
+    cols: slice  # the flattened outputs differentiated (``outputs``)
     verified: bool = False
 
 
@@ -223,7 +224,7 @@ def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
 
 def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
                groups: dict[str, list[int]], names: list[str], pseudo: bool,
-               structured: bool) -> _Plan:
+               structured: bool, outputs: tuple[int, int] | None = None) -> _Plan:
     def f_flat(all_leaves: list[Any], xi: Any) -> Any:
         out = apply_fn(jax.tree_util.tree_unflatten(treedef, all_leaves), xi[None])
         return jnp.reshape(out[0], (-1,))
@@ -231,6 +232,9 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     closed = jax.make_jaxpr(f_flat)(leaves, x0)
     jaxpr, consts = closed.jaxpr, closed.consts
     o = int(jaxpr.outvars[0].aval.shape[0])
+    if outputs is not None and outputs[1] > o:
+        raise ValueError(f"outputs={outputs!r} is beyond the model's {o} outputs")
+    cols = slice(0, o) if outputs is None else slice(*outputs)
     leaf_vars = list(jaxpr.invars[: len(leaves)])
     floating = sorted(i for idx in groups.values() for i in idx)
     uses = _uses(jaxpr)
@@ -249,7 +253,7 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     perturb_eqns = [ly.eqn for ly in layers]
     record = {ly.eqn: ly.a_pos for ly in layers}
     scale = 1.0 / math.sqrt(o)
-    o_eff = 1 if pseudo else o
+    o_eff = 1 if pseudo else cols.stop - cols.start
     dtype = jnp.result_type(*[leaves[i].dtype for i in floating], x0.dtype)
 
     def per_sample(all_leaves: list[Any], xi: Any) -> list[Any]:
@@ -262,6 +266,8 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
             out = jnp.reshape(outs[0], (-1,))
             if pseudo:
                 out = jnp.sum(out)[None] * scale
+            elif outputs is not None:  # the reverse passes of these outputs only
+                out = out[cols]
             return out, [rec[k] for k in perturb_eqns]
 
         eps0 = [jnp.zeros(ly.y_shape, dtype=jaxpr.eqns[ly.eqn].outvars[0].aval.dtype)
@@ -283,7 +289,7 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
 
     batched = jax.jit(jax.vmap(per_sample, in_axes=(None, 0)))
     return _Plan(o=o, dtype=dtype, layers=layers, dense=dense, specs=specs, f_flat=f_flat,
-                 batched=batched)
+                 batched=batched, cols=cols)
 
 
 @capabilities(name="backends.jax.jacobian",
@@ -298,6 +304,7 @@ def jacobian(
     chunk_size: int | None = None,
     select: Sequence[str] | None = None,
     structured: bool = True,
+    outputs: tuple[int, int] | None = None,
 ) -> Jacobian:
     r"""Per-sample Jacobian of a JAX model, with Kronecker blocks for recognised dense layers.
 
@@ -321,6 +328,11 @@ def jacobian(
         to include; default all.
     structured : bool
         Recognise dense layers (default); ``False`` gives dense blocks only.
+    outputs : (int, int), optional
+        ``(start, stop)``: the Jacobian of the flattened outputs ``start:stop`` only (O' =
+        stop - start reverse passes a sample; provider capability ``"outputs"``, which
+        :func:`ntkcore.ntk` uses to compute trace and diagonal kernels a few outputs at a
+        time).  Not with ``pseudo``.
 
     Returns
     -------
@@ -342,6 +354,14 @@ def jacobian(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    if outputs is not None:
+        if pseudo:
+            raise ValueError("outputs cannot be combined with pseudo=True (one output)")
+        if (not isinstance(outputs, tuple) or len(outputs) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in outputs)
+                or not 0 <= outputs[0] < outputs[1]):
+            raise ValueError(f"outputs must be a pair of ints (start, stop) with "
+                             f"0 <= start < stop; got {outputs!r}")
     while hasattr(apply_fn, "lower") and callable(getattr(apply_fn, "__wrapped__", None)):
         apply_fn = apply_fn.__wrapped__  # jax.jit(f): trace f (the Jacobian is compiled anyway)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -358,12 +378,12 @@ def jacobian(
         raise ValueError("params has no floating-point leaves to differentiate")
     n = int(x.shape[0])
     key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
-           tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured)
+           tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured, outputs)
     plan = _PLANS.get(key)
     if plan is None:
         paths = [path for path, _ in flat]
         plan = _make_plan(apply_fn, treedef, leaves, x[0], _groups(paths, names, leaves, floating),
-                          names, pseudo, structured)
+                          names, pseudo, structured, outputs)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
@@ -371,9 +391,9 @@ def jacobian(
         _PLANS.move_to_end(key)
 
     if chunk_size is None:
-        per = (1 if pseudo else plan.o) * (sum(int(leaves[i].size) for idx in plan.dense
-                                               for i in idx)
-                                           + sum(math.prod(ly.y_shape) for ly in plan.layers))
+        o_eff = 1 if pseudo else plan.cols.stop - plan.cols.start
+        per = o_eff * (sum(int(leaves[i].size) for idx in plan.dense for i in idx)
+                       + sum(math.prod(ly.y_shape) for ly in plan.layers))
         chunk_size = max(1, _DEFAULT_CHUNK_BYTES // (max(per, 1) * plan.dtype.itemsize * 3))
     # few distinct compiled sizes: powers of two up to chunk_size
     chunk_size = min(chunk_size, 1 << max(0, (n - 1).bit_length()))
@@ -403,7 +423,7 @@ def jacobian(
                           "on the first sample; computing dense blocks instead",
                           RuntimeWarning, stacklevel=2)
             return jacobian(apply_fn, params, x, pseudo=pseudo, chunk_size=chunk_size,
-                            select=select, structured=False)
+                            select=select, structured=False, outputs=outputs)
         plan.verified = True
     return Jacobian(blocks)
 
@@ -419,7 +439,7 @@ def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: 
         for i, v in zip(struct, vals, strict=True):
             args[i] = v
         out = plan.f_flat(args, xi)
-        return jnp.sum(out)[None] / math.sqrt(plan.o) if pseudo else out
+        return jnp.sum(out)[None] / math.sqrt(plan.o) if pseudo else out[plan.cols]
 
     jac = jax.jit(jax.jacrev(f_sub))([leaves[i] for i in struct], leaves, x0)
     ref = {i: np.asarray(r, dtype=np.float64) for i, r in zip(struct, jac, strict=True)}

@@ -387,3 +387,70 @@ def test_jax_provider_matches_torch_provider(rng):
               activation="tanh", parameterization="standard")
     np.testing.assert_allclose(_kernel(net.jacobian(x).to_dense()), k_t2, rtol=1e-11,
                                atol=1e-12)
+
+
+def _wide_params(rng, o=8):
+    """A dense layer over 6 positions and a head of ``o`` outputs: the output gradients are
+    most of the factor bytes, so a budget below all outputs' factors chunks the outputs."""
+    return {"w1": jnp.asarray(rng.standard_normal((4, 6))), "b1": jnp.zeros(6),
+            "w2": jnp.asarray(rng.standard_normal((6 * 6, o)))}
+
+
+def _wide_apply(p, x):  # x (N, 6, 4): six positions of four features
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.reshape(h, (x.shape[0], -1)) @ p["w2"]
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_outputs_are_rows_of_the_whole_jacobian(structured, rng):
+    """``outputs=(start, stop)``: the Jacobian of those flattened outputs alone, the rows of
+    the whole Jacobian (Kronecker and dense blocks alike); bad ranges are refused."""
+    p = _wide_params(rng)
+    x = jnp.asarray(rng.standard_normal((5, 6, 4)))
+    whole = _np_full(jacobian(_wide_apply, p, x, structured=structured))
+    for start, stop in ((0, 8), (0, 3), (3, 7), (7, 8)):
+        part = jacobian(_wide_apply, p, x, structured=structured, outputs=(start, stop))
+        assert part.num_outputs == stop - start
+        assert [type(b) for b in part.blocks] == [type(b) for b in jacobian(
+            _wide_apply, p, x, structured=structured).blocks]
+        np.testing.assert_allclose(_np_full(part), whole[:, start:stop], rtol=1e-12,
+                                   atol=1e-12)
+    for bad in ((0, 9), (3, 3), (-1, 2), [0, 2], (0.0, 2)):
+        with pytest.raises(ValueError, match="outputs"):
+            jacobian(_wide_apply, p, x, structured=structured, outputs=bad)
+    with pytest.raises(ValueError, match="pseudo"):
+        jacobian(_wide_apply, p, x, outputs=(0, 2), pseudo=True)
+
+
+@pytest.mark.parametrize("mode", ["trace", "diagonal"])
+def test_ntk_in_output_chunks(monkeypatch, mode, rng):
+    """A budget below the factors of all 8 outputs: ``ntk`` of a JAX model computes the trace
+    / diagonal kernel a few outputs at a time (the provider's ``"outputs"`` capability), equal
+    to the float64 reference; the chunks partition the outputs."""
+    import itertools
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    assert "outputs" in find_provider((_wide_apply, {})).capabilities
+    p = _wide_params(rng)
+    x = jnp.asarray(rng.standard_normal((12, 6, 4)))
+    jd = np.concatenate(_dense_reference(_wide_apply, p, x)[0], axis=2)
+    full = _kernel(jd)
+    ref = np.einsum("nmoo->nm", full) if mode == "trace" else np.einsum("nmoo->nmo", full)
+    with pytest.raises(ntkcore.BudgetTooSmallError) as info:
+        ntkcore.ntk((_wide_apply, p), x, mode=mode, max_memory=1000)
+    least = info.value.needed
+    seen: list = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, xx):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, xx)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    k = np.asarray(ntkcore.ntk((_wide_apply, p), x, mode=mode, max_memory=least))
+    np.testing.assert_allclose(k, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
+    chunks = sorted({c for c in seen if c is not None})
+    assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == 8
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
