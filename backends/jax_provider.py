@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock, dense_is_smaller
 from ntkcore.support import capabilities
 
 __all__ = ["jacobian", "provider"]
@@ -42,6 +42,7 @@ class _Layer:
     y_shape: tuple[int, ...]
     b_leaf: int | None = None
     merged: bool = False  # the bias is a ones column of a (weight and bias in one group)
+    dense: bool = False  # given as its per-sample gradient (``dense_if_smaller``)
 
 
 def _uses(jaxpr: Any) -> dict[Any, list[int]]:
@@ -224,7 +225,8 @@ def _blocks_of_groups(layers: list[_Layer], groups: dict[str, list[int]]
 
 def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
                groups: dict[str, list[int]], names: list[str], pseudo: bool,
-               structured: bool, outputs: tuple[int, int] | None = None) -> _Plan:
+               structured: bool, outputs: tuple[int, int] | None = None,
+               dense_if_smaller: bool = False) -> _Plan:
     def f_flat(all_leaves: list[Any], xi: Any) -> Any:
         out = apply_fn(jax.tree_util.tree_unflatten(treedef, all_leaves), xi[None])
         return jnp.reshape(out[0], (-1,))
@@ -254,6 +256,10 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
     record = {ly.eqn: ly.a_pos for ly in layers}
     scale = 1.0 / math.sqrt(o)
     o_eff = 1 if pseudo else cols.stop - cols.start
+    for ly in layers if dense_if_smaller else ():  # shapes alone decide (never N)
+        d_out = ly.y_shape[0 if ly.w_first else -1]
+        d_in = jaxpr.eqns[ly.eqn].invars[ly.a_pos].aval.shape[ly.a_contract] + int(ly.merged)
+        ly.dense = dense_is_smaller(d_in, d_out, math.prod(ly.y_shape) // d_out, o_eff)
     dtype = jnp.result_type(*[leaves[i].dtype for i in floating], x0.dtype)
 
     def per_sample(all_leaves: list[Any], xi: Any) -> list[Any]:
@@ -284,7 +290,12 @@ def _make_plan(apply_fn: Callable, treedef: Any, leaves: list[Any], x0: Any,
             a = jnp.reshape(a, (-1, a.shape[-1])).astype(dtype)  # (S, d_in)
             if ly.merged:
                 a = jnp.concatenate([a, jnp.ones_like(a[:, :1])], axis=1)
-            res += [jnp.transpose(g, (1, 0, 2)).astype(dtype), a]
+            g = g.astype(dtype)
+            if ly.dense:  # W[o, c, k] = sum_s g[o, s, c] a[s, k]; the bias's sum_s g[o, s, c]
+                res += [jnp.reshape(jnp.einsum("osc,sk->ock", g, a), (o_eff, -1)),
+                        jnp.sum(g, axis=1)]
+            else:
+                res += [jnp.transpose(g, (1, 0, 2)), a]
         return res
 
     batched = jax.jit(jax.vmap(per_sample, in_axes=(None, 0)))
@@ -305,6 +316,7 @@ def jacobian(
     select: Sequence[str] | None = None,
     structured: bool = True,
     outputs: tuple[int, int] | None = None,
+    dense_if_smaller: bool = False,
 ) -> Jacobian:
     r"""Per-sample Jacobian of a JAX model, with Kronecker blocks for recognised dense layers.
 
@@ -333,6 +345,12 @@ def jacobian(
         stop - start reverse passes a sample; provider capability ``"outputs"``, which
         :func:`ntkcore.ntk` uses to compute trace and diagonal kernels a few outputs at a
         time).  Not with ``pseudo``.
+    dense_if_smaller : bool
+        Give a recognised dense layer whose per-sample gradient is no larger than its
+        Kronecker factors (:func:`ntkcore.jacobian.dense_is_smaller`, shapes alone) as that
+        DenseBlock, in the Kronecker block's column order (d_out, d_in [+ bias]); provider
+        capability ``"dense_if_smaller"``, which :func:`ntkcore.ntk` asks for.  Default
+        False.
 
     Returns
     -------
@@ -354,6 +372,8 @@ def jacobian(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    if not isinstance(dense_if_smaller, bool):
+        raise TypeError(f"dense_if_smaller must be True or False; got {dense_if_smaller!r}")
     if outputs is not None:
         if pseudo:
             raise ValueError("outputs cannot be combined with pseudo=True (one output)")
@@ -378,12 +398,13 @@ def jacobian(
         raise ValueError("params has no floating-point leaves to differentiate")
     n = int(x.shape[0])
     key = (apply_fn, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves),
-           tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured, outputs)
+           tuple(x.shape[1:]), str(x.dtype), pseudo, tuple(floating), structured, outputs,
+           dense_if_smaller)
     plan = _PLANS.get(key)
     if plan is None:
         paths = [path for path, _ in flat]
         plan = _make_plan(apply_fn, treedef, leaves, x[0], _groups(paths, names, leaves, floating),
-                          names, pseudo, structured, outputs)
+                          names, pseudo, structured, outputs, dense_if_smaller)
         _PLANS[key] = plan
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
@@ -409,10 +430,10 @@ def jacobian(
         parts.append([t[:m] for t in out] if m < chunk_size else out)
 
     outs = [c[0] if len(c) == 1 else jnp.concatenate(c, 0) for c in zip(*parts, strict=True)]
-    nd = len(plan.dense)  # outs: the dense blocks, then g, a of each layer
-    blocks = [DenseBlock(outs[j], name) if kind == "dense" else KroneckerBlock(
-        outs[nd + 2 * j + 1] if kind == "kron" else jnp.ones_like(outs[nd + 2 * j + 1][..., :1]),
-        outs[nd + 2 * j], name) for kind, j, name in plan.specs]
+    nd = len(plan.dense)  # outs: the dense blocks, then (g, a) or (W, sum g) of each layer
+    blocks = [_block(kind, outs[j] if kind == "dense" else outs[nd + 2 * j:nd + 2 * j + 2],
+                     kind != "dense" and plan.layers[j].dense, name)
+              for kind, j, name in plan.specs]
 
     tracing = any(isinstance(t, jax.core.Tracer) for t in (x, *leaves))
     if plan.layers and not plan.verified and not tracing:  # (values are unknown under tracing)
@@ -423,9 +444,22 @@ def jacobian(
                           "on the first sample; computing dense blocks instead",
                           RuntimeWarning, stacklevel=2)
             return jacobian(apply_fn, params, x, pseudo=pseudo, chunk_size=chunk_size,
-                            select=select, structured=False, outputs=outputs)
+                            select=select, structured=False, outputs=outputs)  # all dense
         plan.verified = True
     return Jacobian(blocks)
+
+
+def _block(kind: str, arrays: Any, dense: bool, name: str) -> DenseBlock | KroneckerBlock:
+    """A block of ``plan.specs``: ``"dense"`` (its array), a layer's weight ``"kron"`` or
+    separate ``"bias"`` from its (g, a) factors, or from (W, sum g) where the layer is
+    ``dense``."""
+    if kind == "dense":
+        return DenseBlock(arrays, name)
+    first, second = arrays
+    if dense:
+        return DenseBlock(first if kind == "kron" else second, name)
+    return KroneckerBlock(second if kind == "kron" else jnp.ones_like(second[..., :1]), first,
+                          name)
 
 
 def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: bool
@@ -448,8 +482,9 @@ def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: 
             continue
         ly = plan.layers[j]
         o = blk.num_outputs
-        got = KroneckerBlock(np.asarray(blk.a[:1], dtype=np.float64),
-                             np.asarray(blk.g[:1], dtype=np.float64)).to_dense()[0]
+        got = np.asarray(blk.jac[0], dtype=np.float64) if isinstance(blk, DenseBlock) else \
+            KroneckerBlock(np.asarray(blk.a[:1], dtype=np.float64),
+                           np.asarray(blk.g[:1], dtype=np.float64)).to_dense()[0]
         if kind == "bias":
             r = ref[ly.b_leaf].reshape(o, -1)
         else:
@@ -458,7 +493,7 @@ def _verify(blocks: list[Any], plan: _Plan, leaves: list[Any], x0: Any, pseudo: 
             if ly.merged:
                 r = np.concatenate([r, ref[ly.b_leaf].reshape(o, -1, 1)], axis=2)
             r = r.reshape(o, -1)
-        tol = 1e-4 if np.dtype(blk.a.dtype).itemsize <= 4 else 1e-9
+        tol = 1e-4 if np.dtype(blk.dtype).itemsize <= 4 else 1e-9
         err = float(np.max(np.abs(got - r)))
         if not err <= tol * max(1.0, float(np.max(np.abs(r)))):
             return f"{blk.name!r} (max error {err:.3g})"

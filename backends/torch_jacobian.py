@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ntkcore._api import ModelInputError, explain_failure, input_problem
-from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock
+from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock, dense_is_smaller
 from ntkcore.support import capabilities
 
 from .torch_functional import (
@@ -46,7 +46,6 @@ from .torch_layers import (
     Reducer,
     Summed,
     cat,
-    dense_is_smaller,
     drop_zero_positions_all,
     recurrent_rule,
     rule_for,
@@ -973,7 +972,7 @@ def jacobian(
         ``pseudo``.
     dense_if_smaller : bool
         Give a linear layer or an ungrouped convolution whose per-sample gradient (N, O, P_b)
-        is no larger than its Kronecker factors (``torch_layers.dense_is_smaller``: shapes
+        is no larger than its Kronecker factors (``ntkcore.jacobian.dense_is_smaller``: shapes
         only, e.g. a stem convolution over many positions) as that DenseBlock, in the
         DenseBlock layout ``[weight.flatten(), bias]``, reduced from each backward pass's
         output gradients while they are in cache (g (N, S, O, d_out) is never stored).  Its
@@ -1242,7 +1241,7 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
     """Step 4: the output gradients of every structured call (:func:`_output_grads`): the
     module calls', the recurrent gate pre-activations' (:math:`u = W_{ih} x + b_{ih}` of
     every layer, direction and call) and the functional calls'.  ``dense``: a module whose
-    per-sample gradient is no larger than its factors (``torch_layers.dense_is_smaller``)
+    per-sample gradient is no larger than its factors (``ntkcore.jacobian.dense_is_smaller``)
     has each pass's g reduced to it (:meth:`LayerRule.gradient_sums`)."""
     n, o = out2.shape
     if backward == "auto":  # vmap's per-op batching costs more than a second pass at O = 2

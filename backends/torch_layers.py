@@ -669,24 +669,6 @@ def with_ones(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_ones((*a.shape[:-1], 1))], dim=-1)
 
 
-def dense_is_smaller(d_in: int, d_out: int, positions: int, o: int) -> bool:
-    r"""Whether a layer's per-sample gradient, :math:`O\,d_{out}\,d_{in}` numbers a sample, is
-    no larger than its Kronecker factors over all its calls' S positions,
-    :math:`S\,(d_{in} + O\,d_{out})` (``d_in`` with the ones column:
-    :meth:`LayerRule.factor_widths`).
-
-    Then the DenseBlock is also the cheapest to contract: its Gram costs :math:`2rcOP_b` flops
-    on an r x c tile, and with :math:`O P_b \le S(d_{in} + O d_{out})` the "positions" route's
-    :math:`2rcS^2(d_{in} + O d_{out} + 1)` and (S = 1) "kron1"'s :math:`2rc(d_{in} + O
-    d_{out})` are at least that; forming it, :math:`2NSOP_b`, is what the "materialise" route
-    pays, and no more than "positions" for r, c >= 2.  The test reads shapes only, not N, so a
-    one-sample probe decides as the call it prices does.  The provider then reduces each
-    backward pass's g to this gradient (:meth:`LayerRule.gradient_sums`) while it is in cache
-    and never stores g (N, S, O, d_out): a large first convolution's output gradients
-    (ResNet-50's stem: S = 12544) are most of a Jacobian's bytes."""
-    return o * d_out * d_in <= positions * (d_in + o * d_out)
-
-
 def weight_sums(gt: torch.Tensor, a: torch.Tensor | None, n: int, lead: int,
                 bias: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     r"""``[g^T a, g^T 1]`` per sample: gt (N, L d_out, S), a (N, S, d_in) or None (no weight)

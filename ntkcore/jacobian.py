@@ -483,6 +483,23 @@ def factor_gram(xp: Any, a1: Array, a2: Array, dtype: Any = None, ones: bool = F
     return xp.astype(eq, dtype)
 
 
+def dense_is_smaller(d_in: int, d_out: int, positions: int, o: int) -> bool:
+    r"""Whether a layer's per-sample gradient, :math:`O\,d_{out}\,d_{in}` numbers a sample, is
+    no larger than its Kronecker factors over all its calls' S positions,
+    :math:`S\,(d_{in} + O\,d_{out})` (``d_in`` with the ones column).
+
+    Then the DenseBlock is also the cheapest to contract: its Gram costs :math:`2rcOP_b` flops
+    on an r x c tile, and with :math:`O P_b \le S(d_{in} + O d_{out})` the "positions" route's
+    :math:`2rcS^2(d_{in} + O d_{out} + 1)` and (S = 1) "kron1"'s :math:`2rc(d_{in} + O
+    d_{out})` are at least that; forming it, :math:`2NSOP_b`, is what the "materialise" route
+    pays, and no more than "positions" for r, c >= 2.  The test reads shapes only, not N, so a
+    one-sample probe decides as the call it prices does.  The torch provider then reduces each
+    backward pass's g to this gradient (``LayerRule.gradient_sums``) while it is in cache
+    and never stores g (N, S, O, d_out): a large first convolution's output gradients
+    (ResNet-50's stem: S = 12544) are most of a Jacobian's bytes."""
+    return o * d_out * d_in <= positions * (d_in + o * d_out)
+
+
 def flat_weights(xp: Any, a: Array, g: Array, one_hot: int | None = None) -> Array:
     """Per-sample weights :math:`W[n,o] = \\sum_s g[n,s,o]\\, a[n,s]^\\top` of factors ``a``
     (N, S, d_in), ``g`` (N, S, O, d_out), flattened row-major: (N, O, d_out d_in).  One batched

@@ -152,4 +152,6 @@ register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), fi
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.
 register_provider("jax", _is_jax_pair, _loader("ntkcore.backends.jax_provider", "provider"),
-                  capabilities={"outputs": _loader("ntkcore.backends.jax_provider", "provider")})
+                  capabilities={"outputs": _loader("ntkcore.backends.jax_provider", "provider"),
+                                "dense_if_smaller": _loader("ntkcore.backends.jax_provider",
+                                                            "provider")})

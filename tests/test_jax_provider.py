@@ -454,3 +454,51 @@ def test_ntk_in_output_chunks(monkeypatch, mode, rng):
     chunks = sorted({c for c in seen if c is not None})
     assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == 8
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+
+
+def _tokens_params(rng):
+    return {"w": jnp.asarray(rng.standard_normal((3, 4))), "b": jnp.asarray(rng.standard_normal(4)),
+            "v": jnp.asarray(rng.standard_normal((4, 2)))}
+
+
+def _tokens_apply(q, x):  # x (n, T = 6, 3): one dense layer over 6 tokens, a head (S = 1)
+    return jnp.sum(jnp.tanh(x @ q["w"] + q["b"]), axis=1) @ q["v"]
+
+
+@pytest.mark.parametrize(("make", "apply", "shape", "dense"), [
+    # w: O d_out d_in = 2 4 3 <= 6 (3 + 2 4); its separate bias follows; v (S = 1) stays
+    (_tokens_params, _tokens_apply, (6, 3), {"['w'].T", "['b']"}),
+    # the merged layer groups of _layered_params (weight and bias in one block), 6 tokens
+    (lambda rng: _layered_params(rng), lambda p, x: _layered_apply(p, x), (6, 3), None),
+])
+def test_dense_if_smaller(make, apply, shape, dense, rng):
+    """``dense_if_smaller=True``: every recognised layer whose per-sample gradient is no
+    larger than its factors (``ntkcore.jacobian.dense_is_smaller``, shapes alone) becomes
+    that DenseBlock, in the Kronecker block's column order: equal to its ``to_dense`` and to
+    ``jacrev``; the other blocks are unchanged; ``ntk`` asks for it and gives the float64
+    reference kernel."""
+    from ntkcore.jacobian import dense_is_smaller
+
+    p = make(rng)
+    x = jnp.asarray(rng.standard_normal((5, *(shape or (3,)))))
+    jk = jacobian(apply, p, x)
+    jd = jacobian(apply, p, x, dense_if_smaller=True)
+    assert "dense_if_smaller" in find_provider((apply, p)).capabilities
+    o = jk.num_outputs
+    expect = {b.name for b in jk.blocks if isinstance(b, KroneckerBlock) and (
+        b.num_positions >= 1 and dense_is_smaller(b.a.shape[-1] + int(b.ones), b.g.shape[-1],
+                                                  b.num_positions, o))}
+    if dense is not None:
+        assert expect == dense
+    assert {b.name for b in jd.blocks if isinstance(b, DenseBlock)} == expect | {
+        b.name for b in jk.blocks if isinstance(b, DenseBlock)}
+    assert expect  # the case has a layer in the dense form
+    for bk, bd in zip(jk.blocks, jd.blocks, strict=True):
+        assert bk.name == bd.name
+        np.testing.assert_allclose(_np_dense(bd), _np_dense(bk), rtol=1e-12, atol=1e-13)
+    refs, _ = _dense_reference(apply, p, x)
+    ref = _kernel(np.concatenate(refs, axis=2))
+    k = np.asarray(ntkcore.ntk((apply, p), x, mode="trace"))
+    np.testing.assert_allclose(k, np.einsum("nmoo->nm", ref), rtol=1e-10, atol=1e-10)
+    with pytest.raises(TypeError, match="dense_if_smaller"):
+        jacobian(apply, p, x, dense_if_smaller=1)

@@ -1,6 +1,6 @@
 """``jacobian(..., dense_if_smaller=True)``: a linear layer or ungrouped convolution whose
 per-sample gradient is no larger than its Kronecker factors comes as that DenseBlock, reduced
-pass by pass (``torch_layers.dense_is_smaller``, ``LayerRule.gradient_sums``), and
+pass by pass (``ntkcore.jacobian.dense_is_smaller``, ``LayerRule.gradient_sums``), and
 ``ntkcore.ntk`` asks for it.  References: ``torch.func`` Jacobians in float64."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import ntkcore  # noqa: E402
 from ntkcore import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.backends import torch_jacobian  # noqa: E402
 from ntkcore.backends.torch_jacobian import from_block_order, jacobian, to_block_order  # noqa: E402
-from ntkcore.backends.torch_layers import dense_is_smaller  # noqa: E402
+from ntkcore.jacobian import dense_is_smaller  # noqa: E402
 from tests.test_torch_provider import dense_reference, reference, rel  # noqa: E402
 from tests.tolerances import kernel_tol  # noqa: E402
 
