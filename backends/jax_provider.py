@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from ntkcore._validation import check_outputs
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock, dense_is_smaller
 from ntkcore.support import capabilities
 
@@ -374,14 +375,7 @@ def jacobian(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     if not isinstance(dense_if_smaller, bool):
         raise TypeError(f"dense_if_smaller must be True or False; got {dense_if_smaller!r}")
-    if outputs is not None:
-        if pseudo:
-            raise ValueError("outputs cannot be combined with pseudo=True (one output)")
-        if (not isinstance(outputs, tuple) or len(outputs) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in outputs)
-                or not 0 <= outputs[0] < outputs[1]):
-            raise ValueError(f"outputs must be a pair of ints (start, stop) with "
-                             f"0 <= start < stop; got {outputs!r}")
+    check_outputs(outputs, pseudo)
     while hasattr(apply_fn, "lower") and callable(getattr(apply_fn, "__wrapped__", None)):
         apply_fn = apply_fn.__wrapped__  # jax.jit(f): trace f (the Jacobian is compiled anyway)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ntkcore._api import ModelInputError, explain_failure, input_problem
+from ntkcore._validation import check_outputs
 from ntkcore.jacobian import DenseBlock, Jacobian, KroneckerBlock, dense_is_smaller
 from ntkcore.support import capabilities
 
@@ -1019,14 +1020,7 @@ def jacobian(
     on one model are safe (:func:`model_lock`).
     """
     check_inputs(model, x=x)
-    if outputs is not None:
-        if pseudo:
-            raise ValueError("outputs cannot be combined with pseudo=True (one output)")
-        if (not isinstance(outputs, tuple) or len(outputs) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in outputs)
-                or not 0 <= outputs[0] < outputs[1]):
-            raise ValueError(f"outputs must be a pair of ints (start, stop) with "
-                             f"0 <= start < stop; got {outputs!r}")
+    check_outputs(outputs, pseudo)
     if backward not in ("auto", "batched", "loop"):
         raise ValueError(f"backward must be 'auto', 'batched' or 'loop'; got {backward!r}")
     for flag, value in (("dense_if_smaller", dense_if_smaller), ("measure_work", measure_work)):

@@ -312,3 +312,18 @@ def first_nonfinite(named: list[tuple[str, Array]]) -> str | None:
                 if not bool(xp.all(xp.isfinite(arr))):
                     return name
     return None
+
+
+def check_outputs(outputs: Any, pseudo: bool) -> None:
+    """A provider's ``outputs=(start, stop)`` option (None: all outputs): two ints with
+    ``0 <= start < stop`` (``stop`` is checked against O once O is known), not with
+    ``pseudo`` (one output)."""
+    if outputs is None:
+        return
+    if pseudo:
+        raise ValueError("outputs cannot be combined with pseudo=True (one output)")
+    if (not isinstance(outputs, tuple) or len(outputs) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in outputs)
+            or not 0 <= outputs[0] < outputs[1]):
+        raise ValueError(f"outputs must be a pair of ints (start, stop) with "
+                         f"0 <= start < stop; got {outputs!r}")

@@ -297,6 +297,24 @@ def jax_quick_compile() -> Iterator[None]:
         jax.config.update("jax_disable_most_optimizations", before)
 
 
+def spy_output_ranges(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The ``outputs`` option of every provider call of ``ntk`` from now on (None: all)."""
+    import sys
+
+    import ntkcore  # noqa: F401 - loads ntkcore._api
+
+    api = sys.modules["ntkcore._api"]
+    seen: list = []
+    real = api.provider_call
+
+    def counting(provider, model, name, x_full, x1_, options, x):
+        seen.append(options.get("outputs"))
+        return real(provider, model, name, x_full, x1_, options, x)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    return seen
+
+
 def force_panels(monkeypatch: pytest.MonkeyPatch, rows: int = 3) -> Any:
     """Split every diagonal tile of a symmetric Gram into row panels of ``rows`` GEMM rows
     (``ntkcore.gram.SYMMETRIC_PANEL_ROWS`` on CPU and GPU, and no minimum work per entry), for

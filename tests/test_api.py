@@ -16,6 +16,7 @@ from torch.func import functional_call, jacrev, vmap
 
 import ntkcore
 from ntkcore._cache import LRUCache
+from tests.conftest import spy_output_ranges
 from tests.tolerances import kernel_tol
 
 DT = torch.float64
@@ -374,19 +375,6 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
 
 
-def _spy_output_ranges(monkeypatch, api) -> list:
-    """The ``outputs`` option of every provider call of ``ntk`` from now on (None: all)."""
-    seen: list = []
-    real = api.provider_call
-
-    def counting(provider, model, name, x_full, x1_, options, x):
-        seen.append(options.get("outputs"))
-        return real(provider, model, name, x_full, x1_, options, x)
-
-    monkeypatch.setattr(api, "provider_call", counting)
-    return seen
-
-
 class _ConvNet(nn.Module):
     """Convolutions and a Linear head (Kronecker blocks) and a LayerNorm (a dense block):
     10 outputs, whose output-gradient factors dominate the factor bytes."""
@@ -442,7 +430,6 @@ def test_output_chunks_when_the_factors_of_all_outputs_do_not_fit(monkeypatch, m
     full mode, which pairs all outputs, is still refused."""
     import sys
 
-    api = sys.modules["ntkcore._api"]
     monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
     torch.manual_seed(1)
     m = _ConvNet().to(DT)
@@ -460,7 +447,7 @@ def test_output_chunks_when_the_factors_of_all_outputs_do_not_fit(monkeypatch, m
         ntkcore.ntk(m, x1, x2, mode=mode, max_memory=least - 1)
     with pytest.raises(ntkcore.BudgetTooSmallError):
         ntkcore.ntk(m, x1, x2, mode="full", max_memory=least)
-    seen = _spy_output_ranges(monkeypatch, api)
+    seen = spy_output_ranges(monkeypatch)
     for budget in (least, 2 * least):
         seen.clear()
         k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=budget)
@@ -501,7 +488,7 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
     k = api._output_chunk(budget, (b, shapes, o, item, shared, work), 24, 24, False,
                           check_mode("trace"), False, None, None)
     assert k is not None and k < o
-    seen = _spy_output_ranges(monkeypatch, api)
+    seen = spy_output_ranges(monkeypatch)
     got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
     assert None not in seen and len(set(seen)) == -(-o // k)
     assert (got - ref).abs().max() <= tol
@@ -524,7 +511,6 @@ def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
     call with all outputs (the chunks sum, or concatenate along the last axis)."""
     import sys
 
-    api = sys.modules["ntkcore._api"]
     monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
     torch.manual_seed(3)
     m = _ConvNet().to(DT)
@@ -532,7 +518,7 @@ def test_layerwise_kernels_from_output_chunks(monkeypatch, mode):
     ref = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=10**9)
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=1000)
-    seen = _spy_output_ranges(monkeypatch, api)
+    seen = spy_output_ranges(monkeypatch)
     got = ntkcore.ntk(m, x, mode=mode, layerwise=True, max_memory=info.value.needed)
     assert len({c for c in seen if c is not None}) > 1
     assert got.shape == ref.shape

@@ -18,6 +18,7 @@ from ntkcore.backends.jax import jacobian  # noqa: E402
 from ntkcore.jacobian import DenseBlock, KroneckerBlock  # noqa: E402
 from ntkcore.models import MLP  # noqa: E402
 from ntkcore.providers import find_provider  # noqa: E402
+from tests.conftest import spy_output_ranges  # noqa: E402
 from tests.tolerances import kernel_tol  # noqa: E402
 
 
@@ -430,7 +431,6 @@ def test_ntk_in_output_chunks(monkeypatch, mode, rng):
     import itertools
     import sys
 
-    api = sys.modules["ntkcore._api"]
     monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
     assert "outputs" in find_provider((_wide_apply, {})).capabilities
     p = _wide_params(rng)
@@ -441,14 +441,7 @@ def test_ntk_in_output_chunks(monkeypatch, mode, rng):
     with pytest.raises(ntkcore.BudgetTooSmallError) as info:
         ntkcore.ntk((_wide_apply, p), x, mode=mode, max_memory=1000)
     least = info.value.needed
-    seen: list = []
-    real = api.provider_call
-
-    def counting(provider, model, name, x_full, x1_, options, xx):
-        seen.append(options.get("outputs"))
-        return real(provider, model, name, x_full, x1_, options, xx)
-
-    monkeypatch.setattr(api, "provider_call", counting)
+    seen = spy_output_ranges(monkeypatch)
     k = np.asarray(ntkcore.ntk((_wide_apply, p), x, mode=mode, max_memory=least))
     np.testing.assert_allclose(k, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
     chunks = sorted({c for c in seen if c is not None})
