@@ -1231,12 +1231,14 @@ def _probe(model: nn.Module, x: torch.Tensor, walk: _Walk, selected: list[str],
 
 
 def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[str, _Unit],
-               pseudo: bool, create_graph: bool, backward: str, dense: bool) -> _Gradients:
+               pseudo: bool, create_graph: bool, backward: str, dense: bool,
+               measure: bool = False) -> _Gradients:
     """Step 4: the output gradients of every structured call (:func:`_output_grads`): the
     module calls', the recurrent gate pre-activations' (:math:`u = W_{ih} x + b_{ih}` of
     every layer, direction and call) and the functional calls'.  ``dense``: a module whose
     per-sample gradient is no larger than its factors (``ntkcore.jacobian.dense_is_smaller``)
-    has each pass's g reduced to it (:meth:`LayerRule.gradient_sums`)."""
+    has each pass's g reduced to it (:meth:`LayerRule.gradient_sums`).  ``measure``: also
+    the bytes of the output gradients alive at once (``pass_nbytes``; else 0)."""
     n, o = out2.shape
     if backward == "auto":  # vmap's per-op batching costs more than a second pass at O = 2
         slow = tuple(t for r in RULES.values() for t in r.unbatched)
@@ -1267,7 +1269,8 @@ def _gradients(model: nn.Module, out2: torch.Tensor, plan: _Plan, units: dict[st
     return _Gradients(
         {p: [next(gs) for _ in calls] for p, calls in plan.kron.items()},
         {p: [next(gs) for passes in ru.calls for _ in passes] for p, ru in plan.rkron.items()},
-        list(gs), alive * sum(t.y.numel() * t.y.element_size() for t in targets))
+        list(gs),
+        alive * sum(t.y.numel() * t.y.element_size() for t in targets) if measure else 0)
 
 
 def _assemble(plan: _Plan, units: dict[str, _Unit], grads: _Gradients,
@@ -1333,10 +1336,10 @@ def _jacobian_locked(model: nn.Module, x: torch.Tensor, params: Any, pseudo: boo
     if plan.kron or plan.rkron or plan.fcalls:
         out2 = out.reshape(n, o) if outputs is None else out.reshape(n, o)[:, cols]
         grads = _gradients(model, out2, plan, found.units, pseudo, create_graph, backward,
-                           dense)
+                           dense, measure)
         del out2
         blocks = _assemble(plan, found.units, grads, walk.owners, n, create_graph)
-        work += grads.pass_nbytes if measure else 0
+        work += grads.pass_nbytes
         del grads
     del out, found, plan  # the recorded calls go before the dense pass
     if dense_groups:
