@@ -24,8 +24,10 @@ Device = Any
 #: a time.
 ONE_HOT_CHUNK = 1 << 22
 #: :meth:`Backend.transient_bytes` of host memory: well below glibc's largest mmap
-#: threshold (32 MB); 8 MB slabs removed ResNet-18's Gram page faults where 16 MB left half
-#: (``benchmarks/real_models_bench.py``, N = 32).
+#: threshold (32 MB).  Measured once, ResNet-18 of ``benchmarks/real_models.py`` at N = 32 on
+#: one thread (page faults counted by ``getrusage``, docs/real-models.md "Fresh pages"): 8 MB
+#: slabs took its ``ntk`` from about 60,000 faults a call to 7,000; 16 MB slabs left a third
+#: to a half of them.
 HOST_TRANSIENT_BYTES = 8 << 20
 
 
