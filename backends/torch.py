@@ -12,6 +12,7 @@ import torch
 from ntkcore.backend import Array, Backend, Device
 
 from ._host import host_free_memory
+from .torch_recycle import empty as recycled
 
 
 class TorchBackend(Backend):
@@ -54,6 +55,14 @@ class TorchBackend(Backend):
         # differentiable in x
         idx = torch.where(idx < 0, size, idx)
         return x.new_zeros((size + 1, *x.shape[1:])).index_add(0, idx, x)[:size]
+
+    def transient_product(self, a: Array, b: Array) -> Array:
+        # host, no graph: into a recycled buffer (no fresh pages); else a fresh product
+        if a.device.type != "cpu" or self.tracks_gradient(a, b) or a.ndim < 2 or b.ndim < 2:
+            return a @ b
+        dtype = torch.result_type(a, b)
+        shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+        return torch.matmul(a.to(dtype), b.to(dtype), out=recycled(shape, dtype, a.device))
 
     def stop_gradient(self, x: Array) -> Array:
         return x.detach()

@@ -51,6 +51,7 @@ from .torch_layers import (
     recurrent_rule,
     rule_for,
 )
+from .torch_recycle import empty as recycled
 
 __all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
 
@@ -698,11 +699,12 @@ class _Target:
             else (0, 1, 2, 3)
 
     def buffer(self, g1: torch.Tensor, n: int, o: int) -> torch.Tensor:
-        """The array the O passes' g1 (one pass's factor or sums) are copied into."""
+        """The array the O passes' g1 (one pass's factor or sums) are copied into, host
+        memory recycled from an earlier call where free (``torch_recycle``)."""
         if self.reduce is not None:
-            return g1.new_empty((n, o, g1.shape[-1]))
+            return recycled((n, o, g1.shape[-1]), g1.dtype, g1.device)
         perm, shape = self.storage, (n, g1.shape[1], o, g1.shape[-1])
-        return g1.new_empty([shape[i] for i in perm]).permute(*_inverse(perm))
+        return recycled([shape[i] for i in perm], g1.dtype, g1.device).permute(*_inverse(perm))
 
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The O <= 2 passes' g1 concatenated in the storage of :meth:`buffer`."""

@@ -22,6 +22,8 @@ from torch import nn
 
 from ntkcore.jacobian import DenseBlock, KroneckerBlock, trusted_blocks
 
+from .torch_recycle import empty as recycled
+
 __all__ = ["NORMALISE", "PLAIN", "RULES", "AffineRule", "BatchNormRule", "ConvRule",
            "EmbeddingRule", "GRURule", "GroupNormRule", "InstanceNormRule", "LSTMRule",
            "LayerNormRule", "LayerRule", "LinearRule", "RMSNormRule", "RNNRule", "RecurrentPass",
@@ -527,9 +529,13 @@ class GRURule(RecurrentRule):
 
     def hh_grad(self, g, rec, detach):
         r = torch.stack(rec.r, 1)
-        r = r.detach() if detach else r
         hid = r.shape[-1]
-        return torch.cat([g[..., :2 * hid], g[..., 2 * hid:] * r[:, :, None, :]], -1)
+        if not detach:  # differentiable: no out= (autograd does not record into it)
+            return torch.cat([g[..., :2 * hid], g[..., 2 * hid:] * r[:, :, None, :]], -1)
+        out = recycled(g.shape, g.dtype, g.device)  # (N, T, O, 3H): host pages reused
+        out[..., :2 * hid] = g[..., :2 * hid]
+        torch.mul(g[..., 2 * hid:], r.detach()[:, :, None, :], out=out[..., 2 * hid:])
+        return out
 
 
 class LSTMRule(RecurrentRule):

@@ -192,6 +192,13 @@ class Backend:
         raise TypeError("seed must be None, a non-negative integer, a numpy.random.Generator, "
                         f"a torch.Generator or a JAX PRNG key; got {type(seed).__name__}")
 
+    def transient_product(self, a: Array, b: Array) -> Array:
+        """``a @ b`` for a transient the caller drops before it returns (the Gram's slabs of
+        per-sample weights): where the library can, written into memory recycled from
+        earlier calls rather than fresh pages (the torch backend on the host,
+        ``ntkcore.backends.torch_recycle``).  Here: ``a @ b``."""
+        return a @ b
+
     # -- device facts -----------------------------------------------------------------------
     def free_memory(self, device: Device) -> int | None:
         """Bytes that can still be allocated on ``device``; ``None`` when unknown."""

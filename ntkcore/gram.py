@@ -391,7 +391,8 @@ class MaterialiseRoute(Route):
         return a, g
 
     @staticmethod
-    def _weights(xp: Any, ag: tuple[Array, Array], slab: slice, mode: Mode) -> Array:
+    def _weights(xp: Any, ag: tuple[Array, Array], slab: slice, mode: Mode,
+                 backend: Any = None) -> Array:
         r"""Per-sample weights of the rows ``slab`` of d_out: (r, O, |slab| d_in); for a mode
         that sums the outputs, of the rows ``slab`` of d_in, transposed and flattened:
         :math:`W^\top[n, i, (o, k)] = \sum_s a[n,s,i]\, g[n,s,o,k]` as (r, 1, |slab| O d_out)
@@ -401,7 +402,9 @@ class MaterialiseRoute(Route):
             r, s = g.shape[0], g.shape[1]
             at = xp.permute_dims(a if slab.stop - slab.start == a.shape[2] else a[..., slab],
                                  (0, 2, 1))  # (r, |slab|, S)
-            return xp.reshape(at @ xp.reshape(g, (r, s, -1)), (r, 1, -1))
+            g3 = xp.reshape(g, (r, s, -1))
+            w = at @ g3 if backend is None else backend.transient_product(at, g3)
+            return xp.reshape(w, (r, 1, -1))
         return flat_weights(xp, a, g if slab.stop - slab.start == g.shape[3] else g[..., slab])
 
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context, mode: Mode) -> list[slice]:
@@ -422,8 +425,10 @@ class MaterialiseRoute(Route):
         widest = max(rows.stop - rows.start, cols.stop - cols.start)
         k = None
         for slab in self._slabs_of(pair, widest, ctx, mode):
-            w1 = self._weights(xp, ag1, slab, mode)
-            t = mode.dense(xp, w1, w1 if same else self._weights(xp, ag2, slab, mode), same)
+            w1 = self._weights(xp, ag1, slab, mode, ctx.backend)
+            w2 = w1 if same else self._weights(xp, ag2, slab, mode, ctx.backend)
+            t = mode.dense(xp, w1, w2, same)
+            del w1, w2  # each slab's weights free before the next one's (recycled memory)
             if k is None:
                 k = t
             else:
@@ -438,7 +443,7 @@ class MaterialiseRoute(Route):
         ag, r0 = self._inputs(xp, pair.b1, rows, dtype), rows.start
         parts: list[Array | None] = [None] * len(pieces)
         for slab in self._slabs_of(pair, rows.stop - rows.start, ctx, mode):
-            w = self._weights(xp, ag, slab, mode)
+            w = self._weights(xp, ag, slab, mode, ctx.backend)
             for i, (prs, pcs, _) in enumerate(pieces):
                 t = mode.dense(xp, w[prs.start - r0:prs.stop - r0, ...],
                                w[pcs.start - r0:pcs.stop - r0, ...], False)

@@ -333,8 +333,8 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     seen: list[tuple[int, ...]] = []
     weights = route._weights
 
-    def spy(xp, ag, slab, mode_):
-        w = weights(xp, ag, slab, mode_)
+    def spy(xp, ag, slab, mode_, backend_=None):
+        w = weights(xp, ag, slab, mode_, backend_)
         seen.append((slab.stop - slab.start, *w.shape))
         return w
 
