@@ -64,8 +64,10 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype,
         for i in range(len(_KEPT)):
             if _KEPT[i].nbytes() == nbytes and _free(i):
                 _KEPT.append(_KEPT.pop(i))
-                return torch.empty(0, dtype=dtype, device=device).set_(_KEPT[-1], 0,
-                                                                       tuple(shape))
+                size = tuple(shape)
+                stride = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+                return torch.empty(0, dtype=dtype, device=device).set_(_KEPT[-1], 0, size,
+                                                                       stride)
         total = sum(st.nbytes() for st in _KEPT)
         i = 0
         while total + nbytes > HOST_RECYCLE_BYTES and i < len(_KEPT):
