@@ -630,8 +630,9 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool,
                  taps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Unfolded input patches (N, L, C_in * prod(k) [+ 1]) in the weight's (C_in, k1, k2, ...)
     order, with a trailing ones column if ``ones``; written with a single copy, so that
-    ``y[n, :, l] = [W.reshape(C_out, -1), b] @ a[n, l]``.  ``taps`` (per spatial axis, the
-    bool masks of :func:`live_tap_axes`): only those taps, (N, L, C_in * prod(k_live))."""
+    ``y[n, :, l] = [W.reshape(C_out, -1), b] @ a[n, l]``, into host memory recycled between
+    calls (``torch_recycle``).  ``taps`` (per spatial axis, the bool masks of
+    :func:`live_tap_axes`): only those taps, (N, L, C_in * prod(k_live))."""
     nd = len(mod.kernel_size)
     flat: list[int] = []  # (lo, hi) per axis, the last axis first as F.pad wants
     for i in reversed(range(nd)):
@@ -658,7 +659,7 @@ def conv_patches(mod: nn.Module, a: torch.Tensor, ones: bool,
     # (N, C, L1..Lnd, k1..knd) -> (N, L1..Lnd, C, k1..knd), a strided view
     view = a.permute([0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)])
     dk = c * math.prod(kernel)
-    out = a.new_empty((n, math.prod(lens), dk + int(ones)))
+    out = recycled((n, math.prod(lens), dk + int(ones)), a.dtype, a.device)
     if ones:
         out[..., dk] = 1
     out[..., :dk].unflatten(2, (c, *kernel)).unflatten(1, lens).copy_(view)
