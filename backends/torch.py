@@ -11,8 +11,8 @@ import torch
 
 from ntkcore.backend import Array, Backend, Device
 
+from . import torch_recycle as recycle
 from ._host import host_free_memory
-from .torch_recycle import empty as recycled
 
 
 class TorchBackend(Backend):
@@ -57,12 +57,17 @@ class TorchBackend(Backend):
         return x.new_zeros((size + 1, *x.shape[1:])).index_add(0, idx, x)[:size]
 
     def transient_product(self, a: Array, b: Array) -> Array:
-        # host, no graph: into a recycled buffer (no fresh pages); else a fresh product
-        if a.device.type != "cpu" or self.tracks_gradient(a, b) or a.ndim < 2 or b.ndim < 2:
+        # a batched host product of one dtype, off the graph, of at least torch_recycle's
+        # MIN_BYTES: into a recycled buffer (no fresh pages); else a fresh product (small
+        # ones: the pool's bookkeeping, ~0.1 ms, would cost more than their pages)
+        if (a.ndim != 3 or b.ndim != 3 or a.dtype != b.dtype or a.shape[0] != b.shape[0]
+                or a.device.type != "cpu"):
             return a @ b
-        dtype = torch.result_type(a, b)
-        shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
-        return torch.matmul(a.to(dtype), b.to(dtype), out=recycled(shape, dtype, a.device))
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+        if shape[0] * shape[1] * shape[2] * a.element_size() < recycle.MIN_BYTES or \
+                self.tracks_gradient(a, b):
+            return a @ b
+        return torch.bmm(a, b, out=recycle.empty(shape, a.dtype, a.device))
 
     def stop_gradient(self, x: Array) -> Array:
         return x.detach()

@@ -56,7 +56,7 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype,
     bytes where one is free, else new (and kept while the kept bytes stay within
     :data:`HOST_RECYCLE_BYTES`)."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if (device.type != "cpu" or _use_count is None or nbytes < MIN_BYTES
             or nbytes > HOST_RECYCLE_BYTES):
         return torch.empty(shape, dtype=dtype, device=device)
