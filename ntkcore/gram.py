@@ -350,8 +350,9 @@ class MaterialiseRoute(Route):
     transients the weights are formed a slab of d_out rows at a time (:meth:`tile`).  Row
     panels of a diagonal tile share the tile's weights, formed once.
 
-    A mode that sums the outputs (trace, pseudo) reads each sample's :math:`O P_b` numbers
-    in any order common to both sides, so there the weights are formed transposed,
+    A mode whose product reads each sample's :math:`O P_b` numbers as one flat row, in any
+    order common to both sides (:attr:`Mode.flat_rows`: trace, pseudo), gets the weights
+    transposed,
     :math:`W^\top[n] = a[n]^\top g[n]` (d_in, O d_out), in slabs of d_in rows
     (:meth:`_weights`): ``g`` enters the product as stored and the output's long axis is
     O d_out, 1.3-2x the batched GEMM rate of the (O d_out, S) @ (S, d_in) form at S = 16-32
@@ -394,11 +395,12 @@ class MaterialiseRoute(Route):
     def _weights(xp: Any, ag: tuple[Array, Array], slab: slice, mode: Mode,
                  backend: Any = None) -> Array:
         r"""Per-sample weights of the rows ``slab`` of d_out: (r, O, |slab| d_in); for a mode
-        that sums the outputs, of the rows ``slab`` of d_in, transposed and flattened:
+        with :attr:`~ntkcore.modes.Mode.flat_rows`, of the rows ``slab`` of d_in, transposed
+        and flattened:
         :math:`W^\top[n, i, (o, k)] = \sum_s a[n,s,i]\, g[n,s,o,k]` as (r, 1, |slab| O d_out)
         (``a``'s columns sliced: a strided operand, no copy)."""
         a, g = ag
-        if mode.sums_outputs:
+        if mode.flat_rows:
             r, s = g.shape[0], g.shape[1]
             at = xp.permute_dims(a if slab.stop - slab.start == a.shape[2] else a[..., slab],
                                  (0, 2, 1))  # (r, |slab|, S)
@@ -409,7 +411,7 @@ class MaterialiseRoute(Route):
 
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context, mode: Mode) -> list[slice]:
         b = pair.b1
-        if mode.sums_outputs:  # slabs of d_in rows of r O d_out elements
+        if mode.flat_rows:  # slabs of d_in rows of r O d_out elements
             return self.slabs(b.d_in, r * b.num_outputs * b.d_out, ctx.transient)
         return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient)
 
