@@ -352,11 +352,10 @@ class MaterialiseRoute(Route):
 
     A mode whose product reads each sample's :math:`O P_b` numbers as one flat row, in any
     order common to both sides (:attr:`Mode.flat_rows`: trace, pseudo), gets the weights
-    transposed,
-    :math:`W^\top[n] = a[n]^\top g[n]` (d_in, O d_out), in slabs of d_in rows
-    (:meth:`_weights`): ``g`` enters the product as stored and the output's long axis is
-    O d_out, 1.3-2x the batched GEMM rate of the (O d_out, S) @ (S, d_in) form at S = 16-32
-    (one thread, GRU's and BERT's shapes)."""
+    transposed where they fit the limit at once,
+    :math:`W^\top[n] = a[n]^\top g[n]` (d_in, O d_out) (:meth:`_weights`): ``g`` enters the
+    product as stored and the output's long axis is O d_out, 1.3-2x the batched GEMM rate of
+    the (O d_out, S) @ (S, d_in) form at S = 16-32 (one thread, GRU's and BERT's shapes)."""
 
     name = "materialise"
 
@@ -392,28 +391,30 @@ class MaterialiseRoute(Route):
         return a, g
 
     @staticmethod
-    def _weights(xp: Any, ag: tuple[Array, Array], slab: slice, mode: Mode,
+    def _weights(xp: Any, ag: tuple[Array, Array], slab: slice | None,
                  backend: Any = None) -> Array:
-        r"""Per-sample weights of the rows ``slab`` of d_out: (r, O, |slab| d_in); for a mode
-        with :attr:`~ntkcore.modes.Mode.flat_rows`, of the rows ``slab`` of d_in, transposed
-        and flattened:
-        :math:`W^\top[n, i, (o, k)] = \sum_s a[n,s,i]\, g[n,s,o,k]` as (r, 1, |slab| O d_out)
-        (``a``'s columns sliced: a strided operand, no copy)."""
+        r"""Per-sample weights of the rows ``slab`` of d_out: (r, O, |slab| d_in); ``None``:
+        all of them, transposed and flattened,
+        :math:`W^\top[n, i, (o, k)] = \sum_s a[n,s,i]\, g[n,s,o,k]` as (r, 1, d_in O d_out)
+        (through ``backend.transient_product``: recycled memory where it has some)."""
         a, g = ag
-        if mode.flat_rows:
+        if slab is None:
             r, s = g.shape[0], g.shape[1]
-            at = xp.permute_dims(a if slab.stop - slab.start == a.shape[2] else a[..., slab],
-                                 (0, 2, 1))  # (r, |slab|, S)
-            g3 = xp.reshape(g, (r, s, -1))
+            at, g3 = xp.permute_dims(a, (0, 2, 1)), xp.reshape(g, (r, s, -1))
             w = at @ g3 if backend is None else backend.transient_product(at, g3)
             return xp.reshape(w, (r, 1, -1))
         return flat_weights(xp, a, g if slab.stop - slab.start == g.shape[3] else g[..., slab])
 
-    def _slabs_of(self, pair: _Pair, r: int, ctx: _Context, mode: Mode) -> list[slice]:
+    def _slabs_of(self, pair: _Pair, r: int, ctx: _Context, mode: Mode) -> list[slice | None]:
+        """The slabs of d_out rows of :meth:`slabs`, or ``[None]`` (the transposed weights,
+        whole) for a mode with :attr:`~ntkcore.modes.Mode.flat_rows` whose weights fit the
+        limit at once (slabs of d_in rows gave GEMMs of a few rows at ViT-S/16's widths)."""
         b = pair.b1
-        if mode.flat_rows:  # slabs of d_in rows of r O d_out elements
-            return self.slabs(b.d_in, r * b.num_outputs * b.d_out, ctx.transient)
-        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient)
+        width = r * b.num_outputs * b.d_in
+        if mode.flat_rows and (ctx.transient is None or width * b.d_out <= ctx.transient):
+            return [None]
+        slabs: list[slice | None] = [*self.slabs(b.d_out, width, ctx.transient)]
+        return slabs
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
@@ -427,8 +428,8 @@ class MaterialiseRoute(Route):
         widest = max(rows.stop - rows.start, cols.stop - cols.start)
         k = None
         for slab in self._slabs_of(pair, widest, ctx, mode):
-            w1 = self._weights(xp, ag1, slab, mode, ctx.backend)
-            w2 = w1 if same else self._weights(xp, ag2, slab, mode, ctx.backend)
+            w1 = self._weights(xp, ag1, slab, ctx.backend)
+            w2 = w1 if same else self._weights(xp, ag2, slab, ctx.backend)
             t = mode.dense(xp, w1, w2, same)
             del w1, w2  # each slab's weights free before the next one's (recycled memory)
             if k is None:
@@ -445,7 +446,7 @@ class MaterialiseRoute(Route):
         ag, r0 = self._inputs(xp, pair.b1, rows, dtype), rows.start
         parts: list[Array | None] = [None] * len(pieces)
         for slab in self._slabs_of(pair, rows.stop - rows.start, ctx, mode):
-            w = self._weights(xp, ag, slab, mode, ctx.backend)
+            w = self._weights(xp, ag, slab, ctx.backend)
             for i, (prs, pcs, _) in enumerate(pieces):
                 t = mode.dense(xp, w[prs.start - r0:prs.stop - r0, ...],
                                w[pcs.start - r0:pcs.stop - r0, ...], False)

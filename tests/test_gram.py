@@ -310,10 +310,10 @@ def test_materialise_slab_bounds():
 @pytest.mark.parametrize("panels", [False, True])
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
 def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
-    """Per-sample weights formed a few rows at a time (host memory:
-    ``Backend.transient_bytes``; rows of d_out, or of d_in where the mode sums the outputs and
-    forms them transposed) give the float64 reference, self and cross, in panels, with an
-    index factor; every slab's weights stay within the limit, in the layout of the mode."""
+    """Per-sample weights formed a few rows of d_out at a time (host memory:
+    ``Backend.transient_bytes``) give the float64 reference, self and cross, in panels, with
+    an index factor; every slab's weights stay within the limit.  Under no limit, trace mode
+    forms them whole and transposed, (r, 1, d_in O d_out)."""
     limit_jax(backend, mode)
     if panels:
         if backend.name == "jax":
@@ -324,34 +324,35 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     spec = {"O": 2, "blocks": [("kron", 3, 4, 5), ("kron", 2, 3, 7)]}  # S, d_in, d_out
     f1, f2 = make_factors(spec, 6, rng), make_factors(spec, 4, rng, positions=[5, 1])
     j1, j2 = to_jacobian(backend, f1), to_jacobian(backend, f2)
-    summed = mode == "trace"  # slabs of d_in rows of 6 samples x 2 outputs x d_out
-    # two rows of the first block fit: 6 x 2 x 5 (trace) or 6 x 2 x 4 elements a row
-    limit = 6 * 2 * (5 if summed else 4) * 2 * 8
-    # every backend, GPUs included (which have no limit of their own)
-    monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
-                        lambda self, device: limit)
-    seen: list[tuple[int, ...]] = []
+    rows = 2  # d_out rows per slab: 6 samples x 2 outputs x 4 (or 3) inputs x 2 rows
+    seen: list[tuple[int | None, ...]] = []
     weights = route._weights
 
-    def spy(xp, ag, slab, mode_, backend_=None):
-        w = weights(xp, ag, slab, mode_, backend_)
-        seen.append((slab.stop - slab.start, *w.shape))
+    def spy(xp, ag, slab, backend_=None):
+        w = weights(xp, ag, slab, backend_)
+        seen.append((None if slab is None else slab.stop - slab.start, *w.shape))
         return w
 
     monkeypatch.setattr(route, "_weights", staticmethod(spy))
-    for jj, ff in ((None, f1), (j2, f2)):
-        k = _gram(j1, jj, mode=mode, strategy="materialise")
-        np.testing.assert_allclose(backend.to_numpy(k), reference(f1, ff, mode), rtol=1e-10,
-                                   atol=1e-10)
-    rows = {k for k, *_ in seen}
-    # first block: 2 + 2 (d_in 4) or 2 + 2 + 1 (d_out 5); second: one row (trace: 6 x 2 x 7
-    # elements a row) or 2 + 2 + 2 + 1 (d_out 7)
-    assert rows == {1, 2}
-    for k, r, o, width in seen:
-        assert r * o * width <= limit // 8
-        # trace: (r, 1, rows x O d_out); else (r, O, rows x d_in)
-        assert (o, width % k) == ((1, 0) if summed else (2, 0))
-        assert width // k in ((2 * 5, 2 * 7) if summed else (4, 3))
+    for limit in (6 * 2 * 4 * rows * 8, None):
+        # every backend, GPUs included (which have no limit of their own)
+        monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
+                            lambda self, device, limit=limit: limit)
+        seen.clear()
+        for jj, ff in ((None, f1), (j2, f2)):
+            k = _gram(j1, jj, mode=mode, strategy="materialise")
+            np.testing.assert_allclose(backend.to_numpy(k), reference(f1, ff, mode),
+                                       rtol=1e-10, atol=1e-10)
+        if limit is None and mode == "trace":  # whole and transposed: (r, 1, d_in O d_out)
+            assert {s[0] for s in seen} == {None}
+            assert {s[3] // s[2] for s in seen} <= {4 * 2 * 5, 3 * 2 * 7} and \
+                {s[2] for s in seen} == {1}
+        elif limit is None:
+            assert {s[0] for s in seen} == {5, 7}  # one slab of all d_out rows
+        else:  # 5 and 7 rows: 2 + 2 + 1 and 2 + 2 + 2 + 1
+            assert {s[0] for s in seen} == {1, 2}
+            assert all(r * o * width <= limit // 8 for _, r, o, width in seen)
+            assert all(o == 2 for _, _, o, _ in seen)
 
 
 def test_cost_model_picks_the_cheaper_strategy(rng):
