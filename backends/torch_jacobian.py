@@ -1019,7 +1019,9 @@ def jacobian(
     DenseBlock.  :func:`to_block_order` and :func:`from_block_order` convert between
     per-parameter tensors and this order.  Where ``torch.func`` cannot run the model, the
     DenseBlocks come from plain autograd, one sample and output at a time.  Concurrent calls
-    on one model are safe (:func:`model_lock`).
+    on one model are safe (:func:`model_lock`); so are calls under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` (the passes run outside them; inputs made in inference mode
+    are copied into ordinary tensors first).
     """
     check_inputs(model, x=x)
     check_outputs(outputs, pseudo)
@@ -1030,7 +1032,10 @@ def jacobian(
             raise TypeError(f"{flag} must be True or False; got {value!r}")
     if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    with provider_pass(model):
+    with provider_pass(model), torch.inference_mode(False):
+        # a caller's inference mode would make every activation an inference tensor, which
+        # autograd cannot use; inputs made in it are copied into ordinary tensors
+        x = x.clone() if x.is_inference() else x
         walk = _walk(model)  # under the lock: no other ntkcore pass changes the model now
         check_sample_coupling(model, modules=walk.modules)
         jac = _jacobian_locked(model, x, params, pseudo, chunk_size, create_graph, backward,

@@ -89,6 +89,29 @@ def test_mlp_structured_and_exact():
     assert j.num_outputs == 3
 
 
+@pytest.mark.parametrize("made_inside", [False, True])
+def test_inference_mode_gives_the_same_jacobian(made_inside):
+    """Under a caller's ``torch.inference_mode()`` (and with inputs made in it) the provider
+    and ``ntk`` compute what they compute outside it (they leave inference mode for their own
+    passes): the float64 torch.func reference, and ``ntk`` equal to the kernel outside."""
+    import ntkcore
+
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6, 3),
+                          nn.LayerNorm(3)).to(DT).eval()
+    x = torch.randn(5, 2, 8, dtype=DT)
+    outside = ntkcore.ntk(model, x, mode="full")
+    with torch.inference_mode():
+        xi = x.clone() if made_inside else x
+        j = jacobian(model, xi)
+        k = ntkcore.ntk(model, xi, mode="full")
+    rd = dense_reference(reference(model, x))
+    jd = j.to_dense()
+    tol = kernel_tol("float64", rd.shape[2], computations=4)
+    assert rel(torch.einsum("nok,mpk->nmop", jd, jd),
+               torch.einsum("nok,mpk->nmop", rd, rd)) < tol
+    assert rel(k, outside) < tol
+
+
 def test_linear_layout_by_hand():
     lin = nn.Linear(3, 2).to(DT)
     x = torch.randn(4, 3, dtype=DT)
