@@ -57,16 +57,12 @@ class TorchBackend(Backend):
         return x.new_zeros((size + 1, *x.shape[1:])).index_add(0, idx, x)[:size]
 
     def transient_product(self, a: Array, b: Array) -> Array:
-        # a batched host product of one dtype, off the graph, of at least torch_recycle's
-        # MIN_BYTES: into a recycled buffer (no fresh pages); else a fresh product (small
-        # ones: the pool's bookkeeping, ~0.1 ms, would cost more than their pages)
+        # a batched product of one dtype, off the graph: into torch_recycle's memory (on the
+        # host a kept storage, no fresh pages; small or GPU products: a plain allocation)
         if (a.ndim != 3 or b.ndim != 3 or a.dtype != b.dtype or a.shape[0] != b.shape[0]
-                or a.device.type != "cpu"):
+                or self.tracks_gradient(a, b)):
             return a @ b
         shape = (a.shape[0], a.shape[1], b.shape[2])
-        if shape[0] * shape[1] * shape[2] * a.element_size() < recycle.MIN_BYTES or \
-                self.tracks_gradient(a, b):
-            return a @ b
         return torch.bmm(a, b, out=recycle.empty(shape, a.dtype, a.device))
 
     def stop_gradient(self, x: Array) -> Array:

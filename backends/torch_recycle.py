@@ -4,17 +4,19 @@ A call that writes a Jacobian of tens of MB into new host memory touches fresh p
 maps such an array anew (or returns the freed top of its heap to the system), and the
 kernel zeroes every 4 KiB page on its first write, a minor page fault (about 1.7 us each on
 the development VM; 23,000 of them in one call of ViT-tiny's Jacobian at N = 32, a fifth of
-its time).  The provider takes its largest arrays, the output gradients of many outputs
-written pass by pass, from :func:`empty`: a kept storage of the same size that nothing
-references any more is handed out again; otherwise a new one is allocated and kept, up to
-:data:`HOST_RECYCLE_BYTES` in all (free ones, least recently used first, make room).
+its time).  The provider takes its largest arrays from :func:`empty` (the output gradients
+of many outputs written pass by pass, GRU's :math:`g_{hh}`, a convolution's patches), and
+so does ``TorchBackend.transient_product`` (the Gram's slabs of per-sample weights): a kept
+storage of the same size that nothing references any more is handed out again; otherwise
+a new one is allocated and kept, up to :data:`HOST_RECYCLE_BYTES` in all (free ones, least
+recently used first, make room).
 
 A storage is free when its reference count (``torch._C._storage_Use_Count``) is one, the
 reference kept here: a Jacobian, a view of one of its arrays, an autograd graph or a
 traceback that still holds it keeps it from being reused, so nothing the caller can reach
 is ever overwritten.  GPU arrays (the caching allocator recycles them already), arrays
 below :data:`MIN_BYTES` (glibc's heap recycles them) and torch builds without that count
-get plain ``torch.empty``.  :func:`release` drops the free storages.
+get plain ``torch.empty``.  :func:`release` forgets every kept storage.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype,
             if _KEPT[i].nbytes() == nbytes and _free(i):
                 _KEPT.append(_KEPT.pop(i))
                 size = tuple(shape)
-                stride = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+                stride = tuple(math.prod(size[d + 1:]) for d in range(len(size)))
                 return torch.empty(0, dtype=dtype, device=device).set_(_KEPT[-1], 0, size,
                                                                        stride)
         total = sum(st.nbytes() for st in _KEPT)
