@@ -22,6 +22,7 @@ get plain ``torch.empty``.  :func:`release` forgets every kept storage.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 
@@ -37,6 +38,17 @@ MIN_BYTES = 1 << 20
 _LOCK = threading.Lock()
 _KEPT: list[torch.UntypedStorage] = []  # least recently handed out first
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _after_fork() -> None:
+    """A forked child gets a fresh lock: one held by another thread at the fork would never
+    be released there."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 #: ``sys.getrefcount`` of a list's item that only the list holds (2 on CPython <= 3.13:

@@ -4,7 +4,10 @@ Jacobian or kernel the caller holds is never overwritten by a later call."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import array_api_compat
 import numpy as np
@@ -100,6 +103,28 @@ def test_threads_get_distinct_storages():
     for th in threads:
         th.join()
     assert len({_ptr(t) for t in got}) == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_forked_child_does_not_inherit_a_held_lock():
+    """A child forked while the pool's lock is held (by another thread of the parent) gets a
+    fresh lock: its first ``empty`` returns instead of waiting forever."""
+    with recycle._LOCK:  # as if another thread were inside empty() at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 once empty() returned
+            try:
+                recycle.empty((MB // 4,), torch.float32, CPU)
+            finally:
+                os._exit(0)
+    for _ in range(200):  # up to 20 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child waited on the parent's lock")
 
 
 def _gru_and_linear_model():
