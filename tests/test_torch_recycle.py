@@ -106,6 +106,7 @@ def test_threads_get_distinct_storages():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's, where it is imported
 def test_forked_child_does_not_inherit_a_held_lock():
     """A child forked while the pool's lock is held (by another thread of the parent) gets a
     fresh lock: its first ``empty`` returns instead of waiting forever."""
