@@ -338,11 +338,6 @@ class PositionsRoute(Route):
         return pair.b1.num_positions
 
 
-#: Fewest d_in rows a slab of transposed per-sample weights holds (unless d_in is fewer):
-#: thinner slabs are formed as d_out rows instead (:meth:`MaterialiseRoute._slabs_of`).
-MIN_TRANSPOSED_ROWS = 32
-
-
 @register_route
 class MaterialiseRoute(Route):
     r"""A Kronecker block through per-sample weights
@@ -353,14 +348,8 @@ class MaterialiseRoute(Route):
     diagonal) besides the factor slices and an index factor's one-hot rows
     :math:`(rS + cT) d_{in}` (formed only here), an upper bound: where the backend limits
     transients the weights are formed a slab of d_out rows at a time (:meth:`tile`).  Row
-    panels of a diagonal tile share the tile's weights, formed once.
-
-    A mode whose product reads each sample's :math:`O P_b` numbers as one flat row, in any
-    order common to both sides (:attr:`Mode.flat_rows`: trace, pseudo), gets the weights
-    transposed, :math:`W^\top[n] = a[n]^\top g[n]` (d_in, O d_out), in slabs of d_in rows
-    where those are not too thin (:meth:`_slabs_of`): ``g`` enters the product as stored and
-    the output's long axis is O d_out, 1.3-2x the batched GEMM rate of the (O d_out, S) @
-    (S, d_in) form at S = 16-32 (one thread, GRU's and BERT's shapes)."""
+    panels of a diagonal tile share the tile's weights, formed once (the products through
+    ``Backend.transient_product``: recycled memory where the backend has some)."""
 
     name = "materialise"
 
@@ -396,37 +385,16 @@ class MaterialiseRoute(Route):
         return a, g
 
     @staticmethod
-    def _weights(xp: Any, ag: tuple[Array, Array], slab: tuple[slice, bool],
-                 backend: Any = None) -> Array:
-        r"""Per-sample weights of the rows ``slab[0]`` of d_out: (r, O, |slab| d_in); if
-        ``slab[1]``, of the rows ``slab[0]`` of d_in, transposed and flattened,
-        :math:`W^\top[n, i, (o, k)] = \sum_s a[n,s,i]\, g[n,s,o,k]` as (r, 1, |slab| O
-        d_out) (``a``'s columns sliced: a strided operand, no copy; the product through
-        ``backend.transient_product``: recycled memory where it has some)."""
+    def _weights(xp: Any, ag: tuple[Array, Array], slab: slice, backend: Any) -> Array:
+        """Per-sample weights of the rows ``slab`` of d_out: (r, O, |slab| d_in), the product of
+        :func:`~ntkcore.jacobian.flat_weights` through ``backend.transient_product``."""
         a, g = ag
-        rows, transposed = slab
-        if transposed:
-            r, s = g.shape[0], g.shape[1]
-            at = xp.permute_dims(a if rows.stop - rows.start == a.shape[2] else a[..., rows],
-                                 (0, 2, 1))  # (r, |slab|, S)
-            g3 = xp.reshape(g, (r, s, -1))
-            w = at @ g3 if backend is None else backend.transient_product(at, g3)
-            return xp.reshape(w, (r, 1, -1))
-        return flat_weights(xp, a, g if rows.stop - rows.start == g.shape[3] else g[..., rows])
+        return flat_weights(xp, a, g if slab.stop - slab.start == g.shape[3] else g[..., slab],
+                            product=backend.transient_product)
 
-    def _slabs_of(self, pair: _Pair, r: int, ctx: _Context,
-                  mode: Mode) -> list[tuple[slice, bool]]:
-        """``(slab, transposed)``: slabs of d_out rows (:meth:`slabs`), or, for a mode with
-        :attr:`~ntkcore.modes.Mode.flat_rows` whose slabs of d_in rows hold at least
-        :data:`MIN_TRANSPOSED_ROWS` (or all of d_in), those, transposed (fewer rows made GEMMs
-        too thin: ViT-S/16's Gram at N = 8 took 5.0 s instead of 2.9 s)."""
+    def _slabs_of(self, pair: _Pair, r: int, ctx: _Context) -> list[slice]:
         b = pair.b1
-        if mode.flat_rows:
-            t = self.slabs(b.d_in, r * b.num_outputs * b.d_out, ctx.transient)
-            if t[0].stop - t[0].start >= min(b.d_in, MIN_TRANSPOSED_ROWS):
-                return [(slab, True) for slab in t]
-        return [(slab, False) for slab in self.slabs(b.d_out, r * b.num_outputs * b.d_in,
-                                                     ctx.transient)]
+        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient)
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
@@ -439,7 +407,7 @@ class MaterialiseRoute(Route):
         ag2 = ag1 if same else self._inputs(xp, pair.b2, cols, dtype)
         widest = max(rows.stop - rows.start, cols.stop - cols.start)
         k = None
-        for slab in self._slabs_of(pair, widest, ctx, mode):
+        for slab in self._slabs_of(pair, widest, ctx):
             w1 = self._weights(xp, ag1, slab, ctx.backend)
             w2 = w1 if same else self._weights(xp, ag2, slab, ctx.backend)
             t = mode.dense(xp, w1, w2, same)
@@ -457,7 +425,7 @@ class MaterialiseRoute(Route):
         for each panel."""
         ag, r0 = self._inputs(xp, pair.b1, rows, dtype), rows.start
         parts: list[Array | None] = [None] * len(pieces)
-        for slab in self._slabs_of(pair, rows.stop - rows.start, ctx, mode):
+        for slab in self._slabs_of(pair, rows.stop - rows.start, ctx):
             w = self._weights(xp, ag, slab, ctx.backend)
             for i, (prs, pcs, _) in enumerate(pieces):
                 t = mode.dense(xp, w[prs.start - r0:prs.stop - r0, ...],

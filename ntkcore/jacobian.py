@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -500,18 +501,20 @@ def dense_is_smaller(d_in: int, d_out: int, positions: int, o: int) -> bool:
     return o * d_out * d_in <= positions * (d_in + o * d_out)
 
 
-def flat_weights(xp: Any, a: Array, g: Array, one_hot: int | None = None) -> Array:
+def flat_weights(xp: Any, a: Array, g: Array, one_hot: int | None = None,
+                 product: Callable[[Array, Array], Array] = operator.matmul) -> Array:
     """Per-sample weights :math:`W[n,o] = \\sum_s g[n,s,o]\\, a[n,s]^\\top` of factors ``a``
     (N, S, d_in), ``g`` (N, S, O, d_out), flattened row-major: (N, O, d_out d_in).  One batched
-    product over samples, ``(N, O d_out, S) @ (N, S, d_in)``: no factor is broadcast (and
-    copied) over the outputs.  An index factor (N, S) with ``one_hot`` forms its one-hot rows
-    for the product (N S d_in numbers; the per-sample weights are larger still)."""
+    product over samples, ``(N, O d_out, S) @ (N, S, d_in)`` (by ``product``; the Gram passes
+    ``Backend.transient_product``): no factor is broadcast (and copied) over the outputs.  An
+    index factor (N, S) with ``one_hot`` forms its one-hot rows for the product (N S d_in
+    numbers; the per-sample weights are larger still)."""
     if one_hot is not None:
         a = one_hot_rows(xp, a, one_hot, g.dtype)
     n, s, din = a.shape
     o, dout = g.shape[2], g.shape[3]
     gt = xp.permute_dims(xp.reshape(g, (n, s, o * dout)), (0, 2, 1))  # (N, O d_out, S)
-    return xp.reshape(gt @ a, (n, o, dout * din))
+    return xp.reshape(product(gt, a), (n, o, dout * din))
 
 
 def _take_samples(x: Array, idx: Any) -> Array:

@@ -64,12 +64,6 @@ class Mode(str):
     #: (:meth:`join_output_chunks`): the factors of a few outputs at a time then suffice.
     output_chunks: ClassVar[bool] = False
 
-    @property
-    def flat_rows(self) -> bool:
-        """Whether :meth:`dense` reads each sample's O P numbers as one flat row, in any order
-        common to both sides (then a route may hand it (r, 1, O P) rows in its own order)."""
-        return False
-
     def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
         """The kernel from the kernels of consecutive chunks of the outputs."""
         raise ValueError(f"mode {self!r} pairs every output with every other: its kernel is "
@@ -314,12 +308,6 @@ class TraceMode(Mode):
     tile_is_kernel = True
     matrix_diagonal_mode = "trace"
     output_chunks = True
-
-    @property
-    def flat_rows(self) -> bool:
-        # this class's dense() is one GEMM over the flattened rows; a subclass that
-        # overrides it (a toy mode summing the outputs first) gets (r, O, P) rows
-        return type(self).dense is TraceMode.dense
 
     def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
         # sum_o over all outputs = sum over chunks of sum_o within the chunk
