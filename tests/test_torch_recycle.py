@@ -151,7 +151,8 @@ def _gru_and_linear_model():
 def test_held_jacobian_is_not_overwritten(monkeypatch):
     """A Jacobian the caller holds keeps its values through later calls that recycle
     buffers (12 outputs: the provider writes its many-output slots and the GRU's g_hh into
-    recycled memory), and the kernels of repeated ``ntk`` calls agree bit for bit."""
+    recycled memory), and repeated ``ntk`` calls (the second on recycled memory) and the
+    held Jacobian's kernel match a plain-autograd float64 reference."""
     monkeypatch.setattr(recycle, "MIN_BYTES", 0)  # this small model's arrays are kept too
     model = _gru_and_linear_model()
     x = torch.randint(0, 50, (16, 9))
@@ -163,15 +164,12 @@ def test_held_jacobian_is_not_overwritten(monkeypatch):
         for arr, c in zip(b.arrays(), saved, strict=True):
             assert torch.equal(arr, c)
     del other
-    k1 = ntkcore.ntk(model, x, mode="trace")
-    k2 = ntkcore.ntk(model, x, mode="trace")
-    assert torch.equal(k1, k2)
     jd = autograd_jacobian_graph(model, x).detach()  # (N, O, P), plain autograd
     ref = torch.einsum("nop,mop->nm", jd, jd)
     tol = kernel_tol("float64", jd.shape[1] * jd.shape[2], computations=4)
-    assert float((k1 - ref).abs().max()) <= tol * float(ref.abs().max())
-    assert float((ntkcore.gram(held, mode="trace") - ref).abs().max()) <= \
-        tol * float(ref.abs().max())
+    for k in (ntkcore.ntk(model, x, mode="trace"), ntkcore.ntk(model, x, mode="trace"),
+              ntkcore.gram(held, mode="trace")):
+        assert float((k - ref).abs().max()) <= tol * float(ref.abs().max())
 
 
 def test_transient_product_is_the_product(rng):
