@@ -53,7 +53,8 @@ from .torch_layers import (
 )
 from .torch_recycle import empty as recycled
 
-__all__ = ["from_block_order", "in_provider_pass", "jacobian", "model_lock", "to_block_order"]
+__all__ = ["block_params", "from_block_order", "in_provider_pass", "jacobian", "model_lock",
+           "to_block_order"]
 
 
 # -- parameter selection ---------------------------------------------------------------------
@@ -1441,6 +1442,15 @@ def _block_layout(model: nn.Module, jac: Jacobian,
     if sorted(covered) != sorted(selected):
         raise ValueError("the Jacobian's blocks do not match the selected parameters")
     return out
+
+
+def block_params(model: nn.Module, jac: Jacobian, params: Any = None) -> list[list[str]]:
+    """Per block of ``jac`` (a Jacobian of ``model`` by :func:`jacobian` with the same
+    ``params``), in block order: the names of its parameters.  :func:`jacobian` called with
+    ``params=`` the names of consecutive blocks gives exactly those blocks (the provider's
+    ``"block_params"`` capability: :func:`ntkcore.ntk` computes a kernel whose factors do not
+    fit its budget as a sum over groups of blocks)."""
+    return [names for _, names, _, _ in _block_layout(model, jac, params)]
 
 
 def to_block_order(model: nn.Module, jac: Jacobian, per_param: dict[str, torch.Tensor],

@@ -290,6 +290,11 @@ class FullSize:
         return self.case["chunks"]
     track_output_chunks.unit = "chunks"  # type: ignore[attr-defined]
 
+    def track_block_groups(self, *_: Any) -> float:
+        """Groups of parameter blocks the call computed the kernel in (1: all at once)."""
+        return self.case.get("groups", 1)
+    track_block_groups.unit = "groups"  # type: ignore[attr-defined]
+
 
 def full_size_case(model: str, n: int) -> dict[str, Any]:
     """One measured ntkcore call on a full-size model, and its bound, remembered for the
@@ -320,7 +325,8 @@ def full_size_case(model: str, n: int) -> dict[str, Any]:
     real = _api.provider_call
 
     def counting(*args: Any) -> Any:
-        chunks.append(args[5].get("outputs"))
+        params = args[5].get("params")
+        chunks.append((args[5].get("outputs"), None if params is None else tuple(params)))
         return real(*args)
 
     def call() -> Any:
@@ -348,7 +354,8 @@ def full_size_case(model: str, n: int) -> dict[str, Any]:
     case = {"model": model, "n": n, "time_s": time_s, "probe_s": probe_s, "memory": memory,
             "floor_s": floor_s, "gemm_rate": rate, "gram_flops": flops,
             **bound_terms(floor_s, flops, rate, time_s),
-            "chunks": max(1, len({c for c in chunks if c is not None})),
+            "chunks": max(1, len({c for c, _ in chunks if c is not None})),
+            "groups": max(1, len({g for _, g in chunks if g is not None})),
             "dense_jacobian_bytes": float(n * o * sum(q.numel() for q in m.parameters()) * 4)}
     path.write_text(json.dumps(case))
     return case

@@ -391,20 +391,38 @@ def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
 
 def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, pseudo: bool,
            params: Any, dense: bool = False) -> tuple[tuple[Any, ...], Jacobian | None]:
-    """``(facts, probe)``: factor bytes per sample, block shapes, O and item size of the
-    model on ``x1``'s leading samples (remembered per model and input signature,
-    :data:`_PER_SAMPLE`), and the probe's Jacobian when it was computed now."""
+    """``(facts, probe)``: factor bytes per sample, block shapes, O, item size, bytes per
+    sample of the factors without an output axis, of the provider's work and of each block,
+    and each block's ``params`` selection (:func:`_block_params`) of the model on ``x1``'s
+    leading samples (remembered per model and input signature, :data:`_PER_SAMPLE`), and the
+    probe's Jacobian when it was computed now."""
     key = _probe_key(provider.name, model, x1, pseudo, params, dense)
     cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
     if cached is not None:
         return cached, None
     probe = call(x1[0:min(int(x1.shape[0]), PROBE_SAMPLES), ...])
-    cached = (probe.nbytes / probe.num_samples, block_shapes(probe), probe.num_outputs,
-              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / probe.num_samples,
-              probe.work_nbytes / probe.num_samples)
+    n = probe.num_samples
+    cached = (probe.nbytes / n, block_shapes(probe), probe.num_outputs,
+              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / n, probe.work_nbytes / n,
+              tuple(sum(math.prod(a.shape) * itemsize(probe.xp, a.dtype) for a in b.arrays()) / n
+                    for b in probe.blocks),
+              _block_params(provider, model, probe, params))
     if key is not None:
         _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
     return cached, probe
+
+
+def _block_params(provider: Any, model: Any, probe: Jacobian,
+                  params: Any) -> tuple[tuple[Any, ...], ...] | None:
+    """Each block's ``params`` selection (the provider's ``"block_params"`` capability), or
+    None where the provider has none or cannot tell."""
+    loader = provider.capabilities.get("block_params")
+    if loader is None:
+        return None
+    try:
+        return tuple(tuple(names) for names in loader()(model, probe, params))
+    except ValueError:  # a layout the capability does not recognise: no groups
+        return None
 
 
 def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_memory: Any,
@@ -419,7 +437,9 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     32, reach 1.03 times a 6 GB budget; the sum, 0.80).  If the factors of all samples
     fit in ``M / 2`` they are computed once, in batches, and :func:`gram` gets the rest;
     otherwise :func:`_streamed` computes the kernel in sample blocks of ``M / 4`` of
-    factors, or :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`).
+    factors, :func:`_by_output_chunks` a few outputs at a time (:func:`_output_chunk`), or
+    :func:`_by_param_groups` as a sum over groups of blocks (:func:`_param_groups`), whichever
+    is estimated to cost the fewest flops.
     Stacking drops each batch once stacked and the probe is released once copied, so
     nothing outside the charged figures stays alive (the kernel itself is not counted).
     A budget too small for a useful tile raises :class:`ntkcore.BudgetTooSmallError` right
@@ -461,7 +481,21 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         # raises, quoting the smallest budget (of one output at a time if any)
         _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
                       cross, mode, layerwise, dtype, xp)
-    elif k is not None and k < cached[2]:  # chunks cost fewer flops than sample blocks
+    groups = None if held or one_grad else _param_groups(budget, cached, n1, n2, cross, mode,
+                                                          layerwise, dtype, xp)
+    if groups is not None:
+        o, shapes = cached[2], cached[1]
+        # the plan otherwise taken: k outputs at a time (k = O: all, in sample blocks)
+        kk = cached[2] if k is None else k
+        other = _chunks_cost(shapes, kk, o, _samples_computed(_chunk_facts(cached, kk)[0],
+                                                              budget, n1, n2, cross), n1, n2, mode)
+        if _groups_cost(shapes, groups, o, n1 + (n2 if cross else 0), n1, n2, mode) < other:
+            probe = None  # not reused (its blocks are all of them): freed, not held uncharged
+            return _by_param_groups(groups, cached, provider, model, x1, x2, options, budget,
+                                    batch_size, mode, layerwise, pseudo, dtype, progress, xp,
+                                    check_finite)
+    if k is not None and k < cached[2]:  # chunks cost fewer flops than sample blocks
+        probe = None  # not reused (all outputs): freed, not held uncharged
         return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
                                  batch_size, mode, layerwise, dtype, progress, xp, check_finite)
     # The budget suffices; from here on, a planner that finds its share too small raises.
@@ -562,7 +596,7 @@ def _chunk_facts(cached: tuple[Any, ...], k: int) -> tuple[Any, ...]:
     """The probe's facts for a Jacobian of ``k`` of its O outputs: the factors without an
     output axis whole, the rest scaled by ``k / O``; the provider's working bytes (its
     forward, one pass's gradients) whole."""
-    per_sample, shapes, o, item, shared, work = cached
+    per_sample, shapes, o, item, shared, work = cached[:6]
     return (shared + (per_sample - shared) * k / o, shapes, k, item, shared, work)
 
 
@@ -665,6 +699,100 @@ def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any
     return mode.join_output_chunks(xp, parts)
 
 
+def _group_facts(cached: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+    """The probe's facts for a Jacobian of blocks ``start:stop`` only: their factor bytes and
+    shapes; the provider's working bytes (its whole forward) whole."""
+    _, shapes, o, item, _, work, block_bytes = cached[:7]
+    return (sum(block_bytes[start:stop]), shapes[start:stop], o, item, 0.0, work)
+
+
+def _param_groups(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
+                  mode: Mode, layerwise: bool, dtype: Any, xp: Any) -> list[tuple[int, int]] | None:
+    r"""Consecutive groups of blocks ``(start, stop)`` whose factors of all samples are each
+    held within ``budget`` (:func:`_kernel`'s rule: at most ``M / 2``, and a useful tile of
+    the contraction), or None: the provider cannot select blocks (no ``"block_params"``), a
+    block alone is not held, or one group would hold them all.
+
+    The kernel is a sum over parameters, so over any partition of the blocks into groups
+    :math:`g`, in every mode (and a concatenation of the groups' per-block kernels when
+    ``layerwise``):
+
+    .. math:: \Theta[n, m, o, p] = \sum_g \sum_{k \in g} J[n, o, k]\, J'[m, p, k] .
+
+    Each group costs a forward pass and O output-gradient passes, which stop at the group's
+    first block (:func:`_groups_cost`): the groups are packed greedily from the first block
+    (the input side), so that the groups after it start as late as they can, and they are as
+    few as they can be."""
+    if len(cached) < 8 or cached[7] is None or len(cached[6]) < 2:
+        return None
+    samples = n1 + (n2 if cross else 0)
+
+    def held(start: int, stop: int) -> bool:
+        facts = _group_facts(cached, start, stop)
+        return facts[0] * samples <= budget / 2 and \
+            _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
+
+    groups, start, blocks = [], 0, len(cached[6])
+    while start < blocks:
+        if not held(start, start + 1):
+            return None
+        stop = start + 1
+        while stop < blocks and held(start, stop + 1):
+            stop += 1
+        groups.append((start, stop))
+        start = stop
+    return groups if len(groups) > 1 else None
+
+
+def _groups_cost(shapes: tuple[Any, ...], groups: list[tuple[int, int]], o: int,
+                 samples: int, n1: int, n2: int, mode: Mode) -> float:
+    r"""Flops of a kernel computed over the groups of blocks :math:`g` (:func:`_param_groups`),
+    each group's factors of all ``samples`` held:
+
+    .. math:: C = \sum_g s \bigl[F + O\, F_{\ge g}\bigr] + \textstyle\sum_b G_b(O)
+
+    with ``F`` the forward flops of a sample through the parameterised layers and
+    :math:`F_{\ge g}` those of the blocks from the group's first on (an output-gradient pass
+    goes back to the group's first block and no further; per block as in
+    :func:`_chunks_cost`), and ``G_b`` the cheapest route's flops of block ``b`` on an
+    ``n x n`` tile, each block's once."""
+    per_block = [2.0 * sh.num_positions * sh.a_width * sh.d_out if sh.kron
+                 else 2.0 * sh.num_params for sh in shapes]
+    forward = sum(per_block)
+    n = max(1, round(math.sqrt(n1 * n2)))
+    gram_flops = sum(cheapest_flops(sh, n, o, mode) for sh in shapes)
+    return sum(samples * (forward + o * sum(per_block[start:])) for start, _ in groups) + \
+        gram_flops
+
+
+def _by_param_groups(groups: list[tuple[int, int]], cached: tuple[Any, ...], provider: Any,
+                     model: Any, x1: Any, x2: Any, options: dict[str, Any], budget: Budget,
+                     batch_size: Any, mode: Mode, layerwise: bool, pseudo: bool, dtype: Any,
+                     progress: Any, xp: Any, check_finite: bool) -> Array:
+    """The kernel as the sum of the kernels of the groups of blocks ``groups``
+    (:func:`_param_groups`), each from the provider's Jacobian of that group's parameters
+    (``params=`` its blocks' selections, :func:`_block_params`) with the factors of all
+    samples held; ``layerwise``: the groups' per-block kernels concatenated, in block order.
+    A running sum keeps two kernels alive at most.  ``progress`` is reported per group."""
+    total, parts = None, []
+    for start, stop in groups:
+        selection = [name for names in cached[7][start:stop] for name in names]
+        opts = {**options, "params": selection}
+        call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
+        call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
+                                                          x2, x1, opts)
+        part = _held_or_streamed(call, call2, [None], _group_facts(cached, start, stop)[0],
+                                 budget, False, provider, model, x1, x2, mode, layerwise, pseudo,
+                                 selection, dtype, batch_size, False, progress, xp,
+                                 check_finite, work=cached[5])
+        if layerwise:
+            parts.append(part)
+        else:
+            total = part if total is None else total + part
+            del part
+    return xp.concat(parts, axis=0) if layerwise else total
+
+
 def _streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian], x1: Any,
               x2: Any, box: list[Jacobian | None], per_sample: float, budget: Budget,
               batch_size: Any, mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
@@ -750,9 +878,11 @@ def ntk(model: Any, x1: Array, x2: Array | None = None, *, mode: str = "full",
         the kernel itself aside (docs/reliability.md, "Memory budgets").  Default: a quarter of the
         device's free memory.  Where the factors of all samples do not fit, the kernel is
         computed in sample blocks or, in "trace" and "diagonal" mode for providers with the
-        ``"outputs"`` capability (torch), a few outputs at a time, whichever costs fewer
-        flops.  Too small for a tile of ``min(N, 8)`` samples a side: a ``ValueError``
-        stating the smallest budget that works.  Providers with the ``"dense_if_smaller"``
+        ``"outputs"`` capability (torch), a few outputs at a time, or, for providers with
+        the ``"block_params"`` capability (torch), as a sum over groups of parameter blocks
+        whose factors of all samples are held, whichever costs fewer flops.  Too small for
+        a tile of ``min(N, 8)`` samples a side: a ``ValueError`` stating the smallest budget
+        that works.  Providers with the ``"dense_if_smaller"``
         capability (torch) give a layer whose per-sample gradient is smaller than its
         factors as that gradient (when ``x2`` is None or has ``x1``'s sample shape).
     params : optional

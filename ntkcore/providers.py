@@ -54,7 +54,12 @@ class Provider:
         either way); ``"work_nbytes"``,
         loading ``jacobian(model, x, *, measure_work=True, **options)`` (the other options
         as above), a Jacobian whose :attr:`~ntkcore.Jacobian.work_nbytes` is set (used by
-        :func:`ntkcore.ntk`'s one-sample probe).
+        :func:`ntkcore.ntk`'s one-sample probe); ``"block_params"``, loading ``f(model, jac,
+        params) -> list of list of str``, the ``params`` selection of each block of ``jac`` (a
+        Jacobian of the provider with that ``params``), such that the provider called with
+        the selections of consecutive blocks returns exactly those blocks (used by
+        :func:`ntkcore.ntk` to compute a kernel whose factors exceed the budget as a sum over
+        groups of blocks, :func:`ntkcore._api._param_groups`).
     """
 
     name: str
@@ -147,7 +152,8 @@ register_provider(
     capabilities={"checkpointed_ntk": _loader("ntkcore.backends.torch_kip", "checkpointed_ntk"),
                   "outputs": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
                   "dense_if_smaller": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
-                  "work_nbytes": _loader("ntkcore.backends.torch_jacobian", "jacobian")})
+                  "work_nbytes": _loader("ntkcore.backends.torch_jacobian", "jacobian"),
+                  "block_params": _loader("ntkcore.backends.torch_jacobian", "block_params")})
 register_provider("mlp", _is_mlp, _loader("ntkcore.models", "_mlp_provider"), first=True)
 # The JAX entry is an adapter taking the (apply_fn, params) pair as ``model``; the public
 # ntkcore.backends.jax.jacobian(apply_fn, params, x) takes them separately.

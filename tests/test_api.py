@@ -335,12 +335,13 @@ def test_probe_is_cached_per_model_and_input_signature(monkeypatch):
     assert calls[5:] == [1, 20]
 
 
-@pytest.mark.parametrize("path", ["held", "streamed"])
+@pytest.mark.parametrize("path", ["held", "streamed", "groups", "chunks"])
 def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     """The probe's Jacobian (the first provider call, which measures the factor bytes per
     sample) is not kept alive, uncharged to the budget, while ``gram`` contracts: on the held
     path it is gone once the factors are stacked, on the streamed path after the first row
-    block (issue 18's memory budgets)."""
+    block (issue 18's memory budgets); groups of blocks and output chunks, which do not
+    reuse it, free it before their first contraction."""
     import weakref
 
     import ntkcore._api as api
@@ -353,23 +354,36 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     budget = None if path == "held" else 40 * per_sample  # streamed: 24 b > M / 2
     probe: list = []
     alive: list[bool] = []
-    real_jacobians, real_gram = api._jacobians, api.gram
+    real_gram = api.gram
 
-    def spy_jacobians(call, xx, start, stop, batch, first=None):
+    real_probe = api._probe
+
+    def spy_probe(*args, **kwargs):
+        facts, first = real_probe(*args, **kwargs)
         if first is not None and not probe:
             probe.append(weakref.ref(first.blocks[0].arrays()[0]))
-        return real_jacobians(call, xx, start, stop, batch, first)
+        return facts, first
 
     def spy_gram(*args, **kwargs):
         alive.append(bool(probe) and probe[0]() is not None)
         return real_gram(*args, **kwargs)
 
-    monkeypatch.setattr(api, "_jacobians", spy_jacobians)
+    monkeypatch.setattr(api, "_probe", spy_probe)
     monkeypatch.setattr(api, "gram", spy_gram)
-    monkeypatch.setattr(api, "_output_chunk", lambda *a: None)  # sample blocks, not outputs
+    if path != "chunks":
+        monkeypatch.setattr(api, "_output_chunk", lambda *a: None)  # not outputs
+    else:
+        monkeypatch.setattr(api, "_output_chunk", lambda *a: 1)
+    if path == "groups":
+        monkeypatch.setattr(api, "_groups_cost", lambda *a: 0.0)
+    else:
+        monkeypatch.setattr(api, "_param_groups", lambda *a: None)
+    api._PER_SAMPLE.clear()  # the probe runs in this call
     k = ntkcore.ntk(m, x, mode="trace", max_memory=budget)
     assert probe and alive
     assert (len(alive) == 1) == (path == "held")
+    if path in ("groups", "chunks"):
+        assert not any(alive)
     assert not alive[-1]  # the last contraction (the only one when held) runs without it
     ref = ref_kernel(m, x, None, "trace")
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
@@ -477,11 +491,12 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
     x = torch.randn(24, 3, 16, 16, dtype=DT)
     ref = ref_kernel(m, x, None, "trace")
     tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * ref.abs().max()
-    (b, shapes, o, item, shared, work), _ = api._probe(  # the facts as ntk's probe takes them
+    facts, _ = api._probe(  # the facts as ntk's probe takes them
         api.find_provider(m), m,
         lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True,
                                                   measure_work=True), x, False,
         None, True)
+    b, shapes, o, item, shared, work = facts[:6]
     one = shared + (b - shared) / o
     budget = api.Budget(int(2.2 * 24 * one))  # one output's factors held, all outputs' not
     assert b * 24 > budget / 2
@@ -585,3 +600,227 @@ def test_provider_calls_are_charged_the_providers_working_memory(monkeypatch):
     got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
     assert max(sizes) <= max(1, int(budget / 2 // (3 * b + w))) < 64
     assert (got - ref).abs().max() <= kernel_tol(DT, 64) * ref.abs().max()
+
+
+# -- groups of parameter blocks: a kernel whose factors exceed the budget (_param_groups) ------
+
+
+class _Deep(nn.Module):
+    """Six tanh layers of equal width, a LayerNorm (a dense block) and a head of ``o``
+    outputs: blocks of similar factor bytes, so that a budget holds a few of them."""
+
+    def __init__(self, o: int = 3, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(5, width), nn.Tanh()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        self.body = nn.Sequential(*layers, nn.LayerNorm(width), nn.Linear(width, o))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _facts(api, m, x):
+    """The probe's facts as ``ntk`` takes them (and caches them for ``m``)."""
+    provider = api.find_provider(m)
+    facts, _ = api._probe(provider, m, lambda xx: provider.jacobian(
+        m, xx, dense_if_smaller=True, measure_work=True), x, False, None, True)
+    return facts
+
+
+def _group_budget(api, facts, n1, n2, mode, layerwise=False):
+    """The largest budget (of 60 on a log scale below twice all factors) at which the blocks
+    fall into groups whose factors of all samples are held, and which ``ntk`` accepts."""
+    from ntkcore.modes import check_mode
+
+    m, cross = check_mode(mode), n2 is not None
+    total = facts[0] * (n1 + (n2 or 0))
+    for f in np.geomspace(1.9, 0.05, 60):
+        budget = api.Budget(int(f * total))
+        groups = api._param_groups(budget, facts, n1, n2 or n1, cross, m, layerwise, None, torch)
+        need = api._budget_need(facts, n1, n2 or n1, cross, m, layerwise, None, torch)[0]
+        if groups and need <= budget:
+            return budget, groups
+    raise AssertionError("no budget holds the blocks in groups")
+
+
+def _spy_groups(monkeypatch):
+    """The groups of every ``_by_param_groups`` call, and the ``params`` option of every
+    provider call, from now on."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    groups: list = []
+    selections: list = []
+    real_groups, real_call = api._by_param_groups, api.provider_call
+
+    def by_groups(g, *args, **kwargs):
+        groups.append(list(g))
+        return real_groups(g, *args, **kwargs)
+
+    def call(provider, model, name, x_full, x1_, options, x):
+        p = options.get("params")
+        selections.append(None if p is None else tuple(p))
+        return real_call(provider, model, name, x_full, x1_, options, x)
+
+    monkeypatch.setattr(api, "_by_param_groups", by_groups)
+    monkeypatch.setattr(api, "provider_call", call)
+    return groups, selections
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_kernel_as_a_sum_over_groups_of_blocks(monkeypatch, mode, cross):
+    """A budget that holds the factors of all samples for a few blocks at a time, not for all:
+    the kernel summed over groups of consecutive blocks, each group's Jacobian from the
+    provider's ``params=`` selection of its blocks, equals the float64 torch.func kernel in
+    every mode (the groups taken here whatever their cost); a self-kernel stays exactly
+    symmetric (each group's is, and the groups are added in one order)."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    monkeypatch.setattr(api, "_groups_cost", lambda *a: 0.0)  # take groups where they exist
+    torch.manual_seed(4)
+    m = _Deep().to(DT)
+    x1 = torch.randn(24, 5, dtype=DT)
+    x2 = torch.randn(9, 5, dtype=DT) if cross else None
+    facts = _facts(api, m, x1)
+    budget, expected = _group_budget(api, facts, 24, 9 if cross else None, mode)
+    groups, selections = _spy_groups(monkeypatch)
+    k = ntkcore.ntk(m, x1, x2, mode=mode, max_memory=int(budget))
+    assert groups == [expected]
+    blocks = len(facts[6])
+    assert len(expected) > 1 and expected[0][0] == 0 and expected[-1][1] == blocks
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(expected))  # a partition
+    assert None not in selections and len(set(selections)) == len(expected)
+    ref = ref_kernel(m, x1, x2, mode)
+    assert k.shape == ref.shape
+    assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x1[:1]).shape[-1]) * \
+        ref.abs().max()
+    if not cross:
+        mirror = {"full": (1, 0, 3, 2), "trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
+        assert torch.equal(k, k.permute(*mirror))
+
+
+def test_layerwise_kernels_from_groups_of_blocks(monkeypatch):
+    """Per-block kernels from groups of blocks: the groups' kernels concatenated in block
+    order equal one call's with all factors held, and sum to the float64 reference."""
+    import sys
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    monkeypatch.setattr(api, "_groups_cost", lambda *a: 0.0)
+    torch.manual_seed(5)
+    m = _Deep().to(DT)
+    x = torch.randn(20, 5, dtype=DT)
+    whole = ntkcore.ntk(m, x, mode="trace", layerwise=True, max_memory=10**9)
+    budget, _ = _group_budget(api, _facts(api, m, x), 20, None, "trace", layerwise=True)
+    groups, _ = _spy_groups(monkeypatch)
+    got = ntkcore.ntk(m, x, mode="trace", layerwise=True, max_memory=int(budget))
+    assert len(groups) == 1 and len(groups[0]) > 1
+    assert got.shape == whole.shape
+    tol = kernel_tol(DT, ref_jac(m, x[:1]).shape[-1])
+    assert (got - whole).abs().max() <= tol * whole.abs().max()
+    dense = ref_kernel(m, x, None, "trace")
+    assert (got.sum(0) - dense).abs().max() <= tol * dense.abs().max()
+
+
+def test_groups_of_blocks_when_cheaper_than_sample_blocks(monkeypatch):
+    """One output (no output chunks) and a budget that holds the factors of all 48 samples
+    for half the blocks: two groups (two forward passes, the second group's output-gradient
+    passes stopping half way) cost fewer flops than sample blocks of a sixth of the samples
+    (each column block recomputed for every row block above it), and are taken by the cost
+    model alone; with all factors held, no groups."""
+    import sys
+
+    from ntkcore.modes import check_mode
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    torch.manual_seed(6)
+    m = _Deep(o=1).to(DT)
+    x = torch.randn(48, 5, dtype=DT)
+    facts = _facts(api, m, x)
+    budget = api.Budget(int(1.2 * 48 * facts[0]))  # held: at most 0.6 of the factors
+    groups = api._param_groups(budget, facts, 48, 48, False, check_mode("full"), False, None,
+                               torch)
+    assert groups is not None and len(groups) == 2
+    sampled = api._samples_computed(facts[0], budget, 48, 48, False)
+    assert sampled > 2 * 48  # sample blocks compute every sample more than twice
+    seen, _ = _spy_groups(monkeypatch)
+    k = ntkcore.ntk(m, x, mode="full", max_memory=int(budget))
+    assert seen == [groups]
+    ref = ref_kernel(m, x, None, "full")
+    assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).shape[-1]) * \
+        ref.abs().max()
+    seen.clear()
+    ntkcore.ntk(m, x, mode="full", max_memory=10**9)
+    assert seen == []
+
+
+def test_no_groups_without_the_capability_or_when_a_block_is_not_held():
+    """``_param_groups`` is None where the provider cannot select blocks (no block
+    selections in the facts), where one block's factors alone are not held, and where one
+    group would hold every block."""
+    import sys
+
+    from ntkcore.modes import check_mode
+
+    api = sys.modules["ntkcore._api"]
+    torch.manual_seed(7)
+    m = _Deep().to(DT)
+    x = torch.randn(16, 5, dtype=DT)
+    facts = _facts(api, m, x)
+    trace = check_mode("trace")
+    assert facts[7] is not None and len(facts[7]) == len(facts[6]) == len(facts[1])
+    budget, _ = _group_budget(api, facts, 16, None, "trace")
+    assert api._param_groups(budget, (*facts[:7], None), 16, 16, False, trace, False, None,
+                             torch) is None
+    biggest = max(facts[6]) * 16
+    assert api._param_groups(api.Budget(int(1.9 * biggest)), facts, 16, 16, False, trace, False,
+                             None, torch) is None
+    assert api._param_groups(api.Budget(10**9), facts, 16, 16, False, trace, False, None,
+                             torch) is None
+    mlp = ntkcore.models.MLP.random((5, 8, 8, 2), xp=np, seed=0, activation="tanh")
+    xs = np.random.default_rng(0).standard_normal((4, 5))
+    provider = api.find_provider(mlp)
+    mfacts, _ = api._probe(provider, mlp, lambda xx: provider.jacobian(mlp, xx), xs, False,
+                           None)
+    assert mfacts[7] is None  # the MLP provider has no block selection
+
+
+def test_block_params_select_exactly_those_blocks():
+    """The torch provider's ``block_params``: the Jacobian of consecutive blocks' selections
+    has exactly those blocks (names, and the same factors as the whole Jacobian's, to
+    rounding), for Linear, LayerNorm, Embedding, GRU and convolution blocks."""
+    from ntkcore.backends.torch_jacobian import block_params, jacobian
+
+    class _Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = nn.Embedding(7, 4)
+            self.gru = nn.GRU(4, 5, batch_first=True)
+            self.norm = nn.LayerNorm(5)
+            self.conv = nn.Conv1d(5, 3, 2)
+            self.head = nn.Linear(3 * 3, 2)
+
+        def forward(self, t):
+            h, _ = self.gru(self.e(t))
+            h = self.conv(self.norm(h).transpose(1, 2))
+            return self.head(torch.tanh(h).flatten(1))
+
+    torch.manual_seed(8)
+    m = _Mixed().to(DT)
+    t = torch.randint(0, 7, (6, 4))
+    whole = jacobian(m, t, dense_if_smaller=True)
+    names = block_params(m, whole)
+    assert len(names) == len(whole.blocks) >= 5
+    dense = whole.to_dense()
+    for start, stop in [(0, 2), (1, 4), (2, len(names))]:
+        part = jacobian(m, t, params=[n for ns in names[start:stop] for n in ns],
+                        dense_if_smaller=True)
+        assert part.names == whole.names[start:stop]
+        first = sum(b.num_params for b in whole.blocks[:start])
+        cols = dense[..., first:first + part.num_params]
+        assert rel(part.to_dense(), cols) <= kernel_tol(DT, 64)

@@ -118,12 +118,37 @@ def test_streamed_ntk_checks_finite_once_per_call(monkeypatch):
     import ntkcore._api as api
 
     monkeypatch.setattr(api, "_output_chunk", lambda *a: None)  # sample blocks, not outputs
+    monkeypatch.setattr(api, "_param_groups", lambda *a: None)  # nor groups of blocks
     net, x = _mlp(), torch.randn(64, 6, dtype=torch.float64)
     ref, syncs_one, tiles_one = _tiles(lambda p: ntkcore.ntk(net, x, mode="trace", progress=p))
     out, syncs_many, tiles_many = _tiles(
         lambda p: ntkcore.ntk(net, x, mode="trace", max_memory=60_000, progress=p))
     assert tiles_one == 1 and tiles_many >= 6
     assert syncs_many <= syncs_one
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_groups_of_blocks_read_one_flag_per_group(monkeypatch):
+    """A kernel summed over groups of blocks (each held whole) reads a finiteness flag per
+    group's contraction, as the held path reads one per call: the host syncs grow with the
+    groups, not with tiles."""
+    import ntkcore._api as api
+
+    net, x = _mlp(), torch.randn(64, 6, dtype=torch.float64)
+    seen: list = []
+    real = api._by_param_groups
+
+    def spy(groups, *args, **kwargs):
+        seen.append(len(groups))
+        return real(groups, *args, **kwargs)
+
+    monkeypatch.setattr(api, "_by_param_groups", spy)
+    monkeypatch.setattr(api, "_groups_cost", lambda *a: 0.0)  # groups wherever they exist
+    ref, syncs_one, _ = _tiles(lambda p: ntkcore.ntk(net, x, mode="trace", progress=p))
+    out, syncs_groups, _ = _tiles(
+        lambda p: ntkcore.ntk(net, x, mode="trace", max_memory=60_000, progress=p))
+    assert seen == [2]  # one group per Linear
+    assert syncs_groups <= 2 * syncs_one
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
 
 
