@@ -71,6 +71,13 @@ SYMMETRIC_MIN_TILE = {"cpu": 1024, "gpu": 4096}
 SYMMETRIC_PANEL_ROWS = {"cpu": 128, "gpu": 2048}
 SYMMETRIC_MAX_PANELS = 4
 
+#: Least GEMM rows of a sample's product forming a slab of per-sample weights
+#: (:meth:`MaterialiseRoute.tile`: ``|slab| O`` rows of ``S`` x ``d_in``), above the transient
+#: limit where that allows fewer.  Eight rows (the 8 MB limit at BERT-base's 3072-wide layer,
+#: N = 128, two outputs, 72-sample tiles) read the whole ``a`` slice for each of 192 slabs
+#: at 47 GFLOP/s; 64 rows took that Gram from 22 s to 12 s (docs/real-models.md).
+MIN_SLAB_GEMM_ROWS = 64
+
 #: Samples a side of the blocks in which a diagonal tile of a self-kernel is mirrored
 #: (:meth:`~ntkcore.modes.Mode.mirror_tile`): transposed copies of this size stay in cache.
 #: Full mode takes ``MIRROR_BLOCK // O`` samples (blocks of about this many matrix rows).
@@ -367,11 +374,11 @@ class MaterialiseRoute(Route):
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * mode.gemm_outputs(o) * p
 
     @staticmethod
-    def slabs(d_out: int, width: int, limit: int | None) -> list[slice]:
+    def slabs(d_out: int, width: int, limit: int | None, least: int = 1) -> list[slice]:
         """Slices of the ``d_out`` rows whose weights take at most ``limit`` elements, a row
-        of the slab being ``width`` elements on the widest side (:math:`r O d_{in}`); one
-        row at least, all rows where ``limit`` is None."""
-        k = d_out if limit is None else max(1, min(d_out, limit // max(width, 1)))
+        of the slab being ``width`` elements on the widest side (:math:`r O d_{in}`); at
+        least ``least`` rows (and one), all rows where ``limit`` is None."""
+        k = d_out if limit is None else min(d_out, max(1, least, limit // max(width, 1)))
         return [slice(d, min(d_out, d + k)) for d in range(0, d_out, k)]
 
     @staticmethod
@@ -393,8 +400,11 @@ class MaterialiseRoute(Route):
                             product=backend.transient_product)
 
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context) -> list[slice]:
+        """Slabs within the backend's transient limit, but of at least
+        :data:`MIN_SLAB_GEMM_ROWS` rows in each sample's forming product (``|slab| O``)."""
         b = pair.b1
-        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient)
+        least = -(-MIN_SLAB_GEMM_ROWS // max(1, b.num_outputs))
+        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient, least)
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:

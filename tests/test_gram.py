@@ -7,6 +7,7 @@ The dense reference is built here, independently of ``Jacobian.to_dense``:
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import tracemalloc
@@ -305,6 +306,30 @@ def test_materialise_slab_bounds():
     assert slabs(5, 10, 25) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert slabs(5, 10, 3) == [slice(i, i + 1) for i in range(5)]
     assert slabs(5, 10, None) == slabs(5, 10, 50) == [slice(0, 5)]
+    # a least number of rows above the limit's (MIN_SLAB_GEMM_ROWS), never above d_out
+    assert slabs(5, 10, 3, least=2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert slabs(5, 10, 25, least=9) == [slice(0, 5)]
+
+
+def test_materialise_slabs_have_least_gemm_rows():
+    """A limit that admits a few rows of weights still forms at least MIN_SLAB_GEMM_ROWS / O
+    rows at a time (products of a few GEMM rows re-read all of ``a`` per slab); a limit
+    that admits more keeps its own."""
+    from types import SimpleNamespace
+
+    gram_module = sys.modules["ntkcore.gram"]
+    route = gram_module.ROUTES["materialise"]
+    limit = 2 << 20  # elements: 8 MB of float32
+    least_rows = gram_module.MIN_SLAB_GEMM_ROWS
+    for o, r, d_in in ((2, 72, 3073), (10, 32, 4609), (1, 72, 3073), (2, 8, 385)):
+        block = SimpleNamespace(d_out=768, d_in=d_in, num_outputs=o)
+        pair = gram_module._Pair("w", block, block, True)
+        slabs = route._slabs_of(pair, r, gram_module._Context(None, 0, limit))
+        rows = {sl.stop - sl.start for sl in slabs[:-1]} or {slabs[0].stop}
+        by_limit = limit // (r * o * d_in)
+        assert rows == {min(768, max(-(-least_rows // o), by_limit, 1))}
+        assert slabs[0].start == 0 and slabs[-1].stop == 768
+        assert all(a.stop == b.start for a, b in itertools.pairwise(slabs))
 
 
 @pytest.mark.parametrize("panels", [False, True])
@@ -328,6 +353,7 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     # every backend, GPUs included (which have no limit of their own)
     monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
                         lambda self, device: limit)
+    monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)  # the limit's slabs alone
     seen = []
     weights = route._weights
 
