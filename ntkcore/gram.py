@@ -150,6 +150,13 @@ class Route:
         tile accumulator."""
         raise NotImplementedError
 
+    def working(self, pair: _Pair, mode: Mode, o: int, r: int, c: int, chunk: int | None,
+                transient: int | None) -> int:
+        """Working elements of one block on one ``r`` x ``c`` tile when transients are formed
+        in pieces of at most ``transient`` elements (None: whole): :meth:`cost`'s unless the
+        route forms them in pieces."""
+        return self.cost(pair, mode, o, r, c, chunk)[0]
+
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
         """The block's contribution to the tile (rows, cols); ``same``: a diagonal tile of a
@@ -372,6 +379,21 @@ class MaterialiseRoute(Route):
         one_hot = (r * s + c * t) * din if a_width != din else 0  # an index factor's one-hot rows
         mem = inputs + one_hot + w * mode.input_copies
         return mem, 2 * (r * s + c * t) * o * p + 2 * r * c * mode.gemm_outputs(o) * p
+
+    def working(self, pair: _Pair, mode: Mode, o: int, r: int, c: int, chunk: int | None,
+                transient: int | None) -> int:
+        """:meth:`cost`'s memory with the weights of one slab a side (:meth:`slabs`, the
+        first and widest) in place of all :math:`(r + c) O P_b`: what :meth:`tile` and
+        :meth:`shared_panels` hold at once (a diagonal tile's one side counted twice)."""
+        mem = self.cost(pair, mode, o, r, c, chunk)[0]
+        if transient is None:
+            return mem
+        din, dout = pair.b1.d_in, pair.b1.d_out
+        first = self.slabs(dout, max(r, c) * o * din, transient,
+                           -(-MIN_SLAB_GEMM_ROWS // max(1, o)))[0]
+        whole = (r + c) * o * din * dout
+        slab = (r + c) * o * din * (first.stop - first.start)
+        return mem - (whole - slab) * mode.input_copies
 
     @staticmethod
     def slabs(d_out: int, width: int, limit: int | None, least: int = 1) -> list[slice]:
@@ -724,6 +746,8 @@ class _Problem:
     forced: str | None
     gpu: bool
     writable: bool
+    #: The backend's largest transient in elements (``Backend.transient_bytes``; None: none).
+    transient: int | None = None
 
     @property
     def elements(self) -> float:
@@ -739,7 +763,7 @@ class _Problem:
         """Working elements of an ``r`` x ``c`` tile: the largest block's working set plus
         the accumulator."""
         pairs = self.pairs if pairs is None else pairs
-        return max(ROUTES[s].cost(p, self.mode, self.o, r, c, chunk)[0]
+        return max(ROUTES[s].working(p, self.mode, self.o, r, c, chunk, self.transient)
                    for s, p in zip(routes, pairs, strict=True)) \
             + r * c * self.mode.entries(self.o) * _tiles_held(self.layerwise, len(self.pairs))
 
@@ -921,8 +945,9 @@ def _cached_plan(pb: _Problem, budget: Budget) -> GramPlan:
     plan_budget = _round_budget(budget) if budget.default else int(budget)
     key = (tuple(_pair_key(p) for p in pb.pairs), pb.mode, pb.o, pb.n1, pb.n2, pb.symmetric,
            pb.layerwise, plan_budget, pb.itemsize, pb.forced, pb.gpu, pb.writable,
-           SYMMETRIC_SPLIT_FLOPS_PER_ENTRY, tuple(SYMMETRIC_MIN_TILE.items()),
-           tuple(SYMMETRIC_PANEL_ROWS.items()), SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS,
+           pb.transient, MIN_SLAB_GEMM_ROWS, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
+           tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
+           SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS,
            PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK, tuple(ROUTES.values()))
     plan = _PLAN_CACHE.get(key, lambda: _make_plan(replace(pb, budget=plan_budget)))
     return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
@@ -1073,9 +1098,11 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
                 f"this kernel ({useful_tile(n1)} x {useful_tile(n2)} samples, "
                 f"mode {mode!r}{', layerwise' if layerwise else ''}, {item}-byte "
                 f"numbers): pass max_memory >= {need} bytes", budget, need)
+        limit = backend.transient_bytes(device)
         problem = _Problem(tuple(pairs), mode, o, n1, n2, j2 is None, layerwise, int(budget),
                            item, strategy, on_gpu(xp, device),
-                           _writable(xp, out_dtype, device))
+                           _writable(xp, out_dtype, device),
+                           None if limit is None else limit // itemsize(xp, out_dtype))
         plan = _cached_plan(problem, budget)
     return _Setup(xp, backend, pairs, mode, n1, n2, o, out_dtype, device, plan)
 def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = False,

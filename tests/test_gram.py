@@ -410,6 +410,37 @@ def test_working_memory_within_budget(rng, mode):
             assert peak - k.nbytes <= budget, (strategy, lw, peak - k.nbytes)
 
 
+@pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
+def test_materialise_plan_charges_one_slab_of_weights(monkeypatch, rng, mode):
+    """Where the backend forms transients in slabs, the planner charges the materialise route
+    one slab of per-sample weights a side, not all of them: one tile within a budget that
+    held only small tiles of whole weights, the traced peak (NumPy) still within it, and the
+    kernel the float64 reference's."""
+    gram_module = sys.modules["ntkcore.gram"]
+    backend_cls = sys.modules["ntkcore.backend"].Backend
+    monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)
+    spec = {"O": 2, "blocks": [("kron", 4, 24, 32)]}  # 768 weights an output and sample
+    f = make_factors(spec, 60, rng)
+    j = to_jacobian_np(f)
+    budget = 700_000  # the factor slices of all 60 samples, and a slab's weights
+    monkeypatch.setattr(backend_cls, "transient_bytes", lambda self, device: None)
+    whole = plan_gram(j, mode=mode, max_memory=budget, strategy="materialise")
+    limit = 16_000  # bytes: one row of d_out a slab at 60 samples (2 x 24 x 60 x 8 bytes)
+    monkeypatch.setattr(backend_cls, "transient_bytes", lambda self, device: limit)
+    slabbed = plan_gram(j, mode=mode, max_memory=budget, strategy="materialise")
+    assert whole.num_tiles > 1 and slabbed.num_tiles == 1
+    assert slabbed.working_bytes <= budget < 60 * 2 * 768 * 8  # all weights of one side
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        k = _gram(j, mode=mode, max_memory=budget, strategy="materialise")
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak - k.nbytes <= budget
+    np.testing.assert_allclose(k, reference(f, f, mode), rtol=1e-10, atol=1e-10)
+
+
 # ---------------------------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------------------------
