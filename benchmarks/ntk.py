@@ -88,9 +88,17 @@ def mlp_roofline_flops(widths: tuple[int, ...] | list[int], n: int, mode: str) -
         raise ValueError(f"mode must be 'full' or 'trace'; got {mode!r}")
     d, full = [int(w) for w in widths], mode == "full"
     o, m = d[-1], n * d[-1] if full else n
-    fwd_bwd = 2.0 * n * (d[0] * d[1] + (1 + o) * sum(a * b for a, b in itertools.pairwise(d[1:])))
-    return fwd_bwd + sum(n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * d[l] * (1 if full else o)
-                         for l in range(1, len(d)))
+    return mlp_pass_flops(d, n) + sum(
+        n * (n + 1.0) * (d[l - 1] + 1) + m * (m + 1.0) * d[l] * (1 if full else o)
+        for l in range(1, len(d)))
+
+
+def mlp_pass_flops(widths: tuple[int, ...] | list[int], n: int) -> float:
+    """:math:`F + B` of :func:`mlp_roofline_flops`: the GEMM flops of the forward pass and of
+    the O output-gradient passes (input gradients only), the floor's share of the roofline."""
+    d = [int(w) for w in widths]
+    inner = sum(a * b for a, b in itertools.pairwise(d[1:]))
+    return 2.0 * n * (d[0] * d[1] + (1 + d[-1]) * inner)
 
 
 class _Model:
@@ -189,6 +197,23 @@ class Roofline(_Model):
         flops = mlp_roofline_flops(MLP_WIDTHS["mlp8x1000"], 512, "trace")
         return roofline_share(self.ntkcore, flops, "torch")
     track_roofline_share.unit = "share"  # type: ignore[attr-defined]
+
+    def track_ceiling(self, threads: int) -> float:
+        r"""The share of the roofline that an exact method running the model's own passes
+        reaches at best: roofline time over :math:`t_{floor} + G / r_{GEMM}`, the floor
+        (``backward_floor``: the forward pass and the output-gradient pass, their tanh,
+        tanh' and bias copies included, which the roofline does not count) and a Gram at the
+        GEMM rate, timed in turns with the GEMM."""
+        from benchmarks.common import gemm
+        from benchmarks.real_models_bench import backward_floor
+
+        total = mlp_roofline_flops(MLP_WIDTHS["mlp8x1000"], 512, "trace")
+        passes = mlp_pass_flops(MLP_WIDTHS["mlp8x1000"], 512)
+        g, g_flops = gemm("torch")
+        t = in_turns({"floor": backward_floor(self.model, self.x), "gemm": g}, rounds=5)
+        rate = g_flops / t["gemm"]
+        return total / rate / (t["floor"] + (total - passes) / rate)
+    track_ceiling.unit = "share"  # type: ignore[attr-defined]
 
     def track_error(self, threads: int) -> float:
         """Leading 32 x 32 block against :func:`benchmarks.peer.reference_ntk` (float64)."""

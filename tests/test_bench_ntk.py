@@ -71,7 +71,7 @@ def test_mlp_roofline_flops_match_a_flop_counter(widths: tuple[int, ...], mode: 
     torch = pytest.importorskip("torch")
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks.ntk import mlp_roofline_flops
+    from benchmarks.ntk import mlp_pass_flops, mlp_roofline_flops
 
     n, o = 9, widths[-1]
     layers = [torch.nn.Linear(a, b, dtype=torch.float64) for a, b in itertools.pairwise(widths)]
@@ -93,6 +93,7 @@ def test_mlp_roofline_flops_match_a_flop_counter(widths: tuple[int, ...], mode: 
                 f @ f.T
             sym += counter.get_total_flops() * (rows + 1) / (2 * rows)
     assert mlp_roofline_flops(widths, n, mode) == pytest.approx(passes + sym)
+    assert mlp_pass_flops(widths, n) == pytest.approx(passes)
 
 
 @pytest.mark.parametrize("shape", [(6, 1, 5, 4, 3, "full", False), (5, 3, 4, 2, 2, "trace", True)])
