@@ -486,7 +486,7 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     if groups is not None:
         o, shapes = cached[2], cached[1]
         # the plan otherwise taken: k outputs at a time (k = O: all, in sample blocks)
-        kk = cached[2] if k is None else k
+        kk = o if k is None else k
         other = _chunks_cost(shapes, kk, o, _samples_computed(_chunk_facts(cached, kk)[0],
                                                               budget, n1, n2, cross), n1, n2, mode)
         if _groups_cost(shapes, groups, o, n1 + (n2 if cross else 0), n1, n2, mode) < other:
@@ -723,7 +723,7 @@ def _param_groups(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     first block (:func:`_groups_cost`): the groups are packed greedily from the first block
     (the input side), so that the groups after it start as late as they can, and they are as
     few as they can be."""
-    if len(cached) < 8 or cached[7] is None or len(cached[6]) < 2:
+    if cached[7] is None or len(cached[6]) < 2:
         return None
     samples = n1 + (n2 if cross else 0)
 

@@ -389,11 +389,16 @@ class MaterialiseRoute(Route):
         if transient is None:
             return mem
         din, dout = pair.b1.d_in, pair.b1.d_out
-        first = self.slabs(dout, max(r, c) * o * din, transient,
-                           -(-MIN_SLAB_GEMM_ROWS // max(1, o)))[0]
+        first = self.slabs(dout, max(r, c) * o * din, transient, self.least_rows(o))[0]
         whole = (r + c) * o * din * dout
         slab = (r + c) * o * din * (first.stop - first.start)
         return mem - (whole - slab) * mode.input_copies
+
+    @staticmethod
+    def least_rows(o: int) -> int:
+        """Rows of d_out a slab has at least: :data:`MIN_SLAB_GEMM_ROWS` GEMM rows in each
+        sample's forming product (``|slab| O``)."""
+        return -(-MIN_SLAB_GEMM_ROWS // max(1, o))
 
     @staticmethod
     def slabs(d_out: int, width: int, limit: int | None, least: int = 1) -> list[slice]:
@@ -422,11 +427,10 @@ class MaterialiseRoute(Route):
                             product=backend.transient_product)
 
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context) -> list[slice]:
-        """Slabs within the backend's transient limit, but of at least
-        :data:`MIN_SLAB_GEMM_ROWS` rows in each sample's forming product (``|slab| O``)."""
+        """Slabs within the backend's transient limit, of :meth:`least_rows` at least."""
         b = pair.b1
-        least = -(-MIN_SLAB_GEMM_ROWS // max(1, b.num_outputs))
-        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient, least)
+        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient,
+                          self.least_rows(b.num_outputs))
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:

@@ -823,4 +823,6 @@ def test_block_params_select_exactly_those_blocks():
         assert part.names == whole.names[start:stop]
         first = sum(b.num_params for b in whole.blocks[:start])
         cols = dense[..., first:first + part.num_params]
+        # the same entries from other calls: each a sum of fewer than 64 products (4 steps
+        # of a 5-unit GRU, 2 convolution taps over 5 channels), rounded independently
         assert rel(part.to_dense(), cols) <= kernel_tol(DT, 64)
