@@ -18,17 +18,24 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._memory import PROBE_SAMPLES, Budget, batch_samples, itemsize, resolve_budget
+from ._memory import (
+    CALL_OVERHEAD,
+    PROBE_SAMPLES,
+    Budget,
+    batch_samples,
+    itemsize,
+    resolve_budget,
+)
 from ._typing import Array
 from ._validation import FiniteFlags, first_nonfinite, namespace_of
 from ._validation import check_finite as _check_finite_array
 from .errors import BudgetTooSmallError
-from .gram import block_shapes, cheapest_flops, gram, min_budget, useful_tile
-from .jacobian import Jacobian
+from .gram import block_shapes, cheapest_flops, gram, min_budget, plan_shapes, useful_tile
+from .jacobian import Jacobian, KroneckerBlock, SampleStack
 from .modes import Mode, check_mode
 from .providers import find_provider
 from .support import capabilities
@@ -257,8 +264,22 @@ def explain_failure(exc: BaseException, model: Any, name: str, x: Any,
 #: and a backward pass with hooks, several milliseconds for a small MLP) is paid once.  The
 #: values only size batches: a stale one (a module changed in place without changing any
 #: parameter shape) can misjudge memory, never the kernel.
-_PER_SAMPLE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, ...]]] = \
+_PER_SAMPLE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Facts]] = \
     weakref.WeakKeyDictionary()
+
+
+class _Facts(NamedTuple):
+    """What the probe measured of the Jacobian of one sample (bytes are per sample)."""
+
+    per_sample: float  #: factor bytes ``b``
+    shapes: tuple[Any, ...]  #: the blocks' shapes (:func:`ntkcore.gram.block_shapes`)
+    outputs: int  #: O
+    itemsize: int  #: of the factors' dtype
+    shared: float  #: bytes without an output axis (the Kronecker blocks' ``a``)
+    work: float  #: the provider's working bytes ``w`` (:attr:`Jacobian.work_nbytes`)
+    block_bytes: tuple[float, ...]  #: each block's factor bytes
+    block_params: tuple[tuple[Any, ...], ...] | None  #: each block's ``params`` selection
+    block_shared: tuple[float, ...]  #: each block's bytes without an output axis
 
 
 def _shape_signature(model: Any) -> Any:
@@ -307,20 +328,29 @@ def _jacobians(call: Callable[[Any], Jacobian], x: Any, start: int, stop: int,
                batch: int, first: Jacobian | None = None) -> Jacobian:
     """The Jacobian of samples ``start:stop`` from provider calls of ``batch`` samples.
 
-    ``first`` (the probe's Jacobian of the leading samples) is reused only when more than one
-    call is needed anyway: a single call keeps the provider's own factor layouts (e.g. a
-    convolution's g as a view of an (N, O, C, S) array), which concatenation would not.
+    The batches are written into arrays for all samples as they come (:class:`SampleStack`:
+    the factors and one batch at the peak, where stacking them at the end held them twice in
+    a process whose allocator kept the freed batches resident: ResNet-50 at 224 px, N = 32,
+    ten chunks of one output held under 1.6 GB, reached 2.48 GB, now 1.55 GB).  ``first``
+    (the probe's Jacobian of the leading samples) is reused only when more than one call is
+    needed anyway: a single call keeps the provider's own factor layouts (e.g. a
+    convolution's g as a view of an (N, O, C, S) array), which stacking would not.
     """
     if first is not None and stop - start <= batch and first.num_samples < stop - start:
         first = None
-    parts = [] if first is None else [first]
-    pos = start if first is None else start + first.num_samples
+    if first is None and stop - start <= batch:
+        return call(x[start:stop, ...])
+    # each batch written into arrays for all samples and dropped (peak: factors + a batch)
+    stack = SampleStack(stop - start)
+    pos = start
+    if first is not None:
+        stack.add(first)
+        pos, first = start + first.num_samples, None
     while pos < stop:
         end = min(stop, pos + batch)
-        parts.append(call(x[pos:end, ...]))
+        stack.add(call(x[pos:end, ...]))
         pos = end
-    # consume: each block's pieces go as soon as it is stacked (peak: pieces + one block)
-    return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts, consume=True)
+    return stack.result()
 
 
 def _requires_grad(x: Any) -> bool:
@@ -390,23 +420,25 @@ def _check_checkpoint(checkpoint: Any, x1: Any, x2: Any, provider: Any) -> bool:
 
 
 def _probe(provider: Any, model: Any, call: Callable[[Any], Jacobian], x1: Any, pseudo: bool,
-           params: Any, dense: bool = False) -> tuple[tuple[Any, ...], Jacobian | None]:
-    """``(facts, probe)``: factor bytes per sample, block shapes, O, item size, bytes per
-    sample of the factors without an output axis, of the provider's work and of each block,
-    and each block's ``params`` selection (:func:`_block_params`) of the model on ``x1``'s
-    leading samples (remembered per model and input signature, :data:`_PER_SAMPLE`), and the
-    probe's Jacobian when it was computed now."""
+           params: Any, dense: bool = False) -> tuple[_Facts, Jacobian | None]:
+    """``(facts, probe)``: the :class:`_Facts` of the model on ``x1``'s leading samples (each
+    block's ``params`` selection from :func:`_block_params`; remembered per model and input
+    signature, :data:`_PER_SAMPLE`), and the probe's Jacobian when it was computed now."""
     key = _probe_key(provider.name, model, x1, pseudo, params, dense)
     cached = None if key is None else _PER_SAMPLE.get(key[0], {}).get(key[1])
     if cached is not None:
         return cached, None
     probe = call(x1[0:min(int(x1.shape[0]), PROBE_SAMPLES), ...])
     n = probe.num_samples
-    cached = (probe.nbytes / n, block_shapes(probe), probe.num_outputs,
-              itemsize(probe.xp, probe.dtype), probe.shared_nbytes / n, probe.work_nbytes / n,
-              tuple(sum(math.prod(a.shape) * itemsize(probe.xp, a.dtype) for a in b.arrays()) / n
-                    for b in probe.blocks),
-              _block_params(provider, model, probe, params))
+    def nbytes(arrays: Any) -> float:
+        return sum(math.prod(a.shape) * itemsize(probe.xp, a.dtype) for a in arrays) / n
+
+    cached = _Facts(probe.nbytes / n, block_shapes(probe), probe.num_outputs,
+                    itemsize(probe.xp, probe.dtype), probe.shared_nbytes / n,
+                    probe.work_nbytes / n, tuple(nbytes(b.arrays()) for b in probe.blocks),
+                    _block_params(provider, model, probe, params),
+                    tuple(nbytes([b.a]) if isinstance(b, KroneckerBlock) else 0.0
+                          for b in probe.blocks))
     if key is not None:
         _PER_SAMPLE.setdefault(key[0], {})[key[1]] = cached
     return cached, probe
@@ -469,40 +501,45 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         provider_call, provider, model, "x1", x1, x1, {**options, "measure_work": True})
     cached, probe = _probe(provider, model, probe_call, x1, pseudo, params,
                            bool(options.get("dense_if_smaller")))
-    per_sample = cached[0]
+    per_sample = cached.per_sample
     cross = x2 is not None
+    device = array_api_compat.device(x1)
     fits = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
-    held = fits and per_sample * (n1 + (n2 if cross else 0)) <= budget / 2
+    hold = _holds(cached, budget, n1, n2, cross, mode, layerwise, dtype, xp, device)
+    held = hold is not None
     chunkable = not held and not one_grad and "outputs" in provider.capabilities and \
-        mode.output_chunks and cached[2] > 1
-    k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp) \
+        mode.output_chunks and cached.outputs > 1
+    k = _output_chunk(budget, cached, n1, n2, cross, mode, layerwise, dtype, xp, device) \
         if chunkable else None
     if k is None and (chunkable or not fits):
         # raises, quoting the smallest budget (of one output at a time if any)
         _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
                       cross, mode, layerwise, dtype, xp)
     groups = None if held or one_grad else _param_groups(budget, cached, n1, n2, cross, mode,
-                                                          layerwise, dtype, xp)
+                                                          layerwise, dtype, xp, device)
     if groups is not None:
-        o, shapes = cached[2], cached[1]
+        o, shapes = cached.outputs, cached.shapes
         # the plan otherwise taken: k outputs at a time (k = O: all, in sample blocks)
         kk = o if k is None else k
-        other = _chunks_cost(shapes, kk, o, _samples_computed(_chunk_facts(cached, kk)[0],
-                                                              budget, n1, n2, cross), n1, n2, mode)
+        facts = _chunk_facts(cached, kk)
+        kept = _holds(facts, budget, n1, n2, cross, mode, layerwise, dtype, xp, device)
+        samples = _samples_computed(kept is not None, facts.per_sample, budget, n1, n2, cross)
+        other = _chunks_cost(shapes, kk, o, samples, n1, n2, mode)
         if _groups_cost(shapes, groups, o, n1 + (n2 if cross else 0), n1, n2, mode) < other:
             probe = None  # not reused (its blocks are all of them): freed, not held uncharged
             return _by_param_groups(groups, cached, provider, model, x1, x2, options, budget,
                                     batch_size, mode, layerwise, pseudo, dtype, progress, xp,
-                                    check_finite)
-    if k is not None and k < cached[2]:  # chunks cost fewer flops than sample blocks
+                                    check_finite, device)
+    if k is not None and k < cached.outputs:  # chunks cost fewer flops than sample blocks
         probe = None  # not reused (all outputs): freed, not held uncharged
         return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
-                                 batch_size, mode, layerwise, dtype, progress, xp, check_finite)
+                                 batch_size, mode, layerwise, dtype, progress, xp, check_finite,
+                                 device)
     # The budget suffices; from here on, a planner that finds its share too small raises.
     box, probe = [probe], None  # the only reference: freed once used (_held_or_streamed)
     return _held_or_streamed(call, call2, box, per_sample, budget, one_grad, provider, model,
                              x1, x2, mode, layerwise, pseudo, params, dtype, batch_size,
-                             checkpoint, progress, xp, check_finite, work=cached[5])
+                             checkpoint, progress, xp, check_finite, work=cached.work, hold=hold)
 
 
 def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Jacobian],
@@ -510,11 +547,12 @@ def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Ja
                       one_grad: bool, provider: Any, model: Any, x1: Any, x2: Any, mode: Mode,
                       layerwise: bool, pseudo: bool, params: Any, dtype: Any, batch_size: Any,
                       checkpoint: Any, progress: Any, xp: Any, check_finite: bool,
-                      work: float = 0.0) -> Array:
+                      work: float = 0.0, hold: int | None = None) -> Array:
     """The kernel of a budget that suffices: the provider's checkpointed kernel (one side
-    requiring grad), all factors held, or :func:`_streamed` (see :func:`_kernel`).  ``box``
-    holds the probe's Jacobian (or None), its only reference; ``work``: the provider's
-    working bytes per sample (:attr:`Jacobian.work_nbytes`), charged to each call."""
+    requiring grad), all factors held (``hold``: the contraction's least share, from
+    :func:`_holds`), or else :func:`_streamed` (see :func:`_kernel`).  ``box`` holds the
+    probe's Jacobian (or None), its only reference; ``work``: the provider's working bytes
+    per sample (:attr:`Jacobian.work_nbytes`), charged to each call."""
     probe = box.pop()
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
@@ -533,16 +571,17 @@ def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Ja
             except Exception as exc:
                 explain_failure(exc, model, "x2", x2, x1)
                 raise
-        if per_sample * (n1 + (0 if x2 is None else n2)) > budget / 2:
+        if hold is None:
             box, probe = [probe], None  # _streamed drops the probe after its first row block
             return _streamed(call, call2, x1, x2, box, per_sample, budget, batch_size, mode,
                              layerwise, dtype, progress, xp, check_finite, work)
-        batch = batch_size or batch_samples(per_sample, budget / 2, work)
+        # batches beside the factors computed before them (_holds)
+        factors = per_sample * (n1 + (0 if x2 is None else n2))
+        batch = batch_size or batch_samples(per_sample, min(budget / 2, budget - factors), work)
         j1 = _jacobians(call, x1, 0, n1, batch, probe)
         probe = None  # j1 holds its samples (a copy, when stacked): not charged twice
         j2 = None if x2 is None else _jacobians(call2, x2, 0, n2, batch)
-        rest = budget.less(j1.nbytes + (0 if j2 is None else j2.nbytes),
-                           budget // 4)
+        rest = budget.less(j1.nbytes + (0 if j2 is None else j2.nbytes), hold)
         return gram(j1, j2, mode=mode, layerwise=layerwise, max_memory=rest, dtype=dtype,
                     progress=progress, check_finite=check_finite)
     except BudgetTooSmallError as e:  # a planner got a share of the budget: scale back
@@ -552,7 +591,7 @@ def _held_or_streamed(call: Callable[[Any], Jacobian], call2: Callable[[Any], Ja
             f"of this kernel: pass max_memory >= {need} bytes", budget, need) from None
 
 
-def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
+def _check_budget(budget: Budget, cached: _Facts, n1: int, n2: int, cross: bool,
                   mode: str, layerwise: bool, dtype: Any, xp: Any) -> None:
     """Raise when ``budget`` cannot give :func:`gram` a useful tile (``min(N, 8)`` samples a
     side, ``MIN_TILE_SAMPLES`` in ``ntkcore/gram.py``), stating the smallest budget that
@@ -574,17 +613,12 @@ def _check_budget(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
             f"contract the tile): pass max_memory >= {need} bytes", budget, need)
 
 
-def _budget_need(cached: tuple[Any, ...], n1: int, n2: int, cross: bool, mode: str,
+def _budget_need(cached: _Facts, n1: int, n2: int, cross: bool, mode: str,
                  layerwise: bool, dtype: Any, xp: Any) -> tuple[int, int, float]:
     """``(M, g, b)``: the smallest budget :func:`_check_budget` accepts for the probe's facts
     ``cached``, the contraction's need ``g`` and the factor bytes per sample ``b``."""
-    per_sample, shapes, o, item = cached[:4]
-    if dtype is not None:
-        try:
-            resolved = getattr(xp, dtype) if isinstance(dtype, str) else dtype
-            item = max(item, itemsize(xp, resolved))
-        except Exception:  # gram() reports a bad dtype
-            pass
+    per_sample, shapes, o = cached[:3]
+    item = _compute_itemsize(cached, dtype, xp)
     g = min_budget(shapes, num_outputs=o, n1=n1, n2=n2, mode=mode, layerwise=layerwise,
                    itemsize=item)
     m = max(useful_tile(n1), useful_tile(n2))
@@ -592,16 +626,92 @@ def _budget_need(cached: tuple[Any, ...], n1: int, n2: int, cross: bool, mode: s
     return max(2 * g, math.ceil(min(2 * factors, 4 * m * per_sample))), g, per_sample
 
 
-def _chunk_facts(cached: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+#: Samples a side of the contraction's tiles below which held factors are not worth its
+#: slowdown (:func:`_holds`): a trace tile of ``r x r`` samples reads ``2 r`` rows of the
+#: factors for ``r^2`` products, so small tiles leave the GEMM bound by memory.
+HELD_MIN_TILE = 64
+#: How many more flops the contraction may plan beside held factors than within half the
+#: budget (:func:`_holds`).
+HELD_FLOPS_SLACK = 1.1
+
+
+def _holds(facts: _Facts, budget: Budget, n1: int, n2: int, cross: bool, mode: Mode,
+           layerwise: bool, dtype: Any, xp: Any, device: Any = None) -> int | None:
+    r"""The contraction's least share of ``budget`` (bytes) where the factors of all samples
+    are held, or None where they are not (they are then computed in sample blocks).
+
+    The factors ``F = b (n_1 + n_2)`` are held when the budget ``M`` has a useful tile
+    (:func:`_check_budget`) and either ``F <= M / 2`` (the contraction gets the rest, at
+    least ``M / 4`` should the factors come out larger than the probe said), or
+
+    .. math:: M - F \ge \max(g,\ 3 b + w,\ n F_{max})
+
+    (``g`` a useful tile's contraction, ``3 b + w`` a provider call on one sample beside
+    the factors computed before it, the batches then taking ``M - F``, and ``n F_{max}``
+    the largest block of all ``n`` samples, which stacking copies once) and the plan
+    :func:`gram` makes within ``M - F`` costs at most :data:`HELD_FLOPS_SLACK` times the
+    flops of the plan within ``M / 2`` in tiles of at least ``min(HELD_MIN_TILE, t)``
+    samples a side (``t`` the tile within ``M / 2``); its working bytes are returned.  So
+    the factors need not leave the contraction half the budget when it needs less:
+    ResNet-50 at 224 px, N = 128, one output of its ten at a time under 6 GB holds 4.9 GB of
+    factors beside a 0.66 GB contraction (ten chunks of one forward and one output-gradient
+    pass a sample), where the half rule streamed two outputs at a time in blocks of 27
+    samples (five chunks computing 384 sample Jacobians each)."""
+    samples = n1 + (n2 if cross else 0)
+    factors = facts.per_sample * samples
+    need, g, _ = _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)
+    if need > budget:
+        return None
+    if factors <= budget / 2:
+        return budget // 4
+    rest = budget - factors
+    if rest < max(g, CALL_OVERHEAD * facts.per_sample + facts.work,
+                  samples * max(facts.block_bytes, default=0.0)):
+        return None
+    item = _compute_itemsize(facts, dtype, xp)
+
+    def plan(share: float) -> Any:
+        return plan_shapes(facts.shapes, num_outputs=facts.outputs, n1=n1, n2=n2,
+                           symmetric=not cross, mode=mode, layerwise=layerwise, itemsize=item,
+                           budget=Budget(int(share), budget.default), xp=xp, device=device)
+
+    half, here = plan(budget / 2), plan(rest)
+    small = min(HELD_MIN_TILE, half.tile_rows), min(HELD_MIN_TILE, half.tile_cols)
+    if here.flops > HELD_FLOPS_SLACK * half.flops or here.tile_rows < small[0] or \
+            here.tile_cols < small[1]:
+        return None
+    return here.working_bytes
+
+
+def _compute_itemsize(facts: _Facts, dtype: Any, xp: Any) -> int:
+    """Bytes of a number in the contraction: the factors' or ``dtype``'s, the larger."""
+    item = facts.itemsize
+    if dtype is not None:
+        try:
+            resolved = getattr(xp, dtype) if isinstance(dtype, str) else dtype
+            item = max(item, itemsize(xp, resolved))
+        except Exception:  # gram() reports a bad dtype
+            pass
+    return item
+
+
+def _chunk_facts(cached: _Facts, k: int) -> _Facts:
     """The probe's facts for a Jacobian of ``k`` of its O outputs: the factors without an
-    output axis whole, the rest scaled by ``k / O``; the provider's working bytes (its
-    forward, one pass's gradients) whole."""
-    per_sample, shapes, o, item, shared, work = cached[:6]
-    return (shared + (per_sample - shared) * k / o, shapes, k, item, shared, work)
+    output axis whole, the rest scaled by ``k / O`` (per block too); the provider's working
+    bytes (its forward, one pass's gradients) whole."""
+    o = cached.outputs
+
+    def part(whole: float, shared: float) -> float:
+        return shared + (whole - shared) * k / o
+
+    return cached._replace(per_sample=part(cached.per_sample, cached.shared), outputs=k,
+                           block_bytes=tuple(map(part, cached.block_bytes,
+                                                 cached.block_shared)))
 
 
-def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
-                  mode: Mode, layerwise: bool, dtype: Any, xp: Any) -> int | None:
+def _output_chunk(budget: Budget, cached: _Facts, n1: int, n2: int, cross: bool,
+                  mode: Mode, layerwise: bool, dtype: Any, xp: Any,
+                  device: Any = None) -> int | None:
     r"""Outputs per chunk (O: all at once) for a kernel whose factors of all O outputs are
     not held within ``budget`` (streamed in sample blocks, or refused), or None (not even
     one output fits, or ``mode`` is not a sum or a concatenation over outputs: full mode
@@ -622,7 +732,7 @@ def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     blocks (:func:`_samples_computed`): BERT-base at N = 32 under 6 GB, streamed in blocks of
     12 samples (64 sample Jacobians of three passes), takes two chunks of one output held
     whole (2 x 32 Jacobians of two passes)."""
-    o = cached[2]
+    o = cached.outputs
     if not mode.output_chunks or o < 2:
         return None
     best: tuple[float, int] | None = None
@@ -633,8 +743,9 @@ def _output_chunk(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
         facts = _chunk_facts(cached, k)
         if _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)[0] > budget:
             continue
-        cost = _chunks_cost(cached[1], k, o, _samples_computed(facts[0], budget, n1, n2,
-                                                                cross), n1, n2, mode)
+        held = _holds(facts, budget, n1, n2, cross, mode, layerwise, dtype, xp, device)
+        samples = _samples_computed(held is not None, facts.per_sample, budget, n1, n2, cross)
+        cost = _chunks_cost(cached.shapes, k, o, samples, n1, n2, mode)
         if best is None or cost < best[0]:
             best = (cost, k)
     return None if best is None else best[1]
@@ -660,13 +771,13 @@ def _chunks_cost(shapes: tuple[Any, ...], k: int, o: int, samples: float, n1: in
     return -(-o // k) * (samples * forward * (1 + k) + gram_flops)
 
 
-def _samples_computed(per_sample: float, budget: Budget, n1: int, n2: int,
+def _samples_computed(held: bool, per_sample: float, budget: Budget, n1: int, n2: int,
                       cross: bool) -> float:
-    """Sample Jacobians a kernel computes: each sample once when all factors are held
-    (``F <= M / 2``); else, in blocks of ``m = (M / 4) / b`` samples (:func:`_streamed`), the
+    """Sample Jacobians a kernel computes: each sample once when all factors are ``held``
+    (:func:`_holds`); else, in blocks of ``m = (M / 4) / b`` samples (:func:`_streamed`), the
     row blocks once and the column blocks once per row block (on and above the diagonal of
     a self-kernel)."""
-    if per_sample * (n1 + (n2 if cross else 0)) <= budget / 2:
+    if held:
         return n1 + (n2 if cross else 0)
     m = max(1, int(budget / 4 // max(1.0, per_sample)))
     rows = -(-n1 // m)
@@ -675,43 +786,51 @@ def _samples_computed(per_sample: float, budget: Budget, n1: int, n2: int,
     return n1 + (rows - 1) * n1 / 2
 
 
-def _by_output_chunks(k: int, cached: tuple[Any, ...], provider: Any, model: Any, x1: Any,
+def _by_output_chunks(k: int, cached: _Facts, provider: Any, model: Any, x1: Any,
                       x2: Any, options: dict[str, Any], budget: Budget, batch_size: Any,
                       mode: Mode, layerwise: bool, dtype: Any, progress: Any, xp: Any,
-                      check_finite: bool) -> Array:
+                      check_finite: bool, device: Any = None) -> Array:
     """The kernel from the provider's Jacobians of ``k`` outputs at a time
     (:func:`_output_chunk`): each chunk's kernel as :func:`_kernel` computes a kernel whose
     factors fit (held or streamed), joined by ``mode.join_output_chunks`` (trace: summed;
     diagonal: concatenated along the output axis).  ``progress`` is reported per chunk."""
-    o, parts = cached[2], []
-    per_sample, work = _chunk_facts(cached, k)[0], cached[5]
+    o, parts = cached.outputs, []
+    facts = _chunk_facts(cached, k)
+    n1 = int(x1.shape[0])
+    n2 = n1 if x2 is None else int(x2.shape[0])
+    hold = _holds(facts, budget, n1, n2, x2 is not None, mode, layerwise, dtype, xp, device)
     for c0 in range(0, o, k):
         opts = {**options, "outputs": (c0, min(o, c0 + k))}
         call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
         call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
                                                           x2, x1, opts)
-        parts.append(_held_or_streamed(call, call2, [None], per_sample, budget, False, provider,
-                                       model, x1, x2, mode, layerwise, False, None, dtype,
-                                       batch_size, False, progress, xp, check_finite,
-                                       work=work))
+        parts.append(_held_or_streamed(call, call2, [None], facts.per_sample, budget, False,
+                                       provider, model, x1, x2, mode, layerwise, False, None,
+                                       dtype, batch_size, False, progress, xp, check_finite,
+                                       work=facts.work, hold=hold))
         if mode.sums_outputs and len(parts) == 2:  # a running sum: two kernels alive at most
             parts = [mode.join_output_chunks(xp, parts)]
     return mode.join_output_chunks(xp, parts)
 
 
-def _group_facts(cached: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+def _group_facts(cached: _Facts, start: int, stop: int) -> _Facts:
     """The probe's facts for a Jacobian of blocks ``start:stop`` only: their factor bytes and
     shapes; the provider's working bytes (its whole forward) whole."""
-    _, shapes, o, item, _, work, block_bytes = cached[:7]
-    return (sum(block_bytes[start:stop]), shapes[start:stop], o, item, 0.0, work)
+    sel = slice(start, stop)
+    params = cached.block_params
+    return cached._replace(per_sample=sum(cached.block_bytes[sel]),
+                           shared=sum(cached.block_shared[sel]), shapes=cached.shapes[sel],
+                           block_bytes=cached.block_bytes[sel],
+                           block_params=None if params is None else params[sel],
+                           block_shared=cached.block_shared[sel])
 
 
-def _param_groups(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cross: bool,
-                  mode: Mode, layerwise: bool, dtype: Any, xp: Any) -> list[tuple[int, int]] | None:
+def _param_groups(budget: Budget, cached: _Facts, n1: int, n2: int, cross: bool, mode: Mode,
+                  layerwise: bool, dtype: Any, xp: Any,
+                  device: Any = None) -> list[tuple[int, int]] | None:
     r"""Consecutive groups of blocks ``(start, stop)`` whose factors of all samples are each
-    held within ``budget`` (:func:`_kernel`'s rule: at most ``M / 2``, and a useful tile of
-    the contraction), or None: the provider cannot select blocks (no ``"block_params"``), a
-    block alone is not held, or one group would hold them all.
+    held within ``budget`` (:func:`_holds`), or None: the provider cannot select blocks (no
+    ``"block_params"``), a block alone is not held, or one group would hold them all.
 
     The kernel is a sum over parameters, so over any partition of the blocks into groups
     :math:`g`, in every mode (and a concatenation of the groups' per-block kernels when
@@ -723,16 +842,14 @@ def _param_groups(budget: Budget, cached: tuple[Any, ...], n1: int, n2: int, cro
     first block (:func:`_groups_cost`): the groups are packed greedily from the first block
     (the input side), so that the groups after it start as late as they can, and they are as
     few as they can be."""
-    if cached[7] is None or len(cached[6]) < 2:
+    if cached.block_params is None or len(cached.block_bytes) < 2:
         return None
-    samples = n1 + (n2 if cross else 0)
 
     def held(start: int, stop: int) -> bool:
-        facts = _group_facts(cached, start, stop)
-        return facts[0] * samples <= budget / 2 and \
-            _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
+        return _holds(_group_facts(cached, start, stop), budget, n1, n2, cross, mode,
+                      layerwise, dtype, xp, device) is not None
 
-    groups, start, blocks = [], 0, len(cached[6])
+    groups, start, blocks = [], 0, len(cached.block_bytes)
     while start < blocks:
         if not held(start, start + 1):
             return None
@@ -765,26 +882,32 @@ def _groups_cost(shapes: tuple[Any, ...], groups: list[tuple[int, int]], o: int,
         gram_flops
 
 
-def _by_param_groups(groups: list[tuple[int, int]], cached: tuple[Any, ...], provider: Any,
+def _by_param_groups(groups: list[tuple[int, int]], cached: _Facts, provider: Any,
                      model: Any, x1: Any, x2: Any, options: dict[str, Any], budget: Budget,
                      batch_size: Any, mode: Mode, layerwise: bool, pseudo: bool, dtype: Any,
-                     progress: Any, xp: Any, check_finite: bool) -> Array:
+                     progress: Any, xp: Any, check_finite: bool, device: Any = None) -> Array:
     """The kernel as the sum of the kernels of the groups of blocks ``groups``
     (:func:`_param_groups`), each from the provider's Jacobian of that group's parameters
     (``params=`` its blocks' selections, :func:`_block_params`) with the factors of all
     samples held; ``layerwise``: the groups' per-block kernels concatenated, in block order.
     A running sum keeps two kernels alive at most.  ``progress`` is reported per group."""
     total, parts = None, []
+    n1 = int(x1.shape[0])
+    n2 = n1 if x2 is None else int(x2.shape[0])
     for start, stop in groups:
-        selection = [name for names in cached[7][start:stop] for name in names]
+        selection = [name for names in (cached.block_params or ())[start:stop]
+                     for name in names]
+        facts = _group_facts(cached, start, stop)
         opts = {**options, "params": selection}
         call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
         call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
                                                           x2, x1, opts)
-        part = _held_or_streamed(call, call2, [None], _group_facts(cached, start, stop)[0],
-                                 budget, False, provider, model, x1, x2, mode, layerwise, pseudo,
-                                 selection, dtype, batch_size, False, progress, xp,
-                                 check_finite, work=cached[5])
+        hold = _holds(facts, budget, n1, n2, x2 is not None, mode, layerwise, dtype, xp,
+                      device)
+        part = _held_or_streamed(call, call2, [None], facts.per_sample, budget, False,
+                                 provider, model, x1, x2, mode, layerwise, pseudo, selection,
+                                 dtype, batch_size, False, progress, xp, check_finite,
+                                 work=facts.work, hold=hold)
         if layerwise:
             parts.append(part)
         else:

@@ -25,7 +25,7 @@ from ._cache import LRUCache
 from ._memory import Budget, itemsize, resolve_budget
 from ._typing import Array
 from ._validation import all_finite, first_nonfinite, namespace_of
-from .backend import on_gpu
+from .backend import get_backend, on_gpu
 from .errors import BudgetTooSmallError
 from .jacobian import (
     DenseBlock,
@@ -665,6 +665,22 @@ def min_budget(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2
         zip(shapes, shapes if shapes2 is None else shapes2, strict=True))]
     return _min_elements(pairs, check_mode(mode), num_outputs, n1, n2, layerwise,
                          None) * itemsize
+
+
+def plan_shapes(shapes: tuple[_BlockShape, ...], *, num_outputs: int, n1: int, n2: int,
+                symmetric: bool, mode: str, layerwise: bool, itemsize: int, budget: Budget,
+                xp: Any, device: Any) -> GramPlan:
+    """The :class:`GramPlan` :func:`gram` makes within ``budget`` for Jacobians of block
+    shapes ``shapes`` (:func:`block_shapes`, the same on both sides) on ``device`` of ``xp``,
+    before any factor is computed (an index block's "pairs" route, which needs the indices,
+    is left out); ``budget`` must hold a useful tile (:func:`min_budget`).  Used by
+    :func:`ntkcore.ntk` to size the contraction's share of its budget."""
+    pairs = tuple(_Pair(str(i), a, a, a.kron) for i, a in enumerate(shapes))
+    limit = get_backend(xp).transient_bytes(device)
+    problem = _Problem(pairs, check_mode(mode), num_outputs, n1, n2, symmetric, layerwise,
+                       int(budget), itemsize, None, on_gpu(xp, device),
+                       _writable(xp, None, device), None if limit is None else limit // itemsize)
+    return _cached_plan(problem, budget)
 
 
 def _tiles_held(layerwise: bool, nblocks: int) -> int:

@@ -803,6 +803,102 @@ class Jacobian:
         return Jacobian(blocks)
 
 
+class SampleStack:
+    r"""The Jacobian of ``n`` samples from the Jacobians of consecutive sample batches
+    (:meth:`add`, in order; :meth:`result` once all ``n`` are in), each batch written into
+    arrays allocated once for all ``n`` samples and then dropped.
+
+    The peak is the ``n`` samples' factors ``F`` plus one batch.  Stacking the batches
+    afterwards (:meth:`Jacobian.concatenate`) copies each block beside its pieces, and an
+    allocator that keeps freed pages resident (glibc's heap, in a process that ran a call
+    before) keeps the pieces too: ``2 F`` of resident memory for factors of ``F``.
+    Batches whose layouts differ from the first's (a provider that drops positions per
+    batch, dense blocks storing other columns), arrays that record gradients and arrays
+    that cannot be written in place (JAX) are concatenated instead."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.filled = n, 0
+        self.template: Jacobian | None = None  # the result, once a batch is written
+        self.rest: list[Jacobian] = []  # concatenated at the end (the fallback)
+
+    def add(self, j: Jacobian) -> None:
+        """Append the Jacobian of the next ``j.num_samples`` samples (``j`` is not kept when
+        it is written in place)."""
+        k = j.num_samples
+        if self.filled + k > self.n:
+            raise ValueError(f"SampleStack of {self.n} samples got {self.filled + k}")
+        if not self.rest and self._writes(j):
+            try:
+                self._write(j, self.filled)
+            except (TypeError, ValueError, NotImplementedError, AttributeError):
+                self._fall_back()
+                self.rest.append(j)
+        else:
+            self._fall_back()
+            self.rest.append(j)
+        self.filled += k
+
+    def result(self) -> Jacobian:
+        """The stacked Jacobian of all ``n`` samples."""
+        if self.filled != self.n:
+            raise ValueError(f"SampleStack of {self.n} samples holds {self.filled}")
+        if self.rest:
+            parts, self.rest = self.rest, []
+            return parts[0] if len(parts) == 1 else Jacobian.concatenate(parts, consume=True)
+        assert self.template is not None
+        j, self.template = self.template, None
+        return j
+
+    def _writes(self, j: Jacobian) -> bool:
+        """Whether ``j`` can be written into the arrays (allocated from it if it is the
+        first): same blocks and layout, no gradient recorded, a writable namespace."""
+        if array_api_compat.is_jax_namespace(j.xp) or any(
+                getattr(a, "requires_grad", False) for b in j.blocks for a in b.arrays()):
+            return False
+        t = self.template
+        if t is None:
+            return True
+        return j.names == t.names and all(_same_layout(b, c) for b, c in
+                                          zip(j.blocks, t.blocks, strict=True))
+
+    def _write(self, j: Jacobian, at: int) -> None:
+        xp, k = j.xp, j.num_samples
+        if self.template is None:  # the result's blocks, on arrays for all n samples
+            with trusted_blocks():  # j's checked layout
+                self.template = Jacobian([_with_arrays(b, tuple(
+                    xp.empty((self.n, *a.shape[1:]), dtype=a.dtype,
+                             device=array_api_compat.device(a)) for a in b.arrays()))
+                    for b in j.blocks])
+        for dst_block, b in zip(self.template.blocks, j.blocks, strict=True):
+            for dst, src in zip(dst_block.arrays(), b.arrays(), strict=True):
+                dst[at:at + k, ...] = src
+
+    def _fall_back(self) -> None:
+        """From here on, concatenate: the samples written so far become the first part."""
+        if self.rest or self.template is None:
+            return
+        t, filled, self.template = self.template, self.filled, None
+        self.rest.append(t[:filled])
+
+
+def _same_layout(b: Block, c: Block) -> bool:
+    """Whether blocks ``b`` and ``c`` (of two sample batches) stack into one array each."""
+    if type(b) is not type(c) or any(
+            tuple(x.shape[1:]) != tuple(y.shape[1:]) or x.dtype != y.dtype
+            for x, y in zip(b.arrays(), c.arrays(), strict=True)):
+        return False
+    if isinstance(b, DenseBlock):
+        return b.same_columns(c)  # type: ignore[arg-type]
+    return (b.one_hot, b.ones) == (c.one_hot, c.ones)  # type: ignore[union-attr]
+
+
+def _with_arrays(b: Block, arrays: tuple[Array, ...]) -> Block:
+    """Block ``b`` (its name, layout and stored columns) with other arrays."""
+    if isinstance(b, DenseBlock):
+        return replace(b, jac=arrays[0])
+    return replace(b, a=arrays[0], g=arrays[1])
+
+
 def _common_columns(blocks: list[Any]) -> DenseBlock | None:
     """The first of ``blocks`` (DenseBlocks of one parameter block) if all store the same
     columns, else None (they are to be expanded)."""

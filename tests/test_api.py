@@ -389,6 +389,72 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
 
 
+def test_factors_held_beyond_half_the_budget(monkeypatch):
+    """Factors of all samples that take more than half the budget are held where the
+    contraction's plan and one provider call fit beside them (``_holds``): each sample's
+    Jacobian is computed once, NumPy's allocations (tracemalloc) stay within the budget and
+    the kernel is the dense float64 reference's; at the next smaller budget that does not
+    hold them, the samples are streamed in blocks (computed more than once)."""
+    import sys
+    import tracemalloc
+
+    from ntkcore.modes import check_mode
+
+    api = sys.modules["ntkcore._api"]
+    mlp = ntkcore.models.MLP.random((6, 48, 48, 1), seed=0, xp=np, dtype=np.float64)
+    x = np.random.default_rng(1).standard_normal((96, 6))
+    provider, trace = api.find_provider(mlp), check_mode("trace")
+    facts, _ = api._probe(provider, mlp, lambda xx: mlp.jacobian(xx), x, False, None)
+    factors = 96 * facts.per_sample
+    budgets = [int(f * factors) for f in np.linspace(1.02, 2.0, 50)]
+    held = [b for b in budgets if api._holds(facts, api.Budget(b), 96, 96, False, trace,
+                                             False, None, np) is not None]
+    assert held and held[0] > budgets[0]
+    budget = held[0]
+    assert factors > budget / 2  # the half rule would stream them
+    jd = mlp.jacobian(x).to_dense()
+    ref = np.einsum("nok,mok->nm", jd, jd)
+    sizes: list[int] = []
+    real = api.provider_call
+
+    def counting(provider_, model, name, x_full, x1_, options, xx):
+        sizes.append(int(xx.shape[0]))
+        return real(provider_, model, name, x_full, x1_, options, xx)
+
+    rests: list[int] = []
+    real_gram = api.gram
+
+    def spy_gram(*args, **kwargs):
+        rests.append(int(kwargs["max_memory"]))
+        return real_gram(*args, **kwargs)
+
+    monkeypatch.setattr(api, "provider_call", counting)
+    monkeypatch.setattr(api, "gram", spy_gram)
+    api._PER_SAMPLE.clear()  # the probe runs in the traced call
+    tracemalloc.start()
+    try:
+        k = ntkcore.ntk(mlp, x, mode="trace", max_memory=budget)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sum(sizes[1:]) + sizes[0] == 96  # the probe's sample is reused
+    # the contraction gets the share its plan was checked in: at most 10% more flops than
+    # within half the budget, in tiles as large (below 64 samples)
+    hold = api._holds(facts, api.Budget(budget), 96, 96, False, trace, False, None, np)
+    assert len(rests) == 1 and rests[0] >= hold
+    plan = ntkcore.plan_gram(mlp.jacobian(x), mode="trace", max_memory=rests[0])
+    half = ntkcore.plan_gram(mlp.jacobian(x), mode="trace", max_memory=budget // 2)
+    assert plan.flops <= 1.1 * half.flops
+    assert plan.tile_rows >= min(64, half.tile_rows)
+    assert peak <= budget + k.nbytes
+    assert np.abs(k - ref).max() <= kernel_tol(np.float64, jd.shape[-1]) * np.abs(ref).max()
+    sizes.clear()
+    below = budgets[budgets.index(budget) - 1]
+    k2 = ntkcore.ntk(mlp, x, mode="trace", max_memory=below)
+    assert sum(sizes) > 96  # streamed: column blocks computed once per row block
+    assert np.abs(k2 - ref).max() <= kernel_tol(np.float64, jd.shape[-1]) * np.abs(ref).max()
+
+
 class _ConvNet(nn.Module):
     """Convolutions and a Linear head (Kronecker blocks) and a LayerNorm (a dense block):
     10 outputs, whose output-gradient factors dominate the factor bytes."""
@@ -496,12 +562,13 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
         lambda xx: api.find_provider(m).jacobian(m, xx, dense_if_smaller=True,
                                                   measure_work=True), x, False,
         None, True)
-    b, shapes, o, item, shared, work = facts[:6]
-    one = shared + (b - shared) / o
+    o, trace = facts.outputs, check_mode("trace")
+    one = api._chunk_facts(facts, 1).per_sample
     budget = api.Budget(int(2.2 * 24 * one))  # one output's factors held, all outputs' not
-    assert b * 24 > budget / 2
-    k = api._output_chunk(budget, (b, shapes, o, item, shared, work), 24, 24, False,
-                          check_mode("trace"), False, None, None)
+    assert api._holds(facts, budget, 24, 24, False, trace, False, None, torch) is None
+    assert api._holds(api._chunk_facts(facts, 1), budget, 24, 24, False, trace, False, None,
+                      torch) is not None
+    k = api._output_chunk(budget, facts, 24, 24, False, trace, False, None, torch)
     assert k is not None and k < o
     seen = spy_output_ranges(monkeypatch)
     got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
@@ -741,12 +808,15 @@ def test_groups_of_blocks_when_cheaper_than_sample_blocks(monkeypatch):
     torch.manual_seed(6)
     m = _Deep(o=1).to(DT)
     x = torch.randn(48, 5, dtype=DT)
-    facts = _facts(api, m, x)
-    budget = api.Budget(int(1.2 * 48 * facts[0]))  # held: at most 0.6 of the factors
-    groups = api._param_groups(budget, facts, 48, 48, False, check_mode("full"), False, None,
-                               torch)
+    facts, full = _facts(api, m, x), check_mode("full")
+    for f in np.geomspace(1.2, 0.3, 40):  # the largest budget that holds half the blocks
+        budget = api.Budget(int(f * 48 * facts.per_sample))
+        groups = api._param_groups(budget, facts, 48, 48, False, full, False, None, torch)
+        if groups is not None and len(groups) == 2:
+            break
     assert groups is not None and len(groups) == 2
-    sampled = api._samples_computed(facts[0], budget, 48, 48, False)
+    assert api._holds(facts, budget, 48, 48, False, full, False, None, torch) is None
+    sampled = api._samples_computed(False, facts.per_sample, budget, 48, 48, False)
     assert sampled > 2 * 48  # sample blocks compute every sample more than twice
     seen, _ = _spy_groups(monkeypatch)
     k = ntkcore.ntk(m, x, mode="full", max_memory=int(budget))
@@ -773,11 +843,13 @@ def test_no_groups_without_the_capability_or_when_a_block_is_not_held():
     x = torch.randn(16, 5, dtype=DT)
     facts = _facts(api, m, x)
     trace = check_mode("trace")
-    assert facts[7] is not None and len(facts[7]) == len(facts[6]) == len(facts[1])
+    assert facts.block_params is not None
+    assert len(facts.block_params) == len(facts.block_bytes) == len(facts.shapes)
     budget, _ = _group_budget(api, facts, 16, None, "trace")
-    assert api._param_groups(budget, (*facts[:7], None), 16, 16, False, trace, False, None,
-                             torch) is None
-    biggest = max(facts[6]) * 16
+    assert api._param_groups(budget, facts._replace(block_params=None), 16, 16, False, trace,
+                             False, None, torch) is None
+    # a block alone is not held: its stacking alone (a copy of it) takes twice its factors
+    biggest = max(facts.block_bytes) * 16
     assert api._param_groups(api.Budget(int(1.9 * biggest)), facts, 16, 16, False, trace, False,
                              None, torch) is None
     assert api._param_groups(api.Budget(10**9), facts, 16, 16, False, trace, False, None,

@@ -218,6 +218,125 @@ def test_concatenate_consume_drops_each_blocks_pieces_once_stacked(rng, monkeypa
     np.testing.assert_allclose(cat.to_dense(), dense, rtol=1e-12)
 
 
+def _batches(backend, rng, sizes, positions=None):
+    """Jacobians of consecutive sample batches of ``sizes`` (a Kronecker block of 3
+    positions, or ``positions[i]`` in batch i, an index block and a dense block storing 3
+    of its 5 columns), and the float64 dense reference of all their samples."""
+    from ntkcore.jacobian import trusted_blocks
+
+    parts, dense = [], []
+    for i, n in enumerate(sizes):
+        s = 3 if positions is None else positions[i]
+        a, g = rng.standard_normal((n, s, 2)), rng.standard_normal((n, s, 2, 3))
+        idx = rng.integers(-1, 4, (n, 2))
+        gi = rng.standard_normal((n, 2, 2, 3))
+        stored = rng.standard_normal((n, 2, 3))
+        with trusted_blocks():
+            blocks = [ntkcore.KroneckerBlock(backend.asarray(a), backend.asarray(g), "conv"),
+                      ntkcore.KroneckerBlock(backend.asarray(idx, "int64"), backend.asarray(gi),
+                                             "emb", one_hot=4),
+                      ntkcore.DenseBlock(backend.asarray(stored), "head",
+                                         backend.asarray(np.array([0, 2, 4]), "int64"), 5)]
+        parts.append(ntkcore.Jacobian(blocks))
+        onehot = (idx[..., None] == np.arange(4)).astype(float)
+        head = np.zeros((n, 2, 5))
+        head[..., [0, 2, 4]] = stored
+        dense.append(np.concatenate([np.einsum("nsoi,nsj->noij", g, a).reshape(n, 2, -1),
+                                     np.einsum("nsoi,nsj->noij", gi, onehot).reshape(n, 2, -1),
+                                     head], axis=2))
+    return parts, np.concatenate(dense)
+
+
+@pytest.mark.parametrize("positions", [None, [3, 3, 2, 3]])
+def test_sample_stack_writes_batches_in_place(backend, rng, positions):
+    """``SampleStack`` (how ``ntk`` assembles held factors): batches written into arrays
+    allocated for all samples give the stacked Jacobian exactly (its blocks' layout, stored
+    columns and index factor kept); a batch with other positions (a provider dropping
+    positions per batch) falls back to concatenation, with the samples written so far as
+    its first part; JAX arrays are concatenated."""
+    from ntkcore.jacobian import SampleStack
+
+    skip_jax(backend)
+    parts, dense = _batches(backend, rng, [2, 1, 3, 2], positions)
+    stack = SampleStack(8)
+    for p in parts:
+        stack.add(p)
+    written = stack.rest == []
+    assert written == (positions is None)
+    j = stack.result()
+    assert j.names == ("conv", "emb", "head") and j.num_samples == 8
+    assert j.blocks[1].one_hot == 4 and j.blocks[2].num_stored == 3
+    np.testing.assert_array_equal(backend.to_numpy(j.to_dense()),
+                                  backend.to_numpy(ntkcore.Jacobian.concatenate(parts).to_dense()))
+    # products of 6 terms of O(1) numbers (the einsum order differs from to_dense's)
+    np.testing.assert_allclose(backend.to_numpy(j.to_dense()), dense, rtol=0,
+                               atol=kernel_tol(np.float64, 6) * 6)
+    with pytest.raises(ValueError, match="holds 2"):
+        short = SampleStack(3)
+        short.add(parts[0])
+        short.result()
+    over = SampleStack(2)
+    over.add(parts[1])
+    with pytest.raises(ValueError, match="got 3"):
+        over.add(parts[0])
+
+
+def test_sample_stack_peak_is_the_factors_and_one_batch(rng):
+    """NumPy's allocations (tracemalloc) while stacking batches made one at a time: the
+    factors plus about one batch with ``SampleStack``, where concatenating the batches held
+    the factors and a stacked copy of the largest block besides."""
+    import tracemalloc
+
+    from ntkcore.jacobian import SampleStack
+    from tests.conftest import make_case
+
+    npc = make_case("numpy")
+    n, batch = 64, 4
+
+    def batch_of(k):
+        return ntkcore.Jacobian([ntkcore.DenseBlock(npc.asarray(rng.standard_normal((k, 2, 4000))),
+                                                    "big"),
+                                 ntkcore.DenseBlock(npc.asarray(rng.standard_normal((k, 2, 50))),
+                                                    "small")])
+
+    factors = n * 2 * 4050 * 8
+    SampleStack(batch).add(batch_of(batch))  # first calls (imports, caches) before tracing
+    peaks = []
+    for stacked in (True, False):
+        tracemalloc.start()
+        try:
+            stack, parts = SampleStack(n), []
+            for _ in range(n // batch):
+                (stack.add if stacked else parts.append)(batch_of(batch))
+            j = stack.result() if stacked else ntkcore.Jacobian.concatenate(parts, consume=True)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert j.num_samples == n
+        del j
+    # one batch's arrays and the random draws behind them: 2 x 4 x 2 x 4050 x 8 bytes
+    assert peaks[0] <= factors + 2 * batch * 2 * 4050 * 8 + 2**16
+    assert peaks[1] >= factors + n * 2 * 4000 * 8  # the largest block stacked beside
+    assert peaks[0] < peaks[1]
+
+
+def test_sample_stack_concatenates_arrays_that_record_gradients(rng):
+    """Factors that record gradients (a kernel differentiated in its inputs) are not written
+    in place: concatenated, and the gradient reaches every batch."""
+    import torch
+
+    from ntkcore.jacobian import SampleStack
+
+    xs = [torch.randn(2, 1, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    stack = SampleStack(6)
+    for x in xs:
+        stack.add(ntkcore.Jacobian([ntkcore.DenseBlock(2 * x, "d")]))
+    assert len(stack.rest) == 3
+    j = stack.result()
+    j.blocks[0].jac.sum().backward()
+    assert all(torch.equal(x.grad, torch.full_like(x, 2.0)) for x in xs)
+
+
 def test_concatenate_rejects_different_blocks(rng):
     f = np_factors((3, 1, [("dense", 2)]), rng)
     from tests.conftest import make_case
