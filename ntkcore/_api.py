@@ -515,21 +515,20 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
         # raises, quoting the smallest budget (of one output at a time if any)
         _check_budget(budget, _chunk_facts(cached, 1) if chunkable else cached, n1, n2,
                       cross, mode, layerwise, dtype, xp)
-    groups = None if held or one_grad else _param_groups(budget, cached, n1, n2, cross, mode,
-                                                          layerwise, dtype, xp, device)
-    if groups is not None:
+    grouped = None if held or one_grad else _grouped(budget, cached, n1, n2, cross, mode,
+                                                      layerwise, dtype, xp, device, chunkable)
+    if grouped is not None:
         o, shapes = cached.outputs, cached.shapes
         # the plan otherwise taken: k outputs at a time (k = O: all, in sample blocks)
         kk = o if k is None else k
         facts = _chunk_facts(cached, kk)
         kept = _holds(facts, budget, n1, n2, cross, mode, layerwise, dtype, xp, device)
         samples = _samples_computed(kept is not None, facts.per_sample, budget, n1, n2, cross)
-        other = _chunks_cost(shapes, kk, o, samples, n1, n2, mode)
-        if _groups_cost(shapes, groups, o, n1 + (n2 if cross else 0), n1, n2, mode) < other:
+        if grouped[0] < _chunks_cost(shapes, kk, o, samples, n1, n2, mode):
             probe = None  # not reused (its blocks are all of them): freed, not held uncharged
-            return _by_param_groups(groups, cached, provider, model, x1, x2, options, budget,
-                                    batch_size, mode, layerwise, pseudo, dtype, progress, xp,
-                                    check_finite, device)
+            return _by_param_groups(grouped[2], cached, provider, model, x1, x2, options,
+                                    budget, batch_size, mode, layerwise, pseudo, dtype,
+                                    progress, xp, check_finite, device, k=grouped[1])
     if k is not None and k < cached.outputs:  # chunks cost fewer flops than sample blocks
         probe = None  # not reused (all outputs): freed, not held uncharged
         return _by_output_chunks(k, cached, provider, model, x1, x2, options, budget,
@@ -850,64 +849,118 @@ def _param_groups(budget: Budget, cached: _Facts, n1: int, n2: int, cross: bool,
                       layerwise, dtype, xp, device) is not None
 
     groups, start, blocks = [], 0, len(cached.block_bytes)
+    samples = n1 + (n2 if cross else 0)
     while start < blocks:
         if not held(start, start + 1):
             return None
-        stop = start + 1
-        while stop < blocks and held(start, stop + 1):
+        stop = start + 1  # grown while its factors take at most M / 2 (held: no plan needed)
+        while stop < blocks and samples * sum(cached.block_bytes[start:stop + 1]) <= \
+                budget / 2 and held(start, stop + 1):
             stop += 1
-        groups.append((start, stop))
-        start = stop
+        lo, hi = stop, blocks  # then bisected: more blocks hold no less
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if held(start, mid) else (lo, mid - 1)
+        groups.append((start, lo))
+        start = lo
     return groups if len(groups) > 1 else None
 
 
-def _groups_cost(shapes: tuple[Any, ...], groups: list[tuple[int, int]], o: int,
-                 samples: int, n1: int, n2: int, mode: Mode) -> float:
-    r"""Flops of a kernel computed over the groups of blocks :math:`g` (:func:`_param_groups`),
-    each group's factors of all ``samples`` held:
+def _chunk_sizes(o: int) -> list[int]:
+    """The outputs per chunk ``k = ceil(O / c)`` of ``c = 1 .. O`` chunks, each once, from
+    ``O`` (one chunk) down."""
+    sizes: list[int] = []
+    for c in range(1, o + 1):
+        k = -(-o // c)
+        if not sizes or k != sizes[-1]:
+            sizes.append(k)
+    return sizes
 
-    .. math:: C = \sum_g s \bigl[F + O\, F_{\ge g}\bigr] + \textstyle\sum_b G_b(O)
+
+def _grouped(budget: Budget, cached: _Facts, n1: int, n2: int, cross: bool, mode: Mode,
+             layerwise: bool, dtype: Any, xp: Any, device: Any,
+             chunkable: bool) -> tuple[float, int, list[tuple[int, int]]] | None:
+    """``(cost, k, groups)``: the groups of blocks (:func:`_param_groups`) computed ``k``
+    outputs at a time (``k = O`` unless the kernel is ``chunkable``, see
+    :func:`_output_chunk`) of the fewest estimated flops (:func:`_groups_cost`), or None
+    where no ``k`` gives groups.  A group's factors of ``k`` outputs are
+    :func:`_chunk_facts`'s."""
+    o, best = cached.outputs, None
+    for k in _chunk_sizes(o) if chunkable else [o]:
+        groups = _param_groups(budget, _chunk_facts(cached, k), n1, n2, cross, mode, layerwise,
+                               dtype, xp, device)
+        if groups is None:
+            continue
+        cost = _groups_cost(cached.shapes, groups, o, n1 + (n2 if cross else 0), n1, n2, mode,
+                            k)
+        if best is None or cost < best[0]:
+            best = (cost, k, groups)
+    return best
+
+
+def _groups_cost(shapes: tuple[Any, ...], groups: list[tuple[int, int]], o: int,
+                 samples: int, n1: int, n2: int, mode: Mode, k: int | None = None) -> float:
+    r"""Flops of a kernel computed over the groups of blocks :math:`g` (:func:`_param_groups`),
+    each group's factors of all ``samples`` held, ``k`` outputs at a time (default O):
+
+    .. math:: C = \lceil O / k \rceil \Bigl[\sum_g s \bigl[F + k\, F_{\ge g}\bigr]
+              + \textstyle\sum_b G_b(k)\Bigr]
 
     with ``F`` the forward flops of a sample through the parameterised layers and
     :math:`F_{\ge g}` those of the blocks from the group's first on (an output-gradient pass
     goes back to the group's first block and no further; per block as in
-    :func:`_chunks_cost`), and ``G_b`` the cheapest route's flops of block ``b`` on an
-    ``n x n`` tile, each block's once."""
+    :func:`_chunks_cost`), and ``G_b(k)`` the cheapest route's flops of block ``b`` on an
+    ``n x n`` tile of ``k`` outputs, each block's once per chunk."""
+    k = o if k is None else k
     per_block = [2.0 * sh.num_positions * sh.a_width * sh.d_out if sh.kron
                  else 2.0 * sh.num_params for sh in shapes]
     forward = sum(per_block)
     n = max(1, round(math.sqrt(n1 * n2)))
-    gram_flops = sum(cheapest_flops(sh, n, o, mode) for sh in shapes)
-    return sum(samples * (forward + o * sum(per_block[start:])) for start, _ in groups) + \
-        gram_flops
+    gram_flops = sum(cheapest_flops(sh, n, k, mode) for sh in shapes)
+    return -(-o // k) * (sum(samples * (forward + k * sum(per_block[start:]))
+                             for start, _ in groups) + gram_flops)
 
 
 def _by_param_groups(groups: list[tuple[int, int]], cached: _Facts, provider: Any,
                      model: Any, x1: Any, x2: Any, options: dict[str, Any], budget: Budget,
                      batch_size: Any, mode: Mode, layerwise: bool, pseudo: bool, dtype: Any,
-                     progress: Any, xp: Any, check_finite: bool, device: Any = None) -> Array:
+                     progress: Any, xp: Any, check_finite: bool, device: Any = None,
+                     k: int | None = None) -> Array:
     """The kernel as the sum of the kernels of the groups of blocks ``groups``
     (:func:`_param_groups`), each from the provider's Jacobian of that group's parameters
     (``params=`` its blocks' selections, :func:`_block_params`) with the factors of all
-    samples held; ``layerwise``: the groups' per-block kernels concatenated, in block order.
-    A running sum keeps two kernels alive at most.  ``progress`` is reported per group."""
+    samples held, ``k`` outputs at a time (default all; the chunks joined as in
+    :func:`_by_output_chunks`); ``layerwise``: the groups' per-block kernels concatenated, in
+    block order.  Running sums keep a few kernels alive at most.  ``progress`` is reported
+    per group and chunk."""
     total, parts = None, []
     n1 = int(x1.shape[0])
     n2 = n1 if x2 is None else int(x2.shape[0])
+    o = cached.outputs
+    k = o if k is None else k
+    chunked = _chunk_facts(cached, k)
     for start, stop in groups:
         selection = [name for names in (cached.block_params or ())[start:stop]
                      for name in names]
-        facts = _group_facts(cached, start, stop)
-        opts = {**options, "params": selection}
-        call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
-        call2 = call if x2 is None else functools.partial(provider_call, provider, model, "x2",
-                                                          x2, x1, opts)
+        facts = _group_facts(chunked, start, stop)
         hold = _holds(facts, budget, n1, n2, x2 is not None, mode, layerwise, dtype, xp,
                       device)
-        part = _held_or_streamed(call, call2, [None], facts.per_sample, budget, False,
-                                 provider, model, x1, x2, mode, layerwise, pseudo, selection,
-                                 dtype, batch_size, False, progress, xp, check_finite,
-                                 work=facts.work, hold=hold)
+        chunks: list[Array] = []
+        for c0 in range(0, o, k):
+            opts = {**options, "params": selection,
+                    **({"outputs": (c0, min(o, c0 + k))} if k < o else {})}
+            call = functools.partial(provider_call, provider, model, "x1", x1, x1, opts)
+            call2 = call if x2 is None else functools.partial(provider_call, provider, model,
+                                                              "x2", x2, x1, opts)
+            chunks.append(_held_or_streamed(call, call2, [None], facts.per_sample, budget,
+                                            False, provider, model, x1, x2, mode, layerwise,
+                                            pseudo, selection, dtype, batch_size, False,
+                                            progress, xp, check_finite, work=facts.work,
+                                            hold=hold))
+            if mode.sums_outputs and len(chunks) == 2:
+                chunks = [mode.join_output_chunks(xp, chunks)]
+        part = chunks[0] if len(chunks) == 1 else mode.join_output_chunks(xp, chunks)
+        del chunks
         if layerwise:
             parts.append(part)
         else:

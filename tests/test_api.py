@@ -570,6 +570,7 @@ def test_output_chunks_when_cheaper_than_sample_blocks(monkeypatch):
                       torch) is not None
     k = api._output_chunk(budget, facts, 24, 24, False, trace, False, None, torch)
     assert k is not None and k < o
+    monkeypatch.setattr(api, "_grouped", lambda *a: None)  # chunks against sample blocks only
     seen = spy_output_ranges(monkeypatch)
     got = ntkcore.ntk(m, x, mode="trace", max_memory=int(budget))
     assert None not in seen and len(set(seen)) == -(-o // k)
@@ -791,6 +792,77 @@ def test_layerwise_kernels_from_groups_of_blocks(monkeypatch):
     assert (got - whole).abs().max() <= tol * whole.abs().max()
     dense = ref_kernel(m, x, None, "trace")
     assert (got.sum(0) - dense).abs().max() <= tol * dense.abs().max()
+
+
+def _greedy_groups(api, budget, facts, n1, n2, cross, mode, layerwise):
+    """``_param_groups`` written out: each group grown one block at a time while held."""
+    def held(a, b):
+        return api._holds(api._group_facts(facts, a, b), budget, n1, n2, cross, mode,
+                          layerwise, None, torch) is not None
+
+    groups, start, blocks = [], 0, len(facts.block_bytes)
+    while start < blocks:
+        if not held(start, start + 1):
+            return None
+        stop = start + 1
+        while stop < blocks and held(start, stop + 1):
+            stop += 1
+        groups.append((start, stop))
+        start = stop
+    return groups if len(groups) > 1 else None
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("mode", ["trace", "diagonal"])
+def test_groups_of_blocks_in_output_chunks(monkeypatch, mode, cross, layerwise):
+    """A budget in which no block's factors of all outputs and all samples are held, but one
+    output's are, a few blocks at a time: the groups, each computed one output at a time
+    (provider calls with both ``params=`` and ``outputs=``), give the float64 torch.func
+    kernel (per block when ``layerwise``), exactly symmetric for a self-kernel; the groups
+    are those of a one-block-at-a-time greedy scan."""
+    import sys
+
+    from ntkcore.modes import check_mode
+
+    api = sys.modules["ntkcore._api"]
+    monkeypatch.setattr(sys.modules["ntkcore.gram"], "MIN_TILE_SAMPLES", 4)
+    monkeypatch.setattr(api, "_chunks_cost", lambda *a: math.inf)  # groups whatever the cost
+    torch.manual_seed(8)
+    m = _Deep(o=3).to(DT)
+    n2 = 9 if cross else None
+    x1 = torch.randn(24, 5, dtype=DT)
+    x2 = torch.randn(9, 5, dtype=DT) if cross else None
+    facts, md = _facts(api, m, x1), check_mode(mode)
+    one = api._chunk_facts(facts, 1)
+    total = one.per_sample * (24 + (n2 or 0))
+    for f in np.geomspace(1.5, 0.05, 80):
+        budget = api.Budget(int(f * total))
+        grouped = api._grouped(budget, facts, 24, n2 or 24, cross, md, layerwise, None, torch,
+                               None, True)
+        if grouped is not None and grouped[1] == 1 and \
+                api._param_groups(budget, facts, 24, n2 or 24, cross, md, layerwise, None,
+                                  torch) is None:
+            break
+    else:
+        raise AssertionError("no budget holds one output's blocks in groups only")
+    expected = grouped[2]
+    assert expected == _greedy_groups(api, budget, one, 24, n2 or 24, cross, md, layerwise)
+    groups, selections = _spy_groups(monkeypatch)
+    seen = spy_output_ranges(monkeypatch)
+    got = ntkcore.ntk(m, x1, x2, mode=mode, layerwise=layerwise, max_memory=int(budget))
+    assert groups == [expected] and None not in selections
+    assert set(seen) == {(0, 1), (1, 2), (2, 3)}
+    ref = ref_kernel(m, x1, x2, mode)
+    tol = kernel_tol(DT, ref_jac(m, x1[:1]).shape[-1]) * ref.abs().max()
+    whole = got.sum(0) if layerwise else got
+    assert whole.shape == ref.shape and (whole - ref).abs().max() <= tol
+    if layerwise:
+        assert got.shape[0] == len(facts.block_bytes)
+    if not cross:
+        mirror = {"trace": (1, 0), "diagonal": (1, 0, 2)}[mode]
+        lw = (0,) if layerwise else ()
+        assert torch.equal(got, got.permute(*lw, *(d + len(lw) for d in mirror)))
 
 
 def test_groups_of_blocks_when_cheaper_than_sample_blocks(monkeypatch):
