@@ -899,6 +899,15 @@ def test_groups_of_blocks_when_cheaper_than_sample_blocks(monkeypatch):
     seen.clear()
     ntkcore.ntk(m, x, mode="full", max_memory=10**9)
     assert seen == []
+    # taken only below GROUPS_MARGIN of the other plan's estimate
+    real_grouped = api._grouped
+    monkeypatch.setattr(api, "_chunks_cost", lambda *a: 100.0)
+    for share, taken in ((api.GROUPS_MARGIN * 1.05, False), (api.GROUPS_MARGIN * 0.95, True)):
+        monkeypatch.setattr(api, "_grouped", lambda *a, s=share: (
+            100.0 * s, *real_grouped(*a)[1:]))
+        seen.clear()
+        ntkcore.ntk(m, x, mode="full", max_memory=int(budget))
+        assert seen == ([groups] if taken else [])
 
 
 def test_no_groups_without_the_capability_or_when_a_block_is_not_held():
