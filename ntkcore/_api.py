@@ -504,8 +504,9 @@ def _kernel(model: Any, x1: Any, x2: Any, *, mode: str, layerwise: bool, max_mem
     per_sample = cached.per_sample
     cross = x2 is not None
     device = array_api_compat.device(x1)
-    fits = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)[0] <= budget
-    hold = _holds(cached, budget, n1, n2, cross, mode, layerwise, dtype, xp, device)
+    need = _budget_need(cached, n1, n2, cross, mode, layerwise, dtype, xp)
+    fits = need[0] <= budget
+    hold = _holds(cached, budget, n1, n2, cross, mode, layerwise, dtype, xp, device, need)
     held = hold is not None
     chunkable = not held and not one_grad and "outputs" in provider.capabilities and \
         mode.output_chunks and cached.outputs > 1
@@ -641,9 +642,11 @@ GROUPS_MARGIN = 0.9
 
 
 def _holds(facts: _Facts, budget: Budget, n1: int, n2: int, cross: bool, mode: Mode,
-           layerwise: bool, dtype: Any, xp: Any, device: Any = None) -> int | None:
+           layerwise: bool, dtype: Any, xp: Any, device: Any = None,
+           need: tuple[int, int, float] | None = None) -> int | None:
     r"""The contraction's least share of ``budget`` (bytes) where the factors of all samples
-    are held, or None where they are not (they are then computed in sample blocks).
+    are held, or None where they are not (they are then computed in sample blocks);
+    ``need``: :func:`_budget_need`'s result for these facts, where the caller has it.
 
     The factors ``F = b (n_1 + n_2)`` are held when the budget ``M`` has a useful tile
     (:func:`_check_budget`) and either ``F <= M / 2`` (the contraction gets the rest, at
@@ -664,8 +667,8 @@ def _holds(facts: _Facts, budget: Budget, n1: int, n2: int, cross: bool, mode: M
     samples (five chunks computing 384 sample Jacobians each)."""
     samples = n1 + (n2 if cross else 0)
     factors = facts.per_sample * samples
-    need, g, _ = _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)
-    if need > budget:
+    least, g, _ = need or _budget_need(facts, n1, n2, cross, mode, layerwise, dtype, xp)
+    if least > budget:
         return None
     if factors <= budget / 2:
         return budget // 4

@@ -253,7 +253,7 @@ def test_sample_stack_writes_batches_in_place(backend, rng, positions):
     allocated for all samples give the stacked Jacobian exactly (its blocks' layout, stored
     columns and index factor kept); a batch with other positions (a provider dropping
     positions per batch) falls back to concatenation, with the samples written so far as
-    its first part; JAX arrays are concatenated."""
+    its first part."""
     from ntkcore.jacobian import SampleStack
 
     skip_jax(backend)
