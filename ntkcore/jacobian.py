@@ -812,9 +812,16 @@ class SampleStack:
     afterwards (:meth:`Jacobian.concatenate`) copies each block beside its pieces, and an
     allocator that keeps freed pages resident (glibc's heap, in a process that ran a call
     before) keeps the pieces too: ``2 F`` of resident memory for factors of ``F``.
-    Batches whose layouts differ from the first's (a provider that drops positions per
-    batch, dense blocks storing other columns), arrays that record gradients and arrays
-    that cannot be written in place (JAX) are concatenated instead."""
+
+    A Kronecker block whose batches have different numbers of positions (a provider that
+    drops the positions whose g vanishes for every sample of a batch: padding tokens only
+    some batches have) is stored with the most positions seen so far, a batch with fewer
+    written with appended positions of g = 0 (a = 0, index -1), exact as in
+    :meth:`Jacobian.concatenate`: a position adds :math:`g[n,s,o]\, a[n,s]^\top`.  A batch
+    with more moves that one block to larger arrays (the samples written so far copied, the
+    rest padded): the peak grows by one block of all samples, not by ``F``.  Batches of other
+    blocks or dtypes, dense blocks storing other columns, arrays that record gradients and
+    arrays that cannot be written in place (JAX) are concatenated instead."""
 
     def __init__(self, n: int) -> None:
         self.n, self.filled = n, 0
@@ -858,7 +865,7 @@ class SampleStack:
         t = self.template
         if t is None:
             return True
-        return j.names == t.names and all(_same_layout(b, c) for b, c in
+        return j.names == t.names and all(_same_layout(b, c, positions=False) for b, c in
                                           zip(j.blocks, t.blocks, strict=True))
 
     def _write(self, j: Jacobian, at: int) -> None:
@@ -869,9 +876,36 @@ class SampleStack:
                     xp.empty((self.n, *a.shape[1:]), dtype=a.dtype,
                              device=array_api_compat.device(a)) for a in b.arrays()))
                     for b in j.blocks])
-        for dst_block, b in zip(self.template.blocks, j.blocks, strict=True):
-            for dst, src in zip(dst_block.arrays(), b.arrays(), strict=True):
-                dst[at:at + k, ...] = src
+        blocks = list(self.template.blocks)
+        for i, b in enumerate(j.blocks):
+            have = blocks[i]
+            if isinstance(b, KroneckerBlock) and isinstance(have, KroneckerBlock) and \
+                    b.num_positions > have.num_positions:
+                blocks[i] = self._grown(xp, have, b.num_positions, at)
+                with trusted_blocks():  # the same blocks, one on larger arrays
+                    self.template = Jacobian(blocks)
+            for a, (dst, src) in enumerate(zip(blocks[i].arrays(), b.arrays(), strict=True)):
+                s = int(src.shape[1]) if isinstance(b, KroneckerBlock) else None
+                if s is None or s == int(dst.shape[1]):
+                    dst[at:at + k, ...] = src
+                else:  # fewer positions: the rest are g = 0 positions
+                    dst[at:at + k, :s, ...] = src
+                    dst[at:at + k, s:, ...] = _pad_value(b, a)
+
+    def _grown(self, xp: Any, block: KroneckerBlock, s: int, filled: int) -> KroneckerBlock:
+        """``block`` on arrays of ``s`` positions (more than it has): the first ``filled``
+        samples copied, their new positions padded (g = 0)."""
+        arrays = []
+        for i, old in enumerate(block.arrays()):
+            new = xp.empty((self.n, s, *old.shape[2:]), dtype=old.dtype,
+                           device=array_api_compat.device(old))
+            if filled:
+                t = int(old.shape[1])
+                new[:filled, :t, ...] = old[:filled, ...]
+                new[:filled, t:, ...] = _pad_value(block, i)
+            arrays.append(new)
+        with trusted_blocks():
+            return _with_arrays(block, tuple(arrays))  # type: ignore[return-value]
 
     def _fall_back(self) -> None:
         """From here on, concatenate: the samples written so far become the first part."""
@@ -881,15 +915,23 @@ class SampleStack:
         self.rest.append(t[:filled])
 
 
-def _same_layout(b: Block, c: Block) -> bool:
-    """Whether blocks ``b`` and ``c`` (of two sample batches) stack into one array each."""
+def _same_layout(b: Block, c: Block, positions: bool = True) -> bool:
+    """Whether blocks ``b`` and ``c`` (of two sample batches) stack into one array each
+    (``positions`` False: Kronecker blocks may differ in their number of positions)."""
+    skip = 2 if not positions and isinstance(b, KroneckerBlock) else 1
     if type(b) is not type(c) or any(
-            tuple(x.shape[1:]) != tuple(y.shape[1:]) or x.dtype != y.dtype
-            for x, y in zip(b.arrays(), c.arrays(), strict=True)):
+            tuple(x.shape[skip:]) != tuple(y.shape[skip:]) or x.dtype != y.dtype
+            or x.ndim != y.ndim for x, y in zip(b.arrays(), c.arrays(), strict=True)):
         return False
     if isinstance(b, DenseBlock):
         return b.same_columns(c)  # type: ignore[arg-type]
     return (b.one_hot, b.ones) == (c.one_hot, c.ones)  # type: ignore[union-attr]
+
+
+def _pad_value(block: Block, i: int) -> int:
+    """What an appended position of ``block.arrays()[i]`` holds: -1 in an index factor (no
+    one-hot row matches it), else 0."""
+    return -1 if i == 0 and getattr(block, "one_hot", None) is not None else 0
 
 
 def _with_arrays(b: Block, arrays: tuple[Array, ...]) -> Block:

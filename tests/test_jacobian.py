@@ -220,16 +220,18 @@ def test_concatenate_consume_drops_each_blocks_pieces_once_stacked(rng, monkeypa
 
 def _batches(backend, rng, sizes, positions=None):
     """Jacobians of consecutive sample batches of ``sizes`` (a Kronecker block of 3
-    positions, or ``positions[i]`` in batch i, an index block and a dense block storing 3
-    of its 5 columns), and the float64 dense reference of all their samples."""
+    positions, or ``positions[i]`` in batch i, an index block of 2, or ``positions[i] - 1``
+    but at least 1, and a dense block storing 3 of its 5 columns), and the float64 dense
+    reference of all their samples."""
     from ntkcore.jacobian import trusted_blocks
 
     parts, dense = [], []
     for i, n in enumerate(sizes):
         s = 3 if positions is None else positions[i]
+        si = 2 if positions is None else max(1, positions[i] - 1)
         a, g = rng.standard_normal((n, s, 2)), rng.standard_normal((n, s, 2, 3))
-        idx = rng.integers(-1, 4, (n, 2))
-        gi = rng.standard_normal((n, 2, 2, 3))
+        idx = rng.integers(-1, 4, (n, si))
+        gi = rng.standard_normal((n, si, 2, 3))
         stored = rng.standard_normal((n, 2, 3))
         with trusted_blocks():
             blocks = [ntkcore.KroneckerBlock(backend.asarray(a), backend.asarray(g), "conv"),
@@ -247,13 +249,14 @@ def _batches(backend, rng, sizes, positions=None):
     return parts, np.concatenate(dense)
 
 
-@pytest.mark.parametrize("positions", [None, [3, 3, 2, 3]])
+@pytest.mark.parametrize("positions", [None, [3, 3, 2, 3], [2, 3, 3, 1], [1, 2, 1, 4]])
 def test_sample_stack_writes_batches_in_place(backend, rng, positions):
     """``SampleStack`` (how ``ntk`` assembles held factors): batches written into arrays
     allocated for all samples give the stacked Jacobian exactly (its blocks' layout, stored
-    columns and index factor kept); a batch with other positions (a provider dropping
-    positions per batch) falls back to concatenation, with the samples written so far as
-    its first part."""
+    columns and index factor kept), also where batches have different numbers of positions
+    (a provider dropping positions per batch): fewer are padded with g = 0 (index -1), more
+    move the block to larger arrays; the arrays equal :meth:`Jacobian.concatenate`'s, which
+    pads to the most positions too."""
     from ntkcore.jacobian import SampleStack
 
     skip_jax(backend)
@@ -261,13 +264,17 @@ def test_sample_stack_writes_batches_in_place(backend, rng, positions):
     stack = SampleStack(8)
     for p in parts:
         stack.add(p)
-    written = stack.rest == []
-    assert written == (positions is None)
+    assert stack.rest == []  # every batch written in place
     j = stack.result()
     assert j.names == ("conv", "emb", "head") and j.num_samples == 8
     assert j.blocks[1].one_hot == 4 and j.blocks[2].num_stored == 3
-    np.testing.assert_array_equal(backend.to_numpy(j.to_dense()),
-                                  backend.to_numpy(ntkcore.Jacobian.concatenate(parts).to_dense()))
+    most = 3 if positions is None else max(positions)
+    assert (j.blocks[0].num_positions, j.blocks[1].num_positions) == \
+        (most, 2 if positions is None else max(1, most - 1))
+    cat = ntkcore.Jacobian.concatenate(parts)
+    for b, c in zip(j.blocks, cat.blocks, strict=True):
+        for x, y in zip(b.arrays(), c.arrays(), strict=True):
+            np.testing.assert_array_equal(backend.to_numpy(x), backend.to_numpy(y))
     # products of 6 terms of O(1) numbers (the einsum order differs from to_dense's)
     np.testing.assert_allclose(backend.to_numpy(j.to_dense()), dense, rtol=0,
                                atol=kernel_tol(np.float64, 6) * 6)
@@ -318,6 +325,45 @@ def test_sample_stack_peak_is_the_factors_and_one_batch(rng):
     assert peaks[0] <= factors + 2 * batch * 2 * 4050 * 8 + 2**16
     assert peaks[1] >= factors + n * 2 * 4000 * 8  # the largest block stacked beside
     assert peaks[0] < peaks[1]
+
+
+def test_sample_stack_peak_when_positions_grow(rng):
+    """A block whose later batches have more positions moves to larger arrays once, every
+    batch still written in place: the peak (NumPy's allocations, tracemalloc) is the
+    factors plus that block's old arrays and a batch.  (Concatenation's is about the same
+    under tracemalloc, the factors and a stacked block, but with glibc the freed pieces
+    stay resident: ``2 F``, see ``SampleStack``.)"""
+    import tracemalloc
+
+    from ntkcore.jacobian import SampleStack
+    from tests.conftest import make_case
+
+    npc = make_case("numpy")
+    n, batch, s0, s1 = 64, 4, 8, 10
+
+    def batch_of(k, s):
+        return ntkcore.Jacobian([ntkcore.KroneckerBlock(
+            npc.asarray(rng.standard_normal((k, s if i == 0 else s1, 40))),
+            npc.asarray(rng.standard_normal((k, s if i == 0 else s1, 2, 50))), f"b{i}")
+            for i in range(4)])
+
+    block = n * s1 * (40 + 2 * 50) * 8  # bytes of one block of all samples, 10 positions
+    SampleStack(batch).add(batch_of(batch, s0))  # first calls before tracing
+    tracemalloc.start()
+    try:
+        stack = SampleStack(n)
+        for i in range(n // batch):
+            stack.add(batch_of(batch, s0 if i < 2 else s1))
+            assert stack.rest == []  # written in place, grown at the third batch
+        j = stack.result()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert j.num_samples == n and j.blocks[0].num_positions == s1
+    one_batch = 2 * batch * 4 * s1 * (40 + 2 * 50) * 8  # a batch and its random draws
+    assert 4 * block <= peak <= 4 * block + block * s0 // s1 + one_batch + 2**16
+    # the first two batches' samples: the last two positions of block 0 are g = 0 padding
+    assert not j.blocks[0].g[:2 * batch, s0:].any() and j.blocks[0].g[2 * batch:, s0:].all()
 
 
 def test_sample_stack_concatenates_arrays_that_record_gradients(rng):

@@ -152,3 +152,43 @@ def test_concatenate_batches_with_different_positions(backend, rng, index):
     ref = np.concatenate([weights(a, g) for a, g in pieces])
     # the same products, summed with exact zeros added: rounding of a 4-term sum at most
     np.testing.assert_allclose(got, ref, rtol=0, atol=8 * np.finfo(float).eps * np.abs(ref).max())
+
+
+class PaddedTokens(nn.Module):
+    """Tokens (N, T, D) and a mask in channel D of ``x`` (N, T, D + 1): Linear, masked (a
+    padded token's output is zeroed, so its g is 0), masked mean, head (N, O)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(D, D)
+        self.head = nn.Linear(D, O)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x[..., D:]
+        h = torch.tanh(self.first(x[..., :D])) * mask
+        return self.head(h.sum(1) / mask.sum(1))
+
+
+def test_batches_with_other_padding_are_stacked_in_place(monkeypatch):
+    """Sample batches whose padding differs: the provider drops other positions per batch;
+    ``ntk`` (held factors, provider calls of 2 samples) writes them into one stack, padded
+    with g = 0 or moved to more positions, never concatenating them (whose freed pieces a
+    glibc heap keeps resident: twice the factors); the kernel is the float64 reference's."""
+    torch.manual_seed(1)
+    model = PaddedTokens().to(DT)
+    lengths = [2, 1, 4, 5, 3, 5, 1]  # batches of 2 (after the probe's first sample) differ
+    x = torch.randn(len(lengths), T, D + 1, dtype=DT)
+    for i, k in enumerate(lengths):
+        x[i, :, D] = (torch.arange(T) < k).to(DT)
+    assert jacobian(model, x[:2]).blocks[0].num_positions == 2  # positions dropped per batch
+    assert jacobian(model, x[2:4]).blocks[0].num_positions == T
+
+    def no_concatenate(*args, **kwargs):
+        raise AssertionError("batches concatenated")
+
+    monkeypatch.setattr(ntkcore.Jacobian, "concatenate", no_concatenate)
+    r = dense(reference(model, x))
+    tol = tol_for(sum(p.numel() for p in model.parameters()), O)
+    for mode, ref in (("trace", torch.einsum("nok,mok->nm", r, r)),
+                      ("full", torch.einsum("nok,mpk->nmop", r, r))):
+        assert rel(ntkcore.ntk(model, x, mode=mode, batch_size=2), ref) < tol
