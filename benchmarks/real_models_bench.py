@@ -17,16 +17,24 @@ from ntkcore._memory import parse_memory
 MODELS = list(rm.MODELS)
 N_REF = 3  # samples of the float64 reference (``Error``)
 JAC_LIMIT = 2e9  # torch.func is timed only where its N x O x P Jacobian takes at most this
+#: the N_fit of issue 32's goal (and of the first real-models suite): the largest N, at most
+#: :data:`FIT_MAX_N`, whose float32 torch.func Jacobian N x O x P takes at most this
+FIT_JAC_BYTES = 8e9
+FIT_MAX_N = 256
 #: ``max_memory`` of the full-size models (ViT-S/16 and ResNet-50 in output chunks where the
 #: factors of their 10 outputs do not fit)
 FULL_BUDGET = "6GB"
 
 
+def fitting_n(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> int:
+    """N_fit = jac_bytes // (O P itemsize) in [1, max_n]: the largest N whose torch.func
+    Jacobian fits ``jac_bytes``."""
+    return max(1, min(max_n, int(jac_bytes // (o * p * itemsize))))
+
+
 def sizes(p: int, o: int, itemsize: int, jac_bytes: float, max_n: int = 256) -> list[int]:
-    """Sorted {16, 32, N_fit}, N_fit = jac_bytes // (O P itemsize) in [1, max_n]: the largest N
-    whose torch.func Jacobian fits ``jac_bytes``."""
-    n_fit = max(1, min(max_n, int(jac_bytes // (o * p * itemsize))))
-    return sorted({16, 32, n_fit})
+    """Sorted {16, 32, N_fit} (:func:`fitting_n`)."""
+    return sorted({16, 32, fitting_n(p, o, itemsize, jac_bytes, max_n)})
 
 
 def backward_floor(m: Any, x: Any, batched: bool = False) -> Callable[[], Any]:
@@ -172,6 +180,45 @@ class Kernel:
         """Bound time (floor + planned Gram flops at the GEMM rate) over ntkcore's time, each
         the median of 3 rounds in turns (one round moved cases by up to 15 points between
         runs)."""
+        return bound_share(self.ntk, self.m, self.x, rounds=3)
+    track_bound_share.unit = "share"  # type: ignore[attr-defined]
+
+
+def n_fit(model: str) -> int:
+    """N_fit of a bench-size model: the largest N (at most :data:`FIT_MAX_N`) whose float32
+    torch.func Jacobian takes at most :data:`FIT_JAC_BYTES` (resnet18 17, vit_tiny 214,
+    convnext_atto 59, efficientnet_b0 49, BERT and GRU 256)."""
+    m, _ = rm.build(model, "bench", n=1, dtype="float32")
+    p = sum(q.numel() for q in m.parameters())
+    return fitting_n(p, rm.num_outputs(model, "bench"), 4, FIT_JAC_BYTES, FIT_MAX_N)
+
+
+class KernelFit:
+    """ntkcore's trace kernel on the bench-size models at N_fit (:func:`n_fit`): time and
+    share of the bound."""
+
+    params = (MODELS, [1, 2])
+    param_names = ("model", "threads")
+    number, repeat, warmup_time, rounds = 1, 1, 0, 1
+    timeout = 600
+
+    def setup(self, model: str, threads: int) -> None:
+        if why := rm.available(model):
+            raise NotImplementedError(why)
+        self.n = n_fit(model)
+        self.m, self.x = _setup(model, "bench", self.n, threads)
+        self.ntk = _ntk(self.m, self.x)
+
+    def time_ntkcore(self, *_: Any) -> None:
+        self.ntk()
+
+    def track_n(self, *_: Any) -> float:
+        """N_fit of the model."""
+        return float(self.n)
+    track_n.unit = "samples"  # type: ignore[attr-defined]
+
+    def track_bound_share(self, *_: Any) -> float:
+        """As :meth:`Kernel.track_bound_share`, at N_fit."""
         return bound_share(self.ntk, self.m, self.x, rounds=3)
     track_bound_share.unit = "share"  # type: ignore[attr-defined]
 

@@ -220,6 +220,19 @@ def test_benchmark_sizes_fit_the_jacobian_budget():
     assert sizes(p, o, 8, 1e8) == [1, 16, 32]
 
 
+def test_kernel_fit_sizes():
+    """``KernelFit``'s N_fit per model (8 GB of float32 Jacobian, at most 256): the sizes of
+    issue 32's goal; the GRU needs no optional package."""
+    from benchmarks.real_models_bench import FIT_JAC_BYTES, fitting_n, n_fit
+
+    assert n_fit("gru") == 256
+    assert fitting_n(11_181_642, 10, 4, FIT_JAC_BYTES) == 17  # resnet18's P and O
+    for name, n in {"resnet18": 17, "vit_tiny": 214, "convnext_atto": 59,
+                    "efficientnet_b0": 49, "bert": 256}.items():
+        if rm.available(name) is None:
+            assert n_fit(name) == n, name
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 def test_backward_floor_takes_every_activation_gradient_and_no_weight_gradient():
     """The benchmark's floor: O backward passes reaching every parameter owner's output, with no
