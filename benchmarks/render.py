@@ -164,14 +164,16 @@ def chart(t: dict[str, Any], title: str, path: Path) -> bool:
 
 
 def render(machine: dict[str, Any], docs: list[dict[str, Any]], meta: dict[str, Any],
-           img_dir: Path | None = None, img_rel: str = "img") -> str:
-    """The page: header, machine, a section per module, a table (and chart) per class."""
+           img_dir: Path | None = None, img_rel: str = "img", title: str = "Benchmarks") -> str:
+    """The page: header (``title``), machine, a section per module, a table (and chart) per
+    class."""
     facts = dict(machine)
     if str(facts.get("ram", "")).isdigit():
         facts["ram"] = f"{int(facts['ram']) / 2**30:.0f} GiB"
     facts_text = ", ".join(f"{k} {facts[k]}" for k in ("cpu", "num_cpu", "ram", "os", "arch")
                            if facts.get(k))
-    parts = [HEADER, f"## Machine `{machine.get('machine', '?')}`", "", facts_text + ".", ""]
+    parts = [HEADER.replace("# Benchmarks", f"# {title}", 1),
+             f"## Machine `{machine.get('machine', '?')}`", "", facts_text + ".", ""]
     module = None
     for name, t in tables(docs, meta).items():
         mod, _, cls = name.partition(".")
@@ -193,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-charts", action="store_true")
+    ap.add_argument("--title", default="Benchmarks", help="the page's heading")
     args = ap.parse_args(argv)
     machine, docs, meta = load(args.machine, args.commit, args.results)
     img = None if args.no_charts else args.out.parent / "img"
-    args.out.write_text(render(machine, docs, meta, img), encoding="utf-8")
+    args.out.write_text(render(machine, docs, meta, img, title=args.title), encoding="utf-8")
     print(args.out)
     return 0
 
