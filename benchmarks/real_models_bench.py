@@ -196,36 +196,24 @@ def n_fit(model: str) -> int:
     return fitting_n(p, rm.num_outputs(model, "bench"), 4, FIT_JAC_BYTES, FIT_MAX_N)
 
 
-class KernelFit:
+class KernelFit(Kernel):
     """ntkcore's trace kernel on the bench-size models at N_fit (:func:`n_fit`): time and
-    share of the bound."""
+    share of the bound (``Kernel``'s measurements)."""
 
     params = (MODELS, [1, 2])
     param_names = ("model", "threads")
-    number, repeat, warmup_time, rounds = 1, 1, 0, 1
     timeout = 600
 
-    def setup(self, model: str, threads: int) -> None:
+    def setup(self, model: str, threads: int) -> None:  # type: ignore[override]
         if why := rm.available(model):
             raise NotImplementedError(why)
         self.n = n_fit(model)
-        self.m, self.x = _setup(model, "bench", self.n, threads)
-        self.ntk = _ntk(self.m, self.x)
-        self.ntk()  # as Kernel's: the probe's call before the timed one
-
-    def time_ntkcore(self, *_: Any) -> None:
-        """One call after a first."""
-        self.ntk()
+        super().setup(model, self.n, threads)
 
     def track_n(self, *_: Any) -> float:
         """N_fit of the model."""
         return float(self.n)
     track_n.unit = "samples"  # type: ignore[attr-defined]
-
-    def track_bound_share(self, *_: Any) -> float:
-        """As :meth:`Kernel.track_bound_share`, at N_fit."""
-        return bound_share(self.ntk, self.m, self.x, rounds=3)
-    track_bound_share.unit = "share"  # type: ignore[attr-defined]
 
 
 class Memory:
