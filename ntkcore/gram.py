@@ -101,6 +101,10 @@ class _Pair:
     #: Index blocks whose "pairs" route is on offer: matching positions per sample pair,
     #: :math:`M / (N_1 N_2)` (:func:`_pairs_density`); None for every other block.
     density: float | None = None
+    #: Index blocks whose "tokens" route is on offer: its padded products per sample pair
+    #: and its dense indices, ``(beta, V_d)`` (:func:`_tokens_density`); None for every other
+    #: block.
+    grouped: tuple[float, int] | None = None
 
     @property
     def one_position(self) -> bool:
@@ -204,8 +208,12 @@ def register_route(cls: type[Route]) -> type[Route]:
 
 
 def _free(pair: _Pair, forced: str | None) -> bool:
-    """No route is forced on this block ("pairs" forces only index blocks)."""
-    return forced is None or (forced == "pairs" and pair.density is None)
+    """No route is forced on this block (an index route forces only index blocks)."""
+    return forced is None or (forced in INDEX_ROUTES and pair.density is None)
+
+
+#: The routes offered to index factors only (their matches counted when a call plans).
+INDEX_ROUTES = ("pairs", "tokens")
 
 
 def _take(xp: Any, x: Array, sl: slice, dtype: Any) -> Array:
@@ -528,6 +536,10 @@ class PairsRoute(Route):
         passes = m * (2 * o * dout + q + 8) + index * (4 + math.log2(c * t + 2)) + r * c * q
         return int(mem), int(gemm + ELEMENT_FLOPS * passes)
 
+    def chunk_density(self, pair: _Pair) -> float:
+        """What the chunk counts, per sample pair (here matching pairs, :math:`\rho`)."""
+        return pair.density or 0.0
+
     @staticmethod
     def per_pair(mode: Mode, o: int, dout: int) -> int:
         """Working elements per pair of a chunk: two gathered g rows, the products, four
@@ -577,6 +589,250 @@ class PairsRoute(Route):
         for prs, pcs, _ in pieces:
             yield mode.tile_part(t, slice(prs.start - r0, prs.stop - r0),
                                  slice(pcs.start - r0, pcs.stop - r0))
+
+
+@register_route
+class TokensRoute(PairsRoute):
+    r"""An index factor grouped by index value: GEMMs per index in place of a gather per pair.
+
+    Positions of one sample with the same index are summed first,
+    :math:`H[n,v] = \sum_{s:\ i_{ns} = v} g[n,s]` (O, d_out), a scatter-add over the
+    (sample, index) keys sorted by (index, sample); then
+    :math:`\Theta_b[n,m] = \sum_v \langle H[n,v], H'[m,v]\rangle` (the mode's contraction of
+    the outputs), for one index v a product of its :math:`c_v` rows of H with its
+    :math:`c'_v` rows of H'.  Indices of equal row counts rounded up to powers of two,
+    :math:`B_v \times B'_v`, are stacked into one batched product
+    (:meth:`~ntkcore.modes.Mode.block_products`; zero rows pad them) whose products are
+    scatter-added into their cells ``(n, m)``, at most :attr:`GramPlan.pair_chunk` padded
+    products at a time.  An index held by most samples (a position id, a padding token) is
+    cheaper dense: its rows are written into per-sample arrays :math:`D[n, v]` (zero where
+    sample n lacks v) and all such indices contracted by one GEMM, :meth:`Mode.dense` of
+    (r, O, V_d d_out) (:func:`_dense_tokens` decides per index by the costs below).  The
+    kernel is :class:`PairsRoute`'s; each (sample, index) row is read once per group instead
+    of once per matching pair (the bench GRU's embedding at N = 256, 67,000 matching pairs
+    over 8,192 positions: 53 ms by pairs, 16 ms so).  Offered where the backend has a native
+    scatter-add and cheap eager loops (``Backend.eager_loops``: not JAX, whose every new
+    shape compiles), unless forced.
+
+    Cost, with :math:`m_B = \beta r c` padded products and :math:`V_d` dense indices
+    (:func:`_tokens_density`, counted on the whole kernel) and :math:`w = O d_{out}`:
+    :math:`2 (m_B + r c V_d) O^{k-1} w` flops of products, plus
+    :data:`ELEMENT_FLOPS` per element of the memory-bound passes: the sums and gathers of
+    :math:`3(rS + cT) w`, the scatter of the products and their cell indices
+    :math:`m_B (q + 8)`, the dense rows :math:`(r + c) V_d w`, the sorts
+    :math:`(rS + cT)(6 + \log_2(rS + cT + 2))`, and :math:`rcq` (cells); memory that of
+    :class:`PairsRoute` plus the summed rows :math:`(rS + cT) w` and twice the dense rows.
+    """
+
+    name = "tokens"
+
+    def offers(self, pair: _Pair, forced: str | None) -> bool:
+        return pair.kronecker and pair.grouped is not None and forced in (None, "tokens")
+
+    def chunk_density(self, pair: _Pair) -> float:
+        return pair.grouped[0] if pair.grouped else 0.0
+
+    def cost(self, pair: _Pair, mode: Mode, o: int, r: int, c: int,
+             chunk: int | None = None) -> tuple[int, int]:
+        s, t, _, dout, inputs = _kron_sizes(pair, o, r, c)
+        q, w = mode.entries(o), o * dout
+        beta, dense = pair.grouped or (0.0, 0)  # offered only where they are counted
+        m = beta * r * c
+        if chunk is None:
+            chunk = min(math.ceil(m), PAIRS_MIN_CHUNK)
+        index = r * s + c * t
+        mem = inputs + index * (w + 8) + 2 * (r + c) * dense * w + 2 * r * c * q \
+            + chunk * self.per_pair(mode, o, dout)
+        gemm = 2 * (m + r * c * dense) * w * mode.partners(o)
+        passes = 3 * index * w + m * (q + 8) + (r + c) * dense * w \
+            + index * (6 + math.log2(index + 2)) + r * c * q
+        return int(mem), int(gemm + ELEMENT_FLOPS * passes)
+
+    def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
+             mode: Mode, ctx: _Context) -> Array:
+        a1, g1, a2, g2 = _factors(xp, pair, rows, cols, same, dtype, False)
+        (r, _), c = a1.shape, a2.shape[0]
+        o, dout = g1.shape[2], g1.shape[3]
+        side1 = _TokenRows.of(xp, ctx.backend, a1, g1)
+        side2 = side1 if same else _TokenRows.of(xp, ctx.backend, a2, g2)
+        start1, count1, start2, count2 = _common_tokens(xp, side1, side2)
+        e1, e2 = _pow2_exponent(xp, count1), _pow2_exponent(xp, count2)
+        dense = _dense_tokens(xp, e1, e2, r, c, mode, o, dout)
+        out = None
+        # the sparse indices, by padded size: their products scattered into the cells
+        bucket = xp.where(dense, -1, e1 * 64 + e2)
+        for key in sorted(int(v) for v in xp.unique_values(bucket)):  # host: group shapes
+            if key < 0:
+                continue
+            sel = xp.nonzero(bucket == key)[0]
+            b1, b2 = 1 << (key // 64), 1 << (key % 64)
+            st1, n1 = xp.take(start1, sel), xp.take(count1, sel)
+            st2, n2 = xp.take(start2, sel), xp.take(count2, sel)
+            step = max(1, ctx.pair_chunk // (b1 * b2))  # indices at a time
+            slab = b1 if b1 * b2 <= ctx.pair_chunk else max(1, ctx.pair_chunk // b2)
+            for k0 in range(0, sel.shape[0], step):
+                ks = slice(k0, min(sel.shape[0], k0 + step))
+                x2, m2, smp2 = side2.rows(xp, st2[ks], n2[ks], 0, b2)
+                for r0 in range(0, b1, slab):
+                    x1, m1, smp1 = side1.rows(xp, st1[ks], n1[ks], r0, min(b1, r0 + slab))
+                    v = mode.block_products(xp, x1, x2, o)
+                    cell = xp.where(m1[:, :, None] & m2[:, None, :],
+                                    smp1[:, :, None] * c + smp2[:, None, :], -1)
+                    part = ctx.backend.scatter_add(xp.reshape(cell, (-1,)),
+                                                   xp.reshape(v, (-1, v.shape[-1])), r * c)
+                    out = part if out is None else out + part
+        if out is None:
+            out = xp.zeros((r * c, mode.entries(o)), dtype=g1.dtype,
+                           device=array_api_compat.device(g1))
+        tile = mode.cells_to_tile(xp, out, r, c, o)
+        sel = xp.nonzero(dense)[0]  # the dense indices: one GEMM
+        if sel.shape[0]:
+            d1 = side1.dense_rows(xp, ctx.backend, xp.take(start1, sel), xp.take(count1, sel),
+                                  r, o)
+            d2 = d1 if same else side2.dense_rows(xp, ctx.backend, xp.take(start2, sel),
+                                                  xp.take(count2, sel), c, o)
+            tile = tile + mode.dense(xp, d1, d2, same)
+        return tile
+
+
+def _dense_tokens(xp: Any, e1: Array, e2: Array, r: int, c: int, mode: Mode, o: int,
+                  dout: int) -> Array:
+    """Which indices of an r x c tile the "tokens" route contracts dense: those whose
+    padded block of :math:`2^{e_1} \\times 2^{e_2}` products, each :math:`2 O^{k-1} w` flops
+    and a scatter of ``q + 8`` elements, costs more than their share of a dense GEMM,
+    :math:`2 r c O^{k-1} w` flops and :math:`(r + c) w` elements written."""
+    w, pp = o * dout, mode.partners(o)
+    per = 2 * w * pp + ELEMENT_FLOPS * (mode.entries(o) + 8)
+    whole = 2 * r * c * w * pp + ELEMENT_FLOPS * (r + c) * w
+    # 2^(e1+e2) per > whole, in exponents (no overflow): e1 + e2 > log2(whole / per)
+    return (e1 + e2) > math.floor(math.log2(whole / per))
+
+
+class _TokenRows(NamedTuple):
+    """One side of the "tokens" route: the rows ``h`` (U + 1, O d_out) summed per (sample,
+    index) key, sorted by (index, sample), the last a zero row for padding; each row's
+    ``sample`` (U + 1,); the distinct indices ``token`` (V,) with the first row ``start`` and
+    the row ``count`` of each."""
+
+    h: Array
+    sample: Array
+    token: Array
+    start: Array
+    count: Array
+
+    @classmethod
+    def of(cls, xp: Any, backend: Any, a: Array, g: Array) -> _TokenRows:
+        r, s = a.shape
+        keys, order, runs, distinct = _sorted_keys(xp, a)
+        row = xp.cumulative_sum(xp.astype(runs, xp.int64)) - 1  # each sorted key's row
+        row = xp.where(xp.take(keys, order) >= 0, row, -1)  # "no index" dropped
+        y = xp.reshape(g, (r * s, g.shape[2] * g.shape[3]))
+        h = backend.scatter_add(xp.take(row, xp.argsort(order)), y, distinct.shape[0])
+        token, start, count = _token_runs(xp, distinct, r)
+        dev = array_api_compat.device(h)
+        return cls(xp.concat((h, xp.zeros((1, y.shape[1]), dtype=h.dtype, device=dev))),
+                   xp.concat((distinct % r, xp.zeros((1,), dtype=row.dtype, device=dev))),
+                   token, start, count)
+
+    def dense_rows(self, xp: Any, backend: Any, start: Array, count: Array, r: int,
+                   o: int) -> Array:
+        """The rows of k indices (``start``, ``count``) as dense rows (r, O, k d_out) of the r
+        samples, zero where a sample lacks the index."""
+        k = start.shape[0]
+        x, valid, smp = self.rows(xp, start, count, 0, r)  # (k, r, O d_out)
+        slot = xp.arange(k, dtype=smp.dtype, device=array_api_compat.device(smp))
+        cell = xp.where(valid, smp * k + slot[:, None], -1)
+        d = backend.scatter_add(xp.reshape(cell, (-1,)), xp.reshape(x, (k * r, -1)), r * k)
+        d = xp.permute_dims(xp.reshape(d, (r, k, o, -1)), (0, 2, 1, 3))
+        return xp.reshape(d, (r, o, -1))
+
+    def rows(self, xp: Any, start: Array, count: Array, lo: int,
+             hi: int) -> tuple[Array, Array, Array]:
+        """Rows ``lo .. hi`` of each of k indices (``start``, ``count``): ``(x`` (k, hi - lo,
+        O d_out), ``valid`` (k, hi - lo), ``sample`` (k, hi - lo)``), padding rows zero."""
+        j = xp.arange(lo, hi, dtype=start.dtype, device=array_api_compat.device(start))
+        valid = j[None, :] < count[:, None]
+        idx = xp.where(valid, start[:, None] + j[None, :], self.h.shape[0] - 1)
+        flat = xp.reshape(idx, (-1,))
+        x = xp.reshape(xp.take(self.h, flat, axis=0), (*idx.shape, self.h.shape[1]))
+        return x, valid, xp.reshape(xp.take(self.sample, flat), idx.shape)
+
+
+def _sorted_keys(xp: Any, a: Array) -> tuple[Array, Array, Array, Array]:
+    """``(keys, order, runs, distinct)`` of an index factor ``a`` (r, S): ``keys = i r + n``
+    per position (-1 for "no index"), the order that sorts them, where a run of equal sorted
+    keys starts, and the distinct keys, sorted."""
+    r, s = a.shape
+    flat = xp.astype(xp.reshape(a, (r * s,)), xp.int64)
+    n = xp.arange(r * s, dtype=xp.int64, device=array_api_compat.device(flat)) // s
+    keys = xp.where(flat >= 0, flat * r + n, -1)
+    order = xp.argsort(keys)
+    runs = _runs(xp, xp.take(keys, order))
+    return keys, order, runs, xp.take(keys, xp.take(order, xp.nonzero(runs)[0]))
+
+
+def _runs(xp: Any, v: Array) -> Array:
+    """Where a run of equal values of the sorted ``v`` starts (boolean)."""
+    head = xp.ones((min(1, v.shape[0]),), dtype=xp.bool, device=array_api_compat.device(v))
+    return xp.concat((head, v[1:] != v[:-1]))
+
+
+def _token_runs(xp: Any, distinct: Array, r: int) -> tuple[Array, Array, Array]:
+    """``(token, start, count)``: the indices of the sorted distinct keys ``i r + n``
+    (:func:`_sorted_keys`), each with its first key and number of keys (samples)."""
+    tok = distinct // r  # -1 ("no index") stays -1 and is left out
+    start = xp.nonzero(_runs(xp, tok) & (tok >= 0))[0]
+    end = xp.concat((start[1:], xp.asarray([distinct.shape[0]], dtype=start.dtype,
+                                           device=array_api_compat.device(start))))
+    return xp.take(tok, start), start, end - start
+
+
+def _common_tokens(xp: Any, side1: Any, side2: Any) -> tuple[Array, Array, Array, Array]:
+    """``(start1, count1, start2, count2)`` of the indices both sides hold (each side with
+    the ``token``, ``start`` and ``count`` of :class:`_TokenRows`)."""
+    t1, t2 = side1.token, side2.token
+    if t1.shape[0] == 0 or t2.shape[0] == 0:
+        return side1.start[:0], side1.start[:0], side1.start[:0], side1.start[:0]
+    pos = xp.searchsorted(t2, t1)
+    at = xp.minimum(pos, t2.shape[0] - 1)
+    both = xp.nonzero((pos < t2.shape[0]) & (xp.take(t2, at) == t1))[0]
+    at = xp.take(at, both)
+    return (xp.take(side1.start, both), xp.take(side1.count, both), xp.take(side2.start, at),
+            xp.take(side2.count, at))
+
+
+def _pow2_exponent(xp: Any, count: Array) -> Array:
+    """The least e with 2**e >= count (count >= 1), elementwise, in integers."""
+    e = xp.zeros_like(count)
+    top = int(xp.max(count)) if count.shape[0] else 1  # host: the loop's length
+    for k in range(max(1, top - 1).bit_length()):
+        e = e + xp.astype(count - 1 >= (1 << k), count.dtype)
+    return e
+
+
+class _TokenCounts(NamedTuple):
+    token: Array
+    start: Array
+    count: Array
+
+
+def _tokens_density(xp: Any, a1: Array, a2: Array, mode: Mode, o: int,
+                    dout: int) -> tuple[float, int]:
+    r"""``(beta, dense)`` of the "tokens" route on the whole kernel of index factors ``a1``
+    (N1, S), ``a2`` (N2, T): the indices it contracts dense (:func:`_dense_tokens`) and, for
+    the others, the padded products per sample pair,
+    :math:`\beta = \sum_v 2^{\lceil \log_2 c_v \rceil} 2^{\lceil \log_2 c'_v \rceil} / (N_1 N_2)`
+    for the :math:`c_v` samples of ``a1`` and :math:`c'_v` of ``a2`` that hold index v."""
+    n1, n2 = a1.shape[0], a2.shape[0]
+    sides = [_TokenCounts(*_token_runs(xp, _sorted_keys(xp, a)[3], a.shape[0]))
+             for a in ((a1,) if a2 is a1 else (a1, a2))]
+    _, c1, _, c2 = _common_tokens(xp, sides[0], sides[-1])
+    if c1.shape[0] == 0:
+        return 0.0, 0
+    e1, e2 = _pow2_exponent(xp, c1), _pow2_exponent(xp, c2)
+    dense = _dense_tokens(xp, e1, e2, n1, n2, mode, o, dout)
+    sparse = xp.bitwise_left_shift(xp.where(dense, 0, xp.ones_like(e1)), e1 + e2)
+    return float(xp.sum(sparse)) / (n1 * n2), int(xp.sum(xp.astype(dense, xp.int64)))
 
 
 def _index_matches(xp: Any, i1: Array, i2: Array) -> tuple[Array, Array, Array]:
@@ -714,7 +970,7 @@ class GramPlan:
         Tile size (rows of J1, columns of J2).
     strategies : tuple of str
         Per block, the name of its :class:`Route`: ``"dense"``, ``"kron1"`` (Kronecker,
-        S = T = 1), ``"positions"``, ``"materialise"`` or ``"pairs"``.
+        S = T = 1), ``"positions"``, ``"materialise"``, ``"pairs"`` or ``"tokens"``.
     num_tiles : int
         Tiles computed (upper triangle only when symmetric).
     symmetric : bool
@@ -731,7 +987,8 @@ class GramPlan:
         Row panels per tile on the diagonal of a symmetric kernel (1: the tile is one
         product; see ``SYMMETRIC_PANEL_ROWS``).
     pair_chunk : int
-        Matching pairs the "pairs" route gathers at a time (0: no block takes that route).
+        Matching pairs the "pairs" route gathers, or padded products the "tokens" route
+        forms, at a time (0: no block takes either route).
     """
 
     tile_rows: int
@@ -923,10 +1180,11 @@ def _plan_of(pb: _Problem, chosen: list[str], tiles: list[int]) -> GramPlan:
 def _pair_chunk(pb: _Problem, chosen: list[str], r: int, c: int) -> int:
     """The largest chunk of matching pairs, up to ``PAIRS_MAX_CHUNK`` (and no more than a
     tile has), that every chunked block fits in the budget with (0: no such block)."""
-    sel = [p for s, p in zip(chosen, pb.pairs, strict=True) if ROUTES[s].uses_pair_chunk]
+    sel = [ROUTES[s].chunk_density(p) for s, p in zip(chosen, pb.pairs, strict=True)
+           if ROUTES[s].uses_pair_chunk]
     if not sel:
         return 0
-    need = max(1, math.ceil(max(p.density for p in sel) * r * c))  # pairs in a tile
+    need = max(1, math.ceil(max(sel) * r * c))  # pairs in a tile
     least = min(PAIRS_MIN_CHUNK, need)  # what the tile was chosen to fit with
     most = max(least, min(PAIRS_MAX_CHUNK, need))
     return max(least, _largest(lambda k: pb.working(chosen, r, c, k) <= pb.elements,
@@ -945,7 +1203,10 @@ def _pair_key(pair: _Pair) -> tuple[Any, ...]:
     if not pair.kronecker:
         return ("dense", b1.num_stored)
     density = None if pair.density is None else float(f"{pair.density:.2g}")
-    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width, density)
+    grouped = None if pair.grouped is None else (float(f"{pair.grouped[0]:.2g}"),
+                                                 pair.grouped[1])
+    return ("kron", b1.num_positions, b2.num_positions, b1.d_in, b1.d_out, b1.a_width, density,
+            grouped)
 
 
 def _round_budget(budget: int) -> int:
@@ -1014,16 +1275,20 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
     return pairs
 
 
-def _with_density(xp: Any, backend: Any, pairs: list[_Pair]) -> list[_Pair]:
-    """``pairs`` with the "pairs" route offered to the index-factor blocks (their matching
-    positions counted: a sort and two searches over the indices); factors traced by
-    ``jax.jit`` (values unknown) and empty ones are left as they are."""
+def _with_density(xp: Any, backend: Any, pairs: list[_Pair], mode: Mode, o: int,
+                  tokens: bool) -> list[_Pair]:
+    """``pairs`` with the "pairs" route, and if ``tokens`` the "tokens" route, offered to the
+    index-factor blocks (their matching positions and padded products counted: sorts and
+    searches over the indices); factors traced by ``jax.jit`` (values unknown) and empty ones
+    are left as they are."""
     out = []
     for p in pairs:
         b1, b2 = p.b1, p.b2
         if (p.kronecker and b1.one_hot is not None and b1.num_samples and b2.num_samples
                 and not backend.is_traced(b1.a, b2.a)):
-            p = replace(p, density=_pairs_density(xp, b1.a, b2.a))
+            p = replace(p, density=_pairs_density(xp, b1.a, b2.a),
+                        grouped=_tokens_density(xp, b1.a, b2.a, mode, o, b1.d_out)
+                        if tokens else None)
         out.append(p)
     return out
 
@@ -1096,8 +1361,10 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     xp, backend = namespace_of(J1=j1.blocks[0].arrays()[0],
                                J2=None if j2 is None else j2.blocks[0].arrays()[0])
     pairs = _pairs(j1, j2)
-    if backend.fast_scatter_add or strategy == "pairs":
-        pairs = _with_density(xp, backend, pairs)
+    if backend.fast_scatter_add or strategy in INDEX_ROUTES:
+        # "tokens" loops over groups of data-dependent shapes: only where such loops are cheap
+        pairs = _with_density(xp, backend, pairs, mode, j1.num_outputs,
+                              backend.eager_loops or strategy == "tokens")
     default = j1.dtype if j2 is None else xp.result_type(j1.dtype, j2.dtype)
     out_dtype = resolve_dtype(xp, dtype, default)
     device = j1.device
@@ -1130,7 +1397,8 @@ def plan_gram(J1: Any, J2: Any = None, *, mode: str = "full", layerwise: bool = 
               strategy: str | None = None) -> GramPlan:
     """The :class:`GramPlan` :func:`gram` follows for these arguments (nothing is computed).
 
-    ``strategy`` forces a :class:`Route` (``"positions"``, ``"materialise"``, ``"pairs"``)
+    ``strategy`` forces a :class:`Route` (``"positions"``, ``"materialise"``, ``"pairs"``,
+    ``"tokens"``)
     on every block it applies to (``None``: chosen by the cost model).  Other arguments as
     for :func:`gram`.
     """

@@ -164,6 +164,18 @@ class Mode(str):
         """Per matching pair, its (M, entries) products of the gathered g rows (M, O d_out)."""
         raise NotImplementedError
 
+    def block_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
+        """Products (k, B1, B2, entries) of every row of ``x1`` (k, B1, O d_out) with every row
+        of ``x2`` (k, B2, O d_out) in the same group (the "tokens" route): here
+        :meth:`pair_products` of the broadcast pairs; a mode with a GEMM form overrides it."""
+        k, b1, w = x1.shape
+        b2 = x2.shape[1]
+        e1 = xp.broadcast_to(x1[:, :, None, :], (k, b1, b2, w))
+        e2 = xp.broadcast_to(x2[:, None, :, :], (k, b1, b2, w))
+        v = self.pair_products(xp, xp.reshape(e1, (k * b1 * b2, w)),
+                               xp.reshape(e2, (k * b1 * b2, w)), o)
+        return xp.reshape(v, (k, b1, b2, self.entries(o)))
+
     def transpose_outputs(self, xp: Any, v: Array, o: int) -> Array:
         """Per-pair products (M, entries) with ``o`` and ``p`` swapped."""
         return v
@@ -276,6 +288,12 @@ class FullMode(Mode):
         x1, x2 = xp.reshape(x1, (m, o, -1)), xp.reshape(x2, (m, o, -1))
         return xp.reshape(x1 @ xp.permute_dims(x2, (0, 2, 1)), (m, o * o))
 
+    def block_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
+        (k, b1, w), b2 = x1.shape, x2.shape[1]  # k batched (B1 O, d) @ (d, B2 O)
+        y1, y2 = xp.reshape(x1, (k, b1 * o, w // o)), xp.reshape(x2, (k, b2 * o, w // o))
+        v = xp.reshape(y1 @ xp.permute_dims(y2, (0, 2, 1)), (k, b1, o, b2, o))
+        return xp.reshape(xp.permute_dims(v, (0, 1, 3, 2, 4)), (k, b1, b2, o * o))
+
     def transpose_outputs(self, xp: Any, v: Array, o: int) -> Array:
         return xp.reshape(xp.permute_dims(xp.reshape(v, (-1, o, o)), (0, 2, 1)), (-1, o * o))
 
@@ -347,6 +365,9 @@ class TraceMode(Mode):
     def pair_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
         return xp.vecdot(x1, x2, axis=-1)[:, None]
 
+    def block_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
+        return (x1 @ xp.permute_dims(x2, (0, 2, 1)))[..., None]  # k (B1, O d) @ (O d, B2)
+
 
 @register_mode
 class DiagonalMode(Mode):
@@ -377,6 +398,12 @@ class DiagonalMode(Mode):
     def pair_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
         m = x1.shape[0]
         return xp.vecdot(xp.reshape(x1, (m, o, -1)), xp.reshape(x2, (m, o, -1)), axis=-1)
+
+    def block_products(self, xp: Any, x1: Array, x2: Array, o: int) -> Array:
+        (k, b1, w), b2 = x1.shape, x2.shape[1]  # k O batched (B1, d) @ (d, B2)
+        y1 = xp.permute_dims(xp.reshape(x1, (k, b1, o, w // o)), (0, 2, 1, 3))
+        y2 = xp.permute_dims(xp.reshape(x2, (k, b2, o, w // o)), (0, 2, 3, 1))
+        return xp.permute_dims(y1 @ y2, (0, 2, 3, 1))
 
 
 @register_mode

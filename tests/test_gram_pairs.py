@@ -1,6 +1,6 @@
-"""The "pairs" route of index-factor (embedding) blocks in ntkcore.gram and the backends'
-scatter-add, against dense float64 references: the one-hot Jacobian formed in NumPy and
-contracted by einsum, and ``np.add.at``."""
+"""The index-factor (embedding) routes of ntkcore.gram, "pairs" and "tokens", and the
+backends' scatter-add, against dense float64 references: the one-hot Jacobian formed in NumPy
+and contracted by einsum, and ``np.add.at``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from ntkcore import DenseBlock, Jacobian, KroneckerBlock, gram, plan_gram
 from ntkcore.backend import get_backend
 from ntkcore.errors import BudgetTooSmallError
-from ntkcore.gram import _gram
+from ntkcore.gram import _gram, _tokens_density
+from ntkcore.modes import MODES, Mode, check_mode
 from tests.conftest import force_panels
 from tests.tolerances import kernel_tol
 
@@ -21,6 +22,9 @@ from tests.tolerances import kernel_tol
 pytestmark = pytest.mark.usefixtures("jax_quick_compile")
 
 V, O, D = 9, 3, 4
+#: each eager JAX call of a new shape compiles: "tokens" (offered to JAX only when forced)
+#: is checked there on one case per test
+JAX_TOKENS = "JAX: one 'tokens' case of test_index_route_matches_dense runs"
 SWAP = {"trace": (1, 0), "diagonal": (1, 0, 2), "full": (1, 0, 3, 2)}
 
 
@@ -64,14 +68,18 @@ def _close(backend, k, ref, n):
 
 
 @pytest.mark.exactness
+@pytest.mark.parametrize("route", ["pairs", "tokens"])
 @pytest.mark.parametrize("mode", ["trace", "diagonal", "full"])
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("budget", [None, "chunked"])
-def test_pairs_route_matches_dense(monkeypatch, backend, rng, mode, cross, budget):
-    """Forced "pairs" on the index block (J2 != J1 with another T, or J against itself),
-    next to a dense block, whole and in tiles smaller than N with the pairs in chunks."""
+def test_index_route_matches_dense(monkeypatch, backend, rng, route, mode, cross, budget):
+    """Forced "pairs" or "tokens" on the index block (J2 != J1 with another T, or J against
+    itself), next to a dense block, whole and in tiles smaller than N with the pairs (padded
+    products) in chunks."""
     if backend.name == "jax" and budget is not None:
         pytest.skip("JAX tiles are concatenated: the budget case is covered by the others")
+    if backend.name == "jax" and route == "tokens" and (cross or mode != "full"):
+        pytest.skip(JAX_TOKENS)
     n1, s, n2, t = 13, 5, 10, 3
     ids1, g1 = _ids(rng, n1, s, everywhere=4), rng.standard_normal((n1, s, O, D))
     ids2, g2 = _ids(rng, n2, t), rng.standard_normal((n2, t, O, D))
@@ -83,18 +91,23 @@ def test_pairs_route_matches_dense(monkeypatch, backend, rng, mode, cross, budge
     ref = _reference(jd1, jd2, mode)
     j2 = j2 if cross else None
     m = _pairs(ids1, ids2 if cross else ids1)
+    if route == "tokens":  # padded products of its sparse indices
+        a1 = backend.asarray(ids1, "int64")
+        xp = array_api_compat.array_namespace(a1)
+        m = _tokens_density(xp, a1, backend.asarray(ids2, "int64") if cross else a1,
+                            check_mode(mode), O, D)[0] * n1 * (n2 if cross else n1)
     max_memory = None
     if budget == "chunked":  # the smallest useful tile, and chunks of fewer pairs than a tile
         monkeypatch.setattr(sys.modules["ntkcore.gram"], "PAIRS_MIN_CHUNK", 4)
         with pytest.raises(BudgetTooSmallError) as err:
-            plan_gram(j1, j2, mode=mode, max_memory=1, strategy="pairs")
+            plan_gram(j1, j2, mode=mode, max_memory=1, strategy=route)
         max_memory = err.value.needed + 2_000
-        plan = plan_gram(j1, j2, mode=mode, max_memory=max_memory, strategy="pairs")
+        plan = plan_gram(j1, j2, mode=mode, max_memory=max_memory, strategy=route)
         assert plan.tile_rows < n1 and plan.pair_chunk * plan.num_tiles < m, plan
         assert plan.working_bytes <= max_memory
-    plan = plan_gram(j1, j2, mode=mode, max_memory=max_memory, strategy="pairs")
-    assert plan.strategies == ("pairs", "dense")
-    k = _gram(j1, j2, mode=mode, max_memory=max_memory, strategy="pairs")
+    plan = plan_gram(j1, j2, mode=mode, max_memory=max_memory, strategy=route)
+    assert plan.strategies == (route, "dense")
+    k = _gram(j1, j2, mode=mode, max_memory=max_memory, strategy=route)
     _close(backend, k, ref, D * V + 6)
     if not cross:  # a self-kernel stays exactly symmetric
         kn = backend.to_numpy(k)
@@ -102,8 +115,9 @@ def test_pairs_route_matches_dense(monkeypatch, backend, rng, mode, cross, budge
 
 
 @pytest.mark.exactness
+@pytest.mark.parametrize("route", ["pairs", "tokens"])
 @pytest.mark.parametrize("mode", ["trace", "diagonal", "full"])
-def test_pairs_route_in_row_panels(monkeypatch, backend, rng, mode):
+def test_index_route_in_row_panels(monkeypatch, backend, rng, route, mode):
     """A diagonal tile split into row panels: the route computes the tile once (as a
     self-tile) and slices it per panel; exact and exactly symmetric."""
     if backend.name == "jax":
@@ -111,9 +125,9 @@ def test_pairs_route_in_row_panels(monkeypatch, backend, rng, mode):
     force_panels(monkeypatch)
     ids, g = _ids(rng, 12, 4, everywhere=0), rng.standard_normal((12, 4, O, D))
     j = Jacobian([_block(backend, ids, g)])
-    plan = plan_gram(j, mode=mode, strategy="pairs")
+    plan = plan_gram(j, mode=mode, strategy=route)
     assert plan.panels > 1
-    k = _gram(j, mode=mode, strategy="pairs")
+    k = _gram(j, mode=mode, strategy=route)
     _close(backend, k, _reference(_dense(ids, g), _dense(ids, g), mode), D * V)
     kn = backend.to_numpy(k)
     np.testing.assert_array_equal(kn, kn.transpose(SWAP[mode]))
@@ -141,6 +155,71 @@ def test_planner_counts_the_pairs(backend, rng):
                        ).reshape(n, O, D * big)
         _close(backend, gram(Jacobian([block]), mode="trace"),
                _reference(jd, jd, "trace"), D * big)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("mode", MODES)
+def test_block_products(backend, rng, mode):
+    """``Mode.block_products`` (the "tokens" route's batched products), each mode's GEMM form
+    and the base class's broadcast pairs, against einsum in float64."""
+    k, b1, b2 = 3, 4, 2
+    x1, x2 = rng.standard_normal((k, b1, O, D)), rng.standard_normal((k, b2, O, D))
+    full = np.einsum("kiod,kjpd->kijop", x1, x2)
+    ref = {"full": full.reshape(k, b1, b2, O * O), "trace": np.einsum("kijoo->kij", full)[
+        ..., None], "diagonal": np.einsum("kijoo->kijo", full)}[mode]
+    m = check_mode(mode)
+    xb1, xb2 = (backend.asarray(x.reshape(k, -1, O * D)) for x in (x1, x2))
+    xp = array_api_compat.array_namespace(xb1)
+    for got in (m.block_products(xp, xb1, xb2, O), Mode.block_products(m, xp, xb1, xb2, O)):
+        np.testing.assert_allclose(backend.to_numpy(got), ref, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("mode", ["trace", "diagonal", "full"])
+@pytest.mark.parametrize("cross", [False, True])
+def test_tokens_route_dense_and_sparse_indices(backend, rng, mode, cross):
+    """The "tokens" route with indices of both kinds: one held by every sample (contracted
+    dense) and many rare ones (padded groups), with "no index" positions; exact."""
+    if backend.name == "jax":
+        pytest.skip("JAX: 'tokens' runs one case of test_index_route_matches_dense")
+    n1, s, big = 40, 6, 300
+    n2 = 24 if cross else n1
+    ids1 = rng.integers(-1, big, (n1, s))
+    ids2 = rng.integers(-1, big, (n2, s)) if cross else ids1
+    ids1[:, 0] = 7
+    ids2[:, 1] = 7
+    g1, g2 = rng.standard_normal((n1, s, O, D)), rng.standard_normal((n2, s, O, D))
+    b1 = KroneckerBlock(backend.asarray(ids1, "int64"), backend.asarray(g1), "emb", one_hot=big)
+    b2 = KroneckerBlock(backend.asarray(ids2, "int64"), backend.asarray(g2), "emb", one_hot=big)
+    xp = array_api_compat.array_namespace(b1.g)
+    beta, dense = _tokens_density(xp, b1.a, b2.a if cross else b1.a, check_mode(mode), O, D)
+    assert dense >= 1 and beta > 0
+    j1, j2 = Jacobian([b1]), (Jacobian([b2]) if cross else None)
+    k = _gram(j1, j2, mode=mode, strategy="tokens")
+
+    def dense_of(ids, g):
+        return np.einsum("nsod,nsv->nodv", g, (ids[..., None] == np.arange(big))
+                         ).reshape(ids.shape[0], O, D * big)
+    jd1 = dense_of(ids1, g1)
+    _close(backend, k, _reference(jd1, dense_of(ids2, g2) if cross else jd1, mode), D * big)
+
+
+def test_planner_takes_tokens_where_indices_repeat(backend, rng):
+    """Indices that repeat across many samples (a small vocabulary, 64 samples of 16
+    positions): the cost model takes "tokens" over "pairs" (with a native scatter-add);
+    the kernel is exact."""
+    n, s, v, d = 64, 16, 50, 16
+    ids = rng.integers(0, v, (n, s))
+    g = rng.standard_normal((n, s, O, d))
+    block = KroneckerBlock(backend.asarray(ids, "int64"), backend.asarray(g), "emb", one_hot=v)
+    be = get_backend(array_api_compat.array_namespace(block.g))
+    plan = plan_gram(Jacobian([block]), mode="trace")
+    if be.fast_scatter_add and be.eager_loops:
+        assert plan.strategies == ("tokens",)
+    else:
+        assert plan.strategies[0] != "tokens"
+    jd = np.einsum("nsod,nsv->nodv", g, (ids[..., None] == np.arange(v))).reshape(n, O, d * v)
+    _close(backend, gram(Jacobian([block]), mode="trace"), _reference(jd, jd, "trace"), d * v)
 
 
 def test_scatter_add(backend, rng):
