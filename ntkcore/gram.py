@@ -54,6 +54,12 @@ ELEMENT_FLOPS = 16
 PAIRS_MIN_CHUNK = 256
 PAIRS_MAX_CHUNK = 1 << 16
 
+#: Flop-equivalents of the "tokens" route's fixed work per tile (:class:`TokensRoute`): its
+#: sorts, the host reads of its groups' shapes and about a hundred small array calls, 1-2 ms
+#: in torch on a CPU (the bench GRU's and BERT's embeddings at N = 32: 3.3 and 2.3 ms against
+#: "pairs"' 1.6 and 1.0 ms); without it the route won those blocks and BERT's at N = 256.
+TOKENS_TILE_FLOPS = 10 ** 8
+
 #: Splitting a symmetric kernel into k x k tiles and computing only the upper triangle does
 #: (k+1)/(2k) of the work but mirrors the lower tiles (a transposed copy, memory bound).  The
 #: split is made only when the budget forces tiles anyway or when the contraction costs at
@@ -620,7 +626,8 @@ class TokensRoute(PairsRoute):
     :data:`ELEMENT_FLOPS` per element of the memory-bound passes: the sums and gathers of
     :math:`3(rS + cT) w`, the scatter of the products and their cell indices
     :math:`m_B (q + 8)`, the dense rows :math:`(r + c) V_d w`, the sorts
-    :math:`(rS + cT)(6 + \log_2(rS + cT + 2))`, and :math:`rcq` (cells); memory that of
+    :math:`(rS + cT)(6 + \log_2(rS + cT + 2))`, and :math:`rcq` (cells), plus
+    :data:`TOKENS_TILE_FLOPS` a tile; memory that of
     :class:`PairsRoute` plus the summed rows :math:`(rS + cT) w` and twice the dense rows.
     """
 
@@ -646,7 +653,7 @@ class TokensRoute(PairsRoute):
         gemm = 2 * (m + r * c * dense) * w * mode.partners(o)
         passes = 3 * index * w + m * (q + 8) + (r + c) * dense * w \
             + index * (6 + math.log2(index + 2)) + r * c * q
-        return int(mem), int(gemm + ELEMENT_FLOPS * passes)
+        return int(mem), int(gemm + ELEMENT_FLOPS * passes + TOKENS_TILE_FLOPS)
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:
