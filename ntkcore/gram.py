@@ -45,7 +45,8 @@ __all__ = ["ROUTES", "GramPlan", "Route", "gram", "plan_gram", "register_route"]
 
 #: Flop-equivalents of one element of a memory-bound pass (a gather, a scatter, index
 #: arithmetic): such passes run at memory speed, tens of times fewer elements per second than
-#: a GEMM does flops on a CPU core.  Charged to the "pairs" route only (:class:`PairsRoute`).
+#: a GEMM does flops on a CPU core.  Charged to the index routes only (:class:`PairsRoute`,
+#: :class:`TokensRoute`).
 ELEMENT_FLOPS = 16
 
 #: Matching pairs the "pairs" route gathers at a time: at least ``PAIRS_MIN_CHUNK`` (the
@@ -518,7 +519,7 @@ class PairsRoute(Route):
     (cells); memory :math:`8(rS + cT) + 2rcq` elements plus the chunk,
     :math:`2 O d_{out} + 2q + 8` a pair.  The tile is chosen with a chunk of
     ``min(m, PAIRS_MIN_CHUNK)`` pairs; the plan then takes the largest chunk up to
-    ``PAIRS_MAX_CHUNK`` the budget holds.  Only this route's passes are weighted by
+    ``PAIRS_MAX_CHUNK`` the budget holds.  Only the index routes' passes are weighted by
     ``ELEMENT_FLOPS`` (why: docs/architecture.md, "The Gram engine").
     """
 
@@ -730,9 +731,9 @@ class _TokenRows(NamedTuple):
     @classmethod
     def of(cls, xp: Any, backend: Any, a: Array, g: Array) -> _TokenRows:
         r, s = a.shape
-        keys, order, runs, distinct = _sorted_keys(xp, a)
+        order, srt, runs, distinct = _sorted_keys(xp, a)
         row = xp.cumulative_sum(xp.astype(runs, xp.int64)) - 1  # each sorted key's row
-        row = xp.where(xp.take(keys, order) >= 0, row, -1)  # "no index" dropped
+        row = xp.where(srt >= 0, row, -1)  # "no index" dropped
         y = xp.reshape(g, (r * s, g.shape[2] * g.shape[3]))
         h = backend.scatter_add(xp.take(row, xp.argsort(order)), y, distinct.shape[0])
         token, start, count = _token_runs(xp, distinct, r)
@@ -766,16 +767,17 @@ class _TokenRows(NamedTuple):
 
 
 def _sorted_keys(xp: Any, a: Array) -> tuple[Array, Array, Array, Array]:
-    """``(keys, order, runs, distinct)`` of an index factor ``a`` (r, S): ``keys = i r + n``
-    per position (-1 for "no index"), the order that sorts them, where a run of equal sorted
-    keys starts, and the distinct keys, sorted."""
+    """``(order, sorted, runs, distinct)`` of an index factor ``a`` (r, S): the order that
+    sorts the keys ``i r + n`` of its positions (-1 for "no index"), the sorted keys, where a
+    run of equal sorted keys starts, and the distinct keys."""
     r, s = a.shape
     flat = xp.astype(xp.reshape(a, (r * s,)), xp.int64)
     n = xp.arange(r * s, dtype=xp.int64, device=array_api_compat.device(flat)) // s
     keys = xp.where(flat >= 0, flat * r + n, -1)
     order = xp.argsort(keys)
-    runs = _runs(xp, xp.take(keys, order))
-    return keys, order, runs, xp.take(keys, xp.take(order, xp.nonzero(runs)[0]))
+    srt = xp.take(keys, order)
+    runs = _runs(xp, srt)
+    return order, srt, runs, xp.take(srt, xp.nonzero(runs)[0])
 
 
 def _runs(xp: Any, v: Array) -> Array:
@@ -1283,19 +1285,24 @@ def _pairs(j1: Jacobian, j2: Jacobian | None) -> list[_Pair]:
 
 
 def _with_density(xp: Any, backend: Any, pairs: list[_Pair], mode: Mode, o: int,
-                  tokens: bool) -> list[_Pair]:
-    """``pairs`` with the "pairs" route, and if ``tokens`` the "tokens" route, offered to the
-    index-factor blocks (their matching positions and padded products counted: sorts and
-    searches over the indices); factors traced by ``jax.jit`` (values unknown) and empty ones
-    are left as they are."""
+                  tokens: str | None) -> list[_Pair]:
+    """``pairs`` with the "pairs" route offered to the index-factor blocks (their matching
+    positions counted: a sort and searches over the indices), and the "tokens" route
+    (:func:`_tokens_density`, more sorts) where ``tokens`` is "forced", or "offered" and the
+    pairs' passes over the whole kernel cost more than its fixed work per tile (else it
+    cannot win, and counting would cost small calls 0.3 ms a block); factors traced by
+    ``jax.jit`` (values unknown) and empty ones are left as they are."""
     out = []
     for p in pairs:
         b1, b2 = p.b1, p.b2
         if (p.kronecker and b1.one_hot is not None and b1.num_samples and b2.num_samples
                 and not backend.is_traced(b1.a, b2.a)):
-            p = replace(p, density=_pairs_density(xp, b1.a, b2.a),
-                        grouped=_tokens_density(xp, b1.a, b2.a, mode, o, b1.d_out)
-                        if tokens else None)
+            m = _pairs_density(xp, b1.a, b2.a)
+            passes = ELEMENT_FLOPS * m * b1.num_samples * b2.num_samples \
+                * (2 * o * b1.d_out + mode.entries(o) + 8)
+            count = tokens == "forced" or (tokens == "offered" and passes > TOKENS_TILE_FLOPS)
+            p = replace(p, density=m, grouped=_tokens_density(xp, b1.a, b2.a, mode, o, b1.d_out)
+                        if count else None)
         out.append(p)
     return out
 
@@ -1371,7 +1378,8 @@ def _setup(J1: Any, J2: Any, mode: Any, layerwise: Any, max_memory: Any, dtype: 
     if backend.fast_scatter_add or strategy in INDEX_ROUTES:
         # "tokens" loops over groups of data-dependent shapes: only where such loops are cheap
         pairs = _with_density(xp, backend, pairs, mode, j1.num_outputs,
-                              backend.eager_loops or strategy == "tokens")
+                              "forced" if strategy == "tokens" else
+                              "offered" if backend.eager_loops else None)
     default = j1.dtype if j2 is None else xp.result_type(j1.dtype, j2.dtype)
     out_dtype = resolve_dtype(xp, dtype, default)
     device = j1.device
