@@ -197,3 +197,43 @@ class SelfProduct:
 
     def time_contiguous_copy(self) -> None:
         self.x @ np.ascontiguousarray(self.x.T)
+
+
+#: (N, S, d_in, O, d_out) of per-sample weights the "materialise" route forms: the bench
+#: GRU's ``weight_hh`` at N = 256, convnext_atto's first ``fc1``, resnet18's ``layer1``
+#: 3 x 3 convolution in a slab of 11 rows of d_out (O |slab| < d_in: "tall" kept) and
+#: BERT-base's ``intermediate`` at N = 8
+FORMING = {"gru_hh": (256, 32, 65, 10, 192), "convnext_fc1": (32, 64, 41, 10, 160),
+           "resnet18_layer1_slab": (32, 64, 577, 10, 11), "bert_base_ffn": (8, 128, 769, 2, 3072)}
+
+
+class Forming:
+    """Forming per-sample weights :math:`\\sum_s g[n,s] a[n,s]^\\top` (torch, float32, into
+    kept memory): ``(N, O d_out, S) @ (N, S, d_in)`` ("tall", ``flat_weights``) against its
+    transpose ``(N, d_in, S) @ (N, S, O d_out)`` ("wide", the Gram's order in trace mode
+    where O d_out >= d_in, ``MaterialiseRoute._weights``), timed in turns."""
+
+    params = (list(FORMING), [1, 2])
+    param_names = ("shape", "threads")
+    number, repeat, warmup_time = 1, 1, 0
+    timeout = 300
+
+    def setup(self, shape: str, threads: int) -> None:
+        torch = require("torch")
+        torch.set_num_threads(threads)
+        n, s, din, o, dout = FORMING[shape]
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(n, s, din, generator=gen)
+        g = torch.randn(n, s, o * dout, generator=gen)
+        tall, wide = torch.empty(n, o * dout, din), torch.empty(n, din, o * dout)
+        self.fns = {"tall": lambda: torch.bmm(g.transpose(1, 2), a, out=tall),
+                    "wide": lambda: torch.bmm(a.transpose(1, 2), g, out=wide)}
+
+    def time_wide(self, *_: Any) -> None:
+        self.fns["wide"]()
+
+    def track_wide_over_tall(self, *_: Any) -> float:
+        t = in_turns(self.fns, rounds=7)
+        return t["wide"] / t["tall"]
+
+    track_wide_over_tall.unit = "ratio"  # type: ignore[attr-defined]

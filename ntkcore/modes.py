@@ -63,6 +63,16 @@ class Mode(str):
     #: Whether the kernel is joined from kernels of chunks of the outputs
     #: (:meth:`join_output_chunks`): the factors of a few outputs at a time then suffice.
     output_chunks: ClassVar[bool] = False
+    #: Whether :meth:`dense` contracts its rows' (O, P) axes as one (trace: one GEMM with
+    #: K = O P), so that rows may come as (r, 1, O P) with the columns in any order (the
+    #: "materialise" route then forms its weights in a faster layout).  A subclass that
+    #: defines its own ``dense`` gets False unless it sets this too.
+    flat_rows: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "dense" in cls.__dict__ and "flat_rows" not in cls.__dict__:
+            cls.flat_rows = False
 
     def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
         """The kernel from the kernels of consecutive chunks of the outputs."""
@@ -323,6 +333,7 @@ class TraceMode(Mode):
     __slots__ = ()
     name = "trace"
     sums_outputs = True
+    flat_rows = True
     tile_is_kernel = True
     matrix_diagonal_mode = "trace"
     output_chunks = True

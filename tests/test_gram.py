@@ -357,9 +357,9 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     seen = []
     weights = route._weights
 
-    def spy(xp, ag, slab, backend_):
+    def spy(xp, ag, slab, backend_, mode_):
         seen.append(slab.stop - slab.start)
-        return weights(xp, ag, slab, backend_)
+        return weights(xp, ag, slab, backend_, mode_)
 
     monkeypatch.setattr(route, "_weights", staticmethod(spy))
     for jj, ff in ((None, f1), (j2, f2)):

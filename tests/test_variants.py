@@ -113,6 +113,8 @@ def test_toy_mode_in_gram(summed, strategy):
                                    rtol=1e-12, atol=1e-10)
     sym = ntkcore.gram(j1, mode="summed")
     np.testing.assert_array_equal(sym, sym.T)  # mirrored exactly, as the built-in modes
+    # its own dense() reads the O axis: the materialise route keeps the (r, O, P) rows
+    assert modes.TraceMode.flat_rows and not SummedMode.flat_rows
     with pytest.raises(ValueError, match=r"mode must be one of \('full', 'trace', 'diagonal'"
                                          r", 'summed'\)"):
         ntkcore.gram(j1, mode="Summed")
