@@ -65,14 +65,18 @@ class Mode(str):
     output_chunks: ClassVar[bool] = False
     #: Whether :meth:`dense` contracts its rows' (O, P) axes as one (trace: one GEMM with
     #: K = O P), so that rows may come as (r, 1, O P) with the columns in any order (the
-    #: "materialise" route then forms its weights in a faster layout).  A subclass that
-    #: defines its own ``dense`` gets False unless it sets this too.
+    #: "materialise" route then forms its weights in a faster layout).
     flat_rows: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that defines its own ``dense`` gets ``flat_rows`` False, and one that
+        defines its own ``pair_products`` the generic :meth:`block_products`, unless it sets
+        them too: an inherited fast form would bypass its own contraction."""
         super().__init_subclass__(**kwargs)
         if "dense" in cls.__dict__ and "flat_rows" not in cls.__dict__:
             cls.flat_rows = False
+        if "pair_products" in cls.__dict__ and "block_products" not in cls.__dict__:
+            cls.block_products = Mode.block_products  # type: ignore[method-assign]
 
     def join_output_chunks(self, xp: Any, parts: list[Array]) -> Array:
         """The kernel from the kernels of consecutive chunks of the outputs."""

@@ -102,7 +102,7 @@ def _reference(j1, j2, mode):
             "diagonal": np.einsum("nmoo->nmo", k)}[mode]
 
 
-@pytest.mark.parametrize("strategy", [None, "positions", "materialise", "pairs"])
+@pytest.mark.parametrize("strategy", [None, "positions", "materialise", "pairs", "tokens"])
 def test_toy_mode_in_gram(summed, strategy):
     rng = np.random.default_rng(0)
     j1, j2 = _jacobians(rng)
@@ -115,6 +115,7 @@ def test_toy_mode_in_gram(summed, strategy):
     np.testing.assert_array_equal(sym, sym.T)  # mirrored exactly, as the built-in modes
     # its own dense() reads the O axis: the materialise route keeps the (r, O, P) rows
     assert modes.TraceMode.flat_rows and not SummedMode.flat_rows
+    assert SummedMode.block_products is modes.Mode.block_products  # its own pair_products
     with pytest.raises(ValueError, match=r"mode must be one of \('full', 'trace', 'diagonal'"
                                          r", 'summed'\)"):
         ntkcore.gram(j1, mode="Summed")
