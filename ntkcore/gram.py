@@ -834,6 +834,9 @@ def _pow2_exponent(xp: Any, count: Array) -> Array:
 
 
 class _TokenCounts(NamedTuple):
+    """The ``token``, ``start`` and ``count`` of :class:`_TokenRows`, without the rows (the
+    planner's count)."""
+
     token: Array
     start: Array
     count: Array
