@@ -230,6 +230,26 @@ def test_planner_takes_tokens_where_indices_repeat(monkeypatch, backend, rng):
     _close(backend, gram(Jacobian([block]), mode="trace"), _reference(jd, jd, "trace"), d * v)
 
 
+@pytest.mark.parametrize("route", ["pairs", "tokens"])
+def test_index_routes_differentiable_in_torch(rng, route):
+    """The kernel of an index block is differentiable in g through either route (torch
+    autograd through the gathers, GEMMs and scatter-adds): the gradient of <W, K> equals
+    the one of the dense one-hot kernel, in float64."""
+    torch = pytest.importorskip("torch")
+    ids = torch.as_tensor(rng.integers(-1, 30, (20, 6)))
+    ids[:, 0] = 3  # a token every sample holds: "tokens" contracts it dense
+    g = torch.as_tensor(rng.standard_normal((20, 6, O, D)), dtype=torch.float64)
+    g.requires_grad_(True)
+    w = torch.as_tensor(rng.standard_normal((20, 20)), dtype=torch.float64)
+    k = _gram(Jacobian([KroneckerBlock(ids, g, "emb", one_hot=30)]), mode="trace",
+              strategy=route)
+    (got,) = torch.autograd.grad((k * w).sum(), g)
+    one_hot = (ids[..., None] == torch.arange(30)).to(torch.float64)
+    jd = torch.einsum("nsod,nsv->nodv", g, one_hot).reshape(20, -1)
+    (want,) = torch.autograd.grad((jd @ jd.T * w).sum(), g)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_scatter_add(backend, rng):
     """``Backend.scatter_add`` (native, or the standard's one-hot products) sums the rows of
     x into their cells and drops the ``-1`` rows, in x's dtype."""
