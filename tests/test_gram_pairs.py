@@ -171,7 +171,9 @@ def test_block_products(backend, rng, mode):
     xb1, xb2 = (backend.asarray(x.reshape(k, -1, O * D)) for x in (x1, x2))
     xp = array_api_compat.array_namespace(xb1)
     for got in (m.block_products(xp, xb1, xb2, O), Mode.block_products(m, xp, xb1, xb2, O)):
-        np.testing.assert_allclose(backend.to_numpy(got), ref, rtol=1e-13, atol=1e-13)
+        got = backend.to_numpy(got)
+        assert got.shape == ref.shape  # each entry sums O D (trace) or D products
+        assert np.max(np.abs(got - ref)) <= kernel_tol("float64", O * D) * np.max(np.abs(ref))
 
 
 @pytest.mark.exactness
@@ -247,7 +249,9 @@ def test_index_routes_differentiable_in_torch(rng, route):
     one_hot = (ids[..., None] == torch.arange(30)).to(torch.float64)
     jd = torch.einsum("nsod,nsv->nodv", g, one_hot).reshape(20, -1)
     (want,) = torch.autograd.grad((jd @ jd.T * w).sum(), g)
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+    # each gradient entry sums 20 weighted kernel rows of at most 6 x 6 pairs of O D terms
+    tol = kernel_tol("float64", 20 * 36 * O * D, computations=3)
+    assert np.max(np.abs(got.numpy() - want.numpy())) <= tol * np.max(np.abs(want.numpy()))
 
 
 def test_scatter_add(backend, rng):
