@@ -1254,7 +1254,7 @@ def _cached_plan(pb: _Problem, budget: Budget) -> GramPlan:
            pb.layerwise, plan_budget, pb.itemsize, pb.forced, pb.gpu, pb.writable,
            pb.transient, MIN_SLAB_GEMM_ROWS, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
            tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
-           SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS,
+           SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS, TOKENS_TILE_FLOPS,
            PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK, tuple(ROUTES.values()))
     plan = _PLAN_CACHE.get(key, lambda: _make_plan(replace(pb, budget=plan_budget)))
     return plan if plan.budget_bytes == budget else replace(plan, budget_bytes=int(budget))
