@@ -676,6 +676,80 @@ def test_patch_factor_dense_block_on_a_graph(stride):
     assert torch.autograd.gradcheck(kernel_of, (xg,))
 
 
+class _WideKernelGrouped(nn.Module):
+    """A grouped convolution of a kernel wider than 3 x 3 (the convolution route's domain),
+    called once or twice (tied: its calls' gradients add up)."""
+
+    def __init__(self, dim, c_in, c_out, groups, kernel, bias, tied, **geometry):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim]
+        self.inp = conv(2, c_in, 1)
+        self.conv = conv(c_in, c_out, kernel, groups=groups, bias=bias, **geometry)
+        self.back = conv(c_out, c_in, 1) if tied else None
+        self.head = nn.LazyLinear(2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(torch.tanh(self.inp(x))))
+        if self.back is not None:
+            h = torch.tanh(self.conv(torch.tanh(self.back(h))))
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize(("dim", "c_in", "c_out", "groups", "kernel", "size", "geometry"), [
+    (2, 6, 6, 6, 5, 6, {"padding": 2}),  # depthwise 5 x 5, 36 positions
+    (2, 4, 8, 4, 7, 5, {"padding": 3}),  # channel multiplier 2, 7 x 7
+    (2, 4, 8, 2, (5, 3), 11, {"padding": (2, 1), "stride": (2, 1), "dilation": (1, 2)}),
+    (2, 4, 4, 4, 4, 6, {"padding": "same"}),  # even kernel: padding 1 before, 2 after
+    (2, 4, 4, 4, 5, 6, {"padding": 2, "padding_mode": "reflect"}),
+    (1, 6, 6, 3, 11, 20, {"padding": 5, "dilation": 1}),
+    (3, 3, 3, 3, (3, 3, 2), 4, {"padding": 1}),  # 18 taps, 60 positions
+])
+@pytest.mark.parametrize(("bias", "tied"), [(True, False), (False, True)])
+def test_grouped_conv_dense_block_by_convolution(dim, c_in, c_out, groups, kernel, size,
+                                                 geometry, bias, tied, monkeypatch, dense_calls):
+    """A grouped convolution's dense block formed as the weight gradient of one convolution
+    with N G groups (``_grouped_conv_weights``; taken: spied) equals the dense float64
+    torch.func reference, also through its Grams, J v, J^T c, a sketch and an SMW solve."""
+    from ntkcore.backends import torch_layers
+
+    taken = []
+    real = torch_layers._grouped_conv_weights
+    monkeypatch.setattr(torch_layers, "_grouped_conv_weights",
+                        lambda *a, **k: taken.append(a[4]) or real(*a, **k))
+    model = _WideKernelGrouped(dim, c_in, c_out, groups, kernel, bias, tied, **geometry)
+    x = torch.randn(3, 2, *([size] * dim), dtype=DT)
+    model(x.float())  # materialise the LazyLinear
+    model = model.to(DT).eval()
+    j = jacobian(model, x)
+    assert taken == ["conv"] and dense_calls == []
+    b = next(b for b in j.blocks if b.name == "conv")
+    k = math.prod(kernel) if isinstance(kernel, tuple) else kernel ** dim
+    assert isinstance(b, DenseBlock) and b.columns is None
+    assert b.num_params == c_out * c_in // groups * k + c_out * bias
+    jd = _dense_checks(model, x, j, reference(model, x))
+    _sketch_and_smw_checks(j, jd)
+
+
+def test_grouped_conv_by_convolution_float32():
+    """The convolution route in float32 against the float64 reference: first-order error
+    from the fan-ins (tests/tolerances.py)."""
+    model = _WideKernelGrouped(2, 8, 8, 8, 7, True, False, padding=3)
+    x = torch.randn(4, 2, 8, 8, dtype=DT)
+    model(x.float())
+    model64 = model.to(DT).eval()
+    model32 = _WideKernelGrouped(2, 8, 8, 8, 7, True, False, padding=3)
+    model32(x.float())
+    model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()})
+    j32 = jacobian(model32.eval(), x.float())
+    assert j32.blocks[1].jac.dtype == torch.float32
+    jd = to_block_order(model64, jacobian(model64, x), reference(model64, x))
+    # an entry sums 49 taps x 64 positions in the weight gradient, the 1 x 1 inputs' 2, the
+    # head's 512 fan-in backward; the Gram sums P products on top
+    tol = kernel_tol(torch.float32, 2 * (49 + 64 + 2 + 512)) + kernel_tol(torch.float32,
+                                                                          jd.shape[2])
+    assert rel(gram(j32, mode="trace").double(), torch.einsum("nop,mop->nm", jd, jd)) < tol
+
+
 # -- kernel taps that read only zero padding -------------------------------------------------
 def _tap_reads(conv, sizes):
     """Reference for ``live_taps``: torch's own convolution backward.  The weight gradient of
