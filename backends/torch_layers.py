@@ -775,8 +775,9 @@ def _grouped_weight_gradient(mod: Any, a: torch.Tensor,
 
     with :math:`\gamma(c)` the group of output channel c: the convolution's own weight
     gradient, one group per sample and group.  With G > 1 and L > 1 the output channels are
-    put group-major first ((N, G, L, C_out/G): a copy of g), and the result back (a copy of
-    the block).  Padding other than zeros on both sides alike is applied to ``a`` first."""
+    put group-major first ((N, G, L, C_out/G): a copy of g), and the result is returned as a
+    view in (N, L, G, ...) order, which the caller's write into its block copies once.
+    Padding other than zeros on both sides alike is applied to ``a`` first."""
     nd = len(mod.kernel_size)
     pads = [_conv_padding(mod, i) for i in range(nd)]
     numeric = mod.padding_mode == "zeros" and all(lo == hi for lo, hi in pads)
