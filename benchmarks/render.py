@@ -108,7 +108,7 @@ def source(doc: dict[str, Any]) -> str:
     """``commit 1234abcd · 2026-12-06 · <python>``: where a table's numbers come from."""
     import datetime
 
-    when = datetime.datetime.fromtimestamp(doc.get("date", 0) / 1000, datetime.UTC)
+    when = datetime.datetime.fromtimestamp(doc.get("date", 0) / 1000, datetime.timezone.utc)
     py = doc.get("env_name", "").split("py_", 1)[-1].replace("_", "/")
     return f"commit {doc['commit_hash'][:8]} · {when:%Y-%m-%d} · {py}"
 

@@ -349,3 +349,18 @@ def dense_calls(monkeypatch):
 
     monkeypatch.setattr(tj, "_dense_blocks", spy)
     return seen
+
+
+@pytest.fixture
+def small_ufunc_buffers() -> Iterator[None]:
+    """NumPy's ufunc buffers (``np.setbufsize``; 8,192 elements by default, 64 KB in float64)
+    set to 256 elements while a test traces NumPy's allocations (``tracemalloc``) against a
+    budget of a few hundred KB: NumPy 2.2 allocates such a buffer for every buffered
+    reduction (a (20, 4, 20, 4) sum over its last axis: 66 KB traced for a 13 KB result),
+    2.4 does not, so the buffer is a constant of the library's version, not of the code under
+    test, and would otherwise decide whether a peak stays within the budget."""
+    old = np.setbufsize(256)
+    try:
+        yield
+    finally:
+        np.setbufsize(old)

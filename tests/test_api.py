@@ -389,7 +389,7 @@ def test_probe_factors_are_released_before_the_contraction(monkeypatch, path):
     assert (k - ref).abs().max() <= kernel_tol(DT, ref_jac(m, x[:1]).numel()) * ref.abs().max()
 
 
-def test_factors_held_beyond_half_the_budget(monkeypatch):
+def test_factors_held_beyond_half_the_budget(monkeypatch, small_ufunc_buffers):
     """Factors of all samples that take more than half the budget are held where the
     contraction's plan and one provider call fit beside them (``_holds``): each sample's
     Jacobian is computed once, NumPy's allocations (tracemalloc) stay within the budget and

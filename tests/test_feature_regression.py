@@ -587,7 +587,7 @@ def test_fit_model_streams_and_equals_fit_on_features(backend, rng, mode):
     assert norm(backend.to_numpy(pred) - ref_pred) <= tol * norm(ref_pred)
 
 
-def test_fit_model_stays_within_max_memory(rng):
+def test_fit_model_stays_within_max_memory(rng, small_ufunc_buffers):
     """NumPy allocations (tracemalloc) of a streamed fit stay below max_memory, which is
     below the bytes of the (N, dim) features it never holds."""
     import tracemalloc

@@ -565,7 +565,7 @@ def test_budget_error_states_a_budget_that_works(backend, rng):
                                want, rtol=0, atol=kernel_tol("float64", 8, 2) * np.abs(want).max())
 
 
-def test_budget_charges_what_a_batch_allocates(rng):
+def test_budget_charges_what_a_batch_allocates(rng, small_ufunc_buffers):
     """NumPy allocations (tracemalloc) of features stay within max_memory plus the result
     (not charged: its batches and their concatenation); the pairs layout is charged its
     (S, R, q) products, not a q x q grid (which would make 22 MB too small here)."""

@@ -390,7 +390,7 @@ def test_cost_model_picks_the_cheaper_strategy(rng):
 
 
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
-def test_working_memory_within_budget(rng, mode):
+def test_working_memory_within_budget(rng, mode, small_ufunc_buffers):
     """NumPy allocations are traced: peak beyond inputs and output stays under max_memory."""
     spec = {"O": 2, "blocks": [("kron", 1, 16, 12), ("kron", 4, 8, 6), ("dense", 30)]}
     f = make_factors(spec, 60, rng)
@@ -411,7 +411,7 @@ def test_working_memory_within_budget(rng, mode):
 
 
 @pytest.mark.parametrize("mode", ["full", "trace", "diagonal"])
-def test_materialise_plan_charges_one_slab_of_weights(monkeypatch, rng, mode):
+def test_materialise_plan_charges_one_slab_of_weights(monkeypatch, rng, mode, small_ufunc_buffers):
     """Where the backend forms transients in slabs, the planner charges the materialise route
     one slab of per-sample weights a side, not all of them: one tile within a budget that
     held only small tiles of whole weights, the traced peak (NumPy) still within it, and the

@@ -288,7 +288,7 @@ def test_sample_stack_writes_batches_in_place(backend, rng, positions):
         over.add(parts[0])
 
 
-def test_sample_stack_peak_is_the_factors_and_one_batch(rng):
+def test_sample_stack_peak_is_the_factors_and_one_batch(rng, small_ufunc_buffers):
     """NumPy's allocations (tracemalloc) while stacking batches made one at a time: the
     factors plus about one batch with ``SampleStack``, where concatenating the batches held
     the factors and a stacked copy of the largest block besides."""
@@ -327,7 +327,7 @@ def test_sample_stack_peak_is_the_factors_and_one_batch(rng):
     assert peaks[0] < peaks[1]
 
 
-def test_sample_stack_peak_when_positions_grow(rng):
+def test_sample_stack_peak_when_positions_grow(rng, small_ufunc_buffers):
     """A block whose later batches have more positions moves to larger arrays once, every
     batch still written in place: the peak (NumPy's allocations, tracemalloc) is the
     factors plus that block's old arrays and a batch.  (Concatenation's is about the same
@@ -369,7 +369,7 @@ def test_sample_stack_peak_when_positions_grow(rng):
 def test_sample_stack_concatenates_arrays_that_record_gradients(rng):
     """Factors that record gradients (a kernel differentiated in its inputs) are not written
     in place: concatenated, and the gradient reaches every batch."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     from ntkcore.jacobian import SampleStack
 
