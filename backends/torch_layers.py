@@ -1078,24 +1078,20 @@ def _unfoldable(mod: nn.Module, gs: list[torch.Tensor]) -> bool:
 
 
 #: when :func:`_grouped_conv_weights` forms a grouped convolution's dense block: every tap
-#: live and at least this many output positions per call, or :data:`..._WIDE` for kernels of
-#: more taps than :data:`GROUPED_GEMM_MAX_TAPS`.  Measured through ``ConvRule.block`` (N = 32,
-#: O = 10, depthwise, float32, one and two threads) against the routes it replaces: 3 x 3 at
-#: 64-1024 positions 1.2-1.8x faster than :func:`_grouped_conv_dense`, at 16 positions 10%
-#: slower; convnext_atto's 7 x 7 at 64 and 16 positions 1.6-2x and 1.1-1.25x faster than the
-#: patch factor's ``einsum``, efficientnet_b0's 5 x 5 at 16 1.1-1.25x (two threads, 8% slower on
-#: one); at 2 x 2 positions (dead taps) 2.5-4x slower, at 1 x 1 10-50x.
+#: live and at least this many output positions per call.  Measured (N = 32, O = 10,
+#: depthwise, float32, one and two threads; ``benchmarks.providers.GroupedConvBlock``, in
+#: turns) against the routes it replaces: convnext_atto's 7 x 7 at 8 x 8 positions 0.50-0.62
+#: of the time, efficientnet_b0's 3 x 3 at 16 x 16 and 8 x 8 0.71 and 0.82; at 16 positions
+#: (7 x 7 and 5 x 5 at 4 x 4) 0.95-1.11, no gain; 3 x 3 at 16 positions 10% slower; at 2 x 2
+#: maps (dead taps) 2.5-4x slower, at 1 x 1 10-50x.
 GROUPED_CONV_MIN_POSITIONS = 64
-GROUPED_CONV_MIN_POSITIONS_WIDE = 16
 
 
 def _convolves(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tensor]) -> bool:
     """Whether a grouped convolution's dense block is formed by :func:`_grouped_conv_weights`
     (:data:`GROUPED_CONV_MIN_POSITIONS`): not where the block must be differentiable (its
     ``out=`` writes)."""
-    least = (GROUPED_CONV_MIN_POSITIONS_WIDE if math.prod(mod.kernel_size) >
-             GROUPED_GEMM_MAX_TAPS else GROUPED_CONV_MIN_POSITIONS)
-    return (min(int(g_c.shape[1]) for g_c in gs) >= least
+    return (min(int(g_c.shape[1]) for g_c in gs) >= GROUPED_CONV_MIN_POSITIONS
             and not any(t.requires_grad for t in (*inputs, *gs))
             and live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) is None)
 

@@ -92,3 +92,56 @@ class TraceKernel:
 
     track_speedup.unit, track_error.unit = "x", "relative"  # type: ignore[attr-defined]
     track_roofline_share.unit, track_working_memory.unit = "share", "bytes"  # type: ignore
+
+
+#: grouped-convolution layers (C channels, depthwise, H x H input, k x k kernel, "same"
+#: padding), N = 32, O = 10: convnext_atto's 7 x 7 at 8 x 8 and 4 x 4, efficientnet_b0's
+#: 3 x 3 at 16 x 16 and 8 x 8 and 5 x 5 at 4 x 4, and a 7 x 7 on a 2 x 2 map (dead taps)
+GROUPED = {"convnext_7x7_8x8": (40, 8, 7), "convnext_7x7_4x4": (80, 4, 7),
+           "effnet_3x3_16x16": (32, 16, 3), "effnet_3x3_8x8": (96, 8, 3),
+           "effnet_5x5_4x4": (240, 4, 5), "dead_taps_7x7_2x2": (160, 2, 7)}
+
+
+class GroupedConvBlock:
+    """The torch provider's dense block of a depthwise convolution (``ConvRule.block`` from
+    the layer's input and output gradients, float32, N = 32, O = 10): the route it takes
+    against the route it took before the one-convolution form
+    (``torch_layers._grouped_conv_weights``, turned off by its position threshold), in turns.
+    Where the layer is below that threshold both sides take the same route (ratio about 1:
+    the noise of the measurement)."""
+
+    params = (list(GROUPED), [1, 2])
+    param_names = ("layer", "threads")
+    number, repeat, warmup_time = 1, 1, 0
+    timeout = 300
+
+    def setup(self, layer: str, threads: int) -> None:
+        torch = require("torch")
+        from ntkcore.backends import torch_layers as tl
+
+        torch.set_num_threads(threads)
+        c, h, k = GROUPED[layer]
+        n, o = 32, 10
+        gen = torch.Generator().manual_seed(0)
+        mod = torch.nn.Conv2d(c, c, k, padding=k // 2, groups=c)
+        x = torch.randn(n, c, h, h, generator=gen)
+        g = torch.randn(n, o, c, h * h, generator=gen).permute(0, 3, 1, 2)  # (N, S, O, C)
+        rule, kept = tl.RULES[torch.nn.Conv2d], tl.GROUPED_CONV_MIN_POSITIONS
+
+        def build(before: bool) -> Any:
+            tl.GROUPED_CONV_MIN_POSITIONS = 10**9 if before else kept
+            try:
+                return rule.block(mod, [x], [g], n, "conv", True, True)
+            finally:
+                tl.GROUPED_CONV_MIN_POSITIONS = kept
+
+        self.fns = {"now": lambda: build(False), "before": lambda: build(True)}
+
+    def time_block(self, *_: Any) -> None:
+        self.fns["now"]()
+
+    def track_now_over_before(self, *_: Any) -> float:
+        t = in_turns(self.fns, rounds=7)
+        return t["now"] / t["before"]
+
+    track_now_over_before.unit = "ratio"  # type: ignore[attr-defined]

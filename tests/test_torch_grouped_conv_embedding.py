@@ -695,14 +695,15 @@ class _WideKernelGrouped(nn.Module):
         return self.head(h.flatten(1))
 
 
+# at least 64 output positions a call (GROUPED_CONV_MIN_POSITIONS), also in a tied second call
 @pytest.mark.parametrize(("dim", "c_in", "c_out", "groups", "kernel", "size", "geometry"), [
-    (2, 6, 6, 6, 5, 6, {"padding": 2}),  # depthwise 5 x 5, 36 positions
-    (2, 4, 8, 4, 7, 5, {"padding": 3}),  # channel multiplier 2, 7 x 7
-    (2, 4, 8, 2, (5, 3), 11, {"padding": (2, 1), "stride": (2, 1), "dilation": (1, 2)}),
-    (2, 4, 4, 4, 4, 6, {"padding": "same"}),  # even kernel: padding 1 before, 2 after
-    (2, 4, 4, 4, 5, 6, {"padding": 2, "padding_mode": "reflect"}),
-    (1, 6, 6, 3, 11, 20, {"padding": 5, "dilation": 1}),
-    (3, 3, 3, 3, (3, 3, 2), 4, {"padding": 1}),  # 18 taps, 60 positions
+    (2, 6, 6, 6, 5, 8, {"padding": 2}),  # depthwise 5 x 5, 64 positions
+    (2, 4, 8, 4, 7, 8, {"padding": 3}),  # channel multiplier 2, 7 x 7
+    (2, 4, 8, 2, (5, 3), 19, {"padding": (2, 1), "stride": (2, 1), "dilation": (1, 2)}),
+    (2, 4, 4, 4, 4, 8, {"padding": "same"}),  # even kernel: padding 1 before, 2 after
+    (2, 4, 4, 4, 3, 8, {"padding": 1, "padding_mode": "reflect"}),
+    (1, 6, 6, 3, 11, 64, {"padding": 5, "dilation": 1}),
+    (3, 3, 3, 3, (3, 3, 2), 4, {"padding": (1, 1, 2)}),  # 18 taps, 4 x 4 x 5 positions
 ])
 @pytest.mark.parametrize(("bias", "tied"), [(True, False), (False, True)])
 def test_grouped_conv_dense_block_by_convolution(dim, c_in, c_out, groups, kernel, size,
