@@ -195,14 +195,14 @@ class ConvRule(LayerRule):
             return DenseBlock(functools.reduce(torch.add, (g.sums for g in gs)), name)
         groups = mod.groups
         dense = groups > 1 and weight and _dense_grouped(mod, gs, n)
-        if dense and _convolves(mod, inputs, gs):
+        # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
+        # its patches are formed for those alone
+        taps = live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) if dense else None
+        if dense and taps is None and _convolves(inputs, gs):
             return _grouped_conv_weights(mod, inputs, gs, n, name, bias)
         if dense and _unfoldable(mod, gs):
             return _grouped_conv_dense(mod, inputs, gs, n, name, bias)
         ones = bias and weight and groups == 1
-        # a grouped convolution's dense block stores the live taps only (_grouped_conv_block):
-        # its patches are formed for those alone
-        taps = live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) if dense else None
         if weight:
             a_parts = [conv_patches(mod, a_c, ones, taps) for a_c in inputs]
         else:  # bias only: the ones column is the whole input
@@ -1080,20 +1080,19 @@ def _unfoldable(mod: nn.Module, gs: list[torch.Tensor]) -> bool:
 #: when :func:`_grouped_conv_weights` forms a grouped convolution's dense block: every tap
 #: live and at least this many output positions per call.  Measured (N = 32, O = 10,
 #: depthwise, float32, one and two threads; ``benchmarks.providers.GroupedConvBlock``, in
-#: turns) against the routes it replaces: convnext_atto's 7 x 7 at 8 x 8 positions 0.50-0.62
-#: of the time, efficientnet_b0's 3 x 3 at 16 x 16 and 8 x 8 0.71 and 0.82; at 16 positions
-#: (7 x 7 and 5 x 5 at 4 x 4) 0.95-1.11, no gain; 3 x 3 at 16 positions 10% slower; at 2 x 2
-#: maps (dead taps) 2.5-4x slower, at 1 x 1 10-50x.
+#: turns) against the routes it replaces: convnext_atto's 7 x 7 at 8 x 8 positions 0.49-0.52
+#: of the time, efficientnet_b0's 3 x 3 at 16 x 16 and 8 x 8 0.68-0.84 and 0.74-0.77; at
+#: 4 x 4 (16 positions) 0.98-1.30, no gain.  On 2 x 2 and 1 x 1 maps, whose dead taps keep
+#: it out anyway, a script measured it 2.5-50x slower.
 GROUPED_CONV_MIN_POSITIONS = 64
 
 
-def _convolves(mod: nn.Module, inputs: list[torch.Tensor], gs: list[torch.Tensor]) -> bool:
-    """Whether a grouped convolution's dense block is formed by :func:`_grouped_conv_weights`
-    (:data:`GROUPED_CONV_MIN_POSITIONS`): not where the block must be differentiable (its
-    ``out=`` writes)."""
+def _convolves(inputs: list[torch.Tensor], gs: list[torch.Tensor]) -> bool:
+    """Whether a grouped convolution whose taps are all live forms its dense block by
+    :func:`_grouped_conv_weights` (:data:`GROUPED_CONV_MIN_POSITIONS`): not where the block
+    must be differentiable (its ``out=`` writes)."""
     return (min(int(g_c.shape[1]) for g_c in gs) >= GROUPED_CONV_MIN_POSITIONS
-            and not any(t.requires_grad for t in (*inputs, *gs))
-            and live_tap_axes(mod, [tuple(a_c.shape[2:]) for a_c in inputs]) is None)
+            and not any(t.requires_grad for t in (*inputs, *gs)))
 
 
 def _grouped_conv_weights(mod: nn.Module, inputs: list[torch.Tensor],

@@ -119,6 +119,14 @@ def in_turns(fns: dict[str, Callable[[], Any]], rounds: int = 5,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def ratio_in_turns(fns: dict[str, Callable[[], Any]], num: str, den: str,
+                   rounds: int = 7) -> float:
+    """``in_turns`` median of ``fns[num]`` over that of ``fns[den]``, timed in the same
+    rounds."""
+    t = in_turns(fns, rounds=rounds)
+    return t[num] / t[den]
+
+
 def gemm(backend: str, dtype: str = "float32", n: int = 2048) -> tuple[Callable[[], Any], float]:
     """A callable multiplying two ``n x n`` matrices of ``backend`` and its flop count."""
     rng = np.random.default_rng(0)

@@ -13,6 +13,7 @@ from benchmarks.common import (
     CPU_BACKENDS,
     asarray,
     in_turns,
+    ratio_in_turns,
     require,
     roofline_share,
     to64,
@@ -233,7 +234,6 @@ class Forming:
         self.fns["wide"]()
 
     def track_wide_over_tall(self, *_: Any) -> float:
-        t = in_turns(self.fns, rounds=7)
-        return t["wide"] / t["tall"]
+        return ratio_in_turns(self.fns, "wide", "tall")
 
     track_wide_over_tall.unit = "ratio"  # type: ignore[attr-defined]
