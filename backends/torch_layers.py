@@ -932,14 +932,25 @@ def _live(g0: torch.Tensor) -> torch.Tensor:
 
 def _read_stats(masks: list[torch.Tensor]) -> list[list[int]]:
     """``[count, first, last]`` of the True entries of each 1-d boolean mask (first and last
-    meaningless where count is 0), read to the host together: one synchronisation."""
-    stats = []
-    for m in masks:
-        v = m.to(torch.int32)
+    meaningless where count is 0), read to the host together: one synchronisation.  Masks of
+    one length and device are stacked and reduced by a handful of calls for all of them (one
+    set per mask took 0.5 ms of BERT's 22 blocks, a sixth of a 3 ms Gram)."""
+    groups: dict[tuple[int, Any], list[int]] = {}
+    for i, m in enumerate(masks):
+        groups.setdefault((m.shape[0], m.device), []).append(i)
+    parts, order = [], []
+    for (s, _), idx in groups.items():
+        v = torch.stack([masks[i] for i in idx]).to(torch.int32)  # (B, S)
         # argmax gives the first maximum
-        stats.append(torch.stack([v.sum(dtype=torch.int64), v.argmax(),
-                                  (v.shape[0] - 1) - v.flip(0).argmax()]))
-    return torch.stack([t.to(stats[0].device) for t in stats]).tolist()
+        parts.append(torch.stack([v.sum(dim=1, dtype=torch.int64), v.argmax(dim=1),
+                                  (s - 1) - v.flip(1).argmax(dim=1)], dim=1))
+        order += idx
+    dev = parts[0].device
+    rows = torch.cat([p.to(dev) for p in parts]).tolist()
+    out: list[list[int]] = [[]] * len(masks)
+    for i, row in zip(order, rows, strict=True):
+        out[i] = row
+    return out
 
 
 def _take_positions(x: torch.Tensor, first: int, k: int, keep: torch.Tensor | None

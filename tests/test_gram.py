@@ -354,19 +354,68 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
                         lambda self, device: limit)
     monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)  # the limit's slabs alone
-    seen = []
-    weights = route._weights
+    seen, flat = [], []
+    weights, flat_weights = route._weights, route._flat_weights
 
     def spy(xp, ag, slab, backend_, mode_):
         seen.append(slab.stop - slab.start)
         return weights(xp, ag, slab, backend_, mode_)
 
+    def flat_spy(xp, af, rows_, backend_):
+        flat.append(rows_.stop - rows_.start)
+        return flat_weights(xp, af, rows_, backend_)
+
     monkeypatch.setattr(route, "_weights", staticmethod(spy))
+    monkeypatch.setattr(route, "_flat_weights", staticmethod(flat_spy))
     for jj, ff in ((None, f1), (j2, f2)):
         k = _gram(j1, jj, mode=mode, strategy="materialise")
         np.testing.assert_allclose(backend.to_numpy(k), reference(f1, ff, mode), rtol=1e-10,
                                    atol=1e-10)
-    assert seen and max(seen) <= rows and 1 in seen  # 5 and 7 rows: remainders of one
+    if mode == "trace":  # flat rows of (o, d): O = 2 times the d_out rows, views of g
+        assert flat and max(flat) <= 2 * rows and 2 in flat and not seen
+    else:
+        assert seen and max(seen) <= rows and 1 in seen and not flat  # remainders of one
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_first", "unflattenable"])
+def test_materialise_flat_slabs_of_any_layout(monkeypatch, rng, layout):
+    """Trace mode forms a slab's weights from flat rows of g (O d_out) where g's O and d_out
+    axes merge into a view (contiguous, channels-first), and from d_out rows where they do not
+    (a g whose d_out axis is outermost); either gives the float64 reference, in slabs."""
+    torch = pytest.importorskip("torch")
+    gram_module = sys.modules["ntkcore.gram"]
+    route = type(gram_module.ROUTES["materialise"])
+    n, s, o, din, dout = 6, 5, 3, 4, 7
+    a = rng.standard_normal((n, s, din))
+    g = rng.standard_normal((n, s, o, dout))
+    tg = torch.from_numpy(g)
+    if layout == "channels_first":  # stored (N, O, d_out, S)
+        tg = tg.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    elif layout == "unflattenable":  # stored (d_out, N, S, O): O and d_out do not merge
+        tg = tg.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    assert torch.equal(tg, torch.from_numpy(g))
+    j = ntkcore.Jacobian([ntkcore.KroneckerBlock(torch.from_numpy(a), tg)])
+    monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
+                        lambda self, device: n * o * din * 2 * 8)  # two d_out rows a slab
+    monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)
+    calls = {"flat": 0, "rows": 0}
+    weights, flat_weights = route._weights, route._flat_weights
+
+    def spy(*args):
+        calls["rows"] += 1
+        return weights(*args)
+
+    def flat_spy(*args):
+        calls["flat"] += 1
+        return flat_weights(*args)
+
+    monkeypatch.setattr(route, "_weights", staticmethod(spy))
+    monkeypatch.setattr(route, "_flat_weights", staticmethod(flat_spy))
+    k = _gram(j, mode="trace", strategy="materialise").numpy()
+    w = np.einsum("nsod,nsi->nodi", g, a).reshape(n, -1)
+    np.testing.assert_allclose(k, w @ w.T, rtol=1e-12, atol=1e-12 * np.abs(w @ w.T).max())
+    flat_taken = layout != "unflattenable"
+    assert calls == ({"flat": 4, "rows": 0} if flat_taken else {"flat": 0, "rows": 4})
 
 
 def test_cost_model_picks_the_cheaper_strategy(rng):
