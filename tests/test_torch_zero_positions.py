@@ -111,6 +111,30 @@ def test_dead_positions_apart_read_in_one_range():
     torch.testing.assert_close(kept.g, g[:, [0, 1, 2]], rtol=0, atol=0)
 
 
+def test_blocks_of_several_lengths_dropped_together():
+    """``drop_zero_positions_all`` reads the dead positions of blocks with different numbers
+    of positions together (stacked per length): each block loses exactly its own dead
+    positions, in the blocks' order, as it would alone."""
+    from ntkcore.backends.torch_layers import drop_zero_positions_all
+
+    gen = torch.Generator().manual_seed(3)
+    specs = [(5, [1, 4]), (7, [0, 2, 3]), (5, []), (3, [2]), (7, [6]), (5, [0, 1, 2, 3])]
+    blocks, kept = [], []
+    for i, (s, dead) in enumerate(specs):
+        a = torch.randn(2, s, 3, dtype=DT, generator=gen)
+        g = torch.randn(2, s, 2, 4, dtype=DT, generator=gen)
+        g[:, dead] = 0
+        blocks.append(KroneckerBlock(a, g, f"b{i}"))
+        kept.append([p for p in range(s) if p not in dead])
+    for block, out, keep in zip(blocks, drop_zero_positions_all(blocks, priced=False), kept,
+                                strict=True):
+        assert out.name == block.name
+        torch.testing.assert_close(out.a, block.a[:, keep], rtol=0, atol=0)
+        torch.testing.assert_close(out.g, block.g[:, keep], rtol=0, atol=0)
+        alone = drop_zero_positions(block, priced=False)
+        torch.testing.assert_close(alone.g, out.g, rtol=0, atol=0)
+
+
 def test_nan_or_negative_only_positions_stay():
     """A position whose only non-zero entries are negative, or NaN, is live (max = min = 0
     is the test of a zero position)."""
