@@ -237,3 +237,55 @@ class Forming:
         return ratio_in_turns(self.fns, "wide", "tall")
 
     track_wide_over_tall.unit = "ratio"  # type: ignore[attr-defined]
+
+
+#: (N, S, d_in, O, d_out) of blocks whose per-sample weights the Gram forms in slabs on the
+#: host: ViT-S/16's ``fc1`` at N = 32, two outputs (a chunk); BERT-base's ``intermediate`` at
+#: N = 8; resnet18's ``layer1`` convolutions at N = 16 (ten outputs)
+SLAB_ROWS = {"vit_s16_fc1": (32, 197, 385, 2, 1536), "bert_base_ffn": (8, 128, 769, 2, 3072),
+             "resnet18_layer1": (16, 64, 577, 10, 64)}
+
+
+class SlabRows:
+    """The trace Gram of one Kronecker block by the "materialise" route in slabs (torch,
+    float32, host: the 8 MB transient limit), with slabs of at least
+    ``PREFERRED_SLAB_GEMM_ROWS`` GEMM rows within ``SLAB_CAP_FACTOR`` times the limit
+    ("preferred", the default) against :data:`ntkcore.gram.MIN_SLAB_GEMM_ROWS` alone
+    ("least"), timed in turns."""
+
+    params = (list(SLAB_ROWS), [1, 2])
+    param_names = ("shape", "threads")
+    number, repeat, warmup_time = 1, 1, 0
+    timeout = 300
+
+    def setup(self, shape: str, threads: int) -> None:
+        import importlib
+
+        import ntkcore
+
+        torch = require("torch")
+        torch.set_num_threads(threads)
+        gram_module = importlib.import_module("ntkcore.gram")
+        n, s, din, o, dout = SLAB_ROWS[shape]
+        gen = torch.Generator().manual_seed(0)
+        j = ntkcore.Jacobian([ntkcore.KroneckerBlock(
+            torch.randn(n, s, din, generator=gen), torch.randn(n, s, o, dout, generator=gen))])
+        preferred = gram_module.PREFERRED_SLAB_GEMM_ROWS
+
+        def gram(rows: int) -> Any:
+            gram_module.PREFERRED_SLAB_GEMM_ROWS = rows
+            try:
+                return gram_module._gram(j, mode="trace", strategy="materialise")
+            finally:
+                gram_module.PREFERRED_SLAB_GEMM_ROWS = preferred
+
+        self.fns = {"preferred": lambda: gram(preferred),
+                    "least": lambda: gram(gram_module.MIN_SLAB_GEMM_ROWS)}
+
+    def time_preferred(self, *_: Any) -> None:
+        self.fns["preferred"]()
+
+    def track_preferred_over_least(self, *_: Any) -> float:
+        return ratio_in_turns(self.fns, "preferred", "least")
+
+    track_preferred_over_least.unit = "ratio"  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ is exactly symmetric, bit for bit.  Design notes and timings: docs/architecture.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -84,6 +85,15 @@ SYMMETRIC_MAX_PANELS = 4
 #: N = 128, two outputs, 72-sample tiles) read the whole ``a`` slice for each of 192 slabs
 #: at 47 GFLOP/s; 64 rows took that Gram from 22 s to 12 s (docs/real-models.md).
 MIN_SLAB_GEMM_ROWS = 64
+#: GEMM rows a slab is given where that keeps it within :data:`SLAB_CAP_FACTOR` times the
+#: transient limit: the forming products ``(|slab| O, S) @ (S, d_in)`` of ViT-S/16 at
+#: N = 32 (two outputs; the 8 MB limit: 170 rows) ran at 117 GFLOP/s against the run's
+#: 172; with 256 rows its Gram took 0.93 of the time, BERT-base's at N = 32 0.82 (one
+#: output), at N = 8 (341 rows already) unchanged; 1024 rows (50 MB slabs, beyond the
+#: last-level cache the slab's W W^T reads it from) were slower than 170 (AMD EPYC, 32 MB
+#: L3, 1 and 2 threads, in turns; one block alone: ``benchmarks.gram.SlabRows``).
+PREFERRED_SLAB_GEMM_ROWS = 256
+SLAB_CAP_FACTOR = 4
 
 #: Samples a side of the blocks in which a diagonal tile of a self-kernel is mirrored
 #: (:meth:`~ntkcore.modes.Mode.mirror_tile`): transposed copies of this size stay in cache.
@@ -405,24 +415,39 @@ class MaterialiseRoute(Route):
         if transient is None:
             return mem
         din, dout = pair.b1.d_in, pair.b1.d_out
-        first = self.slabs(dout, max(r, c) * o * din, transient, self.least_rows(o))[0]
+        width = max(r, c) * o * din
+        first = self.slabs(dout, width, transient, self.least_rows(o, width, transient))[0]
         whole = (r + c) * o * din * dout
         slab = (r + c) * o * din * (first.stop - first.start)
         return mem - (whole - slab) * mode.input_copies
 
     @staticmethod
-    def least_rows(o: int) -> int:
+    def least_rows(o: int, width: int = 0, limit: int | None = None) -> int:
         """Rows of d_out a slab has at least: :data:`MIN_SLAB_GEMM_ROWS` GEMM rows in each
-        sample's forming product (``|slab| O``)."""
-        return -(-MIN_SLAB_GEMM_ROWS // max(1, o))
+        sample's forming product (``|slab| O``), and up to :data:`PREFERRED_SLAB_GEMM_ROWS`
+        where that many rows of ``width`` elements take at most :data:`SLAB_CAP_FACTOR`
+        times the transient ``limit`` (elements; None: no slabs)."""
+        o = max(1, o)
+        least = -(-MIN_SLAB_GEMM_ROWS // o)
+        if limit is None or width <= 0:
+            return least
+        return max(least, min(-(-PREFERRED_SLAB_GEMM_ROWS // o),
+                              SLAB_CAP_FACTOR * limit // width))
 
     @staticmethod
     def slabs(d_out: int, width: int, limit: int | None, least: int = 1) -> list[slice]:
         """Slices of the ``d_out`` rows whose weights take at most ``limit`` elements, a row
         of the slab being ``width`` elements on the widest side (:math:`r O d_{in}`); at
-        least ``least`` rows (and one), all rows where ``limit`` is None."""
+        least ``least`` rows (and one), all rows where ``limit`` is None.  The fewest slabs
+        of at most that many rows, their sizes within one of each other, widest first (no
+        small remainder: 64 rows in slabs of at most 26 are 22, 21, 21, not 26, 26, 12)."""
         k = d_out if limit is None else min(d_out, max(1, least, limit // max(width, 1)))
-        return [slice(d, min(d_out, d + k)) for d in range(0, d_out, k)]
+        m = -(-d_out // k)
+        size, wider = divmod(d_out, m)
+        bounds = [0]
+        for i in range(m):
+            bounds.append(bounds[-1] + size + (i < wider))
+        return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
     @staticmethod
     def _inputs(xp: Any, block: KroneckerBlock, rows: slice, dtype: Any) -> tuple[Array, Array]:
@@ -512,8 +537,9 @@ class MaterialiseRoute(Route):
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context) -> list[slice]:
         """Slabs within the backend's transient limit, of :meth:`least_rows` at least."""
         b = pair.b1
-        return self.slabs(b.d_out, r * b.num_outputs * b.d_in, ctx.transient,
-                          self.least_rows(b.num_outputs))
+        width = r * b.num_outputs * b.d_in
+        return self.slabs(b.d_out, width, ctx.transient,
+                          self.least_rows(b.num_outputs, width, ctx.transient))
 
     def tile(self, xp: Any, pair: _Pair, rows: slice, cols: slice, same: bool, dtype: Any,
              mode: Mode, ctx: _Context) -> Array:

@@ -301,7 +301,8 @@ def test_kronecker_strategies_agree(backend, rng, mode):
 
 
 def test_materialise_slab_bounds():
-    """Slabs of d_out rows: as many rows as fit the limit, one at least, all without one."""
+    """Slabs of d_out rows: as many rows as fit the limit, one at least, all without one,
+    in the fewest slabs of balanced sizes."""
     slabs = type(sys.modules["ntkcore.gram"].ROUTES["materialise"]).slabs
     assert slabs(5, 10, 25) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert slabs(5, 10, 3) == [slice(i, i + 1) for i in range(5)]
@@ -309,27 +310,51 @@ def test_materialise_slab_bounds():
     # a least number of rows above the limit's (MIN_SLAB_GEMM_ROWS), never above d_out
     assert slabs(5, 10, 3, least=2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert slabs(5, 10, 25, least=9) == [slice(0, 5)]
+    # balanced: 64 rows in slabs of at most 26 are 22, 21, 21 (not 26, 26, 12)
+    assert slabs(64, 1, 26) == [slice(0, 22), slice(22, 43), slice(43, 64)]
+    assert slabs(7, 1, 2) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
 
 
 def test_materialise_slabs_have_least_gemm_rows():
     """A limit that admits a few rows of weights still forms at least MIN_SLAB_GEMM_ROWS / O
-    rows at a time (products of a few GEMM rows re-read all of ``a`` per slab); a limit
-    that admits more keeps its own."""
+    rows at a time (products of a few GEMM rows re-read all of ``a`` per slab), and up to
+    PREFERRED_SLAB_GEMM_ROWS / O where those take at most SLAB_CAP_FACTOR times the limit; a
+    limit that admits more keeps its own."""
     from types import SimpleNamespace
 
     gram_module = sys.modules["ntkcore.gram"]
     route = gram_module.ROUTES["materialise"]
     limit = 2 << 20  # elements: 8 MB of float32
-    least_rows = gram_module.MIN_SLAB_GEMM_ROWS
-    for o, r, d_in in ((2, 72, 3073), (10, 32, 4609), (1, 72, 3073), (2, 8, 385)):
+    least, preferred = gram_module.MIN_SLAB_GEMM_ROWS, gram_module.PREFERRED_SLAB_GEMM_ROWS
+    cap = gram_module.SLAB_CAP_FACTOR * limit
+    cases = {  # (O, r, d_in): d_out rows a slab (768 rows in all)
+        (2, 72, 3073): 32,  # least: 64 GEMM rows (the limit: 4, the cap: 18)
+        (10, 32, 4609): 7,  # least (the cap: 5)
+        (1, 72, 3073): 64,  # least (the cap: 37)
+        (2, 8, 385): 340,  # the limit's own, above the preferred 128
+        (2, 32, 385): 128,  # preferred: 256 GEMM rows within the cap (the limit: 85)
+        (10, 16, 577): 26,  # preferred, 260 GEMM rows (the limit: 22)
+        (2, 64, 1093): 59,  # the cap, between least and preferred (the limit: 14)
+    }
+    for (o, r, d_in), expected in cases.items():
         block = SimpleNamespace(d_out=768, d_in=d_in, num_outputs=o)
         pair = gram_module._Pair("w", block, block, True)
         slabs = route._slabs_of(pair, r, gram_module._Context(None, 0, limit))
-        rows = {sl.stop - sl.start for sl in slabs[:-1]} or {slabs[0].stop}
-        by_limit = limit // (r * o * d_in)
-        assert rows == {min(768, max(-(-least_rows // o), by_limit, 1))}
+        rows = [sl.stop - sl.start for sl in slabs]
+        width = r * o * d_in
+        by_limit = limit // width
+        formula = min(768, max(-(-least // o), min(-(-preferred // o), cap // width), by_limit,
+                               1))
+        assert formula == expected, (o, r, d_in)
+        # the fewest slabs of at most that many rows, balanced, the widest first
+        assert len(slabs) == -(-768 // expected) and max(rows) <= expected
+        assert rows == sorted(rows, reverse=True) and rows[0] - rows[-1] <= 1
+        assert (expected * width <= cap) or expected in (-(-least // o), by_limit)
         assert slabs[0].start == 0 and slabs[-1].stop == 768
         assert all(a.stop == b.start for a, b in itertools.pairwise(slabs))
+    # no transient limit (a GPU): one slab of all rows
+    whole = route._slabs_of(pair, 48, gram_module._Context(None, 0, None))
+    assert whole == [slice(0, 768)]
 
 
 @pytest.mark.parametrize("panels", [False, True])
@@ -353,7 +378,8 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     # every backend, GPUs included (which have no limit of their own)
     monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
                         lambda self, device: limit)
-    monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)  # the limit's slabs alone
+    monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)
+    monkeypatch.setattr(gram_module, "PREFERRED_SLAB_GEMM_ROWS", 1)  # the limit's slabs alone
     seen, flat = [], []
     weights, flat_weights = route._weights, route._flat_weights
 
@@ -398,6 +424,7 @@ def test_materialise_flat_slabs_of_any_layout(monkeypatch, rng, layout):
     monkeypatch.setattr(sys.modules["ntkcore.backend"].Backend, "transient_bytes",
                         lambda self, device: n * o * din * 2 * 8)  # two d_out rows a slab
     monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)
+    monkeypatch.setattr(gram_module, "PREFERRED_SLAB_GEMM_ROWS", 1)
     calls = {"flat": 0, "rows": 0}
     weights, flat_weights = route._weights, route._flat_weights
 
@@ -468,6 +495,7 @@ def test_materialise_plan_charges_one_slab_of_weights(monkeypatch, rng, mode, sm
     gram_module = sys.modules["ntkcore.gram"]
     backend_cls = sys.modules["ntkcore.backend"].Backend
     monkeypatch.setattr(gram_module, "MIN_SLAB_GEMM_ROWS", 1)
+    monkeypatch.setattr(gram_module, "PREFERRED_SLAB_GEMM_ROWS", 1)
     spec = {"O": 2, "blocks": [("kron", 4, 24, 32)]}  # 768 weights an output and sample
     f = make_factors(spec, 60, rng)
     j = to_jacobian_np(f)
