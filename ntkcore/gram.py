@@ -1333,7 +1333,8 @@ def _cached_plan(pb: _Problem, budget: Budget) -> GramPlan:
     plan_budget = _round_budget(budget) if budget.default else int(budget)
     key = (tuple(_pair_key(p) for p in pb.pairs), pb.mode, pb.o, pb.n1, pb.n2, pb.symmetric,
            pb.layerwise, plan_budget, pb.itemsize, pb.forced, pb.gpu, pb.writable,
-           pb.transient, MIN_SLAB_GEMM_ROWS, SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
+           pb.transient, MIN_SLAB_GEMM_ROWS, PREFERRED_SLAB_GEMM_ROWS, SLAB_CAP_FACTOR,
+           SYMMETRIC_SPLIT_FLOPS_PER_ENTRY,
            tuple(SYMMETRIC_MIN_TILE.items()), tuple(SYMMETRIC_PANEL_ROWS.items()),
            SYMMETRIC_MAX_PANELS, ELEMENT_FLOPS, TOKENS_TILE_FLOPS,
            PAIRS_MIN_CHUNK, PAIRS_MAX_CHUNK, tuple(ROUTES.values()))

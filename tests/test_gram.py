@@ -890,6 +890,10 @@ def test_plans_are_reused_by_shape(monkeypatch, rng):
     monkeypatch.setattr(gram_module, "SYMMETRIC_MAX_PANELS", 3)
     plan_gram(j2, mode="full", max_memory=12_345)
     assert len(calls) == 1
+    for name in ("MIN_SLAB_GEMM_ROWS", "PREFERRED_SLAB_GEMM_ROWS", "SLAB_CAP_FACTOR"):
+        monkeypatch.setattr(gram_module, name, getattr(gram_module, name) + 1)
+        plan_gram(j2, mode="full", max_memory=12_345)
+    assert len(calls) == 4  # each slab constant steers the plan (Route.working)
     # a default budget is planned with its leading bits only, and reported exactly
     assert gram_module._round_budget(0b1011011_1111) == 0b1011010_0000
     assert gram_module._round_budget(40) == 40
