@@ -88,10 +88,11 @@ MIN_SLAB_GEMM_ROWS = 64
 #: GEMM rows a slab is given where that keeps it within :data:`SLAB_CAP_FACTOR` times the
 #: transient limit: the forming products ``(|slab| O, S) @ (S, d_in)`` of ViT-S/16 at
 #: N = 32 (two outputs; the 8 MB limit: 170 rows) ran at 117 GFLOP/s against the run's
-#: 172; with 256 rows its Gram took 0.93 of the time, BERT-base's at N = 32 0.82 (one
-#: output), at N = 8 (341 rows already) unchanged; 1024 rows (50 MB slabs, beyond the
-#: last-level cache the slab's W W^T reads it from) were slower than 170 (AMD EPYC, 32 MB
-#: L3, 1 and 2 threads, in turns; one block alone: ``benchmarks.gram.SlabRows``).
+#: 172; with 256 rows its Gram took 0.87-0.97 of the time (four runs), BERT-base's at
+#: N = 32 0.81-0.90 (one output), at N = 8 (341 rows already) unchanged; 1024 rows (50 MB
+#: slabs, beyond the last-level cache the slab's W W^T reads it from) were slower than 170
+#: (AMD EPYC, 32 MB L3, 1 and 2 threads, in turns; one block alone:
+#: ``benchmarks.gram.SlabRows``).
 PREFERRED_SLAB_GEMM_ROWS = 256
 SLAB_CAP_FACTOR = 4
 
