@@ -240,9 +240,12 @@ class Forming:
 
 
 #: (N, S, d_in, O, d_out) of blocks whose per-sample weights the Gram forms in slabs on the
-#: host: ViT-S/16's ``fc1`` at N = 32, two outputs (a chunk); BERT-base's ``intermediate`` at
-#: N = 8; resnet18's ``layer1`` convolutions at N = 16 (ten outputs)
-SLAB_ROWS = {"vit_s16_fc1": (32, 197, 385, 2, 1536), "bert_base_ffn": (8, 128, 769, 2, 3072),
+#: host: ViT-S/16's ``fc1`` and ``fc2`` at N = 32, two outputs (a chunk); BERT-base's
+#: ``intermediate`` at N = 8 and ``output`` at N = 32, one output; resnet18's ``layer1``
+#: convolutions at N = 16 (ten outputs).  The wide inputs (``fc2``, ``output``) are where the
+#: 8 MB limit left the least rows (64 and 32 GEMM rows; 170 and 85 with the preferred rows).
+SLAB_ROWS = {"vit_s16_fc1": (32, 197, 385, 2, 1536), "vit_s16_fc2": (32, 197, 1537, 2, 384),
+             "bert_base_ffn": (8, 128, 769, 2, 3072), "bert_base_out": (32, 128, 3073, 1, 768),
              "resnet18_layer1": (16, 64, 577, 10, 64)}
 
 
@@ -250,7 +253,7 @@ class SlabRows:
     """The trace Gram of one Kronecker block by the "materialise" route in slabs (torch,
     float32, host: the 8 MB transient limit), with slabs of at least
     ``PREFERRED_SLAB_GEMM_ROWS`` GEMM rows within ``SLAB_CAP_FACTOR`` times the limit
-    ("preferred", the default) against :data:`ntkcore.gram.MIN_SLAB_GEMM_ROWS` alone
+    ("preferred", the default) against ``MIN_SLAB_GEMM_ROWS`` (``ntkcore/gram.py``) alone
     ("least"), timed in turns."""
 
     params = (list(SLAB_ROWS), [1, 2])
