@@ -933,8 +933,9 @@ def _live(g0: torch.Tensor) -> torch.Tensor:
 def _read_stats(masks: list[torch.Tensor]) -> list[list[int]]:
     """``[count, first, last]`` of the True entries of each 1-d boolean mask (first and last
     meaningless where count is 0), read to the host together: one synchronisation.  Masks of
-    one length and device are stacked and reduced by a handful of calls for all of them (one
-    set per mask took 0.5 ms of BERT's 22 blocks, a sixth of a 3 ms Gram)."""
+    one length and device are stacked and reduced by a handful of calls for all of them, not
+    six calls each (BERT (small) at N = 16: :func:`drop_zero_positions_all` 1.09 -> 0.84 ms
+    a call)."""
     groups: dict[tuple[int, Any], list[int]] = {}
     for i, m in enumerate(masks):
         groups.setdefault((m.shape[0], m.device), []).append(i)

@@ -499,9 +499,10 @@ class MaterialiseRoute(Route):
         r"""Per-sample weights of the flat rows ``rows`` of :math:`(o, d)` (o-major) for a
         mode whose products run over :math:`O P` at once in any order (``Mode.flat_rows``):
         (r, 1, k d_in) for k rows, from ``af`` = (a, g (r, S, O d_out)) of
-        :meth:`_flat_inputs`.  A slab of g's flat rows is a view, where a slab of d_out rows
-        of every output is not (the (O, |slab|) axes do not merge): the slab's g is copied
-        before its product (resnet18 at N = 16: 5.6 of the Gram's 87 ms in such copies).
+        :meth:`_flat_inputs`.  A slab of g's flat rows is a view of g; a slab of d_out rows
+        of every output is not (its (O, |slab|) axes do not merge), and :meth:`_weights`
+        copies it before the product (resnet18 at N = 16: 5.6 of the Gram's 87 ms went to
+        such copies).
         The product runs wide side last, as :meth:`_weights`'."""
         a, gf = af
         g = gf if rows.stop - rows.start == gf.shape[2] else gf[:, :, rows]
