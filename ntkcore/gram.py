@@ -14,6 +14,7 @@ is exactly symmetric, bit for bit.  Design notes and timings: docs/architecture.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -502,8 +503,7 @@ class MaterialiseRoute(Route):
         :meth:`_flat_inputs`.  A slab of g's flat rows is a view of g; a slab of d_out rows
         of every output is not (its (O, |slab|) axes do not merge), and :meth:`_weights`
         copies it before the product (resnet18 at N = 16: 5.6 of the Gram's 87 ms went to
-        such copies).
-        The product runs wide side last, as :meth:`_weights`'."""
+        such copies).  The product runs wide side last, as :meth:`_weights`'."""
         a, gf = af
         g = gf if rows.stop - rows.start == gf.shape[2] else gf[:, :, rows]
         n, k, din = a.shape[0], g.shape[2], a.shape[2]
@@ -529,12 +529,12 @@ class MaterialiseRoute(Route):
             f2 = f1 if same else self._flat_inputs(xp, ag2)
             if f1 is not None and f2 is not None:
                 o = pair.b1.num_outputs
-                return [(lambda sl, f=f1: self._flat_weights(xp, f, sl, backend),
-                         lambda sl, f=f2: self._flat_weights(xp, f, sl, backend),
-                         slice(sl.start * o, sl.stop * o)) for sl in slabs]
-        return [(lambda sl, ag=ag1: self._weights(xp, ag, sl, backend, mode),
-                 lambda sl, ag=ag2: self._weights(xp, ag, sl, backend, mode), sl)
-                for sl in slabs]
+                flat1 = functools.partial(self._flat_weights, xp, f1, backend=backend)
+                flat2 = functools.partial(self._flat_weights, xp, f2, backend=backend)
+                return [(flat1, flat2, slice(sl.start * o, sl.stop * o)) for sl in slabs]
+        rows1 = functools.partial(self._weights, xp, ag1, backend=backend, mode=mode)
+        rows2 = functools.partial(self._weights, xp, ag2, backend=backend, mode=mode)
+        return [(rows1, rows2, sl) for sl in slabs]
 
     def _slabs_of(self, pair: _Pair, r: int, ctx: _Context) -> list[slice]:
         """Slabs within the backend's transient limit, of :meth:`least_rows` at least."""

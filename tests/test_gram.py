@@ -383,13 +383,13 @@ def test_materialise_in_slabs(monkeypatch, backend, rng, mode, panels):
     seen, flat = [], []
     weights, flat_weights = route._weights, route._flat_weights
 
-    def spy(xp, ag, slab, backend_, mode_):
+    def spy(xp, ag, slab, **kwargs):
         seen.append(slab.stop - slab.start)
-        return weights(xp, ag, slab, backend_, mode_)
+        return weights(xp, ag, slab, **kwargs)
 
-    def flat_spy(xp, af, rows_, backend_):
+    def flat_spy(xp, af, rows_, **kwargs):
         flat.append(rows_.stop - rows_.start)
-        return flat_weights(xp, af, rows_, backend_)
+        return flat_weights(xp, af, rows_, **kwargs)
 
     monkeypatch.setattr(route, "_weights", staticmethod(spy))
     monkeypatch.setattr(route, "_flat_weights", staticmethod(flat_spy))
@@ -428,13 +428,13 @@ def test_materialise_flat_slabs_of_any_layout(monkeypatch, rng, layout):
     calls = {"flat": 0, "rows": 0}
     weights, flat_weights = route._weights, route._flat_weights
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls["rows"] += 1
-        return weights(*args)
+        return weights(*args, **kwargs)
 
-    def flat_spy(*args):
+    def flat_spy(*args, **kwargs):
         calls["flat"] += 1
-        return flat_weights(*args)
+        return flat_weights(*args, **kwargs)
 
     monkeypatch.setattr(route, "_weights", staticmethod(spy))
     monkeypatch.setattr(route, "_flat_weights", staticmethod(flat_spy))
