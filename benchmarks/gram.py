@@ -254,7 +254,8 @@ class SlabRows:
     float32, host: the 8 MB transient limit), with slabs of at least
     ``PREFERRED_SLAB_GEMM_ROWS`` GEMM rows within ``SLAB_CAP_FACTOR`` times the limit
     ("preferred", the default) against ``MIN_SLAB_GEMM_ROWS`` (``ntkcore/gram.py``) alone
-    ("least"), timed in turns."""
+    ("least"), and against slabs of d_out rows of every output ("rows", g copied a slab),
+    timed in turns."""
 
     params = (list(SLAB_ROWS), [1, 2])
     param_names = ("shape", "threads")
@@ -282,8 +283,19 @@ class SlabRows:
             finally:
                 gram_module.PREFERRED_SLAB_GEMM_ROWS = preferred
 
+        route = type(gram_module.ROUTES["materialise"])
+        flat_inputs = route.__dict__["_flat_inputs"]  # the staticmethod itself
+
+        def rows_of_every_output() -> Any:  # the slabs before flat rows: g copied a slab
+            route._flat_inputs = staticmethod(lambda xp, ag: None)
+            try:
+                return gram(preferred)
+            finally:
+                route._flat_inputs = flat_inputs
+
         self.fns = {"preferred": lambda: gram(preferred),
-                    "least": lambda: gram(gram_module.MIN_SLAB_GEMM_ROWS)}
+                    "least": lambda: gram(gram_module.MIN_SLAB_GEMM_ROWS),
+                    "rows": rows_of_every_output}
 
     def time_preferred(self, *_: Any) -> None:
         self.fns["preferred"]()
@@ -292,3 +304,10 @@ class SlabRows:
         return ratio_in_turns(self.fns, "preferred", "least")
 
     track_preferred_over_least.unit = "ratio"  # type: ignore[attr-defined]
+
+    def track_flat_over_rows(self, *_: Any) -> float:
+        """Slabs as flat rows of (output, d_out), views of g (the default), over slabs of
+        d_out rows of every output, whose g is copied first (``_flat_inputs`` declined)."""
+        return ratio_in_turns(self.fns, "preferred", "rows")
+
+    track_flat_over_rows.unit = "ratio"  # type: ignore[attr-defined]
